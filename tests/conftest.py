@@ -24,3 +24,19 @@ def ray_session():
         )
     yield ray
     # Left running on purpose: pytest exits right after, and shutdown + re-init per module costs seconds.
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A tiny random qwen2-family model + tokenizer directory (built once per session)."""
+    from dockrl.models.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny") / "model", family="qwen2", hidden_size=64, num_layers=2, seed=0)
+
+
+@pytest.fixture(scope="session")
+def arithmetic_data(tmp_path_factory):
+    """train.jsonl / test.jsonl of the synthetic arithmetic task."""
+    from dockrl.data.synthetic import write_task
+
+    return write_task("arithmetic", tmp_path_factory.mktemp("data"), num_train=256, num_test=32, seed=0)

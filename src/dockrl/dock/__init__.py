@@ -1,0 +1,35 @@
+"""The distributed transfer dock: controller (metadata), warehouses (payload), clients (put/get).
+
+Importing this package does not import Ray; DockClient, Dock and launch_dock load it on first access.
+"""
+
+from dockrl.dock.controller import Allocation, DockController
+from dockrl.dock.errors import DockError, DockTimeoutError, WarehouseDiedError
+from dockrl.dock.warehouse import Warehouse
+
+_RAY_EXPORTS = {
+    "DockClient": "dockrl.dock.client",
+    "Dock": "dockrl.dock.launch",
+    "launch_dock": "dockrl.dock.launch",
+}
+
+
+def __getattr__(name: str):
+    if name in _RAY_EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_RAY_EXPORTS[name]), name)
+    raise AttributeError(f"module 'dockrl.dock' has no attribute {name!r}")
+
+
+__all__ = [
+    "Allocation",
+    "Dock",
+    "DockClient",
+    "DockController",
+    "DockError",
+    "DockTimeoutError",
+    "Warehouse",
+    "WarehouseDiedError",
+    "launch_dock",
+]

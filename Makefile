@@ -1,0 +1,35 @@
+# dockrl: the two commands of the README, plus lint.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+export RAY_AUTH_MODE ?= disabled
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: demo test lint format venv clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/dockrl demo --out runs/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x --durations=15
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests
+	$(BIN)/ruff check --fix src tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

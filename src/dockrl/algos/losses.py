@@ -1,0 +1,209 @@
+"""Policy-gradient loss terms: clipped surrogate, KL penalty estimators, entropy bonus, aggregation.
+
+Shape letters: B rows (sequences) in the micro-batch, T response tokens per row (padded).
+
+Every per-token term is [B, T] and is reduced by ``aggregate`` with the same mode and normaliser, so
+the loss is one linear reduction of ``pg + kl_coef * kl - entropy_coef * entropy``. ``mask`` marks the
+tokens that count (response tokens, not padding, not tool output); it may be bool or float.
+
+Micro-batching: with ``agg="token-mean"`` pass ``num_tokens`` = valid tokens of the whole optimizer
+step (summed over micro-batches and data-parallel ranks). Each micro-batch loss is then its share of
+the global mean, and the accumulated gradient equals one pass over the full batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+# exp() of a log-ratio beyond +-20 overflows or underflows to useless values; verl and MindSpeed clamp
+# the log-ratio at 20 and the k3 result at 10 ("low_var_kl").
+_LOG_RATIO_CLAMP = 20.0
+_K3_CLAMP = 10.0
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(policy || reference) from log-probs of the sampled tokens.
+
+    Estimators (Schulman, "Approximating KL divergence"), with d = logp - ref:
+        k1 = d                                  unbiased, high variance, can be negative
+        k2 = 0.5 * d**2                         biased, low variance, >= 0
+        k3 = exp(-d) - (-d) - 1                 unbiased, low variance, >= 0; -d clamped to [-20, 20]
+                                                and the result to [-10, 10] (verl/MindSpeed low_var_kl)
+
+    Args:
+        logprobs: [B, T] current policy log-probs.
+        ref_logprobs: [B, T] reference policy log-probs.
+        estimator: one of ``KL_ESTIMATORS``.
+
+    Returns:
+        [B, T] per-token KL estimate (differentiable w.r.t. ``logprobs``).
+    """
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    if estimator == "k2":
+        return 0.5 * (logprobs - ref_logprobs).square()
+    if estimator == "k3":
+        log_ratio = (ref_logprobs - logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
+        return (log_ratio.exp() - log_ratio - 1).clamp(-_K3_CLAMP, _K3_CLAMP)
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {KL_ESTIMATORS}")
+
+
+def aggregate(
+    values: Tensor,
+    mask: Tensor,
+    mode: str = "token-mean",
+    *,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> Tensor:
+    """Reduce a per-token [B, T] term to a scalar over the tokens where ``mask`` is set.
+
+    Modes:
+        "token-mean":          sum(values * mask) / mask.sum(); every token weighs the same
+                               (DAPO). ``num_tokens`` replaces mask.sum() with a global count.
+        "seq-mean-token-mean": mean over rows of each row's mean over its valid tokens (GRPO paper).
+        "seq-mean-token-sum":  mean over rows of each row's sum over its valid tokens (Dr. GRPO).
+    In the two seq modes ``num_seqs`` replaces the row count B with a global row count. Each count
+    is ignored by the modes it does not apply to, so a trainer can always pass both. Rows or batches
+    with no valid token contribute 0 (never NaN).
+
+    Args:
+        values: [B, T] per-token values.
+        mask: [B, T] bool or float, 1 where the token counts.
+        mode: one of ``AGG_MODES``.
+        num_tokens: global valid-token count for "token-mean" across micro-batches.
+        num_seqs: global row count for the seq modes across micro-batches.
+
+    Returns:
+        Scalar tensor.
+    """
+    if values.shape != mask.shape:
+        raise ValueError(f"values shape {tuple(values.shape)} != mask shape {tuple(mask.shape)}")
+    mask_f = mask.to(values.dtype)  # [B, T]
+    masked = values * mask_f  # [B, T]
+    if mode == "token-mean":
+        denom = mask_f.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=values.dtype)
+        return masked.sum() / denom.clamp(min=1)
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        per_seq = masked.sum(dim=-1)  # [B]
+        if mode == "seq-mean-token-mean":
+            per_seq = per_seq / mask_f.sum(dim=-1).clamp(min=1)  # [B]
+        num_rows = per_seq.numel() if num_seqs is None else num_seqs
+        return per_seq.sum() / max(num_rows, 1)
+    raise ValueError(f"unknown aggregation mode {mode!r}; choose one of {AGG_MODES}")
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` over the tokens where ``mask`` is set (0 when none is)."""
+    mask_f = mask.to(values.dtype)
+    return (values * mask_f).sum() / mask_f.sum().clamp(min=1)
+
+
+@dataclass
+class PolicyLossOutput:
+    """Result of ``policy_loss``: the loss to backpropagate and detached scalars to log.
+
+    Attributes:
+        loss: scalar with grad, pg_loss + kl_coef * kl - entropy_coef * entropy (only terms in use).
+        pg_loss: aggregated clipped surrogate.
+        kl: aggregated KL penalty vs the reference (0 when no ref_logprobs are given), logged even
+            when kl_coef is 0.
+        entropy: aggregated entropy (0 when no entropy is given).
+        clip_frac: fraction of valid tokens where the clipped branch of the surrogate is active.
+        approx_kl: mean over valid tokens of (old_logprobs - logprobs), the k1 estimate of
+            KL(old || current) under samples from old; same definition as verl/MindSpeed ``ppo_kl``.
+    """
+
+    loss: Tensor
+    pg_loss: Tensor
+    kl: Tensor
+    entropy: Tensor
+    clip_frac: Tensor
+    approx_kl: Tensor
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    agg: str = "token-mean",
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> PolicyLossOutput:
+    """PPO/GRPO clipped policy loss with optional KL-to-reference penalty and entropy bonus.
+
+    Per token, with ratio = exp(logprobs - old_logprobs) (log-ratio clamped to [-20, 20]):
+        pg = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
+    ``clip_low != clip_high`` gives DAPO's clip-higher. The loss adds ``kl_coef * kl_penalty`` when
+    ``kl_coef > 0`` and subtracts ``entropy_coef * entropy`` when ``entropy_coef > 0``.
+
+    Args:
+        logprobs: [B, T] current policy log-probs (with grad).
+        old_logprobs: [B, T] log-probs of the policy that sampled the tokens (no grad).
+        advantages: [B, T] per-token advantages, or [B] per-row (broadcast over tokens).
+        mask: [B, T] bool/float, 1 on tokens that count.
+        clip_low, clip_high: ratio clip range [1 - clip_low, 1 + clip_high].
+        ref_logprobs: [B, T] reference log-probs; required when kl_coef > 0.
+        kl_coef, kl_estimator: weight and estimator (``KL_ESTIMATORS``) of the KL penalty.
+        entropy: [B, T] per-token entropy (with grad); required when entropy_coef > 0.
+        entropy_coef: weight of the entropy bonus.
+        agg, num_tokens, num_seqs: reduction, see ``aggregate``; the same for every term.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1).expand_as(logprobs)
+    for name, tensor in (("old_logprobs", old_logprobs), ("advantages", advantages), ("mask", mask)):
+        if tensor.shape != logprobs.shape:
+            raise ValueError(f"{name} shape {tuple(tensor.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs; pass them or set kl_coef=0")
+    if entropy_coef > 0 and entropy is None:
+        raise ValueError(f"entropy_coef={entropy_coef} needs per-token entropy; pass it or set entropy_coef=0")
+
+    def reduce(values: Tensor) -> Tensor:
+        return aggregate(values, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs)
+
+    log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
+    ratio = log_ratio.exp()  # [B, T]
+    unclipped = -advantages * ratio  # [B, T]
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
+    pg_loss = reduce(torch.maximum(unclipped, clipped))
+    loss = pg_loss
+
+    zero = pg_loss.new_zeros(())
+    kl = zero
+    if ref_logprobs is not None:
+        kl = reduce(kl_penalty(logprobs, ref_logprobs, kl_estimator))
+        if kl_coef > 0:
+            loss = loss + kl_coef * kl
+    entropy_agg = zero
+    if entropy is not None:
+        entropy_agg = reduce(entropy)
+        if entropy_coef > 0:
+            loss = loss - entropy_coef * entropy_agg
+
+    with torch.no_grad():
+        clip_frac = masked_mean((clipped > unclipped).to(logprobs.dtype), mask)
+        approx_kl = masked_mean(-log_ratio, mask)
+    return PolicyLossOutput(
+        loss=loss,
+        pg_loss=pg_loss.detach(),
+        kl=kl.detach(),
+        entropy=entropy_agg.detach(),
+        clip_frac=clip_frac,
+        approx_kl=approx_kl,
+    )

@@ -1,0 +1,169 @@
+"""The `dockrl` command line.
+
+    dockrl train CONFIG.yaml [key=value ...]   GRPO through Ray and the transfer dock
+    dockrl sft CONFIG.yaml [key=value ...]     supervised warm start
+    dockrl eval --model DIR --data FILE        greedy accuracy on a held-out file
+    dockrl make-tiny OUT_DIR                   tiny random model + locally trained tokenizer
+    dockrl data arithmetic OUT_DIR             synthetic task files
+    dockrl demo                                make-tiny -> SFT -> eval -> GRPO -> eval
+    dockrl config-docs                         every setting, its type, default and meaning
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from dockrl.config import TrainConfig, load_config, validate_train
+    from dockrl.recipes.grpo import train
+
+    cfg = validate_train(load_config(TrainConfig, args.config, args.overrides))
+    summary = train(cfg)
+    print(json.dumps({k: v for k, v in summary.items() if k != "final_metrics"}, indent=2))
+    return 0
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from dockrl.config import SFTConfig, load_config, validate_sft
+    from dockrl.recipes.sft import sft
+
+    cfg = validate_sft(load_config(SFTConfig, args.config, args.overrides))
+    print(json.dumps(sft(cfg), indent=2))
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from dockrl.config.validate import check_dataset, check_model_dir, resolve_device
+    from dockrl.recipes.eval import evaluate_model_dir
+    from dockrl.rewards.runner import RewardSpec
+
+    check_model_dir(args.model, "--model")
+    check_dataset(args.data, args.prompt_field, args.label_field, "--data")
+    result = evaluate_model_dir(
+        args.model, args.data, [RewardSpec(name=name) for name in args.reward],
+        prompt_field=args.prompt_field, label_field=args.label_field, max_new_tokens=args.max_new_tokens,
+        limit=args.limit, device=resolve_device(args.device, "--device"), system_prompt=args.system_prompt,
+    )
+    if args.records:
+        with open(args.records, "w") as f:
+            for rec in result["records"]:
+                f.write(json.dumps(rec) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "records"}, indent=2))
+    return 0
+
+
+def _cmd_make_tiny(args: argparse.Namespace) -> int:
+    from dockrl.models.tiny import make_tiny
+
+    path = make_tiny(
+        args.out, family=args.family, hidden_size=args.hidden_size, num_layers=args.num_layers,
+        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, vocab_size=args.vocab_size, seed=args.seed,
+    )
+    print(path)
+    return 0
+
+
+def _cmd_data(args: argparse.Namespace) -> int:
+    from dockrl.data.synthetic import write_task
+
+    paths = write_task(
+        args.task, args.out, num_train=args.num_train, num_test=args.num_test, seed=args.seed,
+        max_operand=args.max_operand,
+    )
+    print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from dockrl.recipes.demo import run_demo
+
+    summary = run_demo(args.out, overrides=args.overrides)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _cmd_config_docs(args: argparse.Namespace) -> int:
+    from dockrl.config import SFTConfig, TrainConfig, render_docs
+
+    for title, cls in (("dockrl train (GRPO)", TrainConfig), ("dockrl sft", SFTConfig)):
+        print(f"## {title}\n\n| setting | type | default | meaning |\n|---|---|---|---|")
+        print("\n".join(render_docs(cls)) + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="dockrl", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(fn=fn)
+        return p
+
+    for name, fn, help in (("train", _cmd_train, "GRPO training"), ("sft", _cmd_sft, "supervised fine-tuning")):
+        p = add(name, fn, help)
+        p.add_argument("config", help="YAML config")
+        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=10 actor.lr=1e-5")
+
+    p = add("eval", _cmd_eval, "greedy accuracy of a checkpoint on a held-out file")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--data", required=True, help=".jsonl or .parquet file")
+    p.add_argument("--prompt-field", default="prompt")
+    p.add_argument("--label-field", default="answer")
+    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--reward", action="append", default=None, help="reward function(s); default exact_answer")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--records", default=None, help="write per-prompt answers to this .jsonl")
+
+    p = add("make-tiny", _cmd_make_tiny, "tiny random model + locally trained tokenizer (a HF directory)")
+    p.add_argument("out")
+    p.add_argument("--family", default="qwen2", choices=["llama", "qwen2", "qwen3"])
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+
+    p = add("data", _cmd_data, "write synthetic task files (train.jsonl, test.jsonl)")
+    p.add_argument("task", choices=["arithmetic"])
+    p.add_argument("out")
+    p.add_argument("--num-train", type=int, default=4000)
+    p.add_argument("--num-test", type=int, default=200)
+    p.add_argument("--max-operand", type=int, default=99)
+    p.add_argument("--seed", type=int, default=0)
+
+    p = add("demo", _cmd_demo, "make-tiny -> SFT warm start -> eval -> GRPO -> eval, prints both accuracies")
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("overrides", nargs="*", help="GRPO overrides, e.g. run.steps=5")
+
+    add("config-docs", _cmd_config_docs, "print every setting as a Markdown table")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `dockrl` console script."""
+    from dockrl.config.fields import ConfigError
+    from dockrl.data.datasets import DatasetError
+
+    args = build_parser().parse_args(argv)
+    if getattr(args, "reward", "unset") is None:
+        args.reward = ["exact_answer"]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.fn(args)
+    except (ConfigError, DatasetError, FileNotFoundError) as exc:
+        print(f"dockrl {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

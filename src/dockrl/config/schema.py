@@ -1,0 +1,192 @@
+"""Typed configs for every dockrl job. Each field is documented once, here.
+
+A job config is a tree of dataclasses: `TrainConfig` for `dockrl train` (GRPO), `SFTConfig` for `dockrl sft`.
+Load one from YAML with dotted overrides via `dockrl.config.load_config`; validation (`validate_train`,
+`validate_sft`) runs before Ray or any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dockrl.config.fields import required, setting
+
+
+@dataclass
+class ModelConfig:
+    """The policy model."""
+
+    path: str = required(
+        "Hugging Face checkpoint directory: config.json, *.safetensors (single or sharded) and tokenizer files."
+    )
+    ref_path: str | None = setting(
+        None, "Reference model directory for the KL term; None uses `model.path` (the usual choice)."
+    )
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets."""
+
+    train_path: str = required("Training prompts: a .jsonl, .json (json lines) or .parquet file.")
+    prompt_field: str = setting(
+        "prompt", "Field holding the prompt: a string or a list of chat messages {role, content}."
+    )
+    label_field: str = setting(
+        "answer", "Field holding the ground truth passed to reward functions as `label`."
+    )
+    eval_path: str | None = setting(None, "Held-out prompts scored with greedy decoding (optional).")
+    eval_limit: int | None = setting(None, "Score at most this many held-out prompts.")
+    system_prompt: str | None = setting(None, "System message prepended to every prompt.")
+    use_chat_template: bool = setting(
+        True, "Render prompts with the tokenizer's chat template (False: the raw prompt text)."
+    )
+    max_prompt_len: int = setting(512, "Prompts longer than this many tokens are skipped (counted in the log).")
+    shuffle: bool = setting(True, "Shuffle the training prompts each epoch (seeded by `run.seed`).")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation of responses by the actor's rollout engine."""
+
+    samples_per_prompt: int = setting(8, "Responses generated per prompt (the GRPO group size).")
+    max_new_tokens: int = setting(256, "Maximum response length in tokens.")
+    temperature: float = setting(1.0, "Sampling temperature; 0 is greedy. The trainer uses the same value.")
+    top_p: float = setting(1.0, "Nucleus sampling: keep the smallest token set with this probability mass.")
+    top_k: int = setting(0, "Keep only the k most likely tokens; 0 turns it off.")
+    max_batch_size: int = setting(256, "Most sequences one rank decodes at once.")
+    groups_per_pull: int = setting(4, "Prompt groups a rollout rank pulls from the dock at a time.")
+
+
+@dataclass
+class ActorConfig:
+    """Training of the policy (and the colocated reference model)."""
+
+    dp: int = setting(1, "Data-parallel ranks (Ray actors) of the actor; FSDP2 shards over them.")
+    lr: float = setting(1e-6, "Peak learning rate of AdamW.")
+    min_lr_ratio: float = setting(1.0, "Cosine schedule floor as a fraction of `lr` (1.0: constant).")
+    warmup_steps: int = setting(0, "Linear warm-up optimizer steps.")
+    weight_decay: float = setting(0.0, "AdamW weight decay.")
+    adam_beta1: float = setting(0.9, "AdamW beta1.")
+    adam_beta2: float = setting(0.999, "AdamW beta2.")
+    adam_eps: float = setting(1e-8, "AdamW epsilon.")
+    grad_clip: float = setting(1.0, "Clip the global gradient norm to this value; 0 turns clipping off.")
+    micro_batch_size: int = setting(8, "Rows per forward/backward pass on one rank (gradient accumulation).")
+    mini_batches: int = setting(
+        1, "Optimizer steps per RL step: the step's rows are split into this many mini-batches."
+    )
+    epochs: int = setting(1, "Passes over the step's rows. mini_batches=1 and epochs=1 is exactly on-policy.")
+
+
+@dataclass
+class AlgoConfig:
+    """The RL objective."""
+
+    name: str = setting("grpo", "Algorithm; `grpo` in this release.")
+    clip_low: float = setting(0.2, "Lower clip of the importance ratio: 1 - clip_low.")
+    clip_high: float = setting(0.2, "Upper clip of the importance ratio: 1 + clip_high (DAPO uses 0.28).")
+    kl_coef: float = setting(0.001, "Weight of the KL-to-reference term in the loss; 0 skips the reference model.")
+    kl_estimator: str = setting("k3", "KL estimator: k1, k2 or k3 (low-variance, non-negative).")
+    entropy_coef: float = setting(0.0, "Weight of the entropy bonus (subtracted from the loss).")
+    loss_agg: str = setting(
+        "token-mean", "Loss aggregation: token-mean, seq-mean-token-mean or seq-mean-token-sum."
+    )
+    adv_eps: float = setting(1e-6, "Added to the group std when normalising advantages.")
+    norm_adv_by_std: bool = setting(True, "Divide group-centred rewards by the group std (GRPO).")
+
+
+@dataclass
+class RewardFnConfig:
+    """One reward function and its weight."""
+
+    name: str = required("A built-in (exact_answer, math_verify, format) or `package.module:function`.")
+    weight: float = setting(1.0, "Weight of this function's score in the total reward.")
+    kwargs: dict = setting({}, "Keyword arguments passed to the function.")
+
+
+@dataclass
+class RewardConfig:
+    """Reward computation (CPU RewardWorkers)."""
+
+    functions: list[RewardFnConfig] = field(
+        default_factory=lambda: [RewardFnConfig(name="exact_answer")],
+        metadata={"doc": "Reward functions; the total reward is their weighted sum."},
+    )
+    num_workers: int = setting(1, "RewardWorker actors; each pulls whole groups from the dock.")
+    num_processes: int = setting(
+        1, "Processes per RewardWorker that run reward calls; 0 runs them inline (no timeout)."
+    )
+    timeout_s: float = setting(5.0, "A reward call running longer scores 0 and is counted in `reward/timeouts`.")
+    groups_per_pull: int = setting(4, "Groups a RewardWorker pulls from the dock at a time.")
+
+
+@dataclass
+class DockConfig:
+    """The transfer dock: one controller (metadata) and warehouses (payload)."""
+
+    num_warehouses: int | None = setting(None, "Warehouse actors; None means one per Ray node.")
+    get_timeout_s: float = setting(
+        600.0, "A dock read waiting longer raises an error naming the consumer and the ready counts."
+    )
+
+
+@dataclass
+class RunConfig:
+    """The run: steps, resources, outputs."""
+
+    steps: int = required("RL steps to run.")
+    prompts_per_step: int = required("Prompts per RL step; rows per step = prompts_per_step x samples_per_prompt.")
+    seed: int = setting(0, "Seed for data order, initialisation and sampling (per-row seeds derive from it).")
+    output_dir: str = setting("runs", "Parent directory of run directories.")
+    name: str | None = setting(None, "Run directory name; None uses a timestamp.")
+    save_every: int = setting(0, "Save a Hugging Face checkpoint every this many steps (0: only at the end).")
+    eval_every: int = setting(0, "Evaluate on `data.eval_path` every this many steps (0: only at the end).")
+    log_samples: int = setting(4, "Prompt/response/reward triples written to samples.jsonl per step.")
+    device: str = setting("auto", "cpu, cuda or auto (cuda when available).")
+    precision: str = setting(
+        "auto", "fp32, or bf16 (bf16 compute, fp32 master weights and reductions); auto: bf16 on cuda, fp32 on cpu."
+    )
+    ray_address: str | None = setting(None, "Address of a Ray cluster to join; None starts a local one.")
+    worker_timeout_s: float = setting(
+        1800.0, "A worker call taking longer becomes an error naming the worker (a hang is never silent)."
+    )
+    progress: bool = setting(True, "Show a progress bar on the console.")
+
+
+@dataclass
+class TrainConfig:
+    """`dockrl train`: a GRPO job."""
+
+    model: ModelConfig
+    data: DataConfig
+    run: RunConfig
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    dock: DockConfig = field(default_factory=DockConfig)
+
+
+@dataclass
+class SFTRunConfig:
+    """The SFT run."""
+
+    epochs: float = setting(1.0, "Passes over the training file (fractions allowed).")
+    batch_size: int = setting(32, "Examples per optimizer step.")
+    seed: int = setting(0, "Seed for data order.")
+    output_dir: str = setting("runs", "Parent directory of run directories.")
+    name: str | None = setting(None, "Run directory name; None uses a timestamp.")
+    max_len: int = setting(512, "Examples longer than this many tokens (prompt + answer) are skipped.")
+    device: str = setting("auto", "cpu, cuda or auto.")
+    precision: str = setting("auto", "fp32, bf16 or auto.")
+    progress: bool = setting(True, "Show a progress bar on the console.")
+
+
+@dataclass
+class SFTConfig:
+    """`dockrl sft`: supervised fine-tuning on prompt/answer pairs, loss on answer tokens only."""
+
+    model: ModelConfig
+    data: DataConfig
+    run: SFTRunConfig = field(default_factory=SFTRunConfig)
+    actor: ActorConfig = field(default_factory=lambda: ActorConfig(lr=1e-3, micro_batch_size=32))

@@ -1,0 +1,180 @@
+"""Validation of job configs. Runs in the driver before Ray or any worker process starts.
+
+Every error names the setting, the value and the fix. Settings that have no effect in a combination get a
+warning. `resolve_device` and `resolve_precision` turn `auto` into a concrete choice.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from dockrl.config.fields import ConfigError, config_error
+from dockrl.config.schema import SFTConfig, TrainConfig
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+ALGORITHMS = ("grpo",)
+
+
+def resolve_device(device: str, key: str = "run.device") -> str:
+    """`auto` -> cuda when available, else cpu; `cuda` without CUDA is an error."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise config_error(key, device, "unknown device", "use cpu, cuda or auto")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise config_error(key, device, "CUDA is not available on this machine", "use cpu or auto")
+    return device
+
+
+def resolve_precision(precision: str, device: str, key: str = "run.precision") -> str:
+    """`auto` -> bf16 on cuda, fp32 on cpu."""
+    if precision == "auto":
+        return "bf16" if device == "cuda" else "fp32"
+    if precision not in ("fp32", "bf16"):
+        raise config_error(key, precision, "unknown precision", "use fp32, bf16 or auto")
+    return precision
+
+
+def check_model_dir(path: str, key: str) -> None:
+    """A model directory must exist and hold config.json."""
+    p = Path(path)
+    if not p.is_dir():
+        raise config_error(
+            key, path, "the model directory does not exist",
+            "pass a Hugging Face checkpoint directory (build a tiny one with `dockrl make-tiny DIR`)",
+        )
+    if not (p / "config.json").is_file():
+        raise config_error(key, path, "the directory has no config.json", "pass a Hugging Face checkpoint directory")
+
+
+def check_dataset(path: str, prompt_field: str, label_field: str | None, key: str) -> None:
+    """The dataset file must exist and its first row must hold the prompt (and label) field."""
+    from dockrl.data.datasets import load_prompts
+
+    if not Path(path).is_file():
+        raise config_error(key, path, "the dataset file does not exist", "pass a .jsonl or .parquet file")
+    load_prompts(path, prompt_field=prompt_field, label_field=label_field, limit=1)
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else ">= 1" if isinstance(value, int) else "> 0"
+        raise config_error(key, value, f"must be {bound}", f"set {key} to a value {bound}")
+
+
+def validate_train(cfg: TrainConfig) -> TrainConfig:
+    """Check a GRPO config; resolves run.device and run.precision in place and returns cfg."""
+    run, roll, actor, algo = cfg.run, cfg.rollout, cfg.actor, cfg.algo
+    for key, value in [
+        ("run.steps", run.steps), ("run.prompts_per_step", run.prompts_per_step),
+        ("rollout.samples_per_prompt", roll.samples_per_prompt), ("rollout.max_new_tokens", roll.max_new_tokens),
+        ("rollout.max_batch_size", roll.max_batch_size), ("rollout.groups_per_pull", roll.groups_per_pull),
+        ("actor.dp", actor.dp), ("actor.micro_batch_size", actor.micro_batch_size),
+        ("actor.mini_batches", actor.mini_batches), ("actor.epochs", actor.epochs),
+        ("reward.num_workers", reward_workers := cfg.reward.num_workers),
+        ("reward.groups_per_pull", cfg.reward.groups_per_pull),
+    ]:
+        _positive(key, value)
+    del reward_workers
+    _positive("actor.lr", actor.lr)
+    _positive("reward.timeout_s", cfg.reward.timeout_s)
+    _positive("reward.num_processes", cfg.reward.num_processes, allow_zero=True)
+    _positive("run.save_every", run.save_every, allow_zero=True)
+    _positive("run.eval_every", run.eval_every, allow_zero=True)
+    if algo.name not in ALGORITHMS:
+        raise config_error("algo.name", algo.name, "unknown algorithm", f"use one of {', '.join(ALGORITHMS)}")
+    if roll.temperature < 0:
+        raise config_error("rollout.temperature", roll.temperature, "must be >= 0", "use 0 (greedy) or above")
+    if not 0 < roll.top_p <= 1:
+        raise config_error("rollout.top_p", roll.top_p, "must be in (0, 1]", "use 1.0 to turn nucleus sampling off")
+    if roll.top_k < 0:
+        raise config_error("rollout.top_k", roll.top_k, "must be >= 0", "use 0 to turn top-k off")
+    rows = run.prompts_per_step * roll.samples_per_prompt
+    if rows % actor.dp:
+        raise config_error(
+            "run.prompts_per_step", run.prompts_per_step,
+            f"rows per step = {run.prompts_per_step} x {roll.samples_per_prompt} = {rows} is not divisible by actor.dp={actor.dp}",
+            "make prompts_per_step x samples_per_prompt a multiple of actor.dp",
+        )
+    rows_per_rank = rows // actor.dp
+    if rows_per_rank % actor.mini_batches:
+        raise config_error(
+            "actor.mini_batches", actor.mini_batches,
+            f"does not divide the {rows_per_rank} rows each rank trains on per step",
+            f"use a divisor of {rows_per_rank}",
+        )
+    if algo.kl_estimator not in KL_ESTIMATORS:
+        raise config_error("algo.kl_estimator", algo.kl_estimator, "unknown estimator", f"use one of {KL_ESTIMATORS}")
+    if algo.loss_agg not in LOSS_AGGS:
+        raise config_error("algo.loss_agg", algo.loss_agg, "unknown aggregation", f"use one of {LOSS_AGGS}")
+    if algo.kl_coef < 0:
+        raise config_error("algo.kl_coef", algo.kl_coef, "must be >= 0", "use 0 to train without a reference model")
+    if algo.clip_low < 0 or algo.clip_high < 0 or algo.clip_low >= 1:
+        raise config_error(
+            "algo.clip_low", (algo.clip_low, algo.clip_high), "clip ranges must be >= 0 and clip_low < 1",
+            "use e.g. clip_low=0.2 clip_high=0.28",
+        )
+    if roll.samples_per_prompt == 1 and algo.norm_adv_by_std:
+        warnings.warn(
+            "rollout.samples_per_prompt=1: GRPO group advantages are all zero with groups of one; "
+            "use samples_per_prompt >= 2", stacklevel=2,
+        )
+    if algo.kl_coef == 0 and cfg.model.ref_path is not None:
+        warnings.warn("model.ref_path has no effect with algo.kl_coef=0 (no reference model is loaded)", stacklevel=2)
+    _check_rewards(cfg)
+    if cfg.dock.num_warehouses is not None:
+        _positive("dock.num_warehouses", cfg.dock.num_warehouses)
+    check_model_dir(cfg.model.path, "model.path")
+    if cfg.model.ref_path is not None:
+        check_model_dir(cfg.model.ref_path, "model.ref_path")
+    check_dataset(cfg.data.train_path, cfg.data.prompt_field, cfg.data.label_field, "data.train_path")
+    if cfg.data.eval_path is not None:
+        check_dataset(cfg.data.eval_path, cfg.data.prompt_field, cfg.data.label_field, "data.eval_path")
+    run.device = resolve_device(run.device)
+    run.precision = resolve_precision(run.precision, run.device)
+    _check_devices(run.device, actor.dp)
+    return cfg
+
+
+def _check_rewards(cfg: TrainConfig) -> None:
+    from dockrl.rewards.base import resolve_reward_fn
+
+    if not cfg.reward.functions:
+        raise config_error("reward.functions", [], "no reward function is configured", "add e.g. {name: exact_answer}")
+    for i, spec in enumerate(cfg.reward.functions):
+        try:
+            resolve_reward_fn(spec.name, spec.kwargs)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"reward.functions[{i}].name={spec.name!r}: {exc}") from exc
+
+
+def _check_devices(device: str, dp: int) -> None:
+    if device != "cuda":
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    if dp > count:
+        # On a multi-node cluster the driver sees only its own node; Ray places the rest.
+        warnings.warn(f"actor.dp={dp} exceeds the {count} GPUs visible to the driver; Ray must find the rest", stacklevel=2)
+
+
+def validate_sft(cfg: SFTConfig) -> SFTConfig:
+    """Check an SFT config; resolves device and precision in place."""
+    _positive("run.batch_size", cfg.run.batch_size)
+    _positive("run.epochs", cfg.run.epochs)
+    _positive("actor.micro_batch_size", cfg.actor.micro_batch_size)
+    _positive("actor.lr", cfg.actor.lr)
+    if cfg.actor.dp != 1:
+        raise config_error("actor.dp", cfg.actor.dp, "dockrl sft runs in one process", "use actor.dp=1")
+    if cfg.data.label_field is None:
+        raise config_error("data.label_field", None, "SFT needs the answer text", "name the answer field")
+    check_model_dir(cfg.model.path, "model.path")
+    check_dataset(cfg.data.train_path, cfg.data.prompt_field, cfg.data.label_field, "data.train_path")
+    cfg.run.device = resolve_device(cfg.run.device)
+    cfg.run.precision = resolve_precision(cfg.run.precision, cfg.run.device)
+    return cfg

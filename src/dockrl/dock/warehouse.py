@@ -1,0 +1,128 @@
+"""Dock warehouse: the payload half of the transfer dock (no Ray import; launch.py wraps it as an actor).
+
+A warehouse stores column cells for the rows written to it and serves them back by (row, column). After each
+put it tells the controller, and waits for the controller's acknowledgement, so that once `put` returns the
+rows are visible to `allocate`. The controller never calls a warehouse, so this wait cannot deadlock.
+
+Lifecycle: put/get during a step, clear() between steps (together with the controller's reset()).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Protocol
+
+from dockrl.dock.errors import DockError
+
+# Tensor columns whose per-row length the controller keeps as metadata (column -> length name).
+LENGTH_COLUMNS = {"prompt_ids": "prompt_len", "response_ids": "response_len"}
+
+
+class ReadyListener(Protocol):
+    """What a warehouse notifies: the controller itself in unit tests, a blocking Ray adapter in launch.py."""
+
+    def mark_ready(
+        self, warehouse: int, rows: list[int], columns: list[str], lengths: dict[str, list[int]] | None = None
+    ) -> None: ...
+
+
+def payload_nbytes(value: Any) -> int:
+    """Bytes held by one cell: `nbytes` for torch tensors and numpy arrays, sys.getsizeof for other objects."""
+    # Duck-typed so that the warehouse process imports torch only once a tensor arrives.
+    nbytes = getattr(value, "nbytes", None)
+    return int(nbytes) if isinstance(nbytes, int) else sys.getsizeof(value)
+
+
+class Warehouse:
+    """Holds column cells for the rows put to it.
+
+    Args:
+        index: this warehouse's index in the dock (reported to the controller with every put).
+        controller: notified with `mark_ready(index, rows, columns, lengths)` after each put and waited for;
+            None stores without notifying (tests of the warehouse alone).
+
+    Safe to call from several threads (Ray actors with max_concurrency > 1): storage is guarded by a lock,
+    and the controller is notified outside it so gets are not blocked by that round trip.
+    """
+
+    def __init__(self, index: int, controller: ReadyListener | None = None) -> None:
+        self.index = index
+        self._controller = controller
+        self._lock = threading.Lock()
+        self._cells: dict[str, dict[int, Any]] = {}  # column -> row -> payload
+        self._nbytes = 0
+        self._num_puts = 0
+        self._num_gets = 0
+        self._cells_out = 0
+
+    def put(self, rows: list[int], batch: dict[str, list]) -> int:
+        """Store `batch[column][i]` for row `rows[i]`, then notify the controller; returns bytes stored."""
+        for column, values in batch.items():
+            if len(values) != len(rows):
+                raise ValueError(
+                    f"put to warehouse {self.index}: column {column!r} has {len(values)} values for "
+                    f"{len(rows)} rows; pass one value per row"
+                )
+        nbytes = 0
+        lengths: dict[str, list[int]] = {}
+        with self._lock:
+            for column, values in batch.items():
+                cells = self._cells.setdefault(column, {})
+                for row, value in zip(rows, values):
+                    old = cells.get(row)
+                    if old is not None:
+                        self._nbytes -= payload_nbytes(old)
+                    cells[row] = value
+                    nbytes += payload_nbytes(value)
+                if column in LENGTH_COLUMNS:
+                    lengths[LENGTH_COLUMNS[column]] = [len(value) for value in values]
+            self._nbytes += nbytes
+            self._num_puts += 1
+        if self._controller is not None and rows and batch:
+            self._controller.mark_ready(self.index, list(rows), list(batch), lengths or None)
+        return nbytes
+
+    def get(self, rows: list[int], columns: list[str]) -> dict[str, list]:
+        """Cells of `columns` for `rows`, in the order of `rows`."""
+        return self.get_cells({column: rows for column in columns})
+
+    def get_cells(self, rows_by_column: dict[str, list[int]]) -> dict[str, list]:
+        """Cells for a different row list per column (one call serves a client's whole allocation)."""
+        out: dict[str, list] = {}
+        with self._lock:
+            for column, rows in rows_by_column.items():
+                cells = self._cells.get(column, {})
+                try:
+                    out[column] = [cells[row] for row in rows]
+                except KeyError:
+                    missing = [row for row in rows if row not in cells][:8]
+                    raise DockError(
+                        f"dock warehouse {self.index} holds no {column!r} for rows {missing} "
+                        "(never put here, or cleared by a reset)"
+                    ) from None
+                self._cells_out += len(rows)
+            self._num_gets += 1
+        return out
+
+    def clear(self) -> None:
+        """Drop every cell (between steps)."""
+        with self._lock:
+            self._cells.clear()
+            self._nbytes = 0
+
+    def stats(self) -> dict:
+        """index, rows held, cells held, bytes held, and op counts since creation."""
+        with self._lock:
+            rows = set()
+            for cells in self._cells.values():
+                rows.update(cells)
+            return {
+                "index": self.index,
+                "rows": len(rows),
+                "cells": sum(len(cells) for cells in self._cells.values()),
+                "bytes": self._nbytes,
+                "num_puts": self._num_puts,
+                "num_gets": self._num_gets,
+                "cells_out": self._cells_out,
+            }

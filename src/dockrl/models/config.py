@@ -1,0 +1,264 @@
+"""Model architecture arguments for the Llama / Qwen2 / Qwen3 decoder families.
+
+`ModelArgs` is the one description of a decoder's shape. It converts from and to a Hugging Face
+`config.json` dict so that dockrl checkpoints load in transformers as the matching `*ForCausalLM` and
+Hugging Face checkpoints load in dockrl. Per-family invariants that Hugging Face hard-codes (Qwen2 always has
+q/k/v bias, Qwen3 always has per-head q/k RMSNorm) are checked when the args are built, so a `ModelArgs`
+that passes validation always describes a model transformers can build with identical parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+# mistral with sliding_window=None is architecturally a llama without biases.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass
+class ModelArgs:
+    """Shape and numerics of one decoder-only transformer (see module docstring)."""
+
+    family: str
+    """Architecture family: "llama" | "qwen2" | "qwen3"."""
+    vocab_size: int
+    """Rows of the embedding and of the LM head."""
+    hidden_size: int
+    """Residual stream width H."""
+    intermediate_size: int
+    """Width of the SwiGLU MLP."""
+    num_layers: int
+    """Number of decoder layers."""
+    num_heads: int
+    """Query heads per layer."""
+    num_kv_heads: int
+    """Key/value heads per layer (GQA); divides num_heads."""
+    head_dim: int
+    """Width of one attention head (need not equal hidden_size / num_heads, e.g. Qwen3)."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon inside every RMSNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base wavelength."""
+    rope_scaling: dict | None = None
+    """Hugging Face rope_scaling dict; rope_type "llama3" or "default"/None are supported."""
+    max_position_embeddings: int = 4096
+    """Longest sequence (prompt + response) the model accepts."""
+    tie_word_embeddings: bool = False
+    """LM head shares the embedding weight (no separate lm_head parameter)."""
+    attention_bias: bool = False
+    """Bias on q/k/v (and o for llama/qwen3, as in Hugging Face); always True for qwen2."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k before RoPE; True exactly for qwen3."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token, carried to and from config.json."""
+    eos_token_id: int | list[int] | None = None
+    """End-of-sequence token(s), carried to and from config.json."""
+    pad_token_id: int | None = None
+    """Padding token, carried to and from config.json."""
+
+    def __post_init__(self) -> None:
+        self._validate_shape()
+        self._validate_family()
+        self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
+
+    def _validate_shape(self) -> None:
+        if self.family not in SUPPORTED_FAMILIES:
+            raise ValueError(
+                f"model family={self.family!r} is not supported; use one of {SUPPORTED_FAMILIES}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model {name}={getattr(self, name)} must be >= 1")
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"model num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}; "
+                "use a divisor of num_heads"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"model head_dim={self.head_dim} must be even for RoPE")
+
+    def _validate_family(self) -> None:
+        if self.family == "qwen2" and not self.attention_bias:
+            raise ValueError(
+                "model family='qwen2' always has q/k/v bias in Hugging Face; set attention_bias=True"
+            )
+        if self.qk_norm != (self.family == "qwen3"):
+            raise ValueError(
+                f"model qk_norm={self.qk_norm} does not match family={self.family!r}: "
+                "Hugging Face applies q/k RMSNorm exactly for qwen3; set qk_norm="
+                f"{self.family == 'qwen3'}"
+            )
+
+    @property
+    def rope_type(self) -> str:
+        """ "default" or "llama3"."""
+        return "default" if self.rope_scaling is None else self.rope_scaling["rope_type"]
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether o_proj has a bias: Hugging Face Qwen2 biases q/k/v only, Llama and Qwen3 all four."""
+        return self.attention_bias and self.family != "qwen2"
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelArgs:
+        """Build args from a Hugging Face config.json dict (model_type llama, mistral, qwen2 or qwen3).
+
+        Accepts both the legacy rope layout (top-level `rope_theta` + `rope_scaling`) and transformers 5's
+        `rope_parameters`. Raises ValueError for a model_type or a feature dockrl does not implement.
+        """
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"config.json model_type={model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
+            )
+        _reject_unsupported_features(cfg, model_type)
+        family = "llama" if model_type == "mistral" else model_type
+        num_heads = cfg["num_attention_heads"]
+        rope_theta, rope_scaling = _read_rope(cfg)
+        return cls(
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=True if family == "qwen2" else cfg.get("attention_bias", False),
+            qk_norm=family == "qwen3",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+            pad_token_id=cfg.get("pad_token_id"),
+        )
+
+    def to_hf_config(self) -> dict:
+        """A config.json dict that transformers loads as the matching *ForCausalLM with identical params.
+
+        Rope is written in both layouts: `rope_parameters` (transformers >= 5) and the legacy `rope_theta` +
+        `rope_scaling` read by older transformers and by inference engines.
+        """
+        cfg: dict[str, Any] = {
+            "architectures": [_ARCHITECTURES[self.family]],
+            "model_type": self.family,
+            "torch_dtype": "float32",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling),
+            "rope_parameters": {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
+            | (self.rope_scaling or {}),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.family == "llama":
+            cfg["mlp_bias"] = False
+        else:
+            cfg["use_sliding_window"] = False
+            cfg["sliding_window"] = None
+        return cfg
+
+    def num_params(self) -> int:
+        """Number of parameters of the model these args describe (tied embeddings counted once)."""
+        hidden, q_width, kv_width = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        )
+        attention = hidden * (q_width + 2 * kv_width) + q_width * hidden
+        if self.attention_bias:
+            attention += q_width + 2 * kv_width
+        if self.o_proj_bias:
+            attention += hidden
+        if self.qk_norm:
+            attention += 2 * self.head_dim
+        mlp = 3 * hidden * self.intermediate_size
+        per_layer = attention + mlp + 2 * hidden
+        embedding = self.vocab_size * hidden
+        lm_head = 0 if self.tie_word_embeddings else self.vocab_size * hidden
+        return embedding + self.num_layers * per_layer + hidden + lm_head
+
+    def to_dict(self) -> dict:
+        """Plain dict of the fields (for logs and checkpoints metadata)."""
+        return asdict(self)
+
+
+def _reject_unsupported_features(cfg: dict, model_type: str) -> None:
+    """Raise for config.json settings that change the architecture in ways dockrl does not implement."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act={cfg['hidden_act']!r} is not supported; only 'silu' is")
+    if cfg.get("mlp_bias", False):
+        raise ValueError("config.json mlp_bias=True is not supported; only bias-free MLPs are")
+    if model_type == "mistral" and cfg.get("sliding_window") is not None:
+        raise ValueError(
+            f"config.json sliding_window={cfg['sliding_window']} is not supported for mistral; "
+            "only sliding_window=null (full attention) is"
+        )
+    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window", False):
+        raise ValueError("config.json use_sliding_window=True is not supported; only full attention is")
+
+
+def _read_rope(cfg: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from either rope layout of a config.json dict."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    rope_theta = cfg.get("rope_theta")
+    if params is not None:
+        params = dict(params)
+        rope_theta = params.pop("rope_theta", rope_theta)
+        if params.pop("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(
+                "config.json partial_rotary_factor != 1.0 is not supported; only full-head RoPE is"
+            )
+    return (10000.0 if rope_theta is None else float(rope_theta)), params
+
+
+def _normalize_rope_scaling(rope_scaling: dict | None, max_position_embeddings: int) -> dict | None:
+    """None for plain RoPE, else a copy with `rope_type` set (legacy configs spell it `type`).
+
+    A llama3 dict without original_max_position_embeddings gets max_position_embeddings, as transformers does.
+    """
+    if rope_scaling is None:
+        return None
+    scaling = dict(rope_scaling)
+    rope_type = scaling.pop("type", None)
+    scaling.setdefault("rope_type", rope_type or "default")
+    if scaling["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"model rope_scaling rope_type={scaling['rope_type']!r} is not supported; "
+            f"use one of {SUPPORTED_ROPE_TYPES} or rope_scaling=None"
+        )
+    if scaling["rope_type"] == "default":
+        extra = set(scaling) - {"rope_type"}
+        if extra:
+            raise ValueError(
+                f"model rope_scaling with rope_type='default' has unsupported keys {sorted(extra)}"
+            )
+        return None
+    scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
+    missing = [key for key in _LLAMA3_ROPE_KEYS if key not in scaling]
+    if missing:
+        raise ValueError(f"model rope_scaling rope_type='llama3' is missing {missing}")
+    return scaling

@@ -1,0 +1,321 @@
+"""Decoder-only transformer for the Llama / Qwen2 / Qwen3 families, numerically matching transformers.
+
+Parameter names equal Hugging Face's (`model.layers.{i}.self_attn.q_proj.weight`, ...), so state dicts map
+1:1 and TP plans / FSDP2 target the same module paths. Every decoder layer is one nn.Module at
+`model.layers[i]` built from plain nn.Linear / nn.Embedding submodules.
+
+Shape letters: B batch, T new tokens in this call, S key slots attended (T, or cache_offset + T with a
+cache), H hidden size, V vocabulary, N query heads, K key/value heads, D head dim.
+
+Attention mask: causal by slot index (a query in slot s sees key slots <= s) and `key_mask` (False = padding).
+A query always sees its own slot, so left-padding queries, which see no valid key, stay finite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dockrl.models.config import ModelArgs
+
+
+class KVCache:
+    """Static preallocated key/value cache; per layer k and v of shape [B, K, max_len, D].
+
+    Lifecycle: allocated once per generation batch; each forward with `kv_cache=` writes the new keys (after
+    RoPE) and values at slots [cache_offset, cache_offset + T) and reads slots [0, cache_offset + T).
+    Slots past the last write hold stale data and are never read.
+    """
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        batch_size: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (batch_size, args.num_kv_heads, max_len, args.head_dim)
+        self.batch_size = batch_size
+        self.max_len = max_len
+        self.k: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)
+        ]
+        self.v: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)
+        ]
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """RoPE inverse frequencies [D/2] in fp32 on CPU, as transformers computes them (default or llama3)."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if args.rope_type == "default":
+        return inv_freq
+    scaling = args.rope_scaling
+    factor = scaling["factor"]
+    low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D]; cos/sin [B, T, D]."""
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back before the weight multiply (Hugging Face order)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] -> same shape and dtype."""
+        input_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(input_dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE, optional qk-norm and an optional static KV cache."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        hidden, q_width, kv_width = (
+            args.hidden_size,
+            args.num_heads * args.head_dim,
+            args.num_kv_heads * args.head_dim,
+        )
+        self.q_proj = nn.Linear(hidden, q_width, bias=args.attention_bias)
+        self.k_proj = nn.Linear(hidden, kv_width, bias=args.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv_width, bias=args.attention_bias)
+        self.o_proj = nn.Linear(q_width, hidden, bias=args.o_proj_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: tuple[torch.Tensor, torch.Tensor] | None,
+        cache_offset: int,
+    ) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]. mask bool [B, 1, T, S] or None for plain causal without cache."""
+        batch, seq = x.shape[:2]
+        # -1 heads: under tensor parallelism the projections hold only this rank's heads.
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim)  # [B, T, N, D]
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim)  # [B, T, K, D]
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # [B, K, T, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = _apply_rope(q.transpose(1, 2), *rope)  # [B, N, T, D]
+        k = _apply_rope(k.transpose(1, 2), *rope)  # [B, K, T, D]
+        if cache is not None:
+            cache_k, cache_v = cache
+            end = cache_offset + seq
+            cache_k[:, :, cache_offset:end] = k
+            cache_v[:, :, cache_offset:end] = v
+            k, v = cache_k[:, :, :end], cache_v[:, :, :end]  # [B, K, S, D]
+        num_groups = q.shape[1] // k.shape[1]
+        if num_groups > 1:
+            k = k.repeat_interleave(num_groups, dim=1)
+            v = v.repeat_interleave(num_groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # [B, N, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache_offset: int = 0,
+    ) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]."""
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, cache_offset)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and final norm (Hugging Face's `model.` prefix)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """Decoder-only causal LM; `forward` returns logits, `hidden_states` the final-normed hidden states.
+
+    The LM head is `lm_head` (nn.Linear, no bias) or, with tied embeddings, the embedding weight itself;
+    use `output_weight()` to get whichever applies (vocab-parallel log-prob code needs the raw weight).
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = DecoderModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        # Plain attribute, not a buffer: survives meta-device init, to_empty() and load_state_dict().
+        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+
+    def output_weight(self) -> torch.Tensor:
+        """The [V, H] LM head weight (the embedding weight when tied)."""
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        cache_offset: int = 0,
+    ) -> torch.Tensor:
+        """Logits [B, T, V] in the parameter dtype; arguments as in `hidden_states`."""
+        hidden = self.hidden_states(input_ids, position_ids, key_mask, kv_cache, cache_offset)
+        return F.linear(hidden, self.output_weight())
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        cache_offset: int = 0,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [B, T, H].
+
+        input_ids [B, T] int64. position_ids [B, T], default arange(cache_offset, cache_offset + T) per row.
+        key_mask bool [B, S] (True = real token; S = T without cache, cache_offset + T with one; None = all
+        real). With kv_cache, the new keys/values go to slots [cache_offset, cache_offset + T).
+        """
+        batch, seq = input_ids.shape
+        device = input_ids.device
+        if kv_cache is None and cache_offset != 0:
+            raise ValueError(f"cache_offset={cache_offset} needs a kv_cache; pass kv_cache or cache_offset=0")
+        if kv_cache is not None and cache_offset + seq > kv_cache.max_len:
+            raise ValueError(
+                f"cache_offset + T = {cache_offset + seq} exceeds kv_cache.max_len={kv_cache.max_len}; "
+                "allocate a longer KVCache"
+            )
+        if position_ids is None:
+            position_ids = torch.arange(cache_offset, cache_offset + seq, device=device).expand(batch, seq)
+        x = self.model.embed_tokens(input_ids)  # [B, T, H]
+        rope = self._rope(position_ids, x.dtype)
+        mask = _attention_mask(key_mask, batch, seq, cache_offset, kv_cache is not None, device)
+        for index, layer in enumerate(self.model.layers):
+            cache = None if kv_cache is None else (kv_cache.k[index], kv_cache.v[index])
+            x = layer(x, rope, mask, cache, cache_offset)
+        return self.model.norm(x)
+
+    def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, D] computed in fp32 then cast to dtype, as transformers does."""
+        device = position_ids.device
+        inv_freq = self._inv_freq_by_device.get(device)
+        if inv_freq is None:
+            # Computed on CPU, then moved, so every device uses bit-identical frequencies.
+            inv_freq = rope_inv_freq(self.args).to(device)
+            self._inv_freq_by_device[device] = inv_freq
+        freqs = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None, std: float = 0.02) -> None:
+        """Random init: linear and embedding weights ~ N(0, std), norms = 1, biases = 0.
+
+        With a seed the draws come from a private CPU generator (same values on every device); call this
+        before sharding the model.
+        """
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif generator is None:
+                param.normal_(0.0, std)
+            else:
+                values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+                param.copy_(values)
+
+
+def _attention_mask(
+    key_mask: torch.Tensor | None,
+    batch: int,
+    seq: int,
+    cache_offset: int,
+    has_cache: bool,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Boolean mask [B, 1, T, S] (True = attend), or None when plain causal attention is exact."""
+    if key_mask is None and not has_cache:
+        return None
+    num_keys = cache_offset + seq
+    if key_mask is not None and tuple(key_mask.shape) != (batch, num_keys):
+        raise ValueError(
+            f"key_mask shape {tuple(key_mask.shape)} must be [B, S] = [{batch}, {num_keys}] "
+            "(S = cache_offset + T)"
+        )
+    query_slot = torch.arange(cache_offset, num_keys, device=device)[:, None]  # [T, 1]
+    key_slot = torch.arange(num_keys, device=device)[None, :]  # [1, S]
+    causal = key_slot <= query_slot  # [T, S]
+    if key_mask is None:
+        return causal[None, None].expand(batch, 1, seq, num_keys)
+    mask = causal[None] & key_mask.to(torch.bool)[:, None, :]  # [B, T, S]
+    mask = mask | (key_slot == query_slot)[None]
+    return mask[:, None]

@@ -1,0 +1,225 @@
+"""Load and save Hugging Face checkpoint directories (config.json + safetensors + tokenizer files).
+
+dockrl's ``Transformer`` uses Hugging Face's parameter names, so the state dict goes through unchanged;
+this module only handles the directory layout:
+
+    config.json                      ModelArgs.to_hf_config()
+    generation_config.json           bos / eos / pad ids
+    model.safetensors                one file, or when larger than max_shard_bytes:
+    model-00001-of-0000N.safetensors ... plus model.safetensors.index.json {"weight_map": {name: file}}
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja   (copied as found)
+
+Tied embeddings: Hugging Face writes the shared matrix once, as ``model.embed_tokens.weight``; a tied
+checkpoint that still carries ``lm_head.weight`` loads with that entry dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from dockrl.models.config import ModelArgs
+from dockrl.models.decoder import Transformer
+from dockrl.models.tokenizer import copy_tokenizer_files
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+LM_HEAD_KEY = "lm_head.weight"
+
+_DIR_CONTENTS = (
+    f"a model directory must contain {CONFIG_FILE} and either {WEIGHTS_FILE} or "
+    f"model-0000x-of-0000y.safetensors shards with {WEIGHTS_INDEX_FILE}"
+)
+# Older Hugging Face checkpoints store rotary inverse frequencies; they are recomputed, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_NUM_KEYS_SHOWN = 5
+
+
+def read_config(path: str | Path) -> ModelArgs:
+    """Read ``config.json`` of the model directory ``path`` into ``ModelArgs``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model directory {path} does not exist or is not a directory; {_DIR_CONTENTS}"
+        )
+    config_file = path / CONFIG_FILE
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in model directory {path}; {_DIR_CONTENTS}")
+    with open(config_file, encoding="utf-8") as f:
+        return ModelArgs.from_hf_config(json.load(f))
+
+
+def load_state_dict(path: str | Path) -> dict[str, Tensor]:
+    """Read all tensors of the model directory ``path`` (single file or shards) onto the CPU."""
+    path = Path(path)
+    if (path / WEIGHTS_FILE).is_file():
+        return _read_safetensors(path / WEIGHTS_FILE)
+    index_file = path / WEIGHTS_INDEX_FILE
+    if not index_file.is_file():
+        raise FileNotFoundError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in {path}; {_DIR_CONTENTS}")
+    with open(index_file, encoding="utf-8") as f:
+        weight_map: dict[str, str] = json.load(f)["weight_map"]
+    state_dict: dict[str, Tensor] = {}
+    for shard_name in sorted(set(weight_map.values())):
+        shard_file = path / shard_name
+        if not shard_file.is_file():
+            raise FileNotFoundError(f"{index_file} names shard {shard_name}, which is missing from {path}")
+        state_dict.update(_read_safetensors(shard_file))
+    absent = sorted(set(weight_map) - set(state_dict))
+    if absent:
+        raise ValueError(
+            f"{index_file} lists {len(absent)} tensors its shards lack, e.g. {absent[:_NUM_KEYS_SHOWN]}"
+        )
+    return state_dict
+
+
+def load_model(
+    path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> Transformer:
+    """Build a ``Transformer`` from the model directory ``path`` with its weights loaded strictly.
+
+    The module is built on the meta device and the checkpoint tensors are assigned into it, so no memory
+    is spent on a throwaway random init. Floating tensors are cast to ``dtype``.
+    """
+    args = read_config(path)
+    state_dict = load_state_dict(path)
+    if args.tie_word_embeddings:
+        state_dict.pop(LM_HEAD_KEY, None)
+    state_dict = {k: v for k, v in state_dict.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    with torch.device("meta"):
+        model = Transformer(args)
+    _check_keys_and_shapes(model, state_dict, path)
+    state_dict = {
+        k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
+        for k, v in state_dict.items()
+    }
+    # assign=True is safe: tied models have no lm_head module, so no parameter is shared between names.
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    return model
+
+
+def _check_keys_and_shapes(model: nn.Module, state_dict: Mapping[str, Tensor], path: str | Path) -> None:
+    """Raise ValueError naming a few missing / unexpected / mis-shaped tensors."""
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing, e.g. {missing[:_NUM_KEYS_SHOWN]}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected, e.g. {unexpected[:_NUM_KEYS_SHOWN]}")
+    mismatched = [
+        f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(shape)}"
+        for k, shape in expected.items()
+        if k in state_dict and state_dict[k].shape != shape
+    ]
+    if mismatched:
+        problems.append(f"{len(mismatched)} with wrong shapes, e.g. {mismatched[:_NUM_KEYS_SHOWN]}")
+    if problems:
+        raise ValueError(f"checkpoint {path} does not match its config.json: " + "; ".join(problems))
+
+
+def save_model(
+    model_or_state_dict: nn.Module | Mapping[str, Tensor],
+    args: ModelArgs,
+    path: str | Path,
+    *,
+    tokenizer_dir: str | Path | None = None,
+    max_shard_bytes: int = 2 * 2**30,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write a Hugging Face model directory that transformers' ``from_pretrained`` loads.
+
+    ``dtype`` casts floating tensors (default: keep each tensor's dtype). Weight files from an earlier save
+    into the same directory are removed first, so a single file never coexists with stale shards.
+    """
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state_dict = _prepare_for_saving(model_or_state_dict, args, dtype)
+    for stale in [*path.glob("model-*-of-*.safetensors"), path / WEIGHTS_FILE, path / WEIGHTS_INDEX_FILE]:
+        stale.unlink(missing_ok=True)
+    _write_shards(state_dict, path, max_shard_bytes)
+    config = args.to_hf_config()
+    floating = [t.dtype for t in state_dict.values() if t.is_floating_point()]
+    if floating:
+        # Record the dtype actually written; transformers 5 reads "dtype", older versions "torch_dtype".
+        config["dtype"] = config["torch_dtype"] = str(floating[0]).removeprefix("torch.")
+    _write_json(path / CONFIG_FILE, config)
+    generation_config = {
+        f"{name}_token_id": getattr(args, f"{name}_token_id")
+        for name in ("bos", "eos", "pad")
+        if getattr(args, f"{name}_token_id") is not None
+    }
+    _write_json(path / GENERATION_CONFIG_FILE, generation_config)
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(tokenizer_dir, path)
+
+
+def _prepare_for_saving(
+    model_or_state_dict: nn.Module | Mapping[str, Tensor], args: ModelArgs, dtype: torch.dtype | None
+) -> dict[str, Tensor]:
+    """Detached, contiguous CPU tensors, each owning its storage (safetensors refuses shared memory)."""
+    if isinstance(model_or_state_dict, nn.Module):
+        source = model_or_state_dict.state_dict()
+    else:
+        source = dict(model_or_state_dict)
+    if args.tie_word_embeddings:
+        source.pop(LM_HEAD_KEY, None)
+    prepared: dict[str, Tensor] = {}
+    seen_storages: set[int] = set()
+    for name, tensor in source.items():
+        tensor = tensor.detach()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        tensor = tensor.to("cpu").contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in seen_storages or tensor.untyped_storage().nbytes() != tensor.nbytes:
+            tensor = tensor.clone()
+        seen_storages.add(tensor.untyped_storage().data_ptr())
+        prepared[name] = tensor
+    return prepared
+
+
+def _write_shards(state_dict: dict[str, Tensor], path: Path, max_shard_bytes: int) -> None:
+    """Write one file, or greedy shards of at most ``max_shard_bytes`` (a larger tensor gets its own)."""
+    shards: list[dict[str, Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in state_dict.items():
+        if shards[-1] and shard_bytes + tensor.nbytes > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += tensor.nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(path / WEIGHTS_FILE), metadata=metadata)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        shard_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / shard_name), metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, shard_name))
+    total_size = sum(t.nbytes for t in state_dict.values())
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_json(path / WEIGHTS_INDEX_FILE, index)
+
+
+def _read_safetensors(file: Path) -> dict[str, Tensor]:
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")

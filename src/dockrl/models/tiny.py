@@ -1,0 +1,222 @@
+"""make_tiny: a tiny random model plus a locally trained tokenizer, as a Hugging Face directory.
+
+For tests and demos; nothing is downloaded. The tokenizer is a byte-level BPE trained on a small built-in
+corpus (arithmetic questions and answers plus generated English) with Qwen's pre-tokenizer, whose regex
+isolates every digit, so numbers tokenize digit by digit. Its special tokens and ChatML template follow
+Qwen2 (eos "<|im_end|>", pad "<|endoftext|>", no bos), and its tokenizer_config.json names Qwen2Tokenizer:
+transformers rebuilds exactly this pipeline from the vocabulary, so dockrl and transformers tokenize alike.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+from pathlib import Path
+
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer as BackendTokenizer
+
+from dockrl.models.config import ModelArgs
+from dockrl.models.decoder import Transformer
+from dockrl.models.hf import save_model
+from dockrl.models.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
+
+# Qwen2's pre-tokenizer regex (transformers' Qwen2Tokenizer.PRETOKENIZE_REGEX): \p{N} matches one digit.
+QWEN2_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('chat roles must be system, user or assistant, got ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_FAMILIES = ("llama", "qwen2", "qwen3")
+_SUBJECTS = (
+    "the cat",
+    "a small dog",
+    "my friend",
+    "the teacher",
+    "our team",
+    "the old man",
+    "a student",
+    "she",
+    "he",
+)
+_VERBS = (
+    "found",
+    "wanted",
+    "carried",
+    "painted",
+    "watched",
+    "counted",
+    "opened",
+    "cleaned",
+    "shared",
+    "bought",
+)
+_OBJECTS = (
+    "a red apple",
+    "the green door",
+    "three books",
+    "the long road",
+    "a quiet garden",
+    "two boxes",
+    "the answer",
+)
+_PLACES = (
+    "near the river",
+    "in the morning",
+    "after school",
+    "at the market",
+    "before dinner",
+    "in the park",
+)
+_CLOSERS = (
+    "It was a good day.",
+    "Then everyone went home.",
+    "Nobody said a word.",
+    "That is how it happened.",
+)
+
+
+def default_corpus() -> list[str]:
+    """Built-in training text: arithmetic Q/A (also in ChatML form) and generated English sentences."""
+    rng = random.Random(1234)  # fixed: the tokenizer does not depend on make_tiny's seed
+    corpus = []
+    for _ in range(600):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        op = rng.choice("+-*")
+        answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+        question = f"What is {a}{op}{b}?"
+        corpus += [
+            question,
+            str(answer),
+            f"{IM_START}user\n{question}{IM_END}\n{IM_START}assistant\n{answer}{IM_END}\n",
+        ]
+    for _ in range(150):
+        sentence = (
+            f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_PLACES)}."
+        )
+        corpus.append(f"{sentence[0].upper()}{sentence[1:]} {rng.choice(_CLOSERS)}")
+    corpus.append(f"{IM_START}system\nYou are a helpful assistant.{IM_END}\n")
+    return corpus
+
+
+def train_tokenizer(corpus: list[str], vocab_size: int) -> BackendTokenizer:
+    """Train a Qwen2-style byte-level BPE on ``corpus``; special tokens get ids 0, 1, 2."""
+    backend = BackendTokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus, trainer=trainer)
+    return backend
+
+
+def tokenizer_config(backend: BackendTokenizer, max_length: int) -> dict:
+    """tokenizer_config.json for ``backend`` in the form Qwen2 checkpoints use."""
+    added_tokens = {
+        str(backend.token_to_id(token)): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for token in SPECIAL_TOKENS
+    }
+    return {
+        "add_prefix_space": False,
+        "added_tokens_decoder": added_tokens,
+        "additional_special_tokens": [IM_START, IM_END],
+        "bos_token": None,
+        "chat_template": CHATML_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": IM_END,
+        "errors": "replace",
+        "model_max_length": max_length,
+        "pad_token": PAD_TOKEN,
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+
+
+def make_tiny(
+    out_dir: str | Path,
+    *,
+    family: str = "qwen2",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    vocab_size: int = 512,
+    corpus: list[str] | None = None,
+    seed: int = 0,
+    max_position_embeddings: int = 512,
+) -> Path:
+    """Write a tiny random ``family`` model and its tokenizer to ``out_dir``; returns the directory.
+
+    ``vocab_size`` is the BPE target; the model gets the tokenizer's actual size (smaller when the corpus
+    runs out of merges). ``intermediate_size`` defaults to 3 * hidden_size. Same arguments, same files.
+    """
+    if family not in _FAMILIES:
+        raise ValueError(f"make_tiny family={family!r} is not supported; use one of {_FAMILIES}")
+    if hidden_size % num_heads != 0:
+        raise ValueError(f"make_tiny hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"make_tiny vocab_size={vocab_size} must be >= 259 (256 bytes + 3 special tokens)")
+    out_dir = Path(out_dir)
+    with tempfile.TemporaryDirectory() as tokenizer_dir:
+        backend = train_tokenizer(default_corpus() if corpus is None else corpus, vocab_size)
+        backend.save(str(Path(tokenizer_dir) / TOKENIZER_FILE))
+        with open(Path(tokenizer_dir) / TOKENIZER_CONFIG_FILE, "w", encoding="utf-8") as f:
+            json.dump(tokenizer_config(backend, max_position_embeddings), f, indent=2)
+            f.write("\n")
+        tokenizer = Tokenizer.from_dir(tokenizer_dir)
+        args = ModelArgs(
+            family=family,
+            vocab_size=tokenizer.vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size or 3 * hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=hidden_size // num_heads,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=family != "llama",
+            attention_bias=family == "qwen2",
+            qk_norm=family == "qwen3",
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        model = Transformer(args)
+        model.init_weights(seed)
+        save_model(model, args, out_dir, tokenizer_dir=tokenizer_dir)
+    return out_dir

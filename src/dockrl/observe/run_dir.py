@@ -1,0 +1,82 @@
+"""A run directory per run: config.yaml, metrics.jsonl, samples.jsonl, summary.json, checkpoints/.
+
+    run/
+      config.yaml       the resolved config
+      metrics.jsonl     one JSON object per step (flat `section/name` keys)
+      samples.jsonl     a few prompt/response/reward triples per step
+      summary.json      final figures
+      checkpoints/      step_000010/ ... Hugging Face directories
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class RunDir:
+    """Owns the files of one run. Created by the driver only."""
+
+    def __init__(self, parent: str | Path, name: str | None = None):
+        name = name or time.strftime("%Y%m%d-%H%M%S")
+        self.path = Path(parent) / name
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.checkpoints = self.path / "checkpoints"
+
+    def write_config(self, cfg: dict[str, Any]) -> None:
+        """Write the resolved config as YAML."""
+        (self.path / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """Append one step's metrics (non-finite values are written as null so the file stays JSON)."""
+        row = {"step": step, **{k: _finite_or_none(v) for k, v in sorted(metrics.items())}}
+        with open(self.path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """Append prompt/response/reward triples of one step."""
+        with open(self.path / "samples.jsonl", "a") as f:
+            for sample in samples:
+                f.write(json.dumps({"step": step, **sample}) + "\n")
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """Write (or update) summary.json."""
+        path = self.path / "summary.json"
+        current = json.loads(path.read_text()) if path.exists() else {}
+        current.update(summary)
+        path.write_text(json.dumps(current, indent=2) + "\n")
+
+    def checkpoint_path(self, step: int) -> Path:
+        """Directory for the checkpoint of `step`."""
+        return self.checkpoints / f"step_{step:06d}"
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class StageTimer:
+    """Wall-clock timings of named stages: `with timer("rollout"): ...` -> {"timing/rollout": seconds}."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """Timings as `timing/<stage>` metrics."""
+        return {f"timing/{k}": v for k, v in self.seconds.items()}

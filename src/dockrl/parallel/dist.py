@@ -1,0 +1,61 @@
+"""Process groups and device meshes for the workers of one group.
+
+Each worker of a WorkerGroup calls `init_distributed` with its rank, the world size and the rendezvous
+address chosen by rank 0; the backend follows the device (gloo on CPU, NCCL on CUDA), so one code path
+serves a laptop and a cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (for the rendezvous of a new group)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def host_ip() -> str:
+    """An address of this host that other nodes of the cluster can reach (loopback on one machine)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:  # pragma: no cover - ray is a dependency
+        pass
+    return "127.0.0.1"
+
+
+def init_distributed(
+    rank: int, world_size: int, master_addr: str, master_port: int, device: str, timeout_s: float = 600.0
+) -> torch.device:
+    """Join the group's process group; returns this rank's device. Idempotent within a process."""
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if device == "cuda" else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return dev
+
+
+def data_parallel_mesh(device: str, dp: int) -> DeviceMesh:
+    """A 1-D mesh over the data-parallel ranks (FSDP2 shards over it)."""
+    return init_device_mesh(device, (dp,), mesh_dim_names=("dp",))

@@ -1,0 +1,111 @@
+"""Pieces shared by the recipes: Ray start-up, prompt encoding, the epoch sampler, metric summaries."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from dockrl.data.datasets import PromptRecord, load_prompts, render_prompt
+from dockrl.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def init_ray(address: str | None) -> None:
+    """Join the cluster at `address`, or start a local Ray bound to localhost without a dashboard."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if address:
+        ray.init(address=address, log_to_driver=True, configure_logging=False)
+    else:
+        ray.init(
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            configure_logging=False,
+            log_to_driver=True,
+        )
+
+
+@dataclass
+class EncodedPrompt:
+    """A prompt rendered with the chat template and tokenized, with its label."""
+
+    ids: list[int]
+    text: str
+    label: Any
+    index: int
+
+
+def encode_prompts(
+    path: str,
+    tokenizer: Tokenizer,
+    *,
+    prompt_field: str,
+    label_field: str | None,
+    system_prompt: str | None,
+    use_chat_template: bool,
+    max_prompt_len: int,
+    limit: int | None = None,
+) -> tuple[list[EncodedPrompt], int]:
+    """Load, render and tokenize a prompt file; returns the prompts and the number skipped as too long."""
+    records: list[PromptRecord] = load_prompts(path, prompt_field=prompt_field, label_field=label_field, limit=limit)
+    out, skipped = [], 0
+    for rec in records:
+        text = render_prompt(rec, tokenizer, system_prompt=system_prompt, use_chat_template=use_chat_template)
+        ids = tokenizer.encode(text)
+        if len(ids) > max_prompt_len:
+            skipped += 1
+            continue
+        out.append(EncodedPrompt(ids=ids, text=text, label=rec.label, index=rec.index))
+    if not out:
+        raise ValueError(f"{path}: every prompt is longer than data.max_prompt_len={max_prompt_len}; raise it")
+    if skipped:
+        log.warning("%s: skipped %d prompts longer than data.max_prompt_len=%d", path, skipped, max_prompt_len)
+    return out, skipped
+
+
+class EpochSampler:
+    """Yields batches of prompts, reshuffled each epoch with a seed; resumable from (epoch, position)."""
+
+    def __init__(self, items: list, batch_size: int, *, shuffle: bool, seed: int):
+        self.items, self.batch_size, self.shuffle, self.seed = items, batch_size, shuffle, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._make_order()
+
+    def _make_order(self) -> list[int]:
+        order = list(range(len(self.items)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def next_batch(self) -> list:
+        """The next `batch_size` items, crossing epoch boundaries as needed."""
+        batch = []
+        while len(batch) < self.batch_size:
+            if self.position == len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._make_order()
+            take = min(self.batch_size - len(batch), len(self._order) - self.position)
+            batch += [self.items[i] for i in self._order[self.position : self.position + take]]
+            self.position += take
+        return batch
+
+
+def describe(values: list[float], prefix: str) -> dict[str, float]:
+    """mean/std/min/max of a list as `prefix/<stat>` metrics (empty lists give nothing)."""
+    if not values:
+        return {}
+    return {
+        f"{prefix}/mean": statistics.fmean(values),
+        f"{prefix}/std": statistics.pstdev(values) if len(values) > 1 else 0.0,
+        f"{prefix}/min": float(min(values)),
+        f"{prefix}/max": float(max(values)),
+    }

@@ -1,0 +1,73 @@
+"""Held-out evaluation: greedy answers scored by the reward functions.
+
+accuracy = share of prompts whose answer a reward function marks correct (`<fn>/correct`); when no
+function reports correctness, the share with total reward >= 1.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+
+from dockrl.models.hf import load_model
+from dockrl.models.tokenizer import Tokenizer
+from dockrl.recipes.common import EncodedPrompt, encode_prompts
+from dockrl.rewards.runner import RewardRunner, RewardSpec
+from dockrl.workers.reward import accuracy_key
+from dockrl.workers.rollout.sampler import SamplingParams, generate
+
+
+def score_answers(
+    prompts: list[EncodedPrompt], responses: list[str], specs: list[RewardSpec], *, timeout_s: float = 5.0
+) -> dict[str, Any]:
+    """Score responses to held-out prompts; returns accuracy, mean reward and per-prompt records."""
+    runner = RewardRunner(specs, timeout_s=timeout_s, num_processes=1)
+    try:
+        scores, components, _ = runner.score([p.text for p in prompts], responses, [p.label for p in prompts])
+    finally:
+        runner.close()
+    key = accuracy_key(components)
+    correct = components[key] if key else [float(s >= 1.0) for s in scores]
+    return {
+        "accuracy": statistics.fmean(correct),
+        "reward_mean": statistics.fmean(scores),
+        "num_prompts": len(prompts),
+        "records": [
+            {"prompt": p.text, "response": r, "label": str(p.label), "correct": c}
+            for p, r, c in zip(prompts, responses, correct)
+        ],
+    }
+
+
+@torch.no_grad()
+def evaluate_model_dir(
+    model_path: str,
+    data_path: str,
+    specs: list[RewardSpec],
+    *,
+    prompt_field: str = "prompt",
+    label_field: str = "answer",
+    system_prompt: str | None = None,
+    use_chat_template: bool = True,
+    max_prompt_len: int = 512,
+    max_new_tokens: int = 64,
+    limit: int | None = None,
+    batch_size: int = 128,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Load a checkpoint directory in this process and score greedy answers on a held-out file."""
+    tokenizer = Tokenizer.from_dir(model_path)
+    model = load_model(model_path, device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+    model.eval()
+    prompts, _ = encode_prompts(
+        data_path, tokenizer, prompt_field=prompt_field, label_field=label_field, system_prompt=system_prompt,
+        use_chat_template=use_chat_template, max_prompt_len=max_prompt_len, limit=limit,
+    )
+    eos = tokenizer.eos_token_id
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=[eos] if eos is not None else [])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    outs = generate(model, [p.ids for p in prompts], params, [0] * len(prompts), pad_token_id=pad, max_batch_size=batch_size)
+    responses = [tokenizer.decode(o.token_ids.tolist()) for o in outs]
+    return score_answers(prompts, responses, specs)

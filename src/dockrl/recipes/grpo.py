@@ -1,0 +1,182 @@
+"""GRPO, read top to bottom. The driver moves metadata; every payload goes through the transfer dock.
+
+    driver ── add_groups(prompts x n) ──▶ dock (controller: metadata │ warehouses: payload)
+      │
+      ├─▶ actor ranks  : sync weights ─▶ pull whole groups ─▶ sample ─▶ put response_ids      ┐ overlap:
+      ├─▶ reward workers: pull finished groups ─▶ score ─▶ put reward, advantages            ┘ groups flow as ready
+      ├─▶ actor ranks  : pull rows/dp ─▶ reference log-probs ─▶ put ref_logprobs            (kl_coef > 0)
+      ├─▶ actor ranks  : pull rows/dp ─▶ old log-probs ─▶ put old_logprobs                  (off-policy only)
+      ├─▶ actor ranks  : pull rows/dp ─▶ mini-batches x epochs of clipped-surrogate updates
+      └── metrics, samples, checkpoint, eval; dock reset
+
+Each stage waits only for the columns it reads; the driver waits for each stage's small metric dicts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from typing import Any
+
+from dockrl.config.loader import to_dict
+from dockrl.config.schema import TrainConfig
+from dockrl.dock.launch import launch_dock
+from dockrl.models.tokenizer import Tokenizer
+from dockrl.observe.run_dir import RunDir, StageTimer
+from dockrl.recipes.common import EncodedPrompt, EpochSampler, describe, encode_prompts, init_ray
+from dockrl.recipes.eval import score_answers
+from dockrl.workers.actor import ActorWorker
+from dockrl.workers.group import WorkerGroup
+from dockrl.workers.reward import RewardWorker, reward_specs
+
+log = logging.getLogger(__name__)
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run a validated GRPO config; returns the summary (also written to the run directory)."""
+    run = RunDir(cfg.run.output_dir, cfg.run.name)
+    run.write_config(to_dict(cfg))
+    tokenizer = Tokenizer.from_dir(cfg.model.path)
+    train_prompts, skipped = _encode(cfg, cfg.data.train_path, tokenizer)
+    eval_prompts = _encode(cfg, cfg.data.eval_path, tokenizer, cfg.data.eval_limit)[0] if cfg.data.eval_path else []
+    sampler = EpochSampler(train_prompts, cfg.run.prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.run.seed)
+
+    init_ray(cfg.run.ray_address)
+    dock = launch_dock(num_warehouses=cfg.dock.num_warehouses, get_timeout_s=cfg.dock.get_timeout_s)
+    client = dock.client()
+    actors, rewards = _start_workers(cfg, dock)
+    summary: dict[str, Any] = {"run_dir": str(run.path), "skipped_prompts": skipped}
+    try:
+        actors.call("setup")
+        progress = _progress(cfg)
+        for step in range(1, cfg.run.steps + 1):
+            metrics, samples = _step(cfg, step, sampler, client, actors, rewards)
+            if _due(step, cfg.run.eval_every, cfg.run.steps) and eval_prompts:
+                metrics.update(_evaluate(cfg, actors, eval_prompts, tokenizer))
+            run.log_metrics(step, metrics)
+            run.log_samples(step, samples)
+            if _due(step, cfg.run.save_every, cfg.run.steps):
+                actors.call("save", str(run.checkpoint_path(step)))
+                summary["checkpoint"] = str(run.checkpoint_path(step))
+            progress.update(1)
+            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics.get('train/accuracy', 0):.2f}")
+            summary.update({"steps": step, "final_metrics": metrics})
+        progress.close()
+    finally:
+        rewards.call("close")
+        for group in (actors, rewards):
+            group.shutdown()
+        dock.shutdown()
+    summary["eval_accuracy"] = summary.get("final_metrics", {}).get("eval/accuracy")
+    run.write_summary(summary)
+    return summary
+
+
+def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None = None):
+    d = cfg.data
+    return encode_prompts(
+        path, tokenizer, prompt_field=d.prompt_field, label_field=d.label_field, system_prompt=d.system_prompt,
+        use_chat_template=d.use_chat_template, max_prompt_len=d.max_prompt_len, limit=limit,
+    )
+
+
+def _start_workers(cfg: TrainConfig, dock) -> tuple[WorkerGroup, WorkerGroup]:
+    cuda = cfg.run.device == "cuda"
+    optimizer_steps = cfg.run.steps * cfg.actor.mini_batches * cfg.actor.epochs
+    threads = None if cuda else max(1, (os.cpu_count() or 1) // cfg.actor.dp)
+    actors = WorkerGroup(
+        ActorWorker, cfg.actor.dp, name="actor", distributed=True, device=cfg.run.device,
+        num_gpus=1 if cuda else 0, num_cpus=0, timeout_s=cfg.run.worker_timeout_s,
+        init_kwargs=dict(cfg=cfg, client=dock.client(), total_optimizer_steps=optimizer_steps, num_threads=threads),
+    )
+    rewards = WorkerGroup(
+        RewardWorker, cfg.reward.num_workers, name="reward", num_cpus=0, timeout_s=cfg.run.worker_timeout_s,
+        init_kwargs=dict(
+            reward=cfg.reward, algo=cfg.algo, tokenizer_path=cfg.model.path, client=dock.client(),
+            group_size=cfg.rollout.samples_per_prompt, log_samples=cfg.run.log_samples,
+        ),
+    )
+    return actors, rewards
+
+
+def _step(cfg: TrainConfig, step: int, sampler: EpochSampler, client, actors: WorkerGroup, rewards: WorkerGroup):
+    """One RL step; returns (metrics, samples)."""
+    timer = StageTimer()
+    n = cfg.rollout.samples_per_prompt
+    with timer("step"):
+        batch: list[EncodedPrompt] = sampler.next_batch()
+        client.add_groups([p.ids for p in batch], [p.label for p in batch], n)
+        start = time.perf_counter()
+        gen_refs, reward_refs = actors.call_async("generate", step), rewards.call_async("score")
+        gen = actors.wait(gen_refs, "generate")
+        timer.seconds["rollout"] = time.perf_counter() - start
+        scored = rewards.wait(reward_refs, "score")
+        timer.seconds["reward"] = time.perf_counter() - start  # overlaps rollout; ends when the last group is scored
+        if cfg.algo.kl_coef > 0:
+            with timer("reference"):
+                actors.call("compute_ref")
+        if not (cfg.actor.mini_batches == 1 and cfg.actor.epochs == 1):
+            with timer("old_logprobs"):
+                actors.call("compute_old")
+        with timer("update"):
+            updates = actors.call("update")
+        dock_stats = client.stats()
+        client.reset()
+    return _metrics(cfg, step, batch, gen, scored, updates, timer, dock_stats), _samples(scored)
+
+
+def _metrics(cfg, step, batch, gen, scored, updates, timer: StageTimer, dock_stats) -> dict[str, float]:
+    n = cfg.rollout.samples_per_prompt
+    lengths = [x for g in gen for x in g["response_lengths"]]
+    rewards = [x for s in scored for x in s["rewards"]]
+    correct = [x for s in scored for x in s["correct"]]
+    prompt_tokens = sum(len(p.ids) for p in batch) * n
+    response_tokens = sum(lengths)
+    m: dict[str, float] = {"train/epoch": float(step * cfg.run.prompts_per_step / 1.0)}
+    m.update(describe([float(r) for r in rewards], "reward"))
+    m.update(describe([float(x) for x in lengths], "response_length"))
+    m["response_length/truncated_frac"] = sum(g["truncated"] for g in gen) / max(1, len(lengths))
+    if correct:
+        m["train/accuracy"] = statistics.fmean(correct)
+    m["reward/timeouts"] = float(sum(s["timeouts"] for s in scored))
+    m["reward/errors"] = float(sum(s["errors"] for s in scored))
+    for key in updates[0]:
+        m[f"actor/{key}"] = updates[0][key]  # already all-reduced across ranks
+    m.update(timer.metrics())
+    t = timer.seconds
+    m["throughput/tokens_per_s"] = (prompt_tokens + response_tokens) / t["step"]
+    m["throughput/rollout_tokens_per_s"] = response_tokens / max(t["rollout"], 1e-9)
+    m["throughput/update_tokens_per_s"] = (prompt_tokens + response_tokens) / max(t["update"], 1e-9)
+    if "reference" in t:
+        m["throughput/reference_tokens_per_s"] = (prompt_tokens + response_tokens) / max(t["reference"], 1e-9)
+    m["dock/bytes_in_warehouses"] = float(sum(w.get("bytes", 0) for w in dock_stats.get("warehouses", [])))
+    m["dock/rows"] = float(len(rewards))
+    m["tokens/prompt"] = float(prompt_tokens)
+    m["tokens/response"] = float(response_tokens)
+    return m
+
+
+def _samples(scored: list[dict]) -> list[dict]:
+    return [s for worker in scored for s in worker["samples"]]
+
+
+def _evaluate(cfg: TrainConfig, actors: WorkerGroup, prompts: list[EncodedPrompt], tokenizer: Tokenizer) -> dict:
+    """Greedy answers from the current policy (prompts split over the actor ranks), scored in the driver."""
+    shards = [prompts[r :: len(actors)] for r in range(len(actors))]
+    outs = actors.call_ranks("evaluate", [([p.ids for p in s], cfg.rollout.max_new_tokens) for s in shards])
+    ordered_prompts = [p for s in shards for p in s]
+    responses = [tokenizer.decode(ids) for o in outs for ids in o]
+    scored = score_answers(ordered_prompts, responses, reward_specs(cfg.reward), timeout_s=cfg.reward.timeout_s)
+    return {"eval/accuracy": scored["accuracy"], "eval/reward_mean": scored["reward_mean"]}
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    return step == last or (every > 0 and step % every == 0)
+
+
+def _progress(cfg: TrainConfig):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=cfg.run.steps, desc="grpo", unit="step", disable=not cfg.run.progress, dynamic_ncols=True)

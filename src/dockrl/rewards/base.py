@@ -1,0 +1,102 @@
+"""The reward-function contract and name resolution.
+
+A reward function scores one sample: ``fn(prompt, response, label) -> RewardResult | float``. It is
+named either by a built-in name (``BUILTIN_REWARDS`` in ``builtin.py``) or by ``"package.module:function"``
+for user code. A reward function may carry a ``warmup`` attribute, a no-argument callable that
+RewardRunner runs once in each worker process at start-up, outside the per-call timeout (for heavy
+imports or grammar compilation that would otherwise make the first call time out). Extra keyword arguments from the config are bound at resolution time, so a typo in them
+fails when the config is built, not on the first sample.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RewardResult:
+    """Score of one sample plus optional named sub-scores (logged as ``<fn name>/<component>``).
+
+    Attributes:
+        score: the value the reward function contributes (before its weight).
+        components: diagnostics such as ``{"correct": 1.0, "format": 0.0}``; not summed into the score.
+    """
+
+    score: float
+    components: dict[str, float] = field(default_factory=dict)
+
+
+RewardFn = Callable[[str, str, Any], RewardResult | float]
+
+
+def warmup_of(fn: RewardFn) -> Callable[[], Any] | None:
+    """The ``warmup`` callable of a reward function (looking through ``functools.partial``), if any."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    warmup = getattr(target, "warmup", None)
+    return warmup if callable(warmup) else None
+
+
+def _builtin_rewards() -> dict[str, Callable[..., RewardResult]]:
+    # Imported late: builtin.py imports RewardResult from this module.
+    from dockrl.rewards.builtin import BUILTIN_REWARDS
+
+    return BUILTIN_REWARDS
+
+
+def _import_function(name: str) -> Callable[..., Any]:
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward function {name!r} must be 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time failure of user code is a config error
+        raise ValueError(
+            f"reward function {name!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    fn = getattr(module, attr, None)
+    if fn is None:
+        public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
+        raise ValueError(
+            f"reward function {name!r}: module {module_name!r} has no attribute {attr!r}; callables: {public}"
+        )
+    if not callable(fn):
+        raise ValueError(f"reward function {name!r} is a {type(fn).__name__}, not a callable")
+    return fn
+
+
+def resolve_reward_fn(name: str, kwargs: dict | None = None) -> RewardFn:
+    """Return the reward function called ``name`` with ``kwargs`` bound.
+
+    Args:
+        name: a built-in name ("exact_answer", "math_verify", "format") or "package.module:function".
+        kwargs: extra keyword arguments passed on every call (e.g. ``{"pattern": ...}`` for "format").
+
+    Raises:
+        ValueError: unknown built-in (lists the built-ins), module that fails to import (names the path
+            and the import error), missing attribute, or kwargs the function does not accept.
+    """
+    if ":" in name:
+        fn = _import_function(name)
+    else:
+        builtins = _builtin_rewards()
+        if name not in builtins:
+            raise ValueError(
+                f"unknown reward function {name!r}; built-ins are {sorted(builtins)}, "
+                "or give user code as 'package.module:function'"
+            )
+        fn = builtins[name]
+    kwargs = dict(kwargs or {})
+    try:
+        inspect.signature(fn).bind("prompt", "response", "label", **kwargs)
+    except TypeError as exc:
+        raise ValueError(
+            f"reward function {name!r} cannot be called as fn(prompt, response, label, **{kwargs}): {exc}"
+        ) from exc
+    except ValueError:
+        pass  # no introspectable signature (some builtins / C functions): trust the caller
+    return functools.partial(fn, **kwargs) if kwargs else fn

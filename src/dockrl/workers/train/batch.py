@@ -1,0 +1,68 @@
+"""Turn ragged dock rows (prompt_ids [P], response_ids [R], per-token columns [R]) into padded micro-batches.
+
+Shapes: B rows, T = max(P + R) tokens. Logits at position t predict token t + 1, so per-token training
+tensors live on the shifted grid [B, T-1]: row i's response occupies columns P_i - 1 ... P_i + R_i - 2.
+Padding is on the right; causal attention means pad tokens never influence real ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward unit: padded inputs plus response-aligned tensors on the [B, T-1] grid."""
+
+    input_ids: torch.Tensor  # [B, T] int64
+    response_mask: torch.Tensor  # [B, T-1] float32, 1 where the target is a (trainable) response token
+    starts: list[int]  # per row: first column of the response on the shifted grid (P_i - 1)
+    lengths: list[int]  # per row: response length R_i
+    per_token: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B, T-1] float32
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in this micro-batch."""
+        return len(self.lengths)
+
+    def unpad(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """[B, T-1] grid -> one [R_i] tensor per row (detached, on CPU)."""
+        values = values.detach().cpu()
+        return [values[i, s : s + n].clone() for i, (s, n) in enumerate(zip(self.starts, self.lengths))]
+
+
+def make_micro_batch(
+    prompts: list[torch.Tensor],
+    responses: list[torch.Tensor],
+    *,
+    pad_token_id: int,
+    device: torch.device | str = "cpu",
+    per_token: dict[str, list[torch.Tensor]] | None = None,
+    response_masks: list[torch.Tensor] | None = None,
+) -> MicroBatch:
+    """Pad rows to one tensor; per-token columns (advantages, old/ref log-probs) are placed on the shifted grid."""
+    seqs = [torch.cat([p.long(), r.long()]) for p, r in zip(prompts, responses)]
+    num_rows, max_len = len(seqs), max(len(s) for s in seqs)
+    input_ids = torch.full((num_rows, max_len), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(num_rows, max_len - 1)
+    starts, lengths = [], []
+    for i, (seq, prompt, resp) in enumerate(zip(seqs, prompts, responses)):
+        input_ids[i, : len(seq)] = seq
+        start, length = len(prompt) - 1, len(resp)
+        mask[i, start : start + length] = 1.0 if response_masks is None else response_masks[i].float()
+        starts.append(start)
+        lengths.append(length)
+    grids = {}
+    for name, rows in (per_token or {}).items():
+        grid = torch.zeros(num_rows, max_len - 1)
+        for i, values in enumerate(rows):
+            grid[i, starts[i] : starts[i] + lengths[i]] = values.float()
+        grids[name] = grid.to(device)
+    return MicroBatch(input_ids.to(device), mask.to(device), starts, lengths, grids)
+
+
+def split_indices(num_rows: int, size: int) -> list[list[int]]:
+    """Consecutive index chunks of at most `size`."""
+    return [list(range(i, min(i + size, num_rows))) for i in range(0, num_rows, size)]

@@ -1,0 +1,97 @@
+"""One optimizer step of the clipped-surrogate policy loss over a mini-batch of dock rows.
+
+Shapes: B rows, T tokens (shifted grid T-1), V vocab.
+
+Normalisation across data-parallel ranks: a token-mean loss must divide by the token count of the
+whole mini-batch on all ranks, not of this rank's share. The local loss is therefore
+sum(local token losses) / global_tokens, and it is multiplied by world_size because FSDP2 averages
+gradients over the ranks. Then dp=N and dp=1 take the same step on the same rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dockrl.algos.logprobs import token_entropy, token_logprobs
+from dockrl.algos.losses import policy_loss
+from dockrl.config.schema import AlgoConfig
+from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
+from dockrl.workers.train.engine import TrainEngine
+
+SUMMED_METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "approx_kl")
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum a small CPU tensor over all ranks (a no-op without a process group)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def policy_update(
+    engine: TrainEngine,
+    batch: dict[str, list],
+    idx: list[int],
+    per_token_names: list[str],
+    algo: AlgoConfig,
+    *,
+    temperature: float,
+    micro_batch_size: int,
+    pad_token_id: int,
+    world_size: int,
+) -> dict[str, float]:
+    """Train on rows `idx` of `batch` (prompt_ids, response_ids, advantages [, ref_logprobs, old_logprobs])."""
+    local_tokens = sum(len(batch["response_ids"][i]) for i in idx)
+    global_tokens = all_reduce_sum(torch.tensor([float(local_tokens)]))[0].item()
+    global_seqs = float(len(idx) * world_size)
+    micro_batches = [
+        make_micro_batch(
+            [batch["prompt_ids"][idx[j]] for j in chunk],
+            [batch["response_ids"][idx[j]] for j in chunk],
+            pad_token_id=pad_token_id,
+            device=engine.device,
+            per_token={name: [batch[name][idx[j]] for j in chunk] for name in per_token_names},
+        )
+        for chunk in split_indices(len(idx), micro_batch_size)
+    ]
+    loss_fn = _loss_fn(algo, temperature, global_tokens, global_seqs, world_size)
+    metrics = engine.train_step(micro_batches, loss_fn)
+    totals = all_reduce_sum(torch.tensor([metrics[k] for k in SUMMED_METRICS], dtype=torch.float64))
+    out = dict(zip(SUMMED_METRICS, totals.tolist()))
+    out["grad_norm"], out["lr"] = metrics["grad_norm"], metrics["lr"]
+    return out
+
+
+def _loss_fn(algo: AlgoConfig, temperature: float, global_tokens: float, global_seqs: float, world_size: int):
+    def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        targets = mb.input_ids[:, 1:]  # [B, T-1]
+        logp = token_logprobs(logits, targets, temperature)  # [B, T-1]
+        entropy = token_entropy(logits, temperature) if algo.entropy_coef > 0 else None
+        # Exactly on-policy (one mini-batch, one epoch): old log-probs equal the current ones.
+        old = mb.per_token.get("old_logprobs", logp.detach())
+        out = policy_loss(
+            logp, old, mb.per_token["advantages"], mb.response_mask,
+            clip_low=algo.clip_low, clip_high=algo.clip_high,
+            ref_logprobs=mb.per_token.get("ref_logprobs"), kl_coef=algo.kl_coef,
+            kl_estimator=algo.kl_estimator, entropy=entropy, entropy_coef=algo.entropy_coef,
+            agg=algo.loss_agg, num_tokens=global_tokens, num_seqs=global_seqs,
+        )
+        if entropy is None:
+            with torch.no_grad():
+                entropy_sum = (token_entropy(logits.detach(), temperature) * mb.response_mask).sum()
+            entropy_value = entropy_sum.item() / global_tokens
+        else:
+            entropy_value = out.entropy.item()
+        share = mb.response_mask.sum().item() / global_tokens  # weight of this micro-batch's token means
+        metrics = {
+            "loss": out.loss.item(),
+            "pg_loss": out.pg_loss.item(),
+            "kl": out.kl.item(),
+            "entropy": entropy_value,
+            "clip_frac": out.clip_frac.item() * share,
+            "approx_kl": out.approx_kl.item() * share,
+        }
+        return out.loss * world_size, metrics
+
+    return loss_fn

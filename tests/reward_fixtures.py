@@ -1,0 +1,41 @@
+"""User-style reward functions for tests/test_rewards.py, resolved as 'reward_fixtures:<name>'."""
+
+import os
+import time
+
+from dockrl.rewards import RewardResult
+
+
+def length_reward(prompt, response, label, *, scale=1.0):
+    """A plain float: scale * len(response)."""
+    return scale * len(response)
+
+
+def parity_reward(prompt, response, label):
+    """A RewardResult with two components."""
+    even = len(response) % 2 == 0
+    return RewardResult(score=1.0 if even else 0.0, components={"even": float(even), "length": len(response)})
+
+
+def sleepy_reward(prompt, response, label, *, seconds=30.0):
+    """Hangs for `seconds` when the response is 'hang', else scores 1."""
+    if response == "hang":
+        time.sleep(seconds)
+    return 1.0
+
+
+def failing_reward(prompt, response, label):
+    """Raises on the response 'boom', else scores 1."""
+    if response == "boom":
+        raise RuntimeError("verifier exploded")
+    return 1.0
+
+
+def dying_reward(prompt, response, label):
+    """Kills its own process (like a segfaulting verifier) on the response 'die', else scores 1."""
+    if response == "die":
+        os._exit(3)
+    return 1.0
+
+
+NOT_CALLABLE = 42

@@ -1,0 +1,110 @@
+"""Config loading and validation: every bad input is a clear error, raised before Ray starts."""
+
+import json
+
+import pytest
+
+from dockrl.cli import main
+from dockrl.config import ConfigError, TrainConfig, load_config, render_docs, validate_train
+
+
+def _base(tiny_model, arithmetic_data) -> list[str]:
+    return [
+        f"model.path={tiny_model}",
+        f"data.train_path={arithmetic_data['train']}",
+        "run.steps=1",
+        "run.prompts_per_step=4",
+        "rollout.samples_per_prompt=2",
+    ]
+
+
+def test_yaml_and_overrides(tmp_path, tiny_model, arithmetic_data):
+    path = tmp_path / "c.yaml"
+    path.write_text("run:\n  steps: 3\n  prompts_per_step: 8\nactor:\n  lr: 1.0e-4\n")
+    cfg = load_config(TrainConfig, path, [f"model.path={tiny_model}", f"data.train_path={arithmetic_data['train']}",
+                                          "actor.lr=2e-5", "reward.functions=[{name: format, weight: 0.5}]"])
+    assert cfg.run.steps == 3 and cfg.run.prompts_per_step == 8
+    assert cfg.actor.lr == pytest.approx(2e-5)
+    assert cfg.reward.functions[0].name == "format" and cfg.reward.functions[0].weight == 0.5
+    validate_train(cfg)
+    assert cfg.run.device == "cpu" and cfg.run.precision == "fp32"
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("actor.lrr=1e-5", "did you mean actor.lr"),
+        ("rollout.temprature=0.7", "did you mean rollout.temperature"),
+        ("run.steps=ten", "run.steps='ten' has the wrong type"),
+        ("actor.dp=1.5", "actor.dp=1.5 has the wrong type"),
+        ("data.shuffle=7", "data.shuffle=7 has the wrong type"),
+    ],
+)
+def test_unknown_key_and_wrong_type(tiny_model, arithmetic_data, override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + [override])
+
+
+def test_missing_required_names_the_key():
+    with pytest.raises(ConfigError, match="model.path is required"):
+        load_config(TrainConfig, None, ["data.train_path=x", "run.steps=1", "run.prompts_per_step=1"])
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("rollout.samples_per_prompt=0", "rollout.samples_per_prompt=0: must be >= 1"),
+        ("actor.dp=3", "not divisible by actor.dp=3"),
+        ("actor.mini_batches=3", "actor.mini_batches=3: does not divide the 8 rows"),
+        ("algo.kl_estimator=k7", "algo.kl_estimator='k7': unknown estimator"),
+        ("rollout.top_p=1.5", "rollout.top_p=1.5"),
+        ("reward.functions=[{name: no_such_fn}]", "reward.functions\\[0\\].name='no_such_fn'"),
+        ("run.device=tpu", "run.device='tpu': unknown device"),
+    ],
+)
+def test_validation_errors(tiny_model, arithmetic_data, override, expected):
+    cfg = load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + [override])
+    with pytest.raises(ConfigError, match=expected):
+        validate_train(cfg)
+
+
+def test_missing_model_dir_and_prompt_field(tmp_path, tiny_model, arithmetic_data):
+    cfg = load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + [f"model.path={tmp_path / 'nope'}"])
+    with pytest.raises(ConfigError, match="model.path=.*the model directory does not exist"):
+        validate_train(cfg)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n")
+    cfg = load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + [f"data.train_path={bad}"])
+    with pytest.raises(ValueError, match="prompt") as err:
+        validate_train(cfg)
+    assert "bad.jsonl" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("run.stepz=2", "did you mean run.steps"),
+        ("rollout.samples_per_prompt=0", "samples_per_prompt=0"),
+        ("actor.dp=3", "actor.dp=3"),
+        ("model.path=/no/such/model", "model directory does not exist"),
+    ],
+)
+def test_cli_errors_before_ray_starts(monkeypatch, capsys, tmp_path, tiny_model, arithmetic_data, override, expected):
+    import dockrl.recipes.grpo as grpo
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("Ray was started before the config was validated")
+
+    monkeypatch.setattr(grpo, "init_ray", forbidden)
+    config = tmp_path / "empty.yaml"
+    config.write_text("{}\n")
+    code = main(["train", str(config), *_base(tiny_model, arithmetic_data), override])
+    assert code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_every_setting_is_documented():
+    rows = render_docs(TrainConfig)
+    assert len(rows) > 40
+    undocumented = [r for r in rows if r.rstrip().endswith("|  |")]
+    assert undocumented == []

@@ -1,0 +1,206 @@
+"""The dock on a local Ray runtime with 2 warehouses: concurrency, payload, placement, timeouts, failures."""
+
+import pickle
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from dockrl.dock import DockClient, DockError, DockTimeoutError, Warehouse, WarehouseDiedError, launch_dock
+from dockrl.dock.launch import RemoteController
+
+GROUP_SIZE = 4
+NUM_GROUPS = 8
+NUM_ROWS = GROUP_SIZE * NUM_GROUPS
+
+
+@pytest.fixture(scope="module")
+def dock(ray_session):
+    # Ray workers cannot import this test module: ship its functions and classes by value.
+    ray_session.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    dock = launch_dock(num_warehouses=2, name_prefix="test-dock", get_timeout_s=20.0)
+    yield dock
+    dock.shutdown()
+
+
+@pytest.fixture
+def client(dock):
+    client = dock.client()
+    client.reset()
+    return client
+
+
+def prompt_of(group: int) -> torch.Tensor:
+    return torch.arange(2 + group % 3) + 100 * group
+
+
+def response_of(row: int) -> torch.Tensor:
+    return torch.full((1 + row % 3,), 1000 + row)
+
+
+def add_prompts(client, num_groups: int = NUM_GROUPS) -> list[int]:
+    prompts = [prompt_of(group) for group in range(num_groups)]
+    return client.add_groups(prompts, [f"label-{group}" for group in range(num_groups)], GROUP_SIZE)
+
+
+def produce(client, seed: int) -> list[int]:
+    """Rollout stand-in: take 2 prompts' groups at a time, write each row's response in random order."""
+    rng = random.Random(seed)
+    written = []
+    while (
+        got := client.get("rollout", ["prompt_ids"], 2 * GROUP_SIZE, whole_groups=True, min_count=GROUP_SIZE)
+    ) is not None:
+        rows, _ = got
+        rng.shuffle(rows)
+        for row in rows:
+            time.sleep(rng.uniform(0.0, 0.01))
+            client.put([row], {"response_ids": [response_of(row)]})
+            written.append(row)
+    return written
+
+
+def score(client) -> list[tuple[list[int], list[list[int]], list[list[int]], list[str]]]:
+    """Reward stand-in: whole groups only; writes a reward per row, returns what it saw."""
+    seen = []
+    columns = ["prompt_ids", "response_ids", "label"]
+    while (got := client.get("reward", columns, GROUP_SIZE, whole_groups=True)) is not None:
+        rows, batch = got
+        client.put(rows, {"reward": [float(row) for row in rows]})
+        seen.append(
+            (
+                rows,
+                [t.tolist() for t in batch["prompt_ids"]],
+                [t.tolist() for t in batch["response_ids"]],
+                batch["label"],
+            )
+        )
+    return seen
+
+
+class Trainer:
+    """Another consumer, as a Ray actor holding a pickled client."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def run(self) -> list[tuple[list[int], list[float], list[list[int]]]]:
+        seen = []
+        while (got := self.client.get("train", ["response_ids", "reward"], 6)) is not None:
+            rows, batch = got
+            seen.append((rows, batch["reward"], [t.tolist() for t in batch["response_ids"]]))
+        return seen
+
+
+def test_concurrent_producers_and_consumers_serve_every_row_exactly_once(ray_session, dock, client):
+    ray = ray_session
+    trainer = ray.remote(num_cpus=0)(Trainer).remote(dock.client(poll_interval_s=0.005))
+    # Consumers start first and wait on an empty table. Producers and reward consumers are driver threads
+    # (each Ray process costs seconds of torch import on a small machine); the trainer is a Ray actor.
+    with ThreadPoolExecutor(5) as pool:
+        scores = [pool.submit(score, dock.client(poll_interval_s=0.005)) for _ in range(3)]
+        trained = trainer.run.remote()
+        produced = [pool.submit(produce, dock.client(home=home), seed=home) for home in (0, 1)]
+        rows = add_prompts(client)
+        assert rows == list(range(NUM_ROWS))
+        written = [future.result(timeout=60) for future in produced]
+        scored = [batch for future in scores for batch in future.result(timeout=60)]
+    trained = ray.get(trained, timeout=60)
+    ray.kill(trainer)
+    assert sorted(written[0] + written[1]) == rows
+
+    assert sorted(row for batch in scored for row in batch[0]) == rows  # exactly once, nothing lost
+    for batch_rows, prompts, responses, labels in scored:
+        group = batch_rows[0] // GROUP_SIZE
+        assert batch_rows == list(range(group * GROUP_SIZE, (group + 1) * GROUP_SIZE))  # one whole group
+        assert prompts == [prompt_of(group).tolist()] * GROUP_SIZE
+        assert responses == [response_of(row).tolist() for row in batch_rows]
+        assert labels == [f"label-{group}"] * GROUP_SIZE
+
+    assert sorted(row for batch in trained for row in batch[0]) == rows
+    assert [len(batch[0]) for batch in trained] == [6, 6, 6, 6, 6, 2]  # the 2-row tail is served too
+    for batch_rows, rewards, responses in trained:
+        assert rewards == [float(row) for row in batch_rows]
+        assert responses == [response_of(row).tolist() for row in batch_rows]
+
+    stats = client.stats()
+    assert stats["consumed"] == {"rollout": NUM_ROWS, "reward": NUM_ROWS, "train": NUM_ROWS}
+    # Responses live where their producer put them (which producer took which groups is up to timing).
+    locations = ray.get(dock.controller.locations.remote(rows, ["response_ids"]), timeout=10)["response_ids"]
+    assert sorted(locations[row] for row in written[0]) == [0] * len(written[0])
+    assert sorted(locations[row] for row in written[1]) == [1] * len(written[1])
+    assert sum(w["cells"] for w in stats["warehouses"]) == sum(stats["warehouse_cells"]) == 4 * NUM_ROWS
+
+
+def test_add_groups_spreads_groups_round_robin_and_replicates_prompt_and_label(ray_session, dock, client):
+    rows = add_prompts(client, num_groups=3)
+    locations = ray_session.get(dock.controller.locations.remote(rows, ["prompt_ids", "label"]), timeout=10)
+    assert locations["prompt_ids"] == [0] * 4 + [1] * 4 + [0] * 4
+    assert locations["label"] == locations["prompt_ids"]
+    assert ray_session.get(dock.controller.lengths.remote(rows, ["prompt_len"]), timeout=10) == {
+        "prompt_len": [2] * 4 + [3] * 4 + [4] * 4
+    }
+    rows_next = client.add_groups([prompt_of(3)], ["label-3"], GROUP_SIZE)
+    assert ray_session.get(dock.controller.locations.remote(rows_next, ["prompt_ids"]), timeout=10) == {
+        "prompt_ids": [1] * 4  # the cursor continues across calls
+    }
+    got_rows, batch = client.get("c", ["prompt_ids", "label"], 16)
+    assert got_rows == list(range(16))
+    assert [t.tolist() for t in batch["prompt_ids"][3:5]] == [prompt_of(0).tolist(), prompt_of(1).tolist()]
+    assert batch["label"][::4] == ["label-0", "label-1", "label-2", "label-3"]
+    assert client.all_consumed("c") and client.get("c", ["label"], 4) is None
+
+
+def test_rows_put_by_a_client_are_recorded_at_its_home_warehouse(ray_session, dock, client):
+    rows = add_prompts(client, num_groups=1)
+    assert client.home == 0  # default: the first warehouse on the driver's node
+    node = ray_session.get_runtime_context().get_node_id()
+    remote_first = DockClient(dock.controller, dock.warehouses, warehouse_nodes=["some-other-node", node])
+    assert remote_first.home == 1  # the only warehouse on this node
+    remote_first.put(rows[:2], {"response_ids": [response_of(0), response_of(1)]})
+    dock.client(home=0).put(rows[2:], {"response_ids": [response_of(2), response_of(3)]})
+    locations = ray_session.get(dock.controller.locations.remote(rows, ["response_ids"]), timeout=10)
+    assert locations == {"response_ids": [1, 1, 0, 0]}
+    held = [w["cells"] for w in client.stats()["warehouses"]]
+    assert held == [2 * 4 + 2, 2]  # warehouse 0 also holds the group's prompt_ids and label
+
+
+def test_client_pickles_and_re_resolves_its_home(ray_session, dock):
+    client = dock.client(home=None)
+    assert client.home == 0
+    clone = pickle.loads(pickle.dumps(client))
+    assert clone._home is None and clone.home == 0  # re-resolved where it was unpickled
+    assert pickle.loads(pickle.dumps(dock.client(home=1)))._home == 1
+
+
+def test_get_that_cannot_be_served_times_out_naming_consumer_and_ready_counts(client):
+    add_prompts(client, num_groups=1)
+    start = time.monotonic()
+    with pytest.raises(DockTimeoutError) as error:
+        client.get("critic", ["prompt_ids", "values"], 4, timeout_s=0.5)
+    assert time.monotonic() - start < 2.0
+    message = str(error.value)
+    assert "'critic'" in message and "asked for 4 rows" in message
+    assert "{'prompt_ids': 4, 'values': 0}" in message
+    assert "consumed by 'critic': 0 of 4 rows" in message
+
+
+def test_killed_warehouse_turns_get_into_dock_error_naming_it(ray_session, dock, client):
+    # A fresh warehouse 1 next to the module's controller and warehouse 0 (one process instead of a dock).
+    doomed = (
+        ray_session.remote(Warehouse)
+        .options(num_cpus=0, name="test-dock-doomed")
+        .remote(1, RemoteController(dock.controller))
+    )
+    fragile = DockClient(dock.controller, [dock.warehouses[0], doomed], warehouse_nodes=dock.warehouse_nodes)
+    # Group 0 on warehouse 0, group 1 (rows 4-7) on the doomed one; list prompts spare it a torch import.
+    fragile.add_groups([[1, 2], [3]], ["a", "b"], GROUP_SIZE)
+    ray_session.kill(doomed)
+    start = time.monotonic()
+    with pytest.raises(WarehouseDiedError, match=r"dock warehouse 1 on node \w+ died .*\[4, 5, 6, 7\]"):
+        fragile.get("c", ["prompt_ids"], 8)
+    assert time.monotonic() - start < 10.0
+    with pytest.raises(DockError, match="dock warehouse 1"):
+        DockClient(dock.controller, [dock.warehouses[0], doomed], home=1).put([0], {"reward": [1.0]})

@@ -1,0 +1,68 @@
+"""WorkerGroup: per-rank calls, and a dead, raising or hung worker becomes an error naming it."""
+
+import os
+import sys
+import time
+
+import pytest
+import ray
+
+from dockrl.workers.group import Worker, WorkerError, WorkerGroup
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class EchoWorker(Worker):
+    def rank_times(self, x: int) -> int:
+        return self.rank * x
+
+    def sleep(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    def die(self) -> None:
+        if self.rank == 1:
+            os._exit(1)
+        time.sleep(30)
+
+    def boom(self) -> None:
+        if self.rank == 1:
+            raise RuntimeError("verifier exploded")
+
+    def all_reduce(self) -> float:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(t)
+        return t.item()
+
+
+@pytest.fixture
+def group(ray_session):
+    g = WorkerGroup(EchoWorker, 2, name=f"echo{time.monotonic_ns()}", timeout_s=5.0, distributed=True)
+    yield g
+    g.shutdown()
+
+
+def test_call_and_collective(group):
+    assert group.call("rank_times", 3) == [0, 3]
+    assert group.call_ranks("rank_times", [(5,), (7,)]) == [0, 7]
+    assert group.call("all_reduce") == [3.0, 3.0]
+
+
+def test_raising_worker_is_named(group):
+    with pytest.raises(WorkerError, match=r"(?s)-1 raised:.*verifier exploded"):
+        group.call("boom")
+
+
+def test_dead_worker_is_named_quickly(group):
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"worker echo\d+-1 died"):
+        group.call("die")
+    assert time.monotonic() - start < 30
+
+
+def test_hung_worker_times_out_with_names(group):
+    with pytest.raises(WorkerError, match=r"no answer from echo\d+-0, echo\d+-1 after 5 s"):
+        group.call("sleep", 60)
