@@ -3,10 +3,17 @@
 import os
 
 import pytest
+import torch
+
+# Tiny ops on 2 shared cores run far faster single-threaded (thread hand-off dominates the math).
+torch.set_num_threads(1)
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray workers (and the reward processes they spawn) import user reward functions from tests/.
+_tests_dir = os.path.dirname(os.path.abspath(__file__))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_tests_dir, os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +38,9 @@ def tiny_model(tmp_path_factory):
     """A tiny random qwen2-family model + tokenizer directory (built once per session)."""
     from dockrl.models.tiny import make_tiny
 
-    return make_tiny(tmp_path_factory.mktemp("tiny") / "model", family="qwen2", hidden_size=64, num_layers=2, seed=0)
+    return make_tiny(
+        tmp_path_factory.mktemp("tiny") / "model", family="qwen2", hidden_size=64, num_layers=2, seed=0
+    )
 
 
 @pytest.fixture(scope="session")

@@ -282,7 +282,13 @@ def test_two_micro_batches_with_global_count_equal_one_batch(agg, count_kw):
     summed = 0.0
     for rows in (slice(0, 2), slice(2, 4)):
         loss = policy_loss(
-            micro[rows], old[rows], adv[rows], mask[rows], ref_logprobs=ref[rows], **kwargs, **{count_kw: count}
+            micro[rows],
+            old[rows],
+            adv[rows],
+            mask[rows],
+            ref_logprobs=ref[rows],
+            **kwargs,
+            **{count_kw: count},
         ).loss
         loss.backward()
         summed = summed + loss.detach()

@@ -21,8 +21,16 @@ def _base(tiny_model, arithmetic_data) -> list[str]:
 def test_yaml_and_overrides(tmp_path, tiny_model, arithmetic_data):
     path = tmp_path / "c.yaml"
     path.write_text("run:\n  steps: 3\n  prompts_per_step: 8\nactor:\n  lr: 1.0e-4\n")
-    cfg = load_config(TrainConfig, path, [f"model.path={tiny_model}", f"data.train_path={arithmetic_data['train']}",
-                                          "actor.lr=2e-5", "reward.functions=[{name: format, weight: 0.5}]"])
+    cfg = load_config(
+        TrainConfig,
+        path,
+        [
+            f"model.path={tiny_model}",
+            f"data.train_path={arithmetic_data['train']}",
+            "actor.lr=2e-5",
+            "reward.functions=[{name: format, weight: 0.5}]",
+        ],
+    )
     assert cfg.run.steps == 3 and cfg.run.prompts_per_step == 8
     assert cfg.actor.lr == pytest.approx(2e-5)
     assert cfg.reward.functions[0].name == "format" and cfg.reward.functions[0].weight == 0.5
@@ -69,7 +77,9 @@ def test_validation_errors(tiny_model, arithmetic_data, override, expected):
 
 
 def test_missing_model_dir_and_prompt_field(tmp_path, tiny_model, arithmetic_data):
-    cfg = load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + [f"model.path={tmp_path / 'nope'}"])
+    cfg = load_config(
+        TrainConfig, None, _base(tiny_model, arithmetic_data) + [f"model.path={tmp_path / 'nope'}"]
+    )
     with pytest.raises(ConfigError, match="model.path=.*the model directory does not exist"):
         validate_train(cfg)
     bad = tmp_path / "bad.jsonl"
@@ -89,7 +99,9 @@ def test_missing_model_dir_and_prompt_field(tmp_path, tiny_model, arithmetic_dat
         ("model.path=/no/such/model", "model directory does not exist"),
     ],
 )
-def test_cli_errors_before_ray_starts(monkeypatch, capsys, tmp_path, tiny_model, arithmetic_data, override, expected):
+def test_cli_errors_before_ray_starts(
+    monkeypatch, capsys, tmp_path, tiny_model, arithmetic_data, override, expected
+):
     import dockrl.recipes.grpo as grpo
 
     def forbidden(*args, **kwargs):
@@ -108,3 +120,12 @@ def test_every_setting_is_documented():
     assert len(rows) > 40
     undocumented = [r for r in rows if r.rstrip().endswith("|  |")]
     assert undocumented == []
+
+
+def test_docs_config_md_is_current(capsys):
+    from pathlib import Path
+
+    main(["config-docs"])
+    rendered = capsys.readouterr().out
+    path = Path(__file__).parent.parent / "docs" / "config.md"
+    assert path.read_text() == rendered, "docs/config.md is stale: run `dockrl config-docs > docs/config.md`"

@@ -146,6 +146,17 @@ def test_causal_later_tokens_do_not_change_earlier_logits(model):
     assert (before[:, 6:] - after[:, 6:]).abs().max().item() > 1e-3
 
 
+@torch.no_grad()
+def test_position_ids_are_used(model):
+    # RoPE is shift-invariant, so only a gap in the positions (not an offset) may change the logits.
+    input_ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(3))
+    contiguous = model(input_ids)
+    assert torch.allclose(model(input_ids, position_ids=torch.arange(8)[None] + 5), contiguous, atol=1e-5)
+    gapped = model(input_ids, position_ids=torch.tensor([[0, 1, 2, 3, 20, 21, 22, 23]]))
+    assert torch.equal(gapped[:, :4], contiguous[:, :4])
+    assert (gapped[:, 4:] - contiguous[:, 4:]).abs().max().item() > 1e-3
+
+
 def test_num_params_and_hf_parameter_names(model):
     args = model.args
     assert args.num_params() == sum(param.numel() for param in model.parameters())

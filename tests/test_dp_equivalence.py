@@ -33,8 +33,15 @@ def run_update(model_dir: str, idx: list[int], world_size: int, mesh=None, micro
     engine = TrainEngine(model_dir, device="cpu", precision="fp32", mesh=mesh, optim=optim)
     batch = make_rows(engine.args.vocab_size)
     metrics = policy_update(
-        engine, batch, idx, ["advantages", "ref_logprobs", "old_logprobs"], ALGO,
-        temperature=1.0, micro_batch_size=micro_batch_size, pad_token_id=0, world_size=world_size,
+        engine,
+        batch,
+        idx,
+        ["advantages", "ref_logprobs", "old_logprobs"],
+        ALGO,
+        temperature=1.0,
+        micro_batch_size=micro_batch_size,
+        pad_token_id=0,
+        world_size=world_size,
     )
     return metrics, engine.full_state_dict()
 
@@ -46,7 +53,9 @@ def _dp_worker(rank: int, world_size: int, port: int, model_dir: str, out_path: 
     init_distributed(rank, world_size, "127.0.0.1", port, "cpu", timeout_s=120)
     mesh = data_parallel_mesh("cpu", world_size)
     per_rank = NUM_ROWS // world_size
-    metrics, state = run_update(model_dir, list(range(rank * per_rank, (rank + 1) * per_rank)), world_size, mesh)
+    metrics, state = run_update(
+        model_dir, list(range(rank * per_rank, (rank + 1) * per_rank)), world_size, mesh
+    )
     if rank == 0:
         torch.save({"metrics": metrics, "state": state}, out_path)
     torch.distributed.destroy_process_group()
@@ -55,10 +64,16 @@ def _dp_worker(rank: int, world_size: int, port: int, model_dir: str, out_path: 
 def test_dp2_equals_dp1(tmp_path, tiny_model):
     ref_metrics, ref_state = run_update(str(tiny_model), list(range(NUM_ROWS)), world_size=1)
     out = tmp_path / "dp2.pt"
-    mp.start_processes(_dp_worker, args=(2, free_port(), str(tiny_model), str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(
+        _dp_worker, args=(2, free_port(), str(tiny_model), str(out)), nprocs=2, start_method="spawn"
+    )
     dp2 = torch.load(out)
     for key in ("loss", "pg_loss", "kl", "grad_norm", "clip_frac"):
-        assert abs(dp2["metrics"][key] - ref_metrics[key]) < 1e-5, (key, dp2["metrics"][key], ref_metrics[key])
+        assert abs(dp2["metrics"][key] - ref_metrics[key]) < 1e-5, (
+            key,
+            dp2["metrics"][key],
+            ref_metrics[key],
+        )
     assert ref_metrics["grad_norm"] > 0
     assert set(ref_state) == set(dp2["state"])
     for name, ref in ref_state.items():

@@ -56,6 +56,8 @@ def test_exact_answer(response, label, expected):
         ("The answer is $\\boxed{2}$", "2", 1.0),
         ("$\\boxed{3}$", "2", 0.0),
         ("I don't know", "2", 0.0),
+        ("The answer is $x^2+1$", "x^2+1", 1.0),  # bare LaTeX labels are read as math, not text
+        ("\\boxed{\\sqrt 2}", "\\sqrt{2}", 1.0),
     ],
 )
 def test_math_verify(response, label, expected):
@@ -143,6 +145,15 @@ def test_runner_in_processes_matches_inline_and_handles_user_results():
     assert totals == [2.0, 0.0]
     assert components["reward_fixtures:parity_reward/even"] == [1.0, 0.0]
     assert components["reward_fixtures:parity_reward/length"] == [2.0, 3.0]
+
+
+def test_worker_warmup_does_not_count_against_the_timeout():
+    # math-verify's first call in a fresh process takes ~1 s (sympy, LaTeX grammar); the worker warms it
+    # up at start-up, so a tight per-call timeout still passes.
+    with RewardRunner([RewardSpec("math_verify")], timeout_s=0.5, num_processes=1) as runner:
+        totals, _, stats = runner.score(["p"] * 2, ["$\\frac{1}{2}$", "3"], ["0.5", "2"])
+    assert totals == [1.0, 0.0]
+    assert stats == {"timeouts": 0, "errors": 0}
 
 
 def test_hung_call_times_out_and_next_calls_work():

@@ -1,12 +1,12 @@
 """The `dockrl` command line.
 
-    dockrl train CONFIG.yaml [key=value ...]   GRPO through Ray and the transfer dock
-    dockrl sft CONFIG.yaml [key=value ...]     supervised warm start
-    dockrl eval --model DIR --data FILE        greedy accuracy on a held-out file
-    dockrl make-tiny OUT_DIR                   tiny random model + locally trained tokenizer
-    dockrl data arithmetic OUT_DIR             synthetic task files
-    dockrl demo                                make-tiny -> SFT -> eval -> GRPO -> eval
-    dockrl config-docs                         every setting, its type, default and meaning
+dockrl train CONFIG.yaml [key=value ...]   GRPO through Ray and the transfer dock
+dockrl sft CONFIG.yaml [key=value ...]     supervised warm start
+dockrl eval --model DIR --data FILE        greedy accuracy on a held-out file
+dockrl make-tiny OUT_DIR                   tiny random model + locally trained tokenizer
+dockrl data arithmetic OUT_DIR             synthetic task files
+dockrl demo                                make-tiny -> SFT -> eval -> GRPO -> eval
+dockrl config-docs                         every setting, its type, default and meaning
 """
 
 from __future__ import annotations
@@ -45,9 +45,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     check_model_dir(args.model, "--model")
     check_dataset(args.data, args.prompt_field, args.label_field, "--data")
     result = evaluate_model_dir(
-        args.model, args.data, [RewardSpec(name=name) for name in args.reward],
-        prompt_field=args.prompt_field, label_field=args.label_field, max_new_tokens=args.max_new_tokens,
-        limit=args.limit, device=resolve_device(args.device, "--device"), system_prompt=args.system_prompt,
+        args.model,
+        args.data,
+        [RewardSpec(name=name) for name in args.reward],
+        prompt_field=args.prompt_field,
+        label_field=args.label_field,
+        max_new_tokens=args.max_new_tokens,
+        limit=args.limit,
+        device=resolve_device(args.device, "--device"),
+        system_prompt=args.system_prompt,
     )
     if args.records:
         with open(args.records, "w") as f:
@@ -61,8 +67,14 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     from dockrl.models.tiny import make_tiny
 
     path = make_tiny(
-        args.out, family=args.family, hidden_size=args.hidden_size, num_layers=args.num_layers,
-        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, vocab_size=args.vocab_size, seed=args.seed,
+        args.out,
+        family=args.family,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        vocab_size=args.vocab_size,
+        seed=args.seed,
     )
     print(path)
     return 0
@@ -72,7 +84,11 @@ def _cmd_data(args: argparse.Namespace) -> int:
     from dockrl.data.synthetic import write_task
 
     paths = write_task(
-        args.task, args.out, num_train=args.num_train, num_test=args.num_test, seed=args.seed,
+        args.task,
+        args.out,
+        num_train=args.num_train,
+        num_test=args.num_test,
+        seed=args.seed,
         max_operand=args.max_operand,
     )
     print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
@@ -98,7 +114,9 @@ def _cmd_config_docs(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    parser = argparse.ArgumentParser(prog="dockrl", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="dockrl", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
@@ -106,7 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    for name, fn, help in (("train", _cmd_train, "GRPO training"), ("sft", _cmd_sft, "supervised fine-tuning")):
+    for name, fn, help in (
+        ("train", _cmd_train, "GRPO training"),
+        ("sft", _cmd_sft, "supervised fine-tuning"),
+    ):
         p = add(name, fn, help)
         p.add_argument("config", help="YAML config")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=10 actor.lr=1e-5")

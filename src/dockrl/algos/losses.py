@@ -172,7 +172,9 @@ def policy_loss(
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs; pass them or set kl_coef=0")
     if entropy_coef > 0 and entropy is None:
-        raise ValueError(f"entropy_coef={entropy_coef} needs per-token entropy; pass it or set entropy_coef=0")
+        raise ValueError(
+            f"entropy_coef={entropy_coef} needs per-token entropy; pass it or set entropy_coef=0"
+        )
 
     def reduce(values: Tensor) -> Tensor:
         return aggregate(values, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs)

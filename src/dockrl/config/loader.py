@@ -74,6 +74,8 @@ def from_dict(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
         key = prefix + name
         if name in raw:
             kwargs[name] = _coerce(hints[name], raw[name], key)
+        elif dataclasses.is_dataclass(hints[name]) and f.default_factory is dataclasses.MISSING:
+            kwargs[name] = from_dict(hints[name], {}, key + ".")  # names the missing leaf, e.g. model.path
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             doc = f.metadata.get("doc", "")
             raise ConfigError(f"{key} is required and missing; set it in the YAML or as {key}=... ({doc})")
@@ -122,6 +124,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise _type_error(key, value, "an integer")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `2e-5` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise _type_error(key, value, "a number") from None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise _type_error(key, value, "a number")
         return float(value)

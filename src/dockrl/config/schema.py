@@ -41,7 +41,9 @@ class DataConfig:
     use_chat_template: bool = setting(
         True, "Render prompts with the tokenizer's chat template (False: the raw prompt text)."
     )
-    max_prompt_len: int = setting(512, "Prompts longer than this many tokens are skipped (counted in the log).")
+    max_prompt_len: int = setting(
+        512, "Prompts longer than this many tokens are skipped (counted in the log)."
+    )
     shuffle: bool = setting(True, "Shuffle the training prompts each epoch (seeded by `run.seed`).")
 
 
@@ -85,7 +87,9 @@ class AlgoConfig:
     name: str = setting("grpo", "Algorithm; `grpo` in this release.")
     clip_low: float = setting(0.2, "Lower clip of the importance ratio: 1 - clip_low.")
     clip_high: float = setting(0.2, "Upper clip of the importance ratio: 1 + clip_high (DAPO uses 0.28).")
-    kl_coef: float = setting(0.001, "Weight of the KL-to-reference term in the loss; 0 skips the reference model.")
+    kl_coef: float = setting(
+        0.001, "Weight of the KL-to-reference term in the loss; 0 skips the reference model."
+    )
     kl_estimator: str = setting("k3", "KL estimator: k1, k2 or k3 (low-variance, non-negative).")
     entropy_coef: float = setting(0.0, "Weight of the entropy bonus (subtracted from the loss).")
     loss_agg: str = setting(
@@ -116,7 +120,9 @@ class RewardConfig:
     num_processes: int = setting(
         1, "Processes per RewardWorker that run reward calls; 0 runs them inline (no timeout)."
     )
-    timeout_s: float = setting(5.0, "A reward call running longer scores 0 and is counted in `reward/timeouts`.")
+    timeout_s: float = setting(
+        5.0, "A reward call running longer scores 0 and is counted in `reward/timeouts`."
+    )
     groups_per_pull: int = setting(4, "Groups a RewardWorker pulls from the dock at a time.")
 
 
@@ -135,7 +141,9 @@ class RunConfig:
     """The run: steps, resources, outputs."""
 
     steps: int = required("RL steps to run.")
-    prompts_per_step: int = required("Prompts per RL step; rows per step = prompts_per_step x samples_per_prompt.")
+    prompts_per_step: int = required(
+        "Prompts per RL step; rows per step = prompts_per_step x samples_per_prompt."
+    )
     seed: int = setting(0, "Seed for data order, initialisation and sampling (per-row seeds derive from it).")
     output_dir: str = setting("runs", "Parent directory of run directories.")
     name: str | None = setting(None, "Run directory name; None uses a timestamp.")
@@ -144,7 +152,8 @@ class RunConfig:
     log_samples: int = setting(4, "Prompt/response/reward triples written to samples.jsonl per step.")
     device: str = setting("auto", "cpu, cuda or auto (cuda when available).")
     precision: str = setting(
-        "auto", "fp32, or bf16 (bf16 compute, fp32 master weights and reductions); auto: bf16 on cuda, fp32 on cpu."
+        "auto",
+        "fp32, or bf16 (bf16 compute, fp32 master weights and reductions); auto: bf16 on cuda, fp32 on cpu.",
     )
     ray_address: str | None = setting(None, "Address of a Ray cluster to join; None starts a local one.")
     worker_timeout_s: float = setting(

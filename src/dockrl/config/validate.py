@@ -44,11 +44,15 @@ def check_model_dir(path: str, key: str) -> None:
     p = Path(path)
     if not p.is_dir():
         raise config_error(
-            key, path, "the model directory does not exist",
+            key,
+            path,
+            "the model directory does not exist",
             "pass a Hugging Face checkpoint directory (build a tiny one with `dockrl make-tiny DIR`)",
         )
     if not (p / "config.json").is_file():
-        raise config_error(key, path, "the directory has no config.json", "pass a Hugging Face checkpoint directory")
+        raise config_error(
+            key, path, "the directory has no config.json", "pass a Hugging Face checkpoint directory"
+        )
 
 
 def check_dataset(path: str, prompt_field: str, label_field: str | None, key: str) -> None:
@@ -70,11 +74,16 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
     """Check a GRPO config; resolves run.device and run.precision in place and returns cfg."""
     run, roll, actor, algo = cfg.run, cfg.rollout, cfg.actor, cfg.algo
     for key, value in [
-        ("run.steps", run.steps), ("run.prompts_per_step", run.prompts_per_step),
-        ("rollout.samples_per_prompt", roll.samples_per_prompt), ("rollout.max_new_tokens", roll.max_new_tokens),
-        ("rollout.max_batch_size", roll.max_batch_size), ("rollout.groups_per_pull", roll.groups_per_pull),
-        ("actor.dp", actor.dp), ("actor.micro_batch_size", actor.micro_batch_size),
-        ("actor.mini_batches", actor.mini_batches), ("actor.epochs", actor.epochs),
+        ("run.steps", run.steps),
+        ("run.prompts_per_step", run.prompts_per_step),
+        ("rollout.samples_per_prompt", roll.samples_per_prompt),
+        ("rollout.max_new_tokens", roll.max_new_tokens),
+        ("rollout.max_batch_size", roll.max_batch_size),
+        ("rollout.groups_per_pull", roll.groups_per_pull),
+        ("actor.dp", actor.dp),
+        ("actor.micro_batch_size", actor.micro_batch_size),
+        ("actor.mini_batches", actor.mini_batches),
+        ("actor.epochs", actor.epochs),
         ("reward.num_workers", reward_workers := cfg.reward.num_workers),
         ("reward.groups_per_pull", cfg.reward.groups_per_pull),
     ]:
@@ -90,41 +99,54 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
     if roll.temperature < 0:
         raise config_error("rollout.temperature", roll.temperature, "must be >= 0", "use 0 (greedy) or above")
     if not 0 < roll.top_p <= 1:
-        raise config_error("rollout.top_p", roll.top_p, "must be in (0, 1]", "use 1.0 to turn nucleus sampling off")
+        raise config_error(
+            "rollout.top_p", roll.top_p, "must be in (0, 1]", "use 1.0 to turn nucleus sampling off"
+        )
     if roll.top_k < 0:
         raise config_error("rollout.top_k", roll.top_k, "must be >= 0", "use 0 to turn top-k off")
     rows = run.prompts_per_step * roll.samples_per_prompt
     if rows % actor.dp:
         raise config_error(
-            "run.prompts_per_step", run.prompts_per_step,
+            "run.prompts_per_step",
+            run.prompts_per_step,
             f"rows per step = {run.prompts_per_step} x {roll.samples_per_prompt} = {rows} is not divisible by actor.dp={actor.dp}",
             "make prompts_per_step x samples_per_prompt a multiple of actor.dp",
         )
     rows_per_rank = rows // actor.dp
     if rows_per_rank % actor.mini_batches:
         raise config_error(
-            "actor.mini_batches", actor.mini_batches,
+            "actor.mini_batches",
+            actor.mini_batches,
             f"does not divide the {rows_per_rank} rows each rank trains on per step",
             f"use a divisor of {rows_per_rank}",
         )
     if algo.kl_estimator not in KL_ESTIMATORS:
-        raise config_error("algo.kl_estimator", algo.kl_estimator, "unknown estimator", f"use one of {KL_ESTIMATORS}")
+        raise config_error(
+            "algo.kl_estimator", algo.kl_estimator, "unknown estimator", f"use one of {KL_ESTIMATORS}"
+        )
     if algo.loss_agg not in LOSS_AGGS:
         raise config_error("algo.loss_agg", algo.loss_agg, "unknown aggregation", f"use one of {LOSS_AGGS}")
     if algo.kl_coef < 0:
-        raise config_error("algo.kl_coef", algo.kl_coef, "must be >= 0", "use 0 to train without a reference model")
+        raise config_error(
+            "algo.kl_coef", algo.kl_coef, "must be >= 0", "use 0 to train without a reference model"
+        )
     if algo.clip_low < 0 or algo.clip_high < 0 or algo.clip_low >= 1:
         raise config_error(
-            "algo.clip_low", (algo.clip_low, algo.clip_high), "clip ranges must be >= 0 and clip_low < 1",
+            "algo.clip_low",
+            (algo.clip_low, algo.clip_high),
+            "clip ranges must be >= 0 and clip_low < 1",
             "use e.g. clip_low=0.2 clip_high=0.28",
         )
     if roll.samples_per_prompt == 1 and algo.norm_adv_by_std:
         warnings.warn(
             "rollout.samples_per_prompt=1: GRPO group advantages are all zero with groups of one; "
-            "use samples_per_prompt >= 2", stacklevel=2,
+            "use samples_per_prompt >= 2",
+            stacklevel=2,
         )
     if algo.kl_coef == 0 and cfg.model.ref_path is not None:
-        warnings.warn("model.ref_path has no effect with algo.kl_coef=0 (no reference model is loaded)", stacklevel=2)
+        warnings.warn(
+            "model.ref_path has no effect with algo.kl_coef=0 (no reference model is loaded)", stacklevel=2
+        )
     _check_rewards(cfg)
     if cfg.dock.num_warehouses is not None:
         _positive("dock.num_warehouses", cfg.dock.num_warehouses)
@@ -144,7 +166,9 @@ def _check_rewards(cfg: TrainConfig) -> None:
     from dockrl.rewards.base import resolve_reward_fn
 
     if not cfg.reward.functions:
-        raise config_error("reward.functions", [], "no reward function is configured", "add e.g. {name: exact_answer}")
+        raise config_error(
+            "reward.functions", [], "no reward function is configured", "add e.g. {name: exact_answer}"
+        )
     for i, spec in enumerate(cfg.reward.functions):
         try:
             resolve_reward_fn(spec.name, spec.kwargs)
@@ -160,7 +184,10 @@ def _check_devices(device: str, dp: int) -> None:
     count = torch.cuda.device_count()
     if dp > count:
         # On a multi-node cluster the driver sees only its own node; Ray places the rest.
-        warnings.warn(f"actor.dp={dp} exceeds the {count} GPUs visible to the driver; Ray must find the rest", stacklevel=2)
+        warnings.warn(
+            f"actor.dp={dp} exceeds the {count} GPUs visible to the driver; Ray must find the rest",
+            stacklevel=2,
+        )
 
 
 def validate_sft(cfg: SFTConfig) -> SFTConfig:

@@ -38,6 +38,8 @@ class DockClient:
             another process), else warehouse 0.
         get_timeout_s: default wait for `get`, and the bound on every other dock round trip.
         poll_interval_s: first wait between allocation polls; grows to 0.1 s.
+
+    get/put/stats may be called from several threads; add_groups (round-robin cursor) from one at a time.
     """
 
     def __init__(

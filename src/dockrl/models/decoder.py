@@ -186,13 +186,50 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embedding, decoder layers and final norm (Hugging Face's `model.` prefix)."""
+    """Embedding, decoder layers and final norm (Hugging Face's `model.` prefix).
+
+    Its forward runs through `self.model(...)` so FSDP2 hooks on this module (if it is sharded on its own)
+    fire before the embedding is used.
+    """
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
+        self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # Plain attribute, not a buffer: survives meta-device init, to_empty() and load_state_dict().
+        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        cache_offset: int,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [B, T, H]; arguments as in `Transformer.hidden_states`."""
+        batch, seq = input_ids.shape
+        x = self.embed_tokens(input_ids)  # [B, T, H]
+        rope = self._rope(position_ids, x.dtype)
+        mask = _attention_mask(key_mask, batch, seq, cache_offset, kv_cache is not None, input_ids.device)
+        for index, layer in enumerate(self.layers):
+            cache = None if kv_cache is None else (kv_cache.k[index], kv_cache.v[index])
+            x = layer(x, rope, mask, cache, cache_offset)
+        return self.norm(x)
+
+    def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, D] computed in fp32 then cast to dtype, as transformers does."""
+        device = position_ids.device
+        inv_freq = self._inv_freq_by_device.get(device)
+        if inv_freq is None:
+            # Computed on CPU, then moved, so every device uses bit-identical frequencies.
+            inv_freq = rope_inv_freq(self.args).to(device)
+            self._inv_freq_by_device[device] = inv_freq
+        freqs = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 class Transformer(nn.Module):
@@ -208,8 +245,6 @@ class Transformer(nn.Module):
         self.model = DecoderModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        # Plain attribute, not a buffer: survives meta-device init, to_empty() and load_state_dict().
-        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
 
     def output_weight(self) -> torch.Tensor:
         """The [V, H] LM head weight (the embedding weight when tied)."""
@@ -244,7 +279,6 @@ class Transformer(nn.Module):
         real). With kv_cache, the new keys/values go to slots [cache_offset, cache_offset + T).
         """
         batch, seq = input_ids.shape
-        device = input_ids.device
         if kv_cache is None and cache_offset != 0:
             raise ValueError(f"cache_offset={cache_offset} needs a kv_cache; pass kv_cache or cache_offset=0")
         if kv_cache is not None and cache_offset + seq > kv_cache.max_len:
@@ -253,26 +287,9 @@ class Transformer(nn.Module):
                 "allocate a longer KVCache"
             )
         if position_ids is None:
-            position_ids = torch.arange(cache_offset, cache_offset + seq, device=device).expand(batch, seq)
-        x = self.model.embed_tokens(input_ids)  # [B, T, H]
-        rope = self._rope(position_ids, x.dtype)
-        mask = _attention_mask(key_mask, batch, seq, cache_offset, kv_cache is not None, device)
-        for index, layer in enumerate(self.model.layers):
-            cache = None if kv_cache is None else (kv_cache.k[index], kv_cache.v[index])
-            x = layer(x, rope, mask, cache, cache_offset)
-        return self.model.norm(x)
-
-    def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, D] computed in fp32 then cast to dtype, as transformers does."""
-        device = position_ids.device
-        inv_freq = self._inv_freq_by_device.get(device)
-        if inv_freq is None:
-            # Computed on CPU, then moved, so every device uses bit-identical frequencies.
-            inv_freq = rope_inv_freq(self.args).to(device)
-            self._inv_freq_by_device[device] = inv_freq
-        freqs = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+            position_ids = torch.arange(cache_offset, cache_offset + seq, device=input_ids.device)
+            position_ids = position_ids.expand(batch, seq)
+        return self.model(input_ids, position_ids, key_mask, kv_cache, cache_offset)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None, std: float = 0.02) -> None:

@@ -1,11 +1,11 @@
 """A run directory per run: config.yaml, metrics.jsonl, samples.jsonl, summary.json, checkpoints/.
 
-    run/
-      config.yaml       the resolved config
-      metrics.jsonl     one JSON object per step (flat `section/name` keys)
-      samples.jsonl     a few prompt/response/reward triples per step
-      summary.json      final figures
-      checkpoints/      step_000010/ ... Hugging Face directories
+run/
+  config.yaml       the resolved config
+  metrics.jsonl     one JSON object per step (flat `section/name` keys)
+  samples.jsonl     a few prompt/response/reward triples per step
+  summary.json      final figures
+  checkpoints/      step_000010/ ... Hugging Face directories
 """
 
 from __future__ import annotations

@@ -55,7 +55,9 @@ def encode_prompts(
     limit: int | None = None,
 ) -> tuple[list[EncodedPrompt], int]:
     """Load, render and tokenize a prompt file; returns the prompts and the number skipped as too long."""
-    records: list[PromptRecord] = load_prompts(path, prompt_field=prompt_field, label_field=label_field, limit=limit)
+    records: list[PromptRecord] = load_prompts(
+        path, prompt_field=prompt_field, label_field=label_field, limit=limit
+    )
     out, skipped = [], 0
     for rec in records:
         text = render_prompt(rec, tokenizer, system_prompt=system_prompt, use_chat_template=use_chat_template)
@@ -65,9 +67,13 @@ def encode_prompts(
             continue
         out.append(EncodedPrompt(ids=ids, text=text, label=rec.label, index=rec.index))
     if not out:
-        raise ValueError(f"{path}: every prompt is longer than data.max_prompt_len={max_prompt_len}; raise it")
+        raise ValueError(
+            f"{path}: every prompt is longer than data.max_prompt_len={max_prompt_len}; raise it"
+        )
     if skipped:
-        log.warning("%s: skipped %d prompts longer than data.max_prompt_len=%d", path, skipped, max_prompt_len)
+        log.warning(
+            "%s: skipped %d prompts longer than data.max_prompt_len=%d", path, skipped, max_prompt_len
+        )
     return out, skipped
 
 

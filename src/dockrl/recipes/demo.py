@@ -43,22 +43,39 @@ def run_demo(out_dir: str | Path = "runs/demo", overrides: list[str] | None = No
     model_dir = make_tiny(out / "tiny-model", seed=0, **MODEL)
     log.info("demo: data in %s, tiny model in %s", out / "data", model_dir)
 
-    sft_cfg = load_config(SFTConfig, config_path("demo_sft.yaml"), [
-        f"model.path={model_dir}", f"data.train_path={data['train']}", f"run.output_dir={out}", "run.name=sft",
-    ])
+    sft_cfg = load_config(
+        SFTConfig,
+        config_path("demo_sft.yaml"),
+        [
+            f"model.path={model_dir}",
+            f"data.train_path={data['train']}",
+            f"run.output_dir={out}",
+            "run.name=sft",
+        ],
+    )
     sft_summary = sft(validate_sft(sft_cfg))
     warm = sft_summary["checkpoint"]
 
     def accuracy(model: str) -> float:
-        result = evaluate_model_dir(model, str(data["test"]), [RewardSpec(name="exact_answer")], max_new_tokens=8)
+        result = evaluate_model_dir(
+            model, str(data["test"]), [RewardSpec(name="exact_answer")], max_new_tokens=8
+        )
         return result["accuracy"]
 
     before = accuracy(warm)
     log.info("demo: held-out accuracy after SFT = %.3f", before)
-    grpo_cfg = load_config(TrainConfig, config_path("demo_grpo.yaml"), [
-        f"model.path={warm}", f"data.train_path={data['train']}", f"data.eval_path={data['test']}",
-        f"run.output_dir={out}", "run.name=grpo", *(overrides or []),
-    ])
+    grpo_cfg = load_config(
+        TrainConfig,
+        config_path("demo_grpo.yaml"),
+        [
+            f"model.path={warm}",
+            f"data.train_path={data['train']}",
+            f"data.eval_path={data['test']}",
+            f"run.output_dir={out}",
+            "run.name=grpo",
+            *(overrides or []),
+        ],
+    )
     grpo_summary = train(validate_train(grpo_cfg))
     after = accuracy(grpo_summary["checkpoint"])
     summary = {
@@ -73,6 +90,8 @@ def run_demo(out_dir: str | Path = "runs/demo", overrides: list[str] | None = No
     }
     RunDir(out.parent, out.name).write_summary(summary)
     RunDir(out, "grpo").write_summary({"accuracy_before_grpo": before, "accuracy_after_grpo": after})
-    print(f"\nheld-out accuracy: after SFT {100 * before:.1f}%  ->  after GRPO {100 * after:.1f}%  "
-          f"({100 * (after - before):+.1f} points, {summary['wall_time_s']:.0f} s)")
+    print(
+        f"\nheld-out accuracy: after SFT {100 * before:.1f}%  ->  after GRPO {100 * after:.1f}%  "
+        f"({100 * (after - before):+.1f} points, {summary['wall_time_s']:.0f} s)"
+    )
     return summary

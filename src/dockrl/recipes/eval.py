@@ -62,12 +62,27 @@ def evaluate_model_dir(
     model = load_model(model_path, device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
     model.eval()
     prompts, _ = encode_prompts(
-        data_path, tokenizer, prompt_field=prompt_field, label_field=label_field, system_prompt=system_prompt,
-        use_chat_template=use_chat_template, max_prompt_len=max_prompt_len, limit=limit,
+        data_path,
+        tokenizer,
+        prompt_field=prompt_field,
+        label_field=label_field,
+        system_prompt=system_prompt,
+        use_chat_template=use_chat_template,
+        max_prompt_len=max_prompt_len,
+        limit=limit,
     )
     eos = tokenizer.eos_token_id
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=[eos] if eos is not None else [])
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=[eos] if eos is not None else []
+    )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
-    outs = generate(model, [p.ids for p in prompts], params, [0] * len(prompts), pad_token_id=pad, max_batch_size=batch_size)
+    outs = generate(
+        model,
+        [p.ids for p in prompts],
+        params,
+        [0] * len(prompts),
+        pad_token_id=pad,
+        max_batch_size=batch_size,
+    )
     responses = [tokenizer.decode(o.token_ids.tolist()) for o in outs]
     return score_answers(prompts, responses, specs)

@@ -20,6 +20,8 @@ import statistics
 import time
 from typing import Any
 
+import torch
+
 from dockrl.config.loader import to_dict
 from dockrl.config.schema import TrainConfig
 from dockrl.dock.launch import launch_dock
@@ -40,8 +42,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     run.write_config(to_dict(cfg))
     tokenizer = Tokenizer.from_dir(cfg.model.path)
     train_prompts, skipped = _encode(cfg, cfg.data.train_path, tokenizer)
-    eval_prompts = _encode(cfg, cfg.data.eval_path, tokenizer, cfg.data.eval_limit)[0] if cfg.data.eval_path else []
-    sampler = EpochSampler(train_prompts, cfg.run.prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.run.seed)
+    eval_prompts = (
+        _encode(cfg, cfg.data.eval_path, tokenizer, cfg.data.eval_limit)[0] if cfg.data.eval_path else []
+    )
+    sampler = EpochSampler(
+        train_prompts, cfg.run.prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.run.seed
+    )
 
     init_ray(cfg.run.ray_address)
     dock = launch_dock(num_warehouses=cfg.dock.num_warehouses, get_timeout_s=cfg.dock.get_timeout_s)
@@ -53,6 +59,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         progress = _progress(cfg)
         for step in range(1, cfg.run.steps + 1):
             metrics, samples = _step(cfg, step, sampler, client, actors, rewards)
+            metrics["train/epoch"] = sampler.epoch + sampler.position / len(train_prompts)
             if _due(step, cfg.run.eval_every, cfg.run.steps) and eval_prompts:
                 metrics.update(_evaluate(cfg, actors, eval_prompts, tokenizer))
             run.log_metrics(step, metrics)
@@ -61,7 +68,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 actors.call("save", str(run.checkpoint_path(step)))
                 summary["checkpoint"] = str(run.checkpoint_path(step))
             progress.update(1)
-            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics.get('train/accuracy', 0):.2f}")
+            progress.set_postfix(
+                reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics.get('train/accuracy', 0):.2f}"
+            )
             summary.update({"steps": step, "final_metrics": metrics})
         progress.close()
     finally:
@@ -77,8 +86,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None = None):
     d = cfg.data
     return encode_prompts(
-        path, tokenizer, prompt_field=d.prompt_field, label_field=d.label_field, system_prompt=d.system_prompt,
-        use_chat_template=d.use_chat_template, max_prompt_len=d.max_prompt_len, limit=limit,
+        path,
+        tokenizer,
+        prompt_field=d.prompt_field,
+        label_field=d.label_field,
+        system_prompt=d.system_prompt,
+        use_chat_template=d.use_chat_template,
+        max_prompt_len=d.max_prompt_len,
+        limit=limit,
     )
 
 
@@ -87,33 +102,53 @@ def _start_workers(cfg: TrainConfig, dock) -> tuple[WorkerGroup, WorkerGroup]:
     optimizer_steps = cfg.run.steps * cfg.actor.mini_batches * cfg.actor.epochs
     threads = None if cuda else max(1, (os.cpu_count() or 1) // cfg.actor.dp)
     actors = WorkerGroup(
-        ActorWorker, cfg.actor.dp, name="actor", distributed=True, device=cfg.run.device,
-        num_gpus=1 if cuda else 0, num_cpus=0, timeout_s=cfg.run.worker_timeout_s,
-        init_kwargs=dict(cfg=cfg, client=dock.client(), total_optimizer_steps=optimizer_steps, num_threads=threads),
+        ActorWorker,
+        cfg.actor.dp,
+        name="actor",
+        distributed=True,
+        device=cfg.run.device,
+        num_gpus=1 if cuda else 0,
+        num_cpus=0,
+        timeout_s=cfg.run.worker_timeout_s,
+        init_kwargs=dict(
+            cfg=cfg, client=dock.client(), total_optimizer_steps=optimizer_steps, num_threads=threads
+        ),
     )
     rewards = WorkerGroup(
-        RewardWorker, cfg.reward.num_workers, name="reward", num_cpus=0, timeout_s=cfg.run.worker_timeout_s,
+        RewardWorker,
+        cfg.reward.num_workers,
+        name="reward",
+        num_cpus=0,
+        timeout_s=cfg.run.worker_timeout_s,
         init_kwargs=dict(
-            reward=cfg.reward, algo=cfg.algo, tokenizer_path=cfg.model.path, client=dock.client(),
-            group_size=cfg.rollout.samples_per_prompt, log_samples=cfg.run.log_samples,
+            reward=cfg.reward,
+            algo=cfg.algo,
+            tokenizer_path=cfg.model.path,
+            client=dock.client(),
+            group_size=cfg.rollout.samples_per_prompt,
+            log_samples=cfg.run.log_samples,
         ),
     )
     return actors, rewards
 
 
-def _step(cfg: TrainConfig, step: int, sampler: EpochSampler, client, actors: WorkerGroup, rewards: WorkerGroup):
+def _step(
+    cfg: TrainConfig, step: int, sampler: EpochSampler, client, actors: WorkerGroup, rewards: WorkerGroup
+):
     """One RL step; returns (metrics, samples)."""
     timer = StageTimer()
     n = cfg.rollout.samples_per_prompt
     with timer("step"):
         batch: list[EncodedPrompt] = sampler.next_batch()
-        client.add_groups([p.ids for p in batch], [p.label for p in batch], n)
+        client.add_groups([torch.tensor(p.ids) for p in batch], [p.label for p in batch], n)
         start = time.perf_counter()
         gen_refs, reward_refs = actors.call_async("generate", step), rewards.call_async("score")
         gen = actors.wait(gen_refs, "generate")
         timer.seconds["rollout"] = time.perf_counter() - start
         scored = rewards.wait(reward_refs, "score")
-        timer.seconds["reward"] = time.perf_counter() - start  # overlaps rollout; ends when the last group is scored
+        timer.seconds["reward"] = (
+            time.perf_counter() - start
+        )  # overlaps rollout; ends when the last group is scored
         if cfg.algo.kl_coef > 0:
             with timer("reference"):
                 actors.call("compute_ref")
@@ -134,7 +169,7 @@ def _metrics(cfg, step, batch, gen, scored, updates, timer: StageTimer, dock_sta
     correct = [x for s in scored for x in s["correct"]]
     prompt_tokens = sum(len(p.ids) for p in batch) * n
     response_tokens = sum(lengths)
-    m: dict[str, float] = {"train/epoch": float(step * cfg.run.prompts_per_step / 1.0)}
+    m: dict[str, float] = {}
     m.update(describe([float(r) for r in rewards], "reward"))
     m.update(describe([float(x) for x in lengths], "response_length"))
     m["response_length/truncated_frac"] = sum(g["truncated"] for g in gen) / max(1, len(lengths))
@@ -162,13 +197,17 @@ def _samples(scored: list[dict]) -> list[dict]:
     return [s for worker in scored for s in worker["samples"]]
 
 
-def _evaluate(cfg: TrainConfig, actors: WorkerGroup, prompts: list[EncodedPrompt], tokenizer: Tokenizer) -> dict:
+def _evaluate(
+    cfg: TrainConfig, actors: WorkerGroup, prompts: list[EncodedPrompt], tokenizer: Tokenizer
+) -> dict:
     """Greedy answers from the current policy (prompts split over the actor ranks), scored in the driver."""
     shards = [prompts[r :: len(actors)] for r in range(len(actors))]
     outs = actors.call_ranks("evaluate", [([p.ids for p in s], cfg.rollout.max_new_tokens) for s in shards])
     ordered_prompts = [p for s in shards for p in s]
     responses = [tokenizer.decode(ids) for o in outs for ids in o]
-    scored = score_answers(ordered_prompts, responses, reward_specs(cfg.reward), timeout_s=cfg.reward.timeout_s)
+    scored = score_answers(
+        ordered_prompts, responses, reward_specs(cfg.reward), timeout_s=cfg.reward.timeout_s
+    )
     return {"eval/accuracy": scored["accuracy"], "eval/reward_mean": scored["reward_mean"]}
 
 
@@ -179,4 +218,6 @@ def _due(step: int, every: int, last: int) -> bool:
 def _progress(cfg: TrainConfig):
     from tqdm.auto import tqdm
 
-    return tqdm(total=cfg.run.steps, desc="grpo", unit="step", disable=not cfg.run.progress, dynamic_ncols=True)
+    return tqdm(
+        total=cfg.run.steps, desc="grpo", unit="step", disable=not cfg.run.progress, dynamic_ncols=True
+    )

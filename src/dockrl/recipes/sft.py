@@ -36,7 +36,9 @@ def build_examples(cfg: SFTConfig, tokenizer: Tokenizer) -> tuple[list[tuple[lis
     examples, skipped = [], 0
     for rec in records:
         prompt = tokenizer.encode(
-            render_prompt(rec, tokenizer, system_prompt=d.system_prompt, use_chat_template=d.use_chat_template)
+            render_prompt(
+                rec, tokenizer, system_prompt=d.system_prompt, use_chat_template=d.use_chat_template
+            )
         )
         answer = tokenizer.encode(str(rec.label)) + ([eos] if eos is not None else [])
         if len(prompt) + len(answer) > cfg.run.max_len:
@@ -58,7 +60,10 @@ def sft(cfg: SFTConfig) -> dict[str, Any]:
     steps_per_epoch = math.ceil(len(examples) / cfg.run.batch_size)
     total_steps = max(1, round(cfg.run.epochs * steps_per_epoch))
     engine = TrainEngine(
-        cfg.model.path, device=cfg.run.device, precision=cfg.run.precision, optim=cfg.actor,
+        cfg.model.path,
+        device=cfg.run.device,
+        precision=cfg.run.precision,
+        optim=cfg.actor,
         total_optimizer_steps=total_steps,
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -79,8 +84,14 @@ def sft(cfg: SFTConfig) -> dict[str, Any]:
     progress.close()
     out = run.checkpoints / "final"
     save_model(engine.full_state_dict(), engine.args, out, tokenizer_dir=cfg.model.path)
-    summary = {"checkpoint": str(out), "steps": total_steps, "examples": len(examples), "skipped": skipped,
-               "final_loss": metrics["sft/loss"], "run_dir": str(run.path)}
+    summary = {
+        "checkpoint": str(out),
+        "steps": total_steps,
+        "examples": len(examples),
+        "skipped": skipped,
+        "final_loss": metrics["sft/loss"],
+        "run_dir": str(run.path),
+    }
     run.write_summary(summary)
     return summary
 
@@ -89,8 +100,10 @@ def _train_batch(engine: TrainEngine, batch, pad: int, micro_batch_size: int) ->
     num_tokens = float(sum(len(a) for _, a in batch))
     micro = [
         make_micro_batch(
-            [torch.tensor(batch[i][0]) for i in idx], [torch.tensor(batch[i][1]) for i in idx],
-            pad_token_id=pad, device=engine.device,
+            [torch.tensor(batch[i][0]) for i in idx],
+            [torch.tensor(batch[i][1]) for i in idx],
+            pad_token_id=pad,
+            device=engine.device,
         )
         for idx in split_indices(len(batch), micro_batch_size)
     ]

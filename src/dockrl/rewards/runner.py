@@ -103,7 +103,9 @@ def _call(fn: RewardFn, prompt: str, response: str, label: Any) -> _Outcome:
         elif isinstance(result, int | float):
             score, components = float(result), {}
         else:
-            raise TypeError(f"reward function returned {type(result).__name__}; expected RewardResult or float")
+            raise TypeError(
+                f"reward function returned {type(result).__name__}; expected RewardResult or float"
+            )
         if not math.isfinite(score):
             raise ValueError(f"reward function returned a non-finite score {score}")
         return ("ok", score, components)
@@ -179,7 +181,9 @@ class RewardRunner:
         names = [spec.name for spec in specs]
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
-            raise ValueError(f"reward spec names must be unique (they key the metrics); repeated: {duplicates}")
+            raise ValueError(
+                f"reward spec names must be unique (they key the metrics); repeated: {duplicates}"
+            )
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0; got {timeout_s}")
         if num_processes < 0:
@@ -325,4 +329,6 @@ class RewardRunner:
         if (name, kind) in self._logged:
             return
         self._logged.add((name, kind))
-        logger.warning("%s\n(scored 0; later %ss of this function are counted in stats, not logged)", message, kind)
+        logger.warning(
+            "%s\n(scored 0; later %ss of this function are counted in stats, not logged)", message, kind
+        )

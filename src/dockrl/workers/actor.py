@@ -83,7 +83,11 @@ class ActorWorker(Worker):
         self.tokenizer = Tokenizer.from_dir(cfg.model.path)
         self.pad_token_id = _first_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
         self.stop_token_ids = _stop_ids(self.tokenizer.eos_token_id, self.policy.args.eos_token_id)
-        return {"num_params": self.policy.args.num_params(), "device": str(self.device), "where": self.where()}
+        return {
+            "num_params": self.policy.args.num_params(),
+            "device": str(self.device),
+            "where": self.where(),
+        }
 
     # ---- rollout -------------------------------------------------------------------------------
 
@@ -117,8 +121,12 @@ class ActorWorker(Worker):
             prompts = [p.tolist() for p in batch["prompt_ids"]]
             seeds = [row_seed(self.cfg.run.seed, step, row) for row in rows]
             outs = generate(
-                self.rollout_model, prompts, params, seeds,
-                pad_token_id=self.pad_token_id, max_batch_size=roll.max_batch_size,
+                self.rollout_model,
+                prompts,
+                params,
+                seeds,
+                pad_token_id=self.pad_token_id,
+                max_batch_size=roll.max_batch_size,
             )
             self.client.put(
                 rows,
@@ -144,8 +152,11 @@ class ActorWorker(Worker):
     def _logprob_stage(self, consumer: str, engine: TrainEngine, column: str) -> dict[str, Any]:
         rows, batch = self.client.get(consumer, ["prompt_ids", "response_ids"], self.rows_per_rank)
         logps, _ = engine.logprobs(
-            batch["prompt_ids"], batch["response_ids"], temperature=self.temperature,
-            micro_batch_size=self.cfg.actor.micro_batch_size, pad_token_id=self.pad_token_id,
+            batch["prompt_ids"],
+            batch["response_ids"],
+            temperature=self.temperature,
+            micro_batch_size=self.cfg.actor.micro_batch_size,
+            pad_token_id=self.pad_token_id,
         )
         self.client.put(rows, {column: logps})
         return {"rows": len(rows), "tokens": sum(len(r) for r in batch["response_ids"])}
@@ -167,9 +178,15 @@ class ActorWorker(Worker):
                 idx = list(range(start, start + mini_size))
                 history.append(
                     policy_update(
-                        self.policy, batch, idx, per_token_names, self.cfg.algo,
-                        temperature=self.temperature, micro_batch_size=actor.micro_batch_size,
-                        pad_token_id=self.pad_token_id, world_size=self.world_size,
+                        self.policy,
+                        batch,
+                        idx,
+                        per_token_names,
+                        self.cfg.algo,
+                        temperature=self.temperature,
+                        micro_batch_size=actor.micro_batch_size,
+                        pad_token_id=self.pad_token_id,
+                        world_size=self.world_size,
                     )
                 )
         self.rollout_stale = True
@@ -189,10 +206,16 @@ class ActorWorker(Worker):
         """Greedy responses for held-out prompts with the current policy (this rank's share)."""
         if self.rollout_stale:
             self.sync_rollout_weights()
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=self.stop_token_ids)
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=self.stop_token_ids
+        )
         outs = generate(
-            self.rollout_model, prompts, params, [0] * len(prompts),
-            pad_token_id=self.pad_token_id, max_batch_size=self.cfg.rollout.max_batch_size,
+            self.rollout_model,
+            prompts,
+            params,
+            [0] * len(prompts),
+            pad_token_id=self.pad_token_id,
+            max_batch_size=self.cfg.rollout.max_batch_size,
         )
         return [o.token_ids.tolist() for o in outs]
 
@@ -213,4 +236,3 @@ def _stop_ids(*ids: Any) -> list[int]:
             if j is not None and int(j) not in out:
                 out.append(int(j))
     return out
-

@@ -39,7 +39,9 @@ class Worker:
 
     def join_group(self, master_addr: str, master_port: int, device: str, timeout_s: float) -> str:
         """Join the group's torch.distributed process group."""
-        self.device = init_distributed(self.rank, self.world_size, master_addr, master_port, device, timeout_s)
+        self.device = init_distributed(
+            self.rank, self.world_size, master_addr, master_port, device, timeout_s
+        )
         return str(self.device)
 
     def where(self) -> str:
@@ -79,7 +81,9 @@ class WorkerGroup:
         start_deadline = time.monotonic() + startup_timeout_s
         self._wait([a.where.remote() for a in self.actors], "start", list(range(num_workers)), start_deadline)
         if distributed:
-            addr, port = self._wait([self.actors[0].rendezvous.remote()], "rendezvous", [0], start_deadline)[0]
+            addr, port = self._wait([self.actors[0].rendezvous.remote()], "rendezvous", [0], start_deadline)[
+                0
+            ]
             refs = self.call_async("join_group", addr, port, device, timeout_s)
             self.wait(refs, "join_group", start_deadline)
 

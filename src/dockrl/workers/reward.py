@@ -53,7 +53,9 @@ class RewardWorker(Worker):
         self.cfg, self.algo, self.client, self.group_size = reward, algo, client, group_size
         self.log_samples = log_samples
         self.tokenizer = Tokenizer.from_dir(tokenizer_path)
-        self.runner = RewardRunner(reward_specs(reward), timeout_s=reward.timeout_s, num_processes=reward.num_processes)
+        self.runner = RewardRunner(
+            reward_specs(reward), timeout_s=reward.timeout_s, num_processes=reward.num_processes
+        )
 
     def score(self) -> dict[str, Any]:
         """Serve the `reward` consumer until every row is scored; returns per-row figures for metrics."""
@@ -64,8 +66,11 @@ class RewardWorker(Worker):
         samples: list[dict[str, Any]] = []
         while True:
             got = self.client.get(
-                REWARD, ["prompt_ids", "response_ids", "label"], self.cfg.groups_per_pull * n,
-                whole_groups=True, min_count=n,
+                REWARD,
+                ["prompt_ids", "response_ids", "label"],
+                self.cfg.groups_per_pull * n,
+                whole_groups=True,
+                min_count=n,
             )
             if got is None:
                 break
@@ -75,8 +80,10 @@ class RewardWorker(Worker):
             responses = [self.tokenizer.decode(r.tolist()) for r in batch["response_ids"]]
             scores, components, stats = self.runner.score(prompts, responses, batch["label"])
             adv = group_normalized_advantages(
-                torch.tensor(scores, dtype=torch.float32), n,
-                eps=self.algo.adv_eps, normalize_std=self.algo.norm_adv_by_std,
+                torch.tensor(scores, dtype=torch.float32),
+                n,
+                eps=self.algo.adv_eps,
+                normalize_std=self.algo.norm_adv_by_std,
             )
             out: dict[str, list] = {
                 "reward": list(scores),
@@ -91,11 +98,22 @@ class RewardWorker(Worker):
             timeouts += stats.get("timeouts", 0)
             errors += stats.get("errors", 0)
             for i in range(min(self.log_samples - len(samples), len(rows))):
-                samples.append({
-                    "row": rows[i], "prompt": prompts[i], "response": responses[i],
-                    "label": _jsonable(batch["label"][i]), "reward": scores[i],
-                })
-        return {"rewards": rewards, "correct": correct, "timeouts": timeouts, "errors": errors, "samples": samples}
+                samples.append(
+                    {
+                        "row": rows[i],
+                        "prompt": prompts[i],
+                        "response": responses[i],
+                        "label": _jsonable(batch["label"][i]),
+                        "reward": scores[i],
+                    }
+                )
+        return {
+            "rewards": rewards,
+            "correct": correct,
+            "timeouts": timeouts,
+            "errors": errors,
+            "samples": samples,
+        }
 
     def close(self) -> None:
         """Stop the reward process pool."""

@@ -154,9 +154,10 @@ def _generate_chunk(
         if step + 1 == params.max_new_tokens or bool(done.all()):
             break
         slot = max_prompt_len + step
-        logits = model(token[:, None], positions[:, slot : slot + 1], key_mask[:, : slot + 1], cache, slot)[
-            :, -1
-        ]  # [B, V]
+        step_logits = model(
+            token[:, None], positions[:, slot : slot + 1], key_mask[:, : slot + 1], cache, slot
+        )
+        logits = step_logits[:, -1]  # [B, V]
     tokens = torch.stack(tokens_by_step, dim=1).cpu()  # [B, steps]
     logprobs = torch.stack(logprobs_by_step, dim=1).cpu()  # [B, steps]
     return [

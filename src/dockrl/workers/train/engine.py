@@ -95,7 +95,10 @@ class TrainEngine:
         temp = temperature if temperature > 0 else 1.0
         for idx in split_indices(len(prompts), micro_batch_size):
             mb = make_micro_batch(
-                [prompts[i] for i in idx], [responses[i] for i in idx], pad_token_id=pad_token_id, device=self.device
+                [prompts[i] for i in idx],
+                [responses[i] for i in idx],
+                pad_token_id=pad_token_id,
+                device=self.device,
             )
             logits = self.logits(mb)  # [B, T-1, V]
             logps += mb.unpad(token_logprobs(logits, mb.input_ids[:, 1:], temp))

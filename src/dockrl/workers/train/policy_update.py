@@ -71,11 +71,20 @@ def _loss_fn(algo: AlgoConfig, temperature: float, global_tokens: float, global_
         # Exactly on-policy (one mini-batch, one epoch): old log-probs equal the current ones.
         old = mb.per_token.get("old_logprobs", logp.detach())
         out = policy_loss(
-            logp, old, mb.per_token["advantages"], mb.response_mask,
-            clip_low=algo.clip_low, clip_high=algo.clip_high,
-            ref_logprobs=mb.per_token.get("ref_logprobs"), kl_coef=algo.kl_coef,
-            kl_estimator=algo.kl_estimator, entropy=entropy, entropy_coef=algo.entropy_coef,
-            agg=algo.loss_agg, num_tokens=global_tokens, num_seqs=global_seqs,
+            logp,
+            old,
+            mb.per_token["advantages"],
+            mb.response_mask,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            ref_logprobs=mb.per_token.get("ref_logprobs"),
+            kl_coef=algo.kl_coef,
+            kl_estimator=algo.kl_estimator,
+            entropy=entropy,
+            entropy_coef=algo.entropy_coef,
+            agg=algo.loss_agg,
+            num_tokens=global_tokens,
+            num_seqs=global_seqs,
         )
         if entropy is None:
             with torch.no_grad():

@@ -1,0 +1,119 @@
+"""Synthetic verifiable tasks for tests and demos (a tiny model can learn them in minutes on CPU).
+
+Each task is a function ``rows(n, *, seed, **task_kwargs) -> list[{"prompt": str, "answer": str}]`` in
+``TASKS``; rows are distinct and deterministic for a seed, so ``write_task`` can split them into disjoint
+train and test files.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+ARITHMETIC_OPS = "+-*"
+
+
+def _evaluate(operands: list[int], ops: list[str]) -> int:
+    """Value of ``operands[0] ops[0] operands[1] ...`` with * binding tighter than + and -."""
+    terms = [operands[0]]  # products, each added with its sign
+    signs = [1]
+    for op, operand in zip(ops, operands[1:]):
+        if op == "*":
+            terms[-1] *= operand
+        else:
+            terms.append(operand)
+            signs.append(1 if op == "+" else -1)
+    return sum(sign * term for sign, term in zip(signs, terms))
+
+
+def _format_operand(value: int) -> str:
+    return f"({value})" if value < 0 else str(value)
+
+
+def arithmetic_rows(
+    n: int,
+    *,
+    seed: int = 0,
+    min_operand: int = 0,
+    max_operand: int = 99,
+    ops: str = "+-",
+    num_operands: int = 2,
+) -> list[dict]:
+    """``n`` distinct rows like ``{"prompt": "What is 12+34?", "answer": "46"}``, deterministic for a seed.
+
+    Args:
+        n: number of rows.
+        seed: random seed; the same arguments give the same rows.
+        min_operand, max_operand: inclusive operand range (negative operands are parenthesised).
+        ops: the operators to draw from, a subset of "+-*" (usual precedence: * before + and -).
+        num_operands: operands per expression (>= 2).
+
+    Raises:
+        ValueError: bad ranges or operators, or ``n`` larger than the number of distinct expressions.
+    """
+    unknown = sorted(set(ops) - set(ARITHMETIC_OPS))
+    if not ops or unknown:
+        raise ValueError(f"ops={ops!r}: use a non-empty subset of {ARITHMETIC_OPS!r}")
+    if min_operand > max_operand:
+        raise ValueError(f"min_operand={min_operand} > max_operand={max_operand}")
+    if num_operands < 2:
+        raise ValueError(f"num_operands={num_operands}: use 2 or more")
+    operators = sorted(set(ops))
+    num_distinct = (max_operand - min_operand + 1) ** num_operands * len(operators) ** (num_operands - 1)
+    if n > num_distinct:
+        raise ValueError(
+            f"n={n} exceeds the {num_distinct} distinct expressions of this range; widen the operand range "
+            "or add operands/operators"
+        )
+    rng = random.Random(seed)
+    rows: dict[str, str] = {}
+    while len(rows) < n:
+        operands = [rng.randint(min_operand, max_operand) for _ in range(num_operands)]
+        chosen = [rng.choice(operators) for _ in range(num_operands - 1)]
+        expression = _format_operand(operands[0]) + "".join(
+            op + _format_operand(x) for op, x in zip(chosen, operands[1:])
+        )
+        rows.setdefault(f"What is {expression}?", str(_evaluate(operands, chosen)))
+    return [{"prompt": prompt, "answer": answer} for prompt, answer in rows.items()]
+
+
+TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic_rows}
+
+
+def write_jsonl(rows: Iterable[dict], path: str | Path) -> Path:
+    """Write rows as JSON lines (UTF-8, parent folders created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
+def write_task(
+    task: str, out_dir: str | Path, *, num_train: int, num_test: int, seed: int = 0, **task_kwargs
+) -> dict[str, Path]:
+    """Write ``train.jsonl`` and ``test.jsonl`` of a synthetic task, with no prompt in both.
+
+    Args:
+        task: a name in ``TASKS``.
+        out_dir: folder to write into (created).
+        num_train, num_test: rows per split.
+        seed: random seed of the task generator.
+        task_kwargs: passed to the task (e.g. ``max_operand=20, ops="+-*"`` for "arithmetic").
+
+    Returns:
+        {"train": path, "test": path}.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown synthetic task {task!r}; tasks: {sorted(TASKS)}")
+    if num_train < 0 or num_test < 0:
+        raise ValueError(f"num_train={num_train} and num_test={num_test} must be >= 0")
+    rows = TASKS[task](num_train + num_test, seed=seed, **task_kwargs)  # distinct, so the split is disjoint
+    out_dir = Path(out_dir)
+    return {
+        "train": write_jsonl(rows[:num_train], out_dir / "train.jsonl"),
+        "test": write_jsonl(rows[num_train:], out_dir / "test.jsonl"),
+    }
