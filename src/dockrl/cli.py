@@ -103,6 +103,23 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    from dockrl.bench import BENCHMARKS
+
+    result = importlib.import_module(BENCHMARKS[args.bench]).run(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        rows = result if isinstance(result, list) else [result]
+        keys = list(rows[0]) if rows else []
+        print("  ".join(f"{k:>14}" for k in keys))
+        for row in rows:
+            print("  ".join(f"{row[k]:>14.4g}" if isinstance(row[k], float) else f"{row[k]!s:>14}" for k in keys))
+    return 0
+
+
 def _cmd_config_docs(args: argparse.Namespace) -> int:
     from dockrl.config import SFTConfig, TrainConfig, render_docs
 
@@ -167,6 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="GRPO overrides, e.g. run.steps=5")
 
     add("config-docs", _cmd_config_docs, "print every setting as a Markdown table")
+
+    import importlib
+
+    from dockrl.bench import BENCHMARKS
+
+    bench = add("bench", _cmd_bench, "benchmarks that print figures").add_subparsers(dest="bench", required=True)
+    for name, module in BENCHMARKS.items():
+        p = bench.add_parser(name, help=f"dockrl bench {name}")
+        p.add_argument("--json", action="store_true", help="print one JSON document")
+        importlib.import_module(module).add_arguments(p)
     return parser
 
 

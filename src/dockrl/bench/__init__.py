@@ -1,0 +1,13 @@
+"""Benchmarks behind `dockrl bench NAME`: each module here defines
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None
+    def run(args: argparse.Namespace) -> dict | list   # printed as a table, or as JSON with --json
+
+and is listed in BENCHMARKS. Keep module-level imports light (the CLI imports every benchmark module to
+build its parser); import torch, ray and the like inside `run`. Benchmarks print figures; tests never
+assert on wall time.
+"""
+
+BENCHMARKS: dict[str, str] = {
+    # name -> module under dockrl.bench, e.g. "dock": "dockrl.bench.dock"
+}
