@@ -204,3 +204,21 @@ def test_data_and_rewards_import_without_torch_or_ray():
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_hedging_teacher_rows_and_sft_file(tmp_path):
+    from dockrl.data.synthetic import hedging_teacher_rows, write_task
+
+    rows = [{"prompt": f"What is {i}+1?", "answer": str(i + 1)} for i in range(200)]
+    sft = hedging_teacher_rows(rows, error=0.7, samples=4, seed=3)
+    assert len(sft) == 800 and sft == hedging_teacher_rows(rows, error=0.7, samples=4, seed=3)
+    hedged = [r for r in sft if " or " in r["answer"]]
+    assert 0.65 < len(hedged) / len(sft) < 0.75
+    truth = {r["prompt"]: int(r["answer"]) for r in rows}
+    for r in sft:
+        first, _, second = r["answer"].partition(" or ")
+        assert int(first) == truth[r["prompt"]]  # the first answer is always right
+        if second:
+            assert abs(int(second) - int(first)) in (1, 2)
+    paths = write_task("arithmetic", tmp_path, num_train=20, num_test=5, max_operand=9, teacher_error=0.5)
+    assert sum(1 for _ in open(paths["sft"])) == 80

@@ -137,7 +137,10 @@ def test_reset_forgets_rows_columns_and_consumers():
     controller.allocate("c", COLS, 4)
     controller.reset()
     assert controller.num_rows() == 0
-    assert controller.stats() == {
+    stats = controller.stats()
+    del stats["latency_ms"]
+    assert stats == {
+        "ages": {},
         "num_rows": 0,
         "num_groups": 0,
         "ready": {},
@@ -254,6 +257,7 @@ def test_warehouse_put_get_notifies_and_counts_bytes():
     assert warehouse.get_cells({"reward": [2], "response_ids": [3]})["reward"] == [0.5]
     warehouse.put([2], {"reward": [0.25]})  # overwrite keeps the byte count exact
     stats = warehouse.stats()
+    assert set(stats.pop("latency_ms")) == {"put", "get"}
     assert stats == {
         "index": 1,
         "rows": 2,
@@ -262,6 +266,8 @@ def test_warehouse_put_get_notifies_and_counts_bytes():
         "num_puts": 2,
         "num_gets": 2,
         "cells_out": 6,
+        "bytes_in": 8 * 8 + 3 * 24,
+        "bytes_out": (2 * 24 + 8 * 8) + (24 + 5 * 8),
     }
     with pytest.raises(DockError, match=r"warehouse 1 holds no 'label' for rows \[2\]"):
         warehouse.get([2], ["label"])

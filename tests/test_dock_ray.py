@@ -1,5 +1,6 @@
 """The dock on a local Ray runtime with 2 warehouses: concurrency, payload, placement, timeouts, failures."""
 
+import os
 import pickle
 import random
 import sys
@@ -9,8 +10,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from dockrl.dock import DockClient, DockError, DockTimeoutError, Warehouse, WarehouseDiedError, launch_dock
+from dockrl.dock import (
+    DockClient,
+    DockError,
+    DockTimeoutError,
+    StaleHandleError,
+    Warehouse,
+    WarehouseDiedError,
+    launch_dock,
+)
 from dockrl.dock.launch import RemoteController
+from dockrl.dock.metrics import driver_bytes
 
 GROUP_SIZE = 4
 NUM_GROUPS = 8
@@ -155,11 +165,12 @@ def test_add_groups_spreads_groups_round_robin_and_replicates_prompt_and_label(r
 
 def test_rows_put_by_a_client_are_recorded_at_its_home_warehouse(ray_session, dock, client):
     rows = add_prompts(client, num_groups=1)
-    assert client.home == 0  # default: the first warehouse on the driver's node
+    assert client.home in (0, 1)  # default: a warehouse on the driver's node (both are here)
     node = ray_session.get_runtime_context().get_node_id()
     remote_first = DockClient(dock.controller, dock.warehouses, warehouse_nodes=["some-other-node", node])
     assert remote_first.home == 1  # the only warehouse on this node
     remote_first.put(rows[:2], {"response_ids": [response_of(0), response_of(1)]})
+    assert DockClient(dock.controller, dock.warehouses, warehouse_nodes=["a", "b"]).home == 0  # none here
     dock.client(home=0).put(rows[2:], {"response_ids": [response_of(2), response_of(3)]})
     locations = ray_session.get(dock.controller.locations.remote(rows, ["response_ids"]), timeout=10)
     assert locations == {"response_ids": [1, 1, 0, 0]}
@@ -169,9 +180,10 @@ def test_rows_put_by_a_client_are_recorded_at_its_home_warehouse(ray_session, do
 
 def test_client_pickles_and_re_resolves_its_home(ray_session, dock):
     client = dock.client(home=None)
-    assert client.home == 0
+    assert client.home == os.getpid() % 2  # both warehouses are on this node: spread by process id
+    client._home = 5
     clone = pickle.loads(pickle.dumps(client))
-    assert clone._home is None and clone.home == 0  # re-resolved where it was unpickled
+    assert clone._home is None and clone.home == os.getpid() % 2  # re-resolved where it was unpickled
     assert pickle.loads(pickle.dumps(dock.client(home=1)))._home == 1
 
 
@@ -204,3 +216,89 @@ def test_killed_warehouse_turns_get_into_dock_error_naming_it(ray_session, dock,
     assert time.monotonic() - start < 10.0
     with pytest.raises(DockError, match="dock warehouse 1"):
         DockClient(dock.controller, [dock.warehouses[0], doomed], home=1).put([0], {"reward": [1.0]})
+
+
+def test_warehouse_killed_mid_step_fails_a_waiting_consumer_naming_it_and_its_rows(ray_session, dock):
+    doomed = (
+        ray_session.remote(Warehouse)
+        .options(num_cpus=0, name="test-dock-doomed-2")
+        .remote(1, RemoteController(dock.controller))
+    )
+    fragile = DockClient(
+        dock.controller, [dock.warehouses[0], doomed], warehouse_nodes=dock.warehouse_nodes, home=0
+    )
+    fragile.reset()
+    fragile.add_groups([[1, 2], [3]], ["a", "b"], GROUP_SIZE)  # group 1 (rows 4-7) lives on the doomed one
+    fragile.put([0, 1, 2, 3], {"response_ids": [[1]] * 4})
+    killer = ThreadPoolExecutor(1)
+    killer.submit(lambda: (time.sleep(0.5), ray_session.kill(doomed)))
+    start = time.monotonic()
+    # The consumer waits for responses that the (dead) rollout of rows 4-7 will never write.
+    with pytest.raises(WarehouseDiedError, match=r"dock warehouse 1 .* rows affected: \[4, 5, 6, 7\]"):
+        fragile.get("reward", ["prompt_ids", "response_ids"], 8, timeout_s=30)
+    assert time.monotonic() - start < 15  # a health check, not the 30 s timeout
+    killer.shutdown()
+
+
+def test_relaunched_dock_makes_old_handles_stale(ray_session):
+    old = launch_dock(num_warehouses=1, name_prefix="test-stale", get_timeout_s=10.0)
+    client = old.client()
+    client.reset()
+    old.shutdown()
+    time.sleep(0.5)  # let Ray release the names
+    new = launch_dock(num_warehouses=1, name_prefix="test-stale", get_timeout_s=10.0)
+    try:
+        with pytest.raises(StaleHandleError, match="dock controller was restarted .* new client"):
+            client.reset()
+        new.client().reset()  # a fresh client works
+    finally:
+        new.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["single", "driver"])
+def test_comparison_modes_serve_the_same_interface(ray_session, mode):
+    central = launch_dock(mode=mode, name_prefix=f"test-{mode}", get_timeout_s=10.0)
+    try:
+        client = central.client()
+        rows = add_prompts(client, num_groups=2)
+        worker = pickle.loads(pickle.dumps(central.client()))  # as a worker would get it
+        got_rows, batch = worker.get("rollout", ["prompt_ids"], GROUP_SIZE, whole_groups=True)
+        assert got_rows == rows[:GROUP_SIZE] and batch["prompt_ids"][0].tolist() == prompt_of(0).tolist()
+        worker.put(got_rows, {"response_ids": [response_of(r) for r in got_rows]})
+        with pytest.raises(DockTimeoutError, match=r"rows not ready: \[4, 5, 6, 7\]"):
+            worker.get("reward", ["response_ids"], 8, timeout_s=0.3)
+        got_rows, batch = worker.get("reward", ["response_ids", "label"], 8, min_count=1)
+        assert got_rows == rows[:GROUP_SIZE] and batch["label"] == ["label-0"] * GROUP_SIZE
+        stats = client.stats()
+        assert stats["mode"] == mode and stats["consumed"] == {"rollout": 4, "reward": 4}
+        assert stats["ready"]["response_ids"] == GROUP_SIZE
+        prompt_bytes = prompt_of(0).nbytes + prompt_of(1).nbytes
+        assert client.stats()["client"]["bytes_put"] == prompt_bytes + 2 * sys.getsizeof("label-0")
+        responses = sum(response_of(r).nbytes for r in got_rows)
+        expected_driver = stats["client"]["bytes_put"] if mode == "single" else None
+        if mode == "driver":  # every byte passes the driver: puts (prompts x rows, responses) and gets
+            assert (
+                driver_bytes(stats)
+                == stats["warehouses"][0]["bytes_in"] + stats["warehouses"][0]["bytes_out"]
+            )
+            assert driver_bytes(stats) > 2 * responses
+        else:
+            assert driver_bytes(stats) == expected_driver
+        assert client.reset() == [] and client.stats()["num_rows"] == 0
+    finally:
+        central.shutdown()
+
+
+def test_dock_stats_report_traffic_latency_and_driver_bytes(dock, client):
+    rows = add_prompts(client, num_groups=2)
+    worker = dock.client(home=1)
+    worker.put(rows, {"response_ids": [response_of(r) for r in rows]})
+    rows_got, batch = worker.get("train", ["response_ids"], 8, balance_over=2)
+    assert len(rows_got) == 4
+    stats = client.stats()
+    assert stats["ready"]["response_ids"] == 8 and stats["consumed"] == {"train": 8}
+    group_1 = GROUP_SIZE * (prompt_of(1).nbytes + sys.getsizeof("label-1"))  # round-robin: group 1 is here
+    assert stats["warehouses"][1]["bytes_in"] == group_1 + sum(response_of(r).nbytes for r in rows)
+    assert stats["warehouses"][1]["bytes_out"] == sum(t.nbytes for t in batch["response_ids"])
+    assert {"add_groups", "mark_ready", "allocate"} <= set(stats["latency_ms"])
+    assert driver_bytes(stats) == prompt_of(0).nbytes + prompt_of(1).nbytes + 2 * sys.getsizeof("label-0")

@@ -1,4 +1,4 @@
-"""End to end: two GRPO steps through the CLI (Ray, dock with 2 warehouses, dp=2 actor), then eval."""
+"""End to end: two GRPO steps through the CLI (Ray, dock with 2 warehouses, actor tp=2 -> rollout tp=1), then eval."""
 
 import json
 import math
@@ -35,8 +35,9 @@ REQUIRED = [
 def test_two_grpo_steps_through_cli(ray_session, tmp_path, tiny_model, arithmetic_data, capsys):
     config = tmp_path / "grpo.yaml"
     config.write_text(
-        "rollout: {samples_per_prompt: 4, max_new_tokens: 6, groups_per_pull: 2}\n"
-        "actor: {dp: 2, lr: 1.0e-3, micro_batch_size: 4}\n"
+        "rollout: {samples_per_prompt: 4, max_new_tokens: 6, groups_per_pull: 2, tp: 1}\n"
+        # Trains tensor-parallel (tp=2) and generates with tp=1 (2 replicas): the allgather-swap runs every step.
+        "actor: {dp: 1, tp: 2, lr: 1.0e-3, micro_batch_size: 4}\n"
         "algo: {kl_coef: 0.01}\n"
         # A random model never answers right; a length reward gives the groups reward spread to learn from.
         "reward: {functions: [{name: exact_answer}, {name: 'reward_fixtures:length_reward', weight: 0.1}]}\n"

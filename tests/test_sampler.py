@@ -1,4 +1,4 @@
-"""KV-cache sampler: greedy == repeated full forwards, per-request seeds, log-probs, stop tokens, filters.
+"""`generate` and the sampler: greedy == repeated full forwards, seeds, log-probs, stop tokens, filters.
 
 Shape letters: B batch, T tokens, V vocabulary.
 """
@@ -9,13 +9,8 @@ import pytest
 import torch
 
 from dockrl.models import ModelArgs, Transformer
-from dockrl.workers.rollout.sampler import (
-    SamplingParams,
-    _inverse_cdf_sample,
-    generate,
-    sample_next,
-    top_k_top_p_filter,
-)
+from dockrl.workers.rollout.sampler import SamplingParams, generate
+from dockrl.workers.rollout.sampling import RowSettings, filter_logits, inverse_cdf_sample, sample_rows
 
 VOCAB = 300
 PROMPTS = [[5, 17, 42, 99, 7, 3], [11, 250], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7], [123, 45, 6]]
@@ -87,28 +82,6 @@ def test_same_seed_same_output_and_batch_invariance(model):
         assert torch.equal(reordered[i].token_ids, batch[j].token_ids)
 
 
-def test_positions_start_at_zero_at_each_rows_first_real_token(model):
-    calls = []
-
-    class Recording(Transformer):
-        def forward(self, input_ids, position_ids=None, key_mask=None, kv_cache=None, cache_offset=0):
-            calls.append((position_ids.clone(), key_mask.clone(), cache_offset))
-            return super().forward(input_ids, position_ids, key_mask, kv_cache, cache_offset)
-
-    recording = Recording(model.args)
-    recording.load_state_dict(model.state_dict())
-    generate(recording, [[4, 5, 6], [7]], SamplingParams(max_new_tokens=3, temperature=0.0), [0, 0])
-    (prefill_positions, prefill_mask, prefill_offset), *decode_calls = calls
-    assert prefill_offset == 0
-    assert prefill_positions.tolist() == [[0, 1, 2], [0, 0, 0]]
-    assert prefill_mask.tolist() == [[True, True, True], [False, False, True]]
-    assert [(positions.tolist(), offset) for positions, _, offset in decode_calls] == [
-        ([[3], [1]], 3),
-        ([[4], [2]], 4),
-    ]
-    assert decode_calls[-1][1].tolist() == [[True] * 5, [False, False, True, True, True]]
-
-
 def test_different_seeds_give_different_outputs(model):
     params = SamplingParams(max_new_tokens=16, temperature=1.0)
     outputs = generate(model, [PROMPTS[0]] * 4, params, [1, 2, 3, 4])
@@ -169,8 +142,9 @@ def test_top_k_top_p_filter_keeps_exactly_the_nucleus():
     probs = torch.tensor([0.1, 0.4, 0.05, 0.3, 0.15])
     logits = probs.log().repeat(2, 1) + torch.tensor([[0.0], [3.0]])  # a row shift must not matter
 
-    def kept(top_k: int, top_p: float) -> list[set[int]]:
-        filtered = top_k_top_p_filter(logits, top_k, top_p)
+    def kept(top_k: int, top_p: float, min_p: float = 0.0) -> list[set[int]]:
+        params = SamplingParams(max_new_tokens=1, top_k=top_k, top_p=top_p, min_p=min_p)
+        filtered = filter_logits(logits, RowSettings.build([params] * 2, "cpu"))
         for row in range(2):  # kept entries keep their value
             keep = torch.isfinite(filtered[row])
             assert torch.equal(filtered[row][keep], logits[row][keep])
@@ -184,14 +158,18 @@ def test_top_k_top_p_filter_keeps_exactly_the_nucleus():
     assert kept(2, 0.5) == [{1}] * 2  # top-p sees renormalized top-k mass: 0.4 / 0.7 > 0.5
     assert kept(2, 0.6) == [{1, 3}] * 2
     # Exact boundary: four equal tokens (probability exactly 0.25 each); mass 0.5 is reached by two.
-    uniform = top_k_top_p_filter(torch.zeros(1, 4), 0, 0.5)
+    assert kept(0, 1.0, 0.5) == [{1, 3}] * 2  # min-p: p >= 0.5 * 0.4
+    assert kept(0, 1.0, 0.3) == [{1, 3, 4}] * 2
+    assert kept(2, 1.0, 0.9) == [{1}] * 2
+    half = SamplingParams(max_new_tokens=1, top_p=0.5)
+    uniform = filter_logits(torch.zeros(1, 4), RowSettings.build([half], "cpu"))
     assert torch.isfinite(uniform).sum().item() == 2
 
 
 def test_inverse_cdf_never_picks_a_filtered_token():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]]).repeat(4, 1)
     # u = 0 and u on the boundary between tokens 1 and 3; u = 1 stands in for rounding up to the total.
-    tokens = _inverse_cdf_sample(probs, torch.tensor([0.0, 0.4999, 0.5, 1.0]))
+    tokens = inverse_cdf_sample(probs, torch.tensor([0.0, 0.4999, 0.5, 1.0]))
     assert tokens.tolist() == [1, 1, 3, 3]
 
 
@@ -199,9 +177,11 @@ def test_sample_next_follows_the_filtered_distribution():
     probs = torch.tensor([0.1, 0.4, 0.05, 0.3, 0.15])
     num_draws = 4000
     logits = probs.log().repeat(num_draws, 1)  # [B, V]
-    generators = [torch.Generator().manual_seed(seed) for seed in range(num_draws)]
     params = SamplingParams(max_new_tokens=1, temperature=1.0, top_p=0.75)
-    tokens, logprobs = sample_next(logits, params, generators)
+    rows = RowSettings.build([params] * num_draws, "cpu")
+    tokens, logprobs = sample_rows(
+        logits, rows, torch.arange(num_draws), torch.zeros(num_draws, dtype=torch.long)
+    )
     counts = torch.bincount(tokens, minlength=5).float() / num_draws
     expected = torch.tensor([0.0, 0.4, 0.0, 0.3, 0.15]) / 0.85
     assert (counts - expected).abs().max().item() < 0.03
@@ -211,7 +191,7 @@ def test_sample_next_follows_the_filtered_distribution():
 def test_prompt_longer_than_the_position_limit_is_rejected(model):
     params = SamplingParams(max_new_tokens=10, temperature=0.0)
     generate(model, [[1] * 54], params, [0])  # exactly at the limit: 54 + 10 = 64
-    with pytest.raises(ValueError, match="max_position_embeddings=64"):
+    with pytest.raises(ValueError, match="max_seq_len=64 = the model's max_position_embeddings=64"):
         generate(model, [[1] * 55], params, [0])
     with pytest.raises(ValueError, match="seeds"):
         generate(model, PROMPTS, params, [0])

@@ -7,6 +7,7 @@ dockrl make-tiny OUT_DIR                   tiny random model + locally trained t
 dockrl data arithmetic OUT_DIR             synthetic task files
 dockrl demo                                make-tiny -> SFT -> eval -> GRPO -> eval
 dockrl config-docs                         every setting, its type, default and meaning
+dockrl plan --model NAME --dp N ...        per-rank memory of each phase for a model and layouts
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def _cmd_data(args: argparse.Namespace) -> int:
         num_test=args.num_test,
         seed=args.seed,
         max_operand=args.max_operand,
+        teacher_error=args.teacher_error,
+        teacher_samples=args.teacher_samples,
     )
     print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
     return 0
@@ -116,7 +119,33 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         keys = list(rows[0]) if rows else []
         print("  ".join(f"{k:>14}" for k in keys))
         for row in rows:
-            print("  ".join(f"{row[k]:>14.4g}" if isinstance(row[k], float) else f"{row[k]!s:>14}" for k in keys))
+            print(
+                "  ".join(
+                    f"{row[k]:>14.4g}" if isinstance(row[k], float) else f"{row[k]!s:>14}" for k in keys
+                )
+            )
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from dockrl.parallel.plan import PlanInput, load_args, plan, render
+
+    offload = set(args.offload.split(",")) if args.offload else set()
+    question = PlanInput(
+        load_args(args.model),
+        dp=args.dp,
+        tp_train=args.tp_train,
+        tp_infer=args.tp_infer,
+        offload_optimizer="optimizer" in offload,
+        offload_grads="grads" in offload,
+        offload_params="params" in offload,
+        micro_batch_size=args.micro_batch_size,
+        train_seq_len=args.seq_len,
+        rollout_batch=args.rollout_batch,
+        rollout_seq_len=args.seq_len,
+    )
+    result = plan(question)
+    print(json.dumps(result) if args.json else render(result, args.device_gib))
     return 0
 
 
@@ -177,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-train", type=int, default=4000)
     p.add_argument("--num-test", type=int, default=200)
     p.add_argument("--max-operand", type=int, default=99)
+    p.add_argument(
+        "--teacher-error",
+        type=float,
+        default=None,
+        help="also write sft.jsonl from a hedging teacher (e.g. 0.7)",
+    )
+    p.add_argument("--teacher-samples", type=int, default=4, help="teacher answers per training prompt")
     p.add_argument("--seed", type=int, default=0)
 
     p = add("demo", _cmd_demo, "make-tiny -> SFT warm start -> eval -> GRPO -> eval, prints both accuracies")
@@ -185,11 +221,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("config-docs", _cmd_config_docs, "print every setting as a Markdown table")
 
+    p = add("plan", _cmd_plan, "per-rank memory of train / switch / rollout for a model and layouts")
+    p.add_argument("--model", required=True, help="preset (Qwen2.5-7B, Qwen2.5-32B, Qwen3-8B) or config.json")
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--tp-train", type=int, default=1)
+    p.add_argument("--tp-infer", type=int, default=1)
+    p.add_argument("--offload", default="optimizer,grads,params", help="comma list; '' offloads nothing")
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=4096, help="prompt + response tokens")
+    p.add_argument("--rollout-batch", type=int, default=64, help="sequences one rollout rank decodes at once")
+    p.add_argument("--device-gib", type=float, default=None, help="device memory to check against")
+    p.add_argument("--json", action="store_true")
+
     import importlib
 
     from dockrl.bench import BENCHMARKS
 
-    bench = add("bench", _cmd_bench, "benchmarks that print figures").add_subparsers(dest="bench", required=True)
+    bench = add("bench", _cmd_bench, "benchmarks that print figures").add_subparsers(
+        dest="bench", required=True
+    )
     for name, module in BENCHMARKS.items():
         p = bench.add_parser(name, help=f"dockrl bench {name}")
         p.add_argument("--json", action="store_true", help="print one JSON document")

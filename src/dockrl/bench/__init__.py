@@ -10,4 +10,7 @@ assert on wall time.
 
 BENCHMARKS: dict[str, str] = {
     # name -> module under dockrl.bench, e.g. "dock": "dockrl.bench.dock"
+    "dock": "dockrl.bench.dock",
+    "rollout": "dockrl.bench.rollout",
+    "reshard": "dockrl.bench.reshard",
 }

@@ -56,15 +56,59 @@ class RolloutConfig:
     temperature: float = setting(1.0, "Sampling temperature; 0 is greedy. The trainer uses the same value.")
     top_p: float = setting(1.0, "Nucleus sampling: keep the smallest token set with this probability mass.")
     top_k: int = setting(0, "Keep only the k most likely tokens; 0 turns it off.")
-    max_batch_size: int = setting(256, "Most sequences one rank decodes at once.")
+    min_p: float = setting(
+        0.0, "Keep only tokens with probability >= min_p x the most likely token's; 0 turns it off."
+    )
+    stop_strings: list[str] = setting(
+        [], "A response ends with the token that completes one of these strings (besides the EOS token)."
+    )
+    max_batch_size: int = setting(
+        256,
+        "Sequence slots of the rollout engine: most sequences one rank decodes at once (continuous "
+        "batching; the KV cache is preallocated for this many x (data.max_prompt_len + max_new_tokens)).",
+    )
     groups_per_pull: int = setting(4, "Prompt groups a rollout rank pulls from the dock at a time.")
+    tp: int = setting(
+        1,
+        "Tensor-parallel degree of the rollout: actor.dp x actor.tp / rollout.tp replicas, each serving its "
+        "own rows (its first rank talks to the dock). Must divide the actor's ranks and the model's heads.",
+    )
+
+
+@dataclass
+class ReshardConfig:
+    """The switch between the training layout and the rollout layout (allgather-swap)."""
+
+    bucket_mb: float | None = setting(
+        None,
+        "Most MiB of rollout weights per gather buffer; must be >= the largest tensor. None: the largest "
+        "tensor's size (the lowest peak).",
+    )
+    offload_optimizer: bool | None = setting(
+        None, "Move optimizer state to host memory during rollout; None: on with run.device=cuda."
+    )
+    offload_grads: bool | None = setting(
+        None, "Free gradients during rollout (they are rebuilt by the next backward); None: on with cuda."
+    )
+    offload_params: bool | None = setting(
+        None,
+        "Move training (and reference) parameters to host memory during rollout; None: on with cuda.",
+    )
 
 
 @dataclass
 class ActorConfig:
     """Training of the policy (and the colocated reference model)."""
 
-    dp: int = setting(1, "Data-parallel ranks (Ray actors) of the actor; FSDP2 shards over them.")
+    dp: int = setting(
+        1,
+        "Data-parallel degree of the actor; FSDP2 shards over it. The actor has dp x tp ranks (Ray actors).",
+    )
+    tp: int = setting(
+        1,
+        "Tensor-parallel degree of training (column/row-parallel linears, vocab-parallel embedding and LM "
+        "head); must divide the model's num_heads, num_kv_heads (split, never replicated), vocab and MLP width.",
+    )
     lr: float = setting(1e-6, "Peak learning rate of AdamW.")
     min_lr_ratio: float = setting(1.0, "Cosine schedule floor as a fraction of `lr` (1.0: constant).")
     warmup_steps: int = setting(0, "Linear warm-up optimizer steps.")
@@ -134,6 +178,19 @@ class DockConfig:
     get_timeout_s: float = setting(
         600.0, "A dock read waiting longer raises an error naming the consumer and the ready counts."
     )
+    mode: str = setting(
+        "dock",
+        "dock (controller + warehouses, payload worker to worker), single (one replay-buffer actor holds "
+        "data and metadata) or driver (all payload through the driver); the last two are baselines.",
+    )
+    policy: str = setting(
+        "first",
+        "Which ready rows a consumer gets first: first (lowest row ids), oldest (rows carried over by "
+        "partial rollout first), or a function 'module:function' (see dockrl/dock/policies.py).",
+    )
+    max_rows: int | None = setting(
+        None, "Rows the table may hold (unfinished rows carried over + the step's new rows); None: no limit."
+    )
 
 
 @dataclass
@@ -174,6 +231,7 @@ class TrainConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     dock: DockConfig = field(default_factory=DockConfig)
+    reshard: ReshardConfig = field(default_factory=ReshardConfig)
 
 
 @dataclass

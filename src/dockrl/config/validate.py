@@ -104,6 +104,19 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
         )
     if roll.top_k < 0:
         raise config_error("rollout.top_k", roll.top_k, "must be >= 0", "use 0 to turn top-k off")
+    if not 0 <= roll.min_p < 1:
+        raise config_error("rollout.min_p", roll.min_p, "must be in [0, 1)", "use 0.0 to turn min-p off")
+    if any(not isinstance(s, str) or not s for s in roll.stop_strings):
+        raise config_error(
+            "rollout.stop_strings", roll.stop_strings, "must be non-empty strings", "remove the empty entry"
+        )
+    if roll.max_batch_size < roll.samples_per_prompt:
+        raise config_error(
+            "rollout.max_batch_size",
+            roll.max_batch_size,
+            f"must hold one whole group of rollout.samples_per_prompt={roll.samples_per_prompt} sequences",
+            f"set it to at least {roll.samples_per_prompt}",
+        )
     rows = run.prompts_per_step * roll.samples_per_prompt
     if rows % actor.dp:
         raise config_error(
@@ -150,6 +163,7 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
     _check_rewards(cfg)
     if cfg.dock.num_warehouses is not None:
         _positive("dock.num_warehouses", cfg.dock.num_warehouses)
+    _check_dock(cfg)
     check_model_dir(cfg.model.path, "model.path")
     if cfg.model.ref_path is not None:
         check_model_dir(cfg.model.ref_path, "model.ref_path")
@@ -158,8 +172,50 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
         check_dataset(cfg.data.eval_path, cfg.data.prompt_field, cfg.data.label_field, "data.eval_path")
     run.device = resolve_device(run.device)
     run.precision = resolve_precision(run.precision, run.device)
-    _check_devices(run.device, actor.dp)
+    _check_devices(run.device, actor.dp * actor.tp)
+    _check_layouts(cfg)
     return cfg
+
+
+def _check_layouts(cfg: TrainConfig) -> None:
+    """Training (dp, tp) and rollout tp layouts against each other and the model; reshard settings."""
+    from dockrl.models.hf import read_config
+    from dockrl.models.tp import tp_problem
+
+    actor, roll, reshard = cfg.actor, cfg.rollout, cfg.reshard
+    _positive("actor.tp", actor.tp)
+    _positive("rollout.tp", roll.tp)
+    world = actor.dp * actor.tp
+    if world % roll.tp:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise config_error(
+            "rollout.tp",
+            roll.tp,
+            f"does not divide the actor's actor.dp x actor.tp = {world} ranks",
+            f"use one of {divisors} (or change actor.dp / actor.tp)",
+        )
+    args = read_config(cfg.model.path)
+    for key, value in (("actor.tp", actor.tp), ("rollout.tp", roll.tp)):
+        problem = tp_problem(args, value)
+        if problem is not None:
+            raise config_error(key, value, problem, f"set {key} to a valid size")
+    numel = max(args.vocab_size, args.intermediate_size) * args.hidden_size
+    largest = 4 * (numel + (numel // actor.tp if actor.tp > 1 else 0))  # full tensor + training slice, fp32
+    if reshard.bucket_mb is not None and reshard.bucket_mb * 2**20 < largest:
+        raise config_error(
+            "reshard.bucket_mb",
+            reshard.bucket_mb,
+            f"is smaller than the gather workspace of the model's largest tensor ({largest / 2**20:.1f} MiB)",
+            f"use reshard.bucket_mb >= {-(-largest // 2**20)} or None (automatic)",
+        )
+    if cfg.run.device == "cpu":
+        for flag in ("offload_optimizer", "offload_grads", "offload_params"):
+            if getattr(reshard, flag):
+                warnings.warn(
+                    f"reshard.{flag}=True has no effect on run.device=cpu: there is no device memory to free "
+                    "(the switch runs the same code path and moves nothing)",
+                    stacklevel=3,
+                )
 
 
 def _check_rewards(cfg: TrainConfig) -> None:
@@ -198,6 +254,8 @@ def validate_sft(cfg: SFTConfig) -> SFTConfig:
     _positive("actor.lr", cfg.actor.lr)
     if cfg.actor.dp != 1:
         raise config_error("actor.dp", cfg.actor.dp, "dockrl sft runs in one process", "use actor.dp=1")
+    if cfg.actor.tp != 1:
+        raise config_error("actor.tp", cfg.actor.tp, "dockrl sft runs in one process", "use actor.tp=1")
     if cfg.data.label_field is None:
         raise config_error("data.label_field", None, "SFT needs the answer text", "name the answer field")
     check_model_dir(cfg.model.path, "model.path")
@@ -205,3 +263,33 @@ def validate_sft(cfg: SFTConfig) -> SFTConfig:
     cfg.run.device = resolve_device(cfg.run.device)
     cfg.run.precision = resolve_precision(cfg.run.precision, cfg.run.device)
     return cfg
+
+
+def _check_dock(cfg: TrainConfig) -> None:
+    dock = cfg.dock
+    if dock.mode not in ("dock", "single", "driver"):
+        raise config_error("dock.mode", dock.mode, "unknown dock mode", "use dock, single or driver")
+    if dock.max_rows is not None:
+        _positive("dock.max_rows", dock.max_rows)
+        rows = cfg.run.prompts_per_step * cfg.rollout.samples_per_prompt
+        if dock.max_rows < rows:
+            raise config_error(
+                "dock.max_rows", dock.max_rows, f"cannot hold one step's {rows} rows", f"use >= {rows}"
+            )
+    if dock.num_warehouses is not None and dock.mode != "dock":
+        warnings.warn(f"dock.num_warehouses has no effect with dock.mode={dock.mode}", stacklevel=3)
+    if dock.policy not in ("first", "oldest"):  # the built-ins of dockrl/dock/policies.py
+        import importlib
+
+        module, _, function = dock.policy.partition(":")
+        try:
+            found = bool(module and function) and callable(getattr(importlib.import_module(module), function))
+        except (ImportError, AttributeError):
+            found = False
+        if not found:
+            raise config_error(
+                "dock.policy",
+                dock.policy,
+                "not a built-in policy and not an importable 'module:function'",
+                "use first, oldest, or a function importable on every node",
+            )

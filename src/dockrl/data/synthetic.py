@@ -82,6 +82,28 @@ def arithmetic_rows(
 TASKS: dict[str, Callable[..., list[dict]]] = {"arithmetic": arithmetic_rows}
 
 
+def hedging_teacher_rows(rows: list[dict], *, error: float, samples: int, seed: int = 0) -> list[dict]:
+    """SFT rows written by a hedging teacher: `samples` answers per prompt, each of which, with
+    probability `error`, follows the right answer with a second guess ("7 or 9"). Answer checkers read the
+    final number, so a student that copies the habit is marked wrong even when its first answer is right.
+
+    Several independent answers per prompt make the warm-started model learn the habit as a distribution
+    (it stops after the answer some of the time), which RL against the true `answer` can then remove.
+    This is the demo's noisy-teacher warm start.
+    """
+    if not 0 <= error <= 1 or samples < 1:
+        raise ValueError(f"error={error} must be in [0, 1] and samples={samples} >= 1")
+    rng = random.Random(seed)
+    out = []
+    for row in rows:
+        for _ in range(samples):
+            answer = row["answer"]
+            if rng.random() < error:
+                answer = f"{answer} or {int(answer) + rng.choice([-2, -1, 1, 2])}"
+            out.append({"prompt": row["prompt"], "answer": answer})
+    return out
+
+
 def write_jsonl(rows: Iterable[dict], path: str | Path) -> Path:
     """Write rows as JSON lines (UTF-8, parent folders created); returns the path."""
     path = Path(path)
@@ -93,7 +115,15 @@ def write_jsonl(rows: Iterable[dict], path: str | Path) -> Path:
 
 
 def write_task(
-    task: str, out_dir: str | Path, *, num_train: int, num_test: int, seed: int = 0, **task_kwargs
+    task: str,
+    out_dir: str | Path,
+    *,
+    num_train: int,
+    num_test: int,
+    seed: int = 0,
+    teacher_error: float | None = None,
+    teacher_samples: int = 4,
+    **task_kwargs,
 ) -> dict[str, Path]:
     """Write ``train.jsonl`` and ``test.jsonl`` of a synthetic task, with no prompt in both.
 
@@ -113,7 +143,13 @@ def write_task(
         raise ValueError(f"num_train={num_train} and num_test={num_test} must be >= 0")
     rows = TASKS[task](num_train + num_test, seed=seed, **task_kwargs)  # distinct, so the split is disjoint
     out_dir = Path(out_dir)
-    return {
+    paths = {
         "train": write_jsonl(rows[:num_train], out_dir / "train.jsonl"),
         "test": write_jsonl(rows[num_train:], out_dir / "test.jsonl"),
     }
+    if teacher_error is not None:
+        sft = hedging_teacher_rows(
+            rows[:num_train], error=teacher_error, samples=teacher_samples, seed=seed + 1
+        )
+        paths["sft"] = write_jsonl(sft, out_dir / "sft.jsonl")
+    return paths

@@ -4,13 +4,15 @@ Importing this package does not import Ray; DockClient, Dock and launch_dock loa
 """
 
 from dockrl.dock.controller import Allocation, DockController
-from dockrl.dock.errors import DockError, DockTimeoutError, WarehouseDiedError
+from dockrl.dock.errors import DockError, DockTimeoutError, StaleHandleError, WarehouseDiedError
+from dockrl.dock.policies import Candidates, balanced_partition, resolve_policy
 from dockrl.dock.warehouse import Warehouse
 
 _RAY_EXPORTS = {
     "DockClient": "dockrl.dock.client",
     "Dock": "dockrl.dock.launch",
     "launch_dock": "dockrl.dock.launch",
+    "CentralDockHandle": "dockrl.dock.launch",
 }
 
 
@@ -24,12 +26,17 @@ def __getattr__(name: str):
 
 __all__ = [
     "Allocation",
+    "Candidates",
+    "CentralDockHandle",
     "Dock",
     "DockClient",
     "DockController",
     "DockError",
     "DockTimeoutError",
     "Warehouse",
+    "StaleHandleError",
     "WarehouseDiedError",
+    "balanced_partition",
     "launch_dock",
+    "resolve_policy",
 ]

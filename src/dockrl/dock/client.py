@@ -9,10 +9,16 @@
 
 The client holds only actor handles and settings, so it pickles into Ray tasks and actors. Payload moves
 between the caller's process and the warehouses through Ray's object store; it never passes the controller.
+
+Failures: a dead controller or warehouse raises WarehouseDiedError naming the actor and the rows it held;
+a consumer waiting for rows pings the warehouses every HEALTH_CHECK_S, so a warehouse that dies mid-step
+is reported within seconds, not at the get timeout. A dock re-created under the same names (or an actor
+restarted by Ray, which comes back empty) makes old handles stale: StaleHandleError says so.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from typing import Any
@@ -20,10 +26,12 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from dockrl.dock.errors import DockTimeoutError, WarehouseDiedError
+from dockrl.dock.errors import DockError, DockTimeoutError, StaleHandleError, WarehouseDiedError
+from dockrl.dock.metrics import OpLatency, batch_nbytes
 
 MAX_POLL_INTERVAL_S = 0.1
 POLL_BACKOFF = 1.5
+HEALTH_CHECK_S = 2.0
 
 
 class DockClient:
@@ -33,11 +41,16 @@ class DockClient:
         controller: handle to the DockController actor.
         warehouses: handles to the Warehouse actors, by warehouse index.
         warehouse_nodes: Ray node id of each warehouse; used to pick `home` on the caller's node.
-        home: index of the warehouse this client puts to. None: the first warehouse on the node of the
-            process that uses the client (resolved lazily, and again after the client is pickled to
-            another process), else warehouse 0.
+        home: index of the warehouse this client puts to. None: a warehouse on the node of the process
+            that uses the client (resolved lazily, and again after the client is pickled to another
+            process), else warehouse 0.
         get_timeout_s: default wait for `get`, and the bound on every other dock round trip.
         poll_interval_s: first wait between allocation polls; grows to 0.1 s.
+        names: Ray actor names of [controller, *warehouses]; incarnations: their incarnation ids at launch
+            (both optional; with them the client tells a re-created dock from a dead one).
+
+    Counters of this process's client (`bytes_put`, `bytes_got`, `latency`) start at 0 wherever the client
+    is unpickled; the driver's are the "bytes through the driver".
 
     get/put/stats may be called from several threads; add_groups (round-robin cursor) from one at a time.
     """
@@ -51,6 +64,8 @@ class DockClient:
         home: int | None = None,
         get_timeout_s: float = 300.0,
         poll_interval_s: float = 0.01,
+        names: list[str] | None = None,
+        incarnations: list[str] | None = None,
     ) -> None:
         if not warehouses:
             raise ValueError("DockClient needs at least one warehouse handle")
@@ -66,22 +81,38 @@ class DockClient:
         self._home_setting = home
         self._home = home
         self._next_warehouse = 0  # round-robin cursor for add_groups
+        self.names = names
+        self.incarnations = incarnations
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self.bytes_put = 0  # since the last reset (one step)
+        self.bytes_got = 0
+        self.latency = OpLatency()
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         if self._home_setting is None:
             state["_home"] = None  # re-resolve on the node of the process that unpickles us
+        for key in ("bytes_put", "bytes_got", "latency"):
+            del state[key]
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._reset_counters()
 
     @property
     def home(self) -> int:
-        """Index of the warehouse `put` writes to."""
+        """Index of the warehouse `put` writes to: one on this process's node (with several there, chosen by
+        process id, so the node's producers spread over them), else warehouse 0."""
         if self._home is None:
             self._home = 0
             if self.warehouse_nodes is not None:
                 node = ray.get_runtime_context().get_node_id()
-                if node in self.warehouse_nodes:
-                    self._home = self.warehouse_nodes.index(node)
+                local = [w for w, n in enumerate(self.warehouse_nodes) if n == node]
+                if local:
+                    self._home = local[os.getpid() % len(local)]
         return self._home
 
     # ---------------------------------------------------------------- producers
@@ -111,13 +142,17 @@ class DockClient:
                 batch[column].extend([values[group]] * group_size)
         self._next_warehouse = (self._next_warehouse + len(prompts)) % len(self.warehouses)
         refs = {w: self.warehouses[w].put.remote(r, dict(b)) for w, (r, b) in puts.items()}
+        self.bytes_put += sum(batch_nbytes(b) for _, b in puts.values())
         self._gather(refs, {w: r for w, (r, _) in puts.items()}, "put")
         return rows
 
     def put(self, rows: list[int], batch: dict[str, list]) -> None:
         """Write `batch[column][i]` for row `rows[i]` to the home warehouse; visible to `get` on return."""
+        t0 = time.perf_counter()
         home = self.home
         self._gather({home: self.warehouses[home].put.remote(rows, batch)}, {home: rows}, "put")
+        self.bytes_put += batch_nbytes(batch)
+        self.latency.record("put", time.perf_counter() - t0)
 
     # ---------------------------------------------------------------- consumers
 
@@ -130,27 +165,36 @@ class DockClient:
         whole_groups: bool = False,
         min_count: int | None = None,
         timeout_s: float | None = None,
+        balance_over: int = 1,
+        policy: str | None = None,
     ) -> tuple[list[int], dict[str, list]] | None:
         """Take up to `count` rows for `consumer` (see DockController.allocate) and fetch their `columns`.
 
         Blocks until served; returns (rows, {column: values in row order}), or None once `consumer` has
-        consumed every row of the table. Raises DockTimeoutError after `timeout_s` (default get_timeout_s).
+        consumed every row of the table. Raises DockTimeoutError after `timeout_s` (default get_timeout_s),
+        WarehouseDiedError as soon as a health check finds a dead warehouse.
         """
         timeout_s = self.get_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline, next_check = start + timeout_s, start + HEALTH_CHECK_S
         delay = self.poll_interval_s
+        options = dict(whole_groups=whole_groups, min_count=min_count, balance_over=balance_over)
+        options.update({"policy": policy} if policy is not None else {})
         while True:
-            allocation, done = self._call_controller(
-                "poll", consumer, columns, count, whole_groups=whole_groups, min_count=min_count
-            )
+            allocation, done = self._call_controller("poll", consumer, columns, count, **options)
             if allocation is not None:
-                return allocation.rows, self._fetch(consumer, allocation)
+                batch = self._fetch(consumer, allocation)
+                self.latency.record("get", time.monotonic() - start)
+                return allocation.rows, batch
             if done:
                 return None
-            remaining_s = deadline - time.monotonic()
-            if remaining_s <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 raise self._timeout_error(consumer, columns, count, whole_groups, min_count, timeout_s)
-            time.sleep(min(delay, remaining_s))
+            if now >= next_check:
+                self.check_warehouses()
+                next_check = now + HEALTH_CHECK_S
+            time.sleep(min(delay, deadline - now))
             delay = max(self.poll_interval_s, min(delay * POLL_BACKOFF, MAX_POLL_INTERVAL_S))
 
     def _fetch(self, consumer: str, allocation) -> dict[str, list]:
@@ -171,6 +215,7 @@ class DockClient:
             for column, values in cells.items():
                 for position, value in zip(positions[warehouse][column], values):
                     out[column][position] = value
+        self.bytes_got += batch_nbytes(out)
         return out
 
     def _timeout_error(
@@ -185,11 +230,13 @@ class DockClient:
         stats = self._call_controller("stats")
         ready = {column: stats["ready"].get(column, 0) for column in columns}
         consumed = stats["consumed"].get(consumer, 0)
+        waiting = self._call_controller("unready_rows", columns)
         return DockTimeoutError(
             f"dock get timed out after {timeout_s:g}s: consumer {consumer!r} asked for {count} rows "
             f"(min_count={min_count}, whole_groups={whole_groups}) of columns {list(columns)}; "
             f"ready rows per column: {ready}; consumed by {consumer!r}: {consumed} of "
-            f"{stats['num_rows']} rows. Is the producer of the missing columns running?"
+            f"{stats['num_rows']} rows; rows not ready: {waiting}. Is the producer of the missing columns "
+            "running? (raise dock.get_timeout_s if it is just slow)"
         )
 
     def all_consumed(self, consumer: str) -> bool:
@@ -199,18 +246,74 @@ class DockClient:
     # ---------------------------------------------------------------- driver
 
     def stats(self) -> dict:
-        """Controller stats plus "warehouses": the stats of every warehouse, by index."""
+        """Controller stats plus "warehouses" (the stats of every warehouse, by index), "mode": "dock" and
+        "client" (this client's bytes_put, bytes_got and latency_ms; the driver's = bytes through the driver).
+        """
         stats = self._call_controller("stats")
         refs = {w: handle.stats.remote() for w, handle in enumerate(self.warehouses)}
         warehouse_stats = self._gather(refs, {w: [] for w in refs}, "stats")
         stats["warehouses"] = [warehouse_stats[w] for w in range(len(self.warehouses))]
+        stats["mode"] = "dock"
+        stats["client"] = self.client_stats()
         return stats
 
-    def reset(self) -> None:
-        """Forget the table: controller reset, then every warehouse cleared. Call between steps."""
-        self._call_controller("reset")
-        refs = {w: handle.clear.remote() for w, handle in enumerate(self.warehouses)}
+    def client_stats(self) -> dict:
+        """This process's client counters: bytes_put, bytes_got, latency_ms (end-to-end put/get)."""
+        return {
+            "bytes_put": self.bytes_put,
+            "bytes_got": self.bytes_got,
+            "latency_ms": self.latency.summary(),
+        }
+
+    def reset(self, keep_unfinished: str | None = None) -> list[int]:
+        """Start the next step's table: controller reset, then every warehouse cleared. Call between steps.
+
+        keep_unfinished: a column name; groups with a row lacking it survive, renumbered (partial rollout,
+        see DockController.reset). Returns the kept old row ids (new id = index). Checks for stale handles.
+        """
+        self.check_handles()
+        kept = self._call_controller("reset", keep_unfinished)
+        refs = {w: handle.clear.remote(kept) for w, handle in enumerate(self.warehouses)}
         self._gather(refs, {w: [] for w in refs}, "clear")
+        self.bytes_put = self.bytes_got = 0
+        return kept
+
+    # ---------------------------------------------------------------- failures
+
+    def check_warehouses(self) -> None:
+        """Ping every warehouse; a dead one raises WarehouseDiedError naming it and the rows it held."""
+        refs = {w: handle.ping.remote() for w, handle in enumerate(self.warehouses)}
+        self._gather(refs, None, "a health check")
+
+    def check_handles(self) -> None:
+        """Raise StaleHandleError if an actor this client talks to is no longer the one it was given."""
+        if self.incarnations is None:
+            return
+        actors = [self.controller, *self.warehouses]
+        for i, (actor, expected) in enumerate(zip(actors, self.incarnations)):
+            what = "dock controller" if i == 0 else self._describe(i - 1)
+            try:
+                current = ray.get(actor.get_incarnation.remote(), timeout=self.get_timeout_s)
+            except RayActorError:
+                current = self._replacement(i)
+                if current is None:
+                    raise WarehouseDiedError(f"{what} died (found by a handle check)") from None
+            if current != expected:
+                raise StaleHandleError(
+                    f"{what} was restarted (incarnation {expected[:8]} -> {current[:8]}): its table is "
+                    "gone and this client's handles are stale; take a new client from the new dock "
+                    "(dock.client()) and add the step's prompts again"
+                )
+
+    def _replacement(self, i: int) -> str | None:
+        """Incarnation of a live actor registered under the same name as actor i, if any."""
+        if self.names is None:
+            return None
+        try:
+            actor = ray.get_actor(self.names[i])
+            return ray.get(actor.get_incarnation.remote(), timeout=self.get_timeout_s)
+        except (ValueError, RayActorError, GetTimeoutError):
+            return None
 
     # ---------------------------------------------------------------- Ray plumbing
 
@@ -219,30 +322,47 @@ class DockClient:
         try:
             return ray.get(ref, timeout=self.get_timeout_s)
         except RayActorError as error:
-            raise WarehouseDiedError(f"dock controller died during {method}: {error}") from error
+            if self.names is not None and self._replacement(0) is not None:
+                self.check_handles()  # raises StaleHandleError: the dock was re-created
+            raise WarehouseDiedError(
+                f"dock controller died during {method}; every row of the step's table is lost (its "
+                f"metadata lived there). Restart the run (or the dock and the step). Cause: {error}"
+            ) from error
         except GetTimeoutError as error:
             raise DockTimeoutError(
                 f"dock controller did not answer {method} within {self.get_timeout_s:g}s"
             ) from error
 
-    def _gather(self, refs: dict[int, Any], rows: dict[int, list[int]], what: str) -> dict[int, Any]:
-        """ray.get each warehouse's reply (all already in flight), naming the warehouse that failed."""
+    def _gather(self, refs: dict[int, Any], rows: dict[int, list[int]] | None, what: str) -> dict[int, Any]:
+        """ray.get each warehouse's reply (all already in flight), naming the warehouse that failed.
+
+        rows: the rows each call concerned; None (or empty) names every row the controller placed there.
+        """
         deadline = time.monotonic() + self.get_timeout_s
         results = {}
         for warehouse, ref in refs.items():
             try:
                 results[warehouse] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except RayActorError as error:
+                if self.names is not None and self._replacement(1 + warehouse) is not None:
+                    self.check_handles()  # raises StaleHandleError: the dock was re-created
+                affected = (rows or {}).get(warehouse) or self._rows_on(warehouse)
                 raise WarehouseDiedError(
                     f"{self._describe(warehouse)} died during {what}; rows affected: "
-                    f"{_abbreviate(rows[warehouse])}. Cause: {error}"
+                    f"{_abbreviate(affected)}. Their payload is lost: restart the step. Cause: {error}"
                 ) from error
             except GetTimeoutError as error:
                 raise DockTimeoutError(
                     f"{self._describe(warehouse)} did not answer {what} within {self.get_timeout_s:g}s; "
-                    f"rows: {_abbreviate(rows[warehouse])}"
+                    f"rows: {_abbreviate((rows or {}).get(warehouse, []))}"
                 ) from error
         return results
+
+    def _rows_on(self, warehouse: int) -> list[int]:
+        try:
+            return self._call_controller("rows_on", warehouse)
+        except DockError:
+            return []
 
     def _describe(self, warehouse: int) -> str:
         node = self.warehouse_nodes[warehouse] if self.warehouse_nodes is not None else "unknown"

@@ -16,7 +16,10 @@ a put; clients call `allocate` and then fetch the payload straight from the ware
 Lifecycle of one training step's table:
   reset() -> add_groups(...) (driver, may be repeated) -> mark_ready(...) as producers put columns ->
   allocate(...) by each consumer until all_consumed(consumer) -> reset() for the next step.
-Row ids start at 0 after every reset and are contiguous within a group.
+Row ids start at 0 after every reset and are contiguous within a group. Partial rollout:
+reset(keep_unfinished="response_ids") keeps every group with a row lacking that column (its other cells,
+lengths and locations too), renumbers the kept rows to 0..m-1 (oldest first), adds 1 to their age and
+clears every consumer's marks, so the next step's prompts are added beside them (up to max_rows).
 
 The state is kept in flat numpy arrays (one entry per row) so that `allocate` costs a few vector operations
 even for tables of 10^5 rows.
@@ -24,9 +27,15 @@ even for tables of 10^5 rows.
 
 from __future__ import annotations
 
+import time
+import uuid
 from dataclasses import dataclass
 
 import numpy as np
+
+from dockrl.dock.errors import DockError
+from dockrl.dock.metrics import OpLatency
+from dockrl.dock.policies import Candidates, balanced_partition, checked_order, pack, resolve_policy
 
 PROMPT_LEN = "prompt_len"
 RESPONSE_LEN = "response_len"
@@ -45,42 +54,117 @@ class Allocation:
 
 
 class DockController:
-    """Metadata only: rows, groups, lengths, ready bitmap per column, consumed bitmap per consumer, and the
-    warehouse index holding each (row, column) cell.
+    """Metadata only: rows, groups, lengths, ages, ready bitmap per column, consumed bitmap per consumer, and
+    the warehouse index holding each (row, column) cell.
 
     Args:
         num_warehouses: how many warehouses may call `mark_ready` (indices 0..num_warehouses-1).
+        policy: default allocation policy: "first", "oldest" or "module:function" (see policies.py).
+        max_rows: capacity of the table (rows carried over + new rows); None = unbounded.
     """
 
-    def __init__(self, num_warehouses: int) -> None:
+    def __init__(self, num_warehouses: int, *, policy: str = "first", max_rows: int | None = None) -> None:
         if num_warehouses < 1:
             raise ValueError(f"num_warehouses={num_warehouses} must be >= 1")
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"dock.max_rows={max_rows} must be >= 1 or None (unbounded)")
         self.num_warehouses = num_warehouses
-        self.reset()
+        self.max_rows = max_rows
+        self._policy_name = policy
+        self._policy = resolve_policy(policy)
+        self.latency = OpLatency()
+        # Changes when the actor is re-created: a client holding the old one knows its handle is stale.
+        self.incarnation = uuid.uuid4().hex
+        self._clear()
+
+    def get_incarnation(self) -> str:
+        """Unique id of this controller instance (a restarted actor has a new one)."""
+        return self.incarnation
 
     # ---------------------------------------------------------------- lifecycle
 
-    def reset(self) -> None:
-        """Forget every row, group, column and consumer; the next row id is 0 again.
+    def reset(self, keep_unfinished: str | None = None) -> list[int]:
+        """Start the next step's table; returns the kept old row ids in their new order (new id = index).
 
-        Call it between steps, when no producer or consumer is still working on the old table.
+        keep_unfinished=None forgets every row, group, column and consumer. A column name keeps each group
+        that has a row without that column ready (partial rollout), see the module docstring. Call it
+        between steps, when no producer or consumer is still working on the old table; the warehouses must
+        then be cleared with the returned list (DockClient.reset does both).
         """
+        n = self._num_rows
+        if keep_unfinished is None or n == 0:
+            self._clear()
+            return []
+        finished = self._ready.get(keep_unfinished, np.zeros(self._capacity, dtype=bool))[:n]
+        kept_groups = [
+            g
+            for g, (start, size) in enumerate(zip(self._group_starts, self._group_sizes))
+            if not finished[start : start + size].all()
+        ]
+        kept_groups.sort(key=lambda g: -int(self._age[self._group_starts[g]]))  # oldest first, stable
+        kept = [
+            r
+            for g in kept_groups
+            for r in range(self._group_starts[g], self._group_starts[g] + self._group_sizes[g])
+        ]
+        if not kept:
+            self._clear()
+            return []
+        index = np.asarray(kept, dtype=np.int64)
+        old = (
+            self._lengths,
+            self._ready,
+            self._location,
+            self._age,
+            [self._group_sizes[g] for g in kept_groups],
+        )
+        self._clear()
+        self._grow(len(kept))
+        lengths, ready, location, age, sizes = old
+        m = len(kept)
+        self._lengths = {name: self._fit(a[index]) for name, a in lengths.items()}
+        self._ready = {col: self._fit(a[index]) for col, a in ready.items()}
+        self._location = {col: self._fit(a[index]) for col, a in location.items()}
+        self._age[:m] = age[index] + 1
+        row = 0
+        for size in sizes:
+            self._append_group(row, size)
+            row += size
+        self._num_rows = m
+        return kept
+
+    def _clear(self) -> None:
         self._num_rows = 0
         self._capacity = 0
         self._group_starts: list[int] = []
         self._group_sizes: list[int] = []
         self._row_group = np.zeros(0, dtype=np.int64)
+        self._age = np.zeros(0, dtype=np.int64)
         self._lengths: dict[str, np.ndarray] = {}  # name -> int64 [capacity], -1 = unknown
         self._ready: dict[str, np.ndarray] = {}  # column -> bool [capacity]
         self._location: dict[str, np.ndarray] = {}  # column -> int32 [capacity], -1 = nowhere
         self._consumed: dict[str, np.ndarray] = {}  # consumer -> bool [capacity]
+        self._planned: dict[str, list[Allocation]] = {}  # consumer -> balanced bins not yet handed out
+
+    def _fit(self, values: np.ndarray) -> np.ndarray:
+        """`values` (one per kept row) padded to the current capacity with the array's empty value."""
+        fill = False if values.dtype == bool else -1
+        array = np.full(self._capacity, fill, dtype=values.dtype)
+        array[: len(values)] = values
+        return array
+
+    def _append_group(self, start: int, size: int) -> None:
+        self._row_group[start : start + size] = len(self._group_starts)
+        self._group_starts.append(start)
+        self._group_sizes.append(size)
 
     def add_groups(self, group_sizes: list[int], prompt_lens: list[int]) -> list[int]:
         """Allocate rows for new groups (one group per prompt) and return ALL their row ids, in order.
 
-        Group i gets `group_sizes[i]` contiguous row ids, each with prompt_len `prompt_lens[i]`.
+        Group i gets `group_sizes[i]` contiguous row ids, each with prompt_len `prompt_lens[i]` and age 0.
         No column is ready yet: the caller puts prompt_ids/label to a warehouse afterwards.
         """
+        t0 = time.perf_counter()
         if len(group_sizes) != len(prompt_lens):
             raise ValueError(
                 f"add_groups got {len(group_sizes)} group_sizes but {len(prompt_lens)} prompt_lens; "
@@ -90,16 +174,21 @@ class DockController:
             raise ValueError(f"group sizes must be >= 1, got {group_sizes}")
         first = self._num_rows
         total = sum(group_sizes)
+        if self.max_rows is not None and first + total > self.max_rows:
+            raise DockError(
+                f"the dock table is full: dock.max_rows={self.max_rows} cannot take {total} new rows beside "
+                f"the {first} it holds ({int((self._age[:first] > 0).sum())} carried over as unfinished); "
+                "raise dock.max_rows (e.g. to 2 x rows per step for partial rollout) or add fewer prompts"
+            )
         self._grow(first + total)
         row = first
         for group_size, prompt_len in zip(group_sizes, prompt_lens):
-            group = len(self._group_starts)
-            self._group_starts.append(row)
-            self._group_sizes.append(group_size)
-            self._row_group[row : row + group_size] = group
+            self._append_group(row, group_size)
             self._lengths[PROMPT_LEN][row : row + group_size] = prompt_len
+            self._age[row : row + group_size] = 0
             row += group_size
         self._num_rows = first + total
+        self.latency.record("add_groups", time.perf_counter() - t0)
         return list(range(first, first + total))
 
     def _grow(self, needed: int) -> None:
@@ -114,6 +203,7 @@ class DockController:
             return array
 
         self._row_group = grown(self._row_group, -1)
+        self._age = grown(self._age, 0)
         self._lengths.setdefault(PROMPT_LEN, np.zeros(0, dtype=np.int64))
         self._lengths = {name: grown(a, -1) for name, a in self._lengths.items()}
         self._ready = {col: grown(a, False) for col, a in self._ready.items()}
@@ -135,6 +225,7 @@ class DockController:
         `lengths` (e.g. {"response_len": [...]}, one value per row) update the per-row length metadata.
         A cell put again moves to the newest warehouse.
         """
+        t0 = time.perf_counter()
         if not 0 <= warehouse < self.num_warehouses:
             raise ValueError(f"warehouse={warehouse} is not in [0, {self.num_warehouses})")
         index = self._row_index(rows)
@@ -150,6 +241,7 @@ class DockController:
             if name not in self._lengths:
                 self._lengths[name] = np.full(self._capacity, -1, dtype=np.int64)
             self._lengths[name][index] = values
+        self.latency.record("mark_ready", time.perf_counter() - t0)
 
     def _row_index(self, rows: list[int]) -> np.ndarray:
         index = np.asarray(rows, dtype=np.int64)
@@ -171,11 +263,14 @@ class DockController:
         *,
         whole_groups: bool = False,
         min_count: int | None = None,
+        balance_over: int = 1,
+        policy: str | None = None,
     ) -> Allocation | None:
         """Serve up to `count` rows whose `columns` are all ready and that `consumer` has not taken yet.
 
         Served rows are marked consumed by `consumer` in the same call (exactly once per consumer; other
-        consumers are independent). Lowest row ids first. Returns None when nothing can be served now.
+        consumers are independent). The policy (default: the controller's) orders the candidates; the
+        allocation lists its rows ascending. Returns None when nothing can be served now.
 
         min_count (default `count`): serve only if at least this many rows can be served. Tail rule: when
         fewer than `min_count` rows are left unconsumed in the whole table, the remainder is served as soon
@@ -184,34 +279,86 @@ class DockController:
         whole_groups: serve only groups whose rows are ALL ready (an incomplete group is never served); a
         group is never split across allocations. `count` and `min_count` stay in rows. When all groups have
         the same size g, both must be multiples of g (checked). With unequal sizes, `count` must be at least
-        the largest group; groups are packed first-fit in row order, and a batch that no further group could
-        fit (more than count - largest_group rows) counts as full even if below `min_count`.
+        the largest group; groups are packed first-fit in policy order, and a batch that no further group
+        could fit (more than count - largest_group rows) counts as full even if below `min_count`.
+
+        balance_over=k (row mode): `consumer` is a stage served by k data-parallel peers that each ask for
+        `count`. The first call that can take k x min_count rows (or the whole remainder) takes up to
+        k x count, splits them into k bins of near-equal prompt+response tokens (policies.balanced_partition)
+        and returns one; the next k-1 calls of that consumer get the other bins.
         """
+        t0 = time.perf_counter()
+        try:
+            return self._allocate(consumer, columns, count, whole_groups, min_count, balance_over, policy)
+        finally:
+            self.latency.record("allocate", time.perf_counter() - t0)
+
+    def _allocate(self, consumer, columns, count, whole_groups, min_count, balance_over, policy):
         min_count = count if min_count is None else min_count
-        self._check_request(columns, count, min_count, whole_groups)
+        self._check_request(columns, count, min_count, whole_groups, balance_over)
+        if self._planned.get(consumer):
+            return self._planned[consumer].pop(0)
         n = self._num_rows
         consumed = self._consumed_of(consumer)[:n]
         remaining = n - int(consumed.sum())
         if remaining == 0 or any(col not in self._ready for col in columns):
             return None
         ready = np.logical_and.reduce([self._ready[col][:n] for col in columns])
+        count, min_count = count * balance_over, min_count * balance_over
         need = min(min_count, remaining)
         if whole_groups:
             need = min(need, count - max(self._group_sizes) + 1)
-            rows = self._pick_groups(ready, consumed, count)
+            rows = self._pick_groups(ready, consumed, count, policy)
         else:
-            rows = np.flatnonzero(ready & ~consumed)[:count]
+            rows = self._pick_rows(np.flatnonzero(ready & ~consumed), count, policy)
         if rows.size == 0 or rows.size < need:
             return None
         consumed[rows] = True
+        if balance_over == 1:
+            return self._allocation(np.sort(rows), columns)
+        bins = balanced_partition(self._tokens(rows), balance_over)
+        allocations = [self._allocation(np.sort(rows[b]), columns) for b in bins if b.size]
+        self._planned[consumer] = allocations[1:]
+        return allocations[0]
+
+    def _allocation(self, rows: np.ndarray, columns: list[str]) -> Allocation:
         return Allocation(
-            rows=rows.tolist(),
-            locations={col: self._location[col][rows].tolist() for col in columns},
+            rows=rows.tolist(), locations={col: self._location[col][rows].tolist() for col in columns}
         )
 
-    def _check_request(self, columns: list[str], count: int, min_count: int, whole_groups: bool) -> None:
+    def _tokens(self, rows: np.ndarray) -> np.ndarray:
+        """prompt_len + response_len per row (unknown lengths count as 0)."""
+        total = np.zeros(rows.size, dtype=np.int64)
+        for name in (PROMPT_LEN, RESPONSE_LEN):
+            if name in self._lengths:
+                total += np.maximum(self._lengths[name][rows], 0)
+        return total
+
+    def _pick_rows(self, eligible: np.ndarray, count: int, policy: str | None) -> np.ndarray:
+        if policy is None and self._policy_name == "first":
+            return eligible[:count]  # the common case stays a slice
+        units = Candidates(
+            first_rows=eligible,
+            sizes=np.ones(eligible.size, dtype=np.int64),
+            tokens=self._tokens(eligible),
+            ages=self._age[eligible],
+            count=count,
+        )
+        order = checked_order(self._resolve(policy), units)
+        return eligible[order[:count]]
+
+    def _resolve(self, policy: str | None):
+        return self._policy if policy is None else resolve_policy(policy, "allocate(policy=...)")
+
+    def _check_request(
+        self, columns: list[str], count: int, min_count: int, whole_groups: bool, balance_over: int
+    ) -> None:
         if isinstance(columns, str) or not columns:
             raise ValueError(f"columns={columns!r} must be a non-empty list of column names")
+        if balance_over < 1 or (balance_over > 1 and whole_groups):
+            raise ValueError(
+                f"balance_over={balance_over} must be >= 1, and 1 with whole_groups (bins are balanced by rows)"
+            )
         if count < 1 or not 1 <= min_count <= count:
             raise ValueError(f"need 1 <= min_count <= count, got count={count} min_count={min_count}")
         if not whole_groups or not self._group_sizes:
@@ -230,24 +377,31 @@ class DockController:
             self._consumed[consumer] = np.zeros(self._capacity, dtype=bool)
         return self._consumed[consumer]
 
-    def _pick_groups(self, ready: np.ndarray, consumed: np.ndarray, count: int) -> np.ndarray:
-        """First-fit whole groups (all rows ready, some unconsumed) in row order, up to `count` rows."""
+    def _pick_groups(
+        self, ready: np.ndarray, consumed: np.ndarray, count: int, policy: str | None
+    ) -> np.ndarray:
+        """Whole groups (all rows ready, some unconsumed), first-fit in policy order, up to `count` rows."""
         starts = np.asarray(self._group_starts, dtype=np.int64)
         sizes = np.asarray(self._group_sizes, dtype=np.int64)
         num_ready = np.add.reduceat(ready.astype(np.int64), starts)
         num_unconsumed = np.add.reduceat((~consumed).astype(np.int64), starts)
-        picked: list[np.ndarray] = []
-        total = 0
-        for group in np.flatnonzero((num_ready == sizes) & (num_unconsumed > 0)):
-            if total + num_unconsumed[group] > count:
-                continue
-            start = starts[group]
+        groups = np.flatnonzero((num_ready == sizes) & (num_unconsumed > 0))
+        if groups.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        row_tokens = self._tokens(np.arange(consumed.size))
+        units = Candidates(
+            first_rows=starts[groups],
+            sizes=num_unconsumed[groups],
+            tokens=np.add.reduceat(row_tokens, starts)[groups],
+            ages=self._age[starts[groups]],
+            count=count,
+        )
+        order = checked_order(self._resolve(policy), units)
+        picked = []
+        for unit in pack(order, units.sizes, count):
+            start, size = starts[groups[unit]], sizes[groups[unit]]
             # Normally the whole group; fewer only if this consumer also took single rows of it.
-            group_rows = start + np.flatnonzero(~consumed[start : start + sizes[group]])
-            picked.append(group_rows)
-            total += group_rows.size
-            if total == count:
-                break
+            picked.append(start + np.flatnonzero(~consumed[start : start + size]))
         return np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
 
     def poll(
@@ -255,16 +409,15 @@ class DockController:
         consumer: str,
         columns: list[str],
         count: int,
-        *,
-        whole_groups: bool = False,
-        min_count: int | None = None,
+        **options,
     ) -> tuple[Allocation | None, bool]:
-        """`allocate`, plus whether `consumer` has consumed every row: one round trip for a polling client.
+        """`allocate` (same options), plus whether `consumer` has consumed every row: one round trip for a
+        polling client.
 
         Returns (allocation, False) when served, (None, True) when nothing more will ever come, and
         (None, False) when the caller should wait and retry.
         """
-        allocation = self.allocate(consumer, columns, count, whole_groups=whole_groups, min_count=min_count)
+        allocation = self.allocate(consumer, columns, count, **options)
         if allocation is not None:
             return allocation, False
         return None, self.all_consumed(consumer)
@@ -276,7 +429,7 @@ class DockController:
         instead of exiting.
         """
         n = self._num_rows
-        return n > 0 and bool(self._consumed_of(consumer)[:n].all())
+        return n > 0 and bool(self._consumed_of(consumer)[:n].all()) and not self._planned.get(consumer)
 
     # ---------------------------------------------------------------- introspection
 
@@ -311,21 +464,41 @@ class DockController:
             for col in columns
         }
 
+    def unready_rows(self, columns: list[str], limit: int = 16) -> list[int]:
+        """The first `limit` rows missing at least one of `columns` (what a timed-out consumer waits for)."""
+        n = self._num_rows
+        ready = np.logical_and.reduce(
+            [self._ready[c][:n] if c in self._ready else np.zeros(n, dtype=bool) for c in columns]
+        )
+        return np.flatnonzero(~ready)[:limit].tolist()
+
+    def rows_on(self, warehouse: int) -> list[int]:
+        """Rows with at least one cell held by `warehouse` (the rows lost if it dies)."""
+        n = self._num_rows
+        held = np.zeros(n, dtype=bool)
+        for location in self._location.values():
+            held |= location[:n] == warehouse
+        return np.flatnonzero(held).tolist()
+
     def stats(self) -> dict:
         """Counts for logs and error messages.
 
         Keys: num_rows, num_groups, ready (column -> rows ready), consumed (consumer -> rows taken),
-        warehouse_cells (per warehouse, the number of ready (row, column) cells it holds).
+        warehouse_cells (per warehouse, the number of ready (row, column) cells it holds), ages (age ->
+        rows), latency_ms (op -> p50_ms, p99_ms, count of the controller's own service times).
         """
         n = self._num_rows
         cells = np.zeros(self.num_warehouses, dtype=np.int64)
         for location in self._location.values():
             held = location[:n]
             cells += np.bincount(held[held >= 0], minlength=self.num_warehouses)
+        ages, counts = np.unique(self._age[:n], return_counts=True)
         return {
             "num_rows": n,
             "num_groups": len(self._group_sizes),
             "ready": self.ready_counts(list(self._ready)),
             "consumed": {name: self.consumed_count(name) for name in self._consumed},
             "warehouse_cells": cells.tolist(),
+            "ages": {int(a): int(c) for a, c in zip(ages, counts)},
+            "latency_ms": self.latency.summary(),
         }

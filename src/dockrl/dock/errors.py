@@ -11,3 +11,7 @@ class DockTimeoutError(DockError):
 
 class WarehouseDiedError(DockError):
     """A dock actor (warehouse or controller) died; the message names the actor and the rows affected."""
+
+
+class StaleHandleError(DockError):
+    """A dock actor was re-created (or restarted by Ray) since this client got its handle: its state is gone."""

@@ -4,16 +4,19 @@ A warehouse stores column cells for the rows written to it and serves them back 
 put it tells the controller, and waits for the controller's acknowledgement, so that once `put` returns the
 rows are visible to `allocate`. The controller never calls a warehouse, so this wait cannot deadlock.
 
-Lifecycle: put/get during a step, clear() between steps (together with the controller's reset()).
+Lifecycle: put/get during a step, clear(kept) between steps with the row list the controller's reset()
+returned (kept rows are renumbered to their index in it, every other cell is dropped).
 """
 
 from __future__ import annotations
 
-import sys
 import threading
+import time
+import uuid
 from typing import Any, Protocol
 
 from dockrl.dock.errors import DockError
+from dockrl.dock.metrics import OpLatency, payload_nbytes
 
 # Tensor columns whose per-row length the controller keeps as metadata (column -> length name).
 LENGTH_COLUMNS = {"prompt_ids": "prompt_len", "response_ids": "response_len"}
@@ -25,13 +28,6 @@ class ReadyListener(Protocol):
     def mark_ready(
         self, warehouse: int, rows: list[int], columns: list[str], lengths: dict[str, list[int]] | None = None
     ) -> None: ...
-
-
-def payload_nbytes(value: Any) -> int:
-    """Bytes held by one cell: `nbytes` for torch tensors and numpy arrays, sys.getsizeof for other objects."""
-    # Duck-typed so that the warehouse process imports torch only once a tensor arrives.
-    nbytes = getattr(value, "nbytes", None)
-    return int(nbytes) if isinstance(nbytes, int) else sys.getsizeof(value)
 
 
 class Warehouse:
@@ -55,9 +51,23 @@ class Warehouse:
         self._num_puts = 0
         self._num_gets = 0
         self._cells_out = 0
+        self._bytes_in = 0
+        self._bytes_out = 0
+        self.latency = OpLatency()
+        # Changes when the actor is re-created: a client holding the old one knows its handle is stale.
+        self.incarnation = uuid.uuid4().hex
+
+    def get_incarnation(self) -> str:
+        """Unique id of this warehouse instance (a restarted actor has a new one)."""
+        return self.incarnation
+
+    def ping(self) -> int:
+        """Liveness probe for clients that wait; returns the index."""
+        return self.index
 
     def put(self, rows: list[int], batch: dict[str, list]) -> int:
         """Store `batch[column][i]` for row `rows[i]`, then notify the controller; returns bytes stored."""
+        t0 = time.perf_counter()
         for column, values in batch.items():
             if len(values) != len(rows):
                 raise ValueError(
@@ -78,9 +88,11 @@ class Warehouse:
                 if column in LENGTH_COLUMNS:
                     lengths[LENGTH_COLUMNS[column]] = [len(value) for value in values]
             self._nbytes += nbytes
+            self._bytes_in += nbytes
             self._num_puts += 1
         if self._controller is not None and rows and batch:
             self._controller.mark_ready(self.index, list(rows), list(batch), lengths or None)
+        self.latency.record("put", time.perf_counter() - t0)
         return nbytes
 
     def get(self, rows: list[int], columns: list[str]) -> dict[str, list]:
@@ -89,6 +101,7 @@ class Warehouse:
 
     def get_cells(self, rows_by_column: dict[str, list[int]]) -> dict[str, list]:
         """Cells for a different row list per column (one call serves a client's whole allocation)."""
+        t0 = time.perf_counter()
         out: dict[str, list] = {}
         with self._lock:
             for column, rows in rows_by_column.items():
@@ -102,17 +115,25 @@ class Warehouse:
                         "(never put here, or cleared by a reset)"
                     ) from None
                 self._cells_out += len(rows)
+                self._bytes_out += sum(payload_nbytes(value) for value in out[column])
             self._num_gets += 1
+        self.latency.record("get", time.perf_counter() - t0)
         return out
 
-    def clear(self) -> None:
-        """Drop every cell (between steps)."""
+    def clear(self, kept: list[int] | None = None) -> None:
+        """Drop every cell except those of `kept` rows, which are renumbered: row kept[i] becomes row i."""
+        renumber = {old: new for new, old in enumerate(kept or [])}
         with self._lock:
-            self._cells.clear()
-            self._nbytes = 0
+            self._cells = {
+                column: {renumber[row]: value for row, value in cells.items() if row in renumber}
+                for column, cells in self._cells.items()
+            }
+            self._nbytes = sum(payload_nbytes(v) for cells in self._cells.values() for v in cells.values())
+            self._bytes_in = self._bytes_out = 0  # per-step traffic figures
 
     def stats(self) -> dict:
-        """index, rows held, cells held, bytes held, and op counts since creation."""
+        """index, rows/cells/bytes held; op counts and latency_ms (p50/p99 per op) since creation; bytes_in and
+        bytes_out since the last clear (one step's traffic)."""
         with self._lock:
             rows = set()
             for cells in self._cells.values():
@@ -125,4 +146,7 @@ class Warehouse:
                 "num_puts": self._num_puts,
                 "num_gets": self._num_gets,
                 "cells_out": self._cells_out,
+                "bytes_in": self._bytes_in,
+                "bytes_out": self._bytes_out,
+                "latency_ms": self.latency.summary(),
             }

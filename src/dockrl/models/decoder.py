@@ -9,6 +9,11 @@ cache), H hidden size, V vocabulary, N query heads, K key/value heads, D head di
 
 Attention mask: causal by slot index (a query in slot s sees key slots <= s) and `key_mask` (False = padding).
 A query always sees its own slot, so left-padding queries, which see no valid key, stay finite.
+
+Per-row cache offsets (the rollout engine's hook): `cache_offset` may be an int64 tensor [B]; row b then
+writes its T new keys at slots [cache_offset[b], cache_offset[b] + T) and attends key slots [0, S) with
+S = key_mask.shape[1] (key_mask is required), causally from its own offset. Rows of one batch can so sit at
+different lengths of a slot-indexed cache (continuous batching).
 """
 
 from __future__ import annotations
@@ -47,6 +52,14 @@ class KVCache:
         self.v: list[torch.Tensor] = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)
         ]
+
+    def rows(self, num_rows: int) -> KVCache:
+        """A view of the first num_rows sequences of this cache (shares storage, allocates nothing)."""
+        view = KVCache.__new__(KVCache)
+        view.batch_size, view.max_len = num_rows, self.max_len
+        view.k = [k[:num_rows] for k in self.k]
+        view.v = [v[:num_rows] for v in self.v]
+        return view
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -122,7 +135,7 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         cache: tuple[torch.Tensor, torch.Tensor] | None,
-        cache_offset: int,
+        cache_offset: int | torch.Tensor,
     ) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]. mask bool [B, 1, T, S] or None for plain causal without cache."""
         batch, seq = x.shape[:2]
@@ -134,6 +147,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = _apply_rope(q.transpose(1, 2), *rope)  # [B, N, T, D]
         k = _apply_rope(k.transpose(1, 2), *rope)  # [B, K, T, D]
+        if cache is not None and isinstance(cache_offset, torch.Tensor):
+            k, v = _write_rows(cache, k, v, cache_offset, mask.shape[-1])
+            out = _grouped_attention(q, k, v, mask)  # [B, N, T, D]
+            return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
         if cache is not None:
             cache_k, cache_v = cache
             end = cache_offset + seq
@@ -178,7 +195,7 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache_offset: int = 0,
+        cache_offset: int | torch.Tensor = 0,
     ) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]."""
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, cache_offset)
@@ -207,13 +224,16 @@ class DecoderModel(nn.Module):
         position_ids: torch.Tensor,
         key_mask: torch.Tensor | None,
         kv_cache: KVCache | None,
-        cache_offset: int,
+        cache_offset: int | torch.Tensor,
     ) -> torch.Tensor:
         """Final-normed hidden states [B, T, H]; arguments as in `Transformer.hidden_states`."""
         batch, seq = input_ids.shape
         x = self.embed_tokens(input_ids)  # [B, T, H]
         rope = self._rope(position_ids, x.dtype)
-        mask = _attention_mask(key_mask, batch, seq, cache_offset, kv_cache is not None, input_ids.device)
+        if isinstance(cache_offset, torch.Tensor):
+            mask = _row_offset_mask(key_mask, cache_offset, seq)
+        else:
+            mask = _attention_mask(key_mask, batch, seq, cache_offset, kv_cache is not None, input_ids.device)
         for index, layer in enumerate(self.layers):
             cache = None if kv_cache is None else (kv_cache.k[index], kv_cache.v[index])
             x = layer(x, rope, mask, cache, cache_offset)
@@ -262,7 +282,18 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Logits [B, T, V] in the parameter dtype; arguments as in `hidden_states`."""
         hidden = self.hidden_states(input_ids, position_ids, key_mask, kv_cache, cache_offset)
-        return F.linear(hidden, self.output_weight())
+        return self.lm_logits(hidden)
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head logits [..., V] of final hidden states [..., H].
+
+        A tensor-parallel model holds a vocab slice of the head: training keeps the slice's logits
+        [..., V/tp] (`gather_logits` unset); an inference model sets `gather_logits` (a callable that
+        all-gathers the slices, see `dockrl.parallel.tp`) so samplers see the full vocabulary.
+        """
+        logits = F.linear(hidden, self.output_weight())
+        gather = getattr(self, "gather_logits", None)
+        return logits if gather is None else gather(logits)
 
     def hidden_states(
         self,
@@ -270,15 +301,24 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
-        cache_offset: int = 0,
+        cache_offset: int | torch.Tensor = 0,
     ) -> torch.Tensor:
         """Final-normed hidden states [B, T, H].
 
         input_ids [B, T] int64. position_ids [B, T], default arange(cache_offset, cache_offset + T) per row.
         key_mask bool [B, S] (True = real token; S = T without cache, cache_offset + T with one; None = all
         real). With kv_cache, the new keys/values go to slots [cache_offset, cache_offset + T).
+        cache_offset may also be an int64 tensor [B] of per-row offsets (see the module docstring); then
+        kv_cache and key_mask [B, S] are required and the caller keeps every offset + T <= S <= max_len
+        (not checked here: it would cost a device sync per decode step).
         """
         batch, seq = input_ids.shape
+        if isinstance(cache_offset, torch.Tensor):
+            if kv_cache is None or key_mask is None:
+                raise ValueError("a per-row cache_offset tensor needs kv_cache and key_mask [B, S]")
+            if position_ids is None:
+                position_ids = cache_offset[:, None] + torch.arange(seq, device=input_ids.device)
+            return self.model(input_ids, position_ids, key_mask, kv_cache, cache_offset)
         if kv_cache is None and cache_offset != 0:
             raise ValueError(f"cache_offset={cache_offset} needs a kv_cache; pass kv_cache or cache_offset=0")
         if kv_cache is not None and cache_offset + seq > kv_cache.max_len:
@@ -309,6 +349,54 @@ class Transformer(nn.Module):
             else:
                 values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
                 param.copy_(values)
+
+
+def _write_rows(
+    cache: tuple[torch.Tensor, torch.Tensor],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache_offset: torch.Tensor,
+    num_keys: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write k, v [B, K, T, D] at per-row slots cache_offset[b] + t; return the key slots [B, K, S, D]."""
+    cache_k, cache_v = cache
+    batch, seq = k.shape[0], k.shape[2]
+    slots = cache_offset[:, None] + torch.arange(seq, device=k.device)  # [B, T]
+    rows = torch.arange(batch, device=k.device)[:, None]  # [B, 1]
+    # Advanced indices on dims 0 and 2 around a slice: the indexed view is [B, T, K, D].
+    cache_k[rows, :, slots] = k.transpose(1, 2)
+    cache_v[rows, :, slots] = v.transpose(1, 2)
+    return cache_k[:, :, :num_keys], cache_v[:, :, :num_keys]
+
+
+def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax attention q [B, N, T, D] over k, v [B, K, S, D] (not repeated per query head), mask [B, 1, T, S].
+
+    The decode path of the rollout engine: the N / K query heads of one key/value head are stacked into
+    one batched matmul, so the cache is read in place instead of being repeated per head (as SDPA's inputs
+    would need), which dominates decode time for small models on CPU.
+    """
+    batch, num_heads, seq, head_dim = q.shape
+    num_kv_heads, num_keys = k.shape[1], k.shape[2]
+    group_rows = num_heads // num_kv_heads * seq
+    q = q.reshape(batch * num_kv_heads, group_rows, head_dim)  # [B*K, G*T, D], head n -> kv head n // G
+    keys = k.reshape(batch * num_kv_heads, num_keys, head_dim)  # a view: the slot range is contiguous in B
+    scores = torch.bmm(q, keys.transpose(1, 2))  # [B*K, G*T, S]
+    scores = scores.view(batch, num_kv_heads, -1, seq, num_keys) * head_dim**-0.5
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # [B, K, G, T, S]
+    probs = torch.softmax(scores, dim=-1).view(batch * num_kv_heads, group_rows, num_keys)
+    out = torch.bmm(probs, v.reshape(batch * num_kv_heads, num_keys, head_dim))  # [B*K, G*T, D]
+    return out.view(batch, num_heads, seq, head_dim)
+
+
+def _row_offset_mask(key_mask: torch.Tensor, cache_offset: torch.Tensor, seq: int) -> torch.Tensor:
+    """Mask [B, 1, T, S] for per-row offsets: causal from each row's own offset, and key_mask [B, S]."""
+    num_keys = key_mask.shape[1]
+    query_slot = cache_offset[:, None] + torch.arange(seq, device=key_mask.device)  # [B, T]
+    key_slot = torch.arange(num_keys, device=key_mask.device)  # [S]
+    mask = key_slot[None, None, :] <= query_slot[:, :, None]  # [B, T, S]
+    mask = (mask & key_mask.to(torch.bool)[:, None, :]) | (key_slot[None, None, :] == query_slot[:, :, None])
+    return mask[:, None]
 
 
 def _attention_mask(

@@ -59,3 +59,13 @@ def init_distributed(
 def data_parallel_mesh(device: str, dp: int) -> DeviceMesh:
     """A 1-D mesh over the data-parallel ranks (FSDP2 shards over it)."""
     return init_device_mesh(device, (dp,), mesh_dim_names=("dp",))
+
+
+def training_mesh(device: str, dp: int, tp: int) -> DeviceMesh:
+    """The actor's training mesh (dp, tp): FSDP2 over dp, tensor parallel over tp (tp ranks contiguous)."""
+    return init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def inference_mesh(device: str, world_size: int, tp: int) -> DeviceMesh:
+    """The rollout mesh (replica, tp): world_size / tp replicas of tp contiguous ranks each."""
+    return init_device_mesh(device, (world_size // tp, tp), mesh_dim_names=("replica", "tp"))

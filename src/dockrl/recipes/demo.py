@@ -1,7 +1,14 @@
-"""The demo: a tiny model learns arithmetic by SFT, then improves by GRPO through the full system.
+"""The demo: a tiny model learns arithmetic from a noisy teacher by SFT, then GRPO removes the
+teacher's bad habit, through the full system.
 
     dockrl data arithmetic ─▶ dockrl make-tiny ─▶ dockrl sft ─▶ eval (before) ─▶ dockrl train (GRPO:
     Ray, 2 actor ranks in one gloo group, 2 warehouses) ─▶ eval (after) ─▶ summary.json with both
+
+The task is single-digit addition and subtraction (`What is 7-9?`). The SFT answers come from a hedging
+teacher (`hedging_teacher_rows`): 70% of the time it follows the right answer with a second guess
+("-2 or -1"). The warm-started model learns the arithmetic and the habit; `exact_answer` reads the final
+number, so greedy answers that hedge are wrong. GRPO with the exact-answer reward on the true answers
+teaches the model to stop after its answer, which held-out accuracy shows.
 
 Configs: `dockrl/configs/demo_sft.yaml` and `demo_grpo.yaml`; paths inside them are set from `out_dir`.
 """
@@ -25,8 +32,8 @@ from dockrl.rewards.runner import RewardSpec
 
 log = logging.getLogger(__name__)
 
-# The task and model sizes of the demo (chosen so SFT lands mid-way and GRPO has room to improve).
-TASK = dict(num_train=4000, num_test=200, max_operand=99)
+# The task and model sizes of the demo: all 200 single-digit +/- problems, 40 of them held out.
+TASK = dict(num_train=160, num_test=40, max_operand=9, teacher_error=0.7, teacher_samples=4)
 MODEL = dict(family="qwen2", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512)
 
 
@@ -48,7 +55,7 @@ def run_demo(out_dir: str | Path = "runs/demo", overrides: list[str] | None = No
         config_path("demo_sft.yaml"),
         [
             f"model.path={model_dir}",
-            f"data.train_path={data['train']}",
+            f"data.train_path={data['sft']}",
             f"run.output_dir={out}",
             "run.name=sft",
         ],

@@ -25,6 +25,7 @@ import torch
 from dockrl.config.loader import to_dict
 from dockrl.config.schema import TrainConfig
 from dockrl.dock.launch import launch_dock
+from dockrl.dock.metrics import bytes_moved, driver_bytes
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.observe.run_dir import RunDir, StageTimer
 from dockrl.recipes.common import EncodedPrompt, EpochSampler, describe, encode_prompts, init_ray
@@ -50,7 +51,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     )
 
     init_ray(cfg.run.ray_address)
-    dock = launch_dock(num_warehouses=cfg.dock.num_warehouses, get_timeout_s=cfg.dock.get_timeout_s)
+    dock = launch_dock(
+        mode=cfg.dock.mode,
+        num_warehouses=cfg.dock.num_warehouses,
+        get_timeout_s=cfg.dock.get_timeout_s,
+        policy=cfg.dock.policy,
+        max_rows=cfg.dock.max_rows,
+    )
     client = dock.client()
     actors, rewards = _start_workers(cfg, dock)
     summary: dict[str, Any] = {"run_dir": str(run.path), "skipped_prompts": skipped}
@@ -100,10 +107,11 @@ def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None
 def _start_workers(cfg: TrainConfig, dock) -> tuple[WorkerGroup, WorkerGroup]:
     cuda = cfg.run.device == "cuda"
     optimizer_steps = cfg.run.steps * cfg.actor.mini_batches * cfg.actor.epochs
-    threads = None if cuda else max(1, (os.cpu_count() or 1) // cfg.actor.dp)
+    num_actor_ranks = cfg.actor.dp * cfg.actor.tp
+    threads = None if cuda else max(1, (os.cpu_count() or 1) // num_actor_ranks)
     actors = WorkerGroup(
         ActorWorker,
-        cfg.actor.dp,
+        num_actor_ranks,
         name="actor",
         distributed=True,
         device=cfg.run.device,
@@ -180,6 +188,7 @@ def _metrics(cfg, step, batch, gen, scored, updates, timer: StageTimer, dock_sta
     for key in updates[0]:
         m[f"actor/{key}"] = updates[0][key]  # already all-reduced across ranks
     m.update(timer.metrics())
+    m["timing/reshard_to_rollout"] = max(g["reshard_s"] for g in gen)  # inside timing/rollout
     t = timer.seconds
     m["throughput/tokens_per_s"] = (prompt_tokens + response_tokens) / t["step"]
     m["throughput/rollout_tokens_per_s"] = response_tokens / max(t["rollout"], 1e-9)
@@ -187,6 +196,10 @@ def _metrics(cfg, step, batch, gen, scored, updates, timer: StageTimer, dock_sta
     if "reference" in t:
         m["throughput/reference_tokens_per_s"] = (prompt_tokens + response_tokens) / max(t["reference"], 1e-9)
     m["dock/bytes_in_warehouses"] = float(sum(w.get("bytes", 0) for w in dock_stats.get("warehouses", [])))
+    m["dock/bytes_moved"] = float(bytes_moved(dock_stats))  # put + got at the warehouses this step
+    m["dock/driver_bytes"] = float(driver_bytes(dock_stats))  # payload through the driver this step
+    for op, latency in dock_stats.get("latency_ms", {}).items():  # controller service times
+        m[f"dock/{op}_p99_ms"] = latency["p99_ms"]
     m["dock/rows"] = float(len(rewards))
     m["tokens/prompt"] = float(prompt_tokens)
     m["tokens/response"] = float(response_tokens)
@@ -201,7 +214,9 @@ def _evaluate(
     cfg: TrainConfig, actors: WorkerGroup, prompts: list[EncodedPrompt], tokenizer: Tokenizer
 ) -> dict:
     """Greedy answers from the current policy (prompts split over the actor ranks), scored in the driver."""
-    shards = [prompts[r :: len(actors)] for r in range(len(actors))]
+    # One shard per rollout replica, given to its head rank (tp peers get theirs by broadcast, answer []).
+    tp, replicas = cfg.rollout.tp, len(actors) // cfg.rollout.tp
+    shards = [prompts[r // tp :: replicas] if r % tp == 0 else [] for r in range(len(actors))]
     outs = actors.call_ranks("evaluate", [([p.ids for p in s], cfg.rollout.max_new_tokens) for s in shards])
     ordered_prompts = [p for s in shards for p in s]
     responses = [tokenizer.decode(ids) for o in outs for ids in o]

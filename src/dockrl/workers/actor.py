@@ -3,8 +3,9 @@
 Lifecycle of one RL step, every stage pulling its rows from the dock and pushing results back:
 
     setup ──▶ [generate ──▶ compute_ref ──▶ compute_old? ──▶ update] x steps ──▶ save
-               │  sync weights (collective), then free-running: pull whole groups as they come,
-               │  sample, put response_ids / rollout_logprobs; ends when the dock has no unserved rows
+               │  sync weights (collective), then free-running: the rollout engine pulls whole groups as
+               │  its slots free up and puts response_ids / rollout_logprobs of each row as it finishes;
+               │  ends when the dock has no unserved rows
                compute_ref / compute_old / update: each rank pulls exactly rows/dp rows, so every rank
                runs the same number of FSDP forward/backward passes (FSDP collectives need lockstep)
 
@@ -13,6 +14,7 @@ With tensor parallel degree 1 every rank is the head of its own data-parallel gr
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -20,12 +22,14 @@ import torch.distributed as dist
 
 from dockrl.config.schema import TrainConfig
 from dockrl.dock.client import DockClient
-from dockrl.models.decoder import Transformer
 from dockrl.models.hf import save_model
 from dockrl.models.tokenizer import Tokenizer
-from dockrl.parallel.dist import data_parallel_mesh
+from dockrl.parallel.dist import inference_mesh, training_mesh
+from dockrl.parallel.replica import ReplicaClient
 from dockrl.workers.group import Worker
-from dockrl.workers.reshard.sync import copy_full_weights
+from dockrl.workers.reshard.switch import RolloutSwitch, offload_flags
+from dockrl.workers.rollout.dock_feed import serve_from_dock
+from dockrl.workers.rollout.engine import RolloutEngine
 from dockrl.workers.rollout.sampler import SamplingParams, generate
 from dockrl.workers.train.engine import TrainEngine
 from dockrl.workers.train.policy_update import policy_update
@@ -60,14 +64,15 @@ class ActorWorker(Worker):
         self.client = client
         self.total_optimizer_steps = total_optimizer_steps
         rows = cfg.run.prompts_per_step * cfg.rollout.samples_per_prompt
-        self.rows_per_rank = rows // world_size
+        self.dp = world_size // cfg.actor.tp  # tensor-parallel peers train on the same rows
+        self.rows_per_rank = rows // self.dp
         self.on_policy = cfg.actor.mini_batches == 1 and cfg.actor.epochs == 1
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
 
     def setup(self) -> dict[str, Any]:
         """Build the sharded policy (+ optimizer), the reference model and the rollout model."""
         cfg = self.cfg
-        mesh = data_parallel_mesh(self.device.type, self.world_size)
+        mesh = training_mesh(self.device.type, self.dp, cfg.actor.tp)
         common = dict(device=self.device, precision=cfg.run.precision, mesh=mesh)
         self.policy = TrainEngine(
             cfg.model.path, optim=cfg.actor, total_optimizer_steps=self.total_optimizer_steps, **common
@@ -75,11 +80,8 @@ class ActorWorker(Worker):
         self.ref = None
         if cfg.algo.kl_coef > 0:
             self.ref = TrainEngine(cfg.model.ref_path or cfg.model.path, trainable=False, **common)
-        dtype = torch.bfloat16 if cfg.run.precision == "bf16" else torch.float32
-        with torch.device(self.device):
-            self.rollout_model = Transformer(self.policy.args).to(dtype)
-        self.rollout_model.requires_grad_(False).eval()
-        self.rollout_stale = True
+        self._setup_switch(mesh)
+        self.rollout_engine: RolloutEngine | None = None  # built at the first generate; keeps its cache
         self.tokenizer = Tokenizer.from_dir(cfg.model.path)
         self.pad_token_id = _first_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
         self.stop_token_ids = _stop_ids(self.tokenizer.eos_token_id, self.policy.args.eos_token_id)
@@ -89,55 +91,86 @@ class ActorWorker(Worker):
             "where": self.where(),
         }
 
+    def _setup_switch(self, train_mesh) -> None:
+        """The rollout model (tp_infer-parallel, weights only while in rollout) and the dock views per layout."""
+        cfg, tp_infer = self.cfg, self.cfg.rollout.tp
+        infer_group = inference_mesh(self.device.type, self.world_size, tp_infer).get_group("tp")
+        dtype = torch.bfloat16 if cfg.run.precision == "bf16" else torch.float32
+        bucket_mb = cfg.reshard.bucket_mb
+        self.switch = RolloutSwitch(
+            self.policy,
+            rank=self.rank,
+            world=self.world_size,
+            tp_infer=tp_infer,
+            infer_group=infer_group,
+            bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20),
+            dtype=dtype,
+            offload=offload_flags(cfg.reshard, self.device.type),
+            extra_offload=() if self.ref is None else (self.ref.model,),
+        )
+        self.rollout_model = self.switch.model
+        self.rollout_stale = True
+        self.train_client = ReplicaClient(self.client, self.policy.tp_group, self.rank, cfg.actor.tp)
+        self.rollout_client = ReplicaClient(self.client, infer_group, self.rank, tp_infer)
+
     # ---- rollout -------------------------------------------------------------------------------
 
     def sync_rollout_weights(self) -> int:
-        """Gather the training shards into the rollout model (collective: all ranks call it together)."""
-        copied = copy_full_weights(self.policy.model, self.rollout_model)
+        """Enter the rollout layout: gather this rank's inference shard bucket by bucket, offload training
+        state (collective: all ranks call it together). Returns the inference shard's bytes."""
+        self.switch.enter()
         self.rollout_stale = False
-        return copied
+        return self.switch.inference_shard_bytes
+
+    def leave_rollout(self) -> None:
+        """Back to the training layout: free the rollout buffers, bring training state back."""
+        if self.switch.active:
+            self.switch.exit()
+        self.rollout_stale = True
 
     def generate(self, step: int) -> dict[str, Any]:
-        """Serve rollout rows from the dock until every row has a response."""
+        """Serve rollout rows from the dock through the continuous-batching engine until every row has a
+        response (see `rollout.dock_feed`)."""
+        reshard_start = time.perf_counter()
         if self.rollout_stale:
             self.sync_rollout_weights()
+        reshard_s = time.perf_counter() - reshard_start
         roll = self.cfg.rollout
         params = SamplingParams(
             max_new_tokens=roll.max_new_tokens,
             temperature=roll.temperature,
             top_p=roll.top_p,
             top_k=roll.top_k,
+            min_p=roll.min_p,
             stop_token_ids=self.stop_token_ids,
+            stop_strings=list(roll.stop_strings),
         )
-        group = roll.samples_per_prompt
-        lengths, truncated = [], 0
-        while True:
-            got = self.client.get(
-                ROLLOUT, ["prompt_ids"], roll.groups_per_pull * group, whole_groups=True, min_count=group
-            )
-            if got is None:
-                break
-            rows, batch = got
-            prompts = [p.tolist() for p in batch["prompt_ids"]]
-            seeds = [row_seed(self.cfg.run.seed, step, row) for row in rows]
-            outs = generate(
+        if self.rollout_engine is None:
+            max_positions = self.policy.args.max_position_embeddings
+            self.rollout_engine = RolloutEngine(
                 self.rollout_model,
-                prompts,
-                params,
-                seeds,
+                num_slots=roll.max_batch_size,
+                max_seq_len=min(max_positions, self.cfg.data.max_prompt_len + roll.max_new_tokens),
                 pad_token_id=self.pad_token_id,
-                max_batch_size=roll.max_batch_size,
+                detokenize=self.tokenizer.decode,
             )
-            self.client.put(
-                rows,
-                {
-                    "response_ids": [o.token_ids for o in outs],
-                    "rollout_logprobs": [o.logprobs for o in outs],
-                },
-            )
-            lengths += [len(o.token_ids) for o in outs]
-            truncated += sum(o.finish_reason == "length" for o in outs)
-        return {"response_lengths": lengths, "truncated": truncated}
+        stats = serve_from_dock(
+            self.rollout_engine,
+            self.rollout_client,
+            consumer=ROLLOUT,
+            params=params,
+            group_size=roll.samples_per_prompt,
+            groups_per_pull=roll.groups_per_pull,
+            row_seed=lambda row: row_seed(self.cfg.run.seed, step, row),
+        )
+        self.leave_rollout()
+        if not self.rollout_client.is_head:  # tp peers served the same rows as their head
+            stats = {**stats, "response_lengths": [], "truncated": 0}
+        return {
+            "response_lengths": stats["response_lengths"],
+            "truncated": stats["truncated"],
+            "reshard_s": reshard_s,
+        }
 
     # ---- log-prob stages -----------------------------------------------------------------------
 
@@ -150,7 +183,7 @@ class ActorWorker(Worker):
         return self._logprob_stage(OLD, self.policy, "old_logprobs")
 
     def _logprob_stage(self, consumer: str, engine: TrainEngine, column: str) -> dict[str, Any]:
-        rows, batch = self.client.get(consumer, ["prompt_ids", "response_ids"], self.rows_per_rank)
+        rows, batch = self.train_client.get(consumer, ["prompt_ids", "response_ids"], self.rows_per_rank)
         logps, _ = engine.logprobs(
             batch["prompt_ids"],
             batch["response_ids"],
@@ -158,7 +191,7 @@ class ActorWorker(Worker):
             micro_batch_size=self.cfg.actor.micro_batch_size,
             pad_token_id=self.pad_token_id,
         )
-        self.client.put(rows, {column: logps})
+        self.train_client.put(rows, {column: logps})
         return {"rows": len(rows), "tokens": sum(len(r) for r in batch["response_ids"])}
 
     # ---- update --------------------------------------------------------------------------------
@@ -169,7 +202,7 @@ class ActorWorker(Worker):
         columns = ["prompt_ids", "response_ids", "advantages"]
         columns += ["ref_logprobs"] if use_ref else []
         columns += [] if self.on_policy else ["old_logprobs"]
-        rows, batch = self.client.get(UPDATE, columns, self.rows_per_rank)
+        rows, batch = self.train_client.get(UPDATE, columns, self.rows_per_rank)
         per_token_names = [c for c in columns if c not in ("prompt_ids", "response_ids")]
         mini_size = self.rows_per_rank // actor.mini_batches
         history: list[dict[str, float]] = []
@@ -186,7 +219,7 @@ class ActorWorker(Worker):
                         temperature=self.temperature,
                         micro_batch_size=actor.micro_batch_size,
                         pad_token_id=self.pad_token_id,
-                        world_size=self.world_size,
+                        world_size=self.dp,
                     )
                 )
         self.rollout_stale = True
@@ -203,9 +236,11 @@ class ActorWorker(Worker):
         return path
 
     def evaluate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy responses for held-out prompts with the current policy (this rank's share)."""
+        """Greedy responses for held-out prompts with the current policy (this rank's share; under
+        rollout tensor parallelism the replica head's share, answered by the head only)."""
         if self.rollout_stale:
             self.sync_rollout_weights()
+        prompts = self.rollout_client.broadcast(prompts)
         params = SamplingParams(
             max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=self.stop_token_ids
         )
@@ -217,7 +252,8 @@ class ActorWorker(Worker):
             pad_token_id=self.pad_token_id,
             max_batch_size=self.cfg.rollout.max_batch_size,
         )
-        return [o.token_ids.tolist() for o in outs]
+        self.leave_rollout()
+        return [o.token_ids.tolist() for o in outs] if self.rollout_client.is_head else []
 
 
 def _first_id(*ids: Any) -> int:

@@ -1,5 +1,11 @@
-"""Generation engine: the native batched KV-cache sampler (an optional vLLM backend may sit beside it)."""
+"""Generation engine: continuous batching over KV-cache slots on dockrl's own model code.
 
-from dockrl.workers.rollout.sampler import Generation, SamplingParams, generate
+`RolloutEngine` (engine.py) is the engine; `generate` (sampler.py) the simple batch API on it; `sampling.py`
+the per-row sampler and seeds; `dock_feed.py` serves rollout rows from the dock through an engine.
+"""
 
-__all__ = ["Generation", "SamplingParams", "generate"]
+from dockrl.workers.rollout.engine import Completion, Generation, Request, RolloutEngine
+from dockrl.workers.rollout.sampler import generate
+from dockrl.workers.rollout.sampling import SamplingParams
+
+__all__ = ["Completion", "Generation", "Request", "RolloutEngine", "SamplingParams", "generate"]

@@ -1,6 +1,10 @@
-"""The training engine: a model sharded with FSDP2 over the data-parallel mesh, its optimizer and schedule.
+"""The training engine: a model sharded with FSDP2 over dp and tensor-parallel over tp, optimizer and schedule.
 
-Shapes: B rows, T tokens, V vocab.
+Shapes: B rows, T tokens, V vocab (Vl = V / tp on one rank).
+
+Layout: `mesh` is a 1-D ("dp",) mesh or a 2-D ("dp", "tp") mesh (possibly a sub-mesh of a bigger one).
+Tensor parallelism (`dockrl.parallel.tp`) splits the model first; FSDP2 then shards each rank's local
+tensors over the dp group. Logits stay vocab-parallel and log-probs use the vocab-parallel functions.
 
 Lifecycle: built once per worker (loads a Hugging Face directory on CPU in fp32, shards it, moves the shards
 to the device); then `logprobs` (no grad) and `train_step` (one optimizer step over a list of micro-batches)
@@ -19,7 +23,12 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dockrl.algos.logprobs import token_entropy, token_logprobs
+from dockrl.algos.logprobs import (
+    token_entropy,
+    token_logprobs,
+    vocab_parallel_entropy,
+    vocab_parallel_logprobs,
+)
 from dockrl.config.schema import ActorConfig
 from dockrl.models.hf import load_model
 from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
@@ -48,8 +57,15 @@ class TrainEngine:
         self.args = model.args
         if not trainable:
             model.requires_grad_(False)
+        self._init_layout(mesh)
+        if self.tp_size > 1:
+            from dockrl.parallel.tp import parallelize, replicated_names
+
+            parallelize(model, self.tp_rank, self.tp_size, self.tp_group)
+            self.replicated = replicated_names(model)
+            self.vocab_start = self.tp_rank * (self.args.vocab_size // self.tp_size)
         if mesh is not None:
-            _shard(model, mesh, precision)
+            _shard(model, self.dp_mesh, precision)
         model.to(self.device)
         self.model = model
         self.optimizer = self.scheduler = None
@@ -66,6 +82,29 @@ class TrainEngine:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, _lr_lambda(optim.warmup_steps, total_optimizer_steps, optim.min_lr_ratio)
             )
+
+    def _init_layout(self, mesh: DeviceMesh | None) -> None:
+        names = mesh.mesh_dim_names if mesh is not None else ()
+        self.dp_mesh = None if mesh is None else (mesh if len(names) == 1 else mesh["dp"])
+        self.dp_group = None if mesh is None else self.dp_mesh.get_group()
+        self.dp_size = 1 if mesh is None else self.dp_mesh.size()
+        self.dp_rank = 0 if mesh is None else self.dp_mesh.get_local_rank()
+        has_tp = "tp" in names
+        self.tp_group = mesh.get_group("tp") if has_tp else None
+        self.tp_size = mesh["tp"].size() if has_tp else 1
+        self.tp_rank = mesh["tp"].get_local_rank() if has_tp else 0
+
+    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        """[B, T] log-probs of targets from this rank's logits [B, T, V] (vocab-parallel [B, T, Vl] under tp)."""
+        if self.tp_size == 1:
+            return token_logprobs(logits, targets, temperature)
+        return vocab_parallel_logprobs(logits, targets, temperature, self.vocab_start, self.tp_group)
+
+    def token_entropy(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """[B, T] entropies from this rank's logits (vocab-parallel under tp)."""
+        if self.tp_size == 1:
+            return token_entropy(logits, temperature)
+        return vocab_parallel_entropy(logits, temperature, self.tp_group)
 
     def autocast(self):
         """bf16 autocast for the unsharded path (FSDP2's mixed-precision policy covers the sharded one)."""
@@ -101,9 +140,9 @@ class TrainEngine:
                 device=self.device,
             )
             logits = self.logits(mb)  # [B, T-1, V]
-            logps += mb.unpad(token_logprobs(logits, mb.input_ids[:, 1:], temp))
+            logps += mb.unpad(self.token_logprobs(logits, mb.input_ids[:, 1:], temp))
             if with_entropy:
-                ents += mb.unpad(token_entropy(logits, temp))
+                ents += mb.unpad(self.token_entropy(logits, temp))
         return logps, ents
 
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
@@ -118,10 +157,13 @@ class TrainEngine:
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
+        if self.tp_size > 1:
+            grad_norm = self._clip_tp_grad_norm(max_norm)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            if isinstance(grad_norm, DTensor):
+                grad_norm = grad_norm.full_tensor()
+            grad_norm = float(grad_norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
         totals["grad_norm"] = grad_norm
@@ -129,13 +171,36 @@ class TrainEngine:
         self.scheduler.step()
         return totals
 
+    def _clip_tp_grad_norm(self, max_norm: float) -> float:
+        """Global gradient norm over dp x tp (replicated parameters counted once); clips in place."""
+        import torch.distributed as dist
+
+        square = torch.zeros((), dtype=torch.float64, device=self.device)
+        grads = []
+        for name, param in self.model.named_parameters():
+            if param.grad is None:
+                continue
+            grads.append(param.grad)
+            local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            if name not in self.replicated or self.tp_rank == 0:
+                square += local.double().pow(2).sum()
+        for group in (self.dp_group, self.tp_group):
+            if group is not None:
+                dist.all_reduce(square, group=group)
+        norm = float(square.sqrt())
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for grad in grads:
+                grad.mul_(coef)
+        return norm
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded fp32 CPU state dict (a collective: every rank must call it)."""
+        from dockrl.parallel.layout import full_tensor
+
         out = {}
         for name, tensor in self.model.state_dict().items():
-            if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()
-            out[name] = tensor.detach().to("cpu", torch.float32)
+            out[name] = full_tensor(name, tensor, self.tp_group).detach().to("cpu", torch.float32)
         return out
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dockrl.algos.logprobs import token_entropy, token_logprobs
 from dockrl.algos.losses import policy_loss
 from dockrl.config.schema import AlgoConfig
 from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
@@ -22,10 +21,10 @@ from dockrl.workers.train.engine import TrainEngine
 SUMMED_METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "approx_kl")
 
 
-def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    """Sum a small CPU tensor over all ranks (a no-op without a process group)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+def all_reduce_sum(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum a small CPU tensor over `group` (default: all ranks; a no-op without a process group)."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
     return values
 
 
@@ -41,9 +40,12 @@ def policy_update(
     pad_token_id: int,
     world_size: int,
 ) -> dict[str, float]:
-    """Train on rows `idx` of `batch` (prompt_ids, response_ids, advantages [, ref_logprobs, old_logprobs])."""
+    """Train on rows `idx` of `batch` (prompt_ids, response_ids, advantages [, ref_logprobs, old_logprobs]).
+
+    `world_size` is the number of data-parallel ranks; tensor-parallel peers train on the same rows.
+    """
     local_tokens = sum(len(batch["response_ids"][i]) for i in idx)
-    global_tokens = all_reduce_sum(torch.tensor([float(local_tokens)]))[0].item()
+    global_tokens = all_reduce_sum(torch.tensor([float(local_tokens)]), engine.dp_group)[0].item()
     global_seqs = float(len(idx) * world_size)
     micro_batches = [
         make_micro_batch(
@@ -55,19 +57,28 @@ def policy_update(
         )
         for chunk in split_indices(len(idx), micro_batch_size)
     ]
-    loss_fn = _loss_fn(algo, temperature, global_tokens, global_seqs, world_size)
+    loss_fn = _loss_fn(engine, algo, temperature, global_tokens, global_seqs, world_size)
     metrics = engine.train_step(micro_batches, loss_fn)
-    totals = all_reduce_sum(torch.tensor([metrics[k] for k in SUMMED_METRICS], dtype=torch.float64))
+    totals = torch.tensor([metrics[k] for k in SUMMED_METRICS], dtype=torch.float64)
+    totals = all_reduce_sum(totals, engine.dp_group)
     out = dict(zip(SUMMED_METRICS, totals.tolist()))
     out["grad_norm"], out["lr"] = metrics["grad_norm"], metrics["lr"]
     return out
 
 
-def _loss_fn(algo: AlgoConfig, temperature: float, global_tokens: float, global_seqs: float, world_size: int):
+def _loss_fn(
+    engine: TrainEngine,
+    algo: AlgoConfig,
+    temperature: float,
+    global_tokens: float,
+    global_seqs: float,
+    world_size: int,
+):
+    # engine.token_logprobs / token_entropy are vocab-parallel under tensor parallelism (logits [B, T-1, V/tp]).
     def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         targets = mb.input_ids[:, 1:]  # [B, T-1]
-        logp = token_logprobs(logits, targets, temperature)  # [B, T-1]
-        entropy = token_entropy(logits, temperature) if algo.entropy_coef > 0 else None
+        logp = engine.token_logprobs(logits, targets, temperature)  # [B, T-1]
+        entropy = engine.token_entropy(logits, temperature) if algo.entropy_coef > 0 else None
         # Exactly on-policy (one mini-batch, one epoch): old log-probs equal the current ones.
         old = mb.per_token.get("old_logprobs", logp.detach())
         out = policy_loss(
@@ -88,7 +99,7 @@ def _loss_fn(algo: AlgoConfig, temperature: float, global_tokens: float, global_
         )
         if entropy is None:
             with torch.no_grad():
-                entropy_sum = (token_entropy(logits.detach(), temperature) * mb.response_mask).sum()
+                entropy_sum = (engine.token_entropy(logits.detach(), temperature) * mb.response_mask).sum()
             entropy_value = entropy_sum.item() / global_tokens
         else:
             entropy_value = out.entropy.item()

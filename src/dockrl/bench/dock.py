@@ -1,0 +1,254 @@
+"""`dockrl bench dock`: a synthetic GRPO-shaped step through the dock, in dock / single / driver mode.
+
+```
+ driver --add_groups(prompts x samples)--> dock
+ consumer i (one Ray actor per data-parallel rank, on node i mod nodes), four threads each:
+   rollout : whole groups of prompt_ids -> response_ids [R] int32 + rollout_logprobs [R] float32
+   reward  : whole groups of prompt_ids, response_ids, label -> reward
+   logprob : rows/consumers balanced by tokens, prompt_ids + response_ids -> old_logprobs [R] float32
+   update  : rows/consumers balanced, response_ids + old_logprobs + rollout_logprobs + reward -> (nothing)
+```
+
+Response lengths R are long-tailed (lognormal, sigma 1, clipped at 4x the mean) with mean
+tokens_per_row - prompt_tokens. For each node count (a local Ray runtime, or a 2-node
+ray.cluster_utils.Cluster on this machine) and each mode x warehouse count, it runs warm-up + measured
+steps and reports rows/s, MB/s (bytes put + got at the store), p50/p99 of the workers' put/get latency, and
+the payload bytes that passed through the driver. Module-level imports stay light (the CLI imports this
+module to build its parser).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+STAGE_NAMES = ("rollout", "reward", "logprob", "update")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `dockrl bench dock` (the defaults finish in a few minutes on 2 cores)."""
+    parser.add_argument("--modes", default="dock,single,driver", help="comma list of dock, single, driver")
+    parser.add_argument("--warehouses", default="1,2,4", help="warehouse counts tried in dock mode")
+    parser.add_argument("--nodes", default="1,2", help="node counts (2 = a 2-node Cluster on this machine)")
+    parser.add_argument("--consumers", type=int, default=4, help="consumer actors (data-parallel ranks)")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    parser.add_argument("--samples", type=int, default=4, help="samples per prompt (group size)")
+    parser.add_argument("--tokens-per-row", type=int, default=16384, help="mean prompt+response tokens")
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="prompt tokens per row")
+    parser.add_argument("--steps", type=int, default=2, help="measured steps per configuration")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per configuration")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="bound on every step")
+
+
+class BenchConsumer:
+    """One data-parallel rank: serves every stage in its own thread until the dock says the step is done."""
+
+    def __init__(self, index: int, num_consumers: int, args: dict) -> None:
+        self.index, self.num_consumers, self.args = index, num_consumers, args
+
+    def node_id(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def run_step(self, client, step: int) -> list[float]:
+        """Serve the four stages of one step; returns the put/get latencies (s) this rank saw."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(STAGE_NAMES)) as pool:
+            futures = [pool.submit(getattr(self, f"_{name}"), client, step) for name in STAGE_NAMES]
+            return [x for f in futures for x in f.result()]
+
+    def _loop(self, client, consumer: str, columns: list[str], count: int, work, **options) -> list[float]:
+        latencies = []
+        while True:
+            t0 = time.perf_counter()
+            got = client.get(consumer, columns, count, **options)
+            latencies.append(time.perf_counter() - t0)
+            if got is None:
+                return latencies
+            rows, batch = got
+            out = work(rows, batch)
+            if out:
+                t0 = time.perf_counter()
+                client.put(rows, out)
+                latencies.append(time.perf_counter() - t0)
+
+    def _rollout(self, client, step: int) -> list[float]:
+        import numpy as np
+
+        mean = self.args["tokens_per_row"] - self.args["prompt_tokens"]
+
+        def generate(rows, batch):
+            lengths = [response_length(step, row, mean) for row in rows]
+            return {
+                "response_ids": [np.full(n, row, dtype=np.int32) for row, n in zip(rows, lengths)],
+                "rollout_logprobs": [np.full(n, -1.0, dtype=np.float32) for n in lengths],
+            }
+
+        g = self.args["samples"]
+        return self._loop(client, "rollout", ["prompt_ids"], 2 * g, generate, whole_groups=True, min_count=g)
+
+    def _reward(self, client, step: int) -> list[float]:
+        def score(rows, batch):
+            return {"reward": [float(len(r) % 2) for r in batch["response_ids"]]}
+
+        g = self.args["samples"]
+        columns = ["prompt_ids", "response_ids", "label"]
+        return self._loop(client, "reward", columns, g, score, whole_groups=True)
+
+    def _per_rank(self) -> int:
+        return -(-self.args["prompts"] * self.args["samples"] // self.num_consumers)
+
+    def _logprob(self, client, step: int) -> list[float]:
+        def logprobs(rows, batch):
+            return {"old_logprobs": [r.astype("float32") * 0 - 1 for r in batch["response_ids"]]}
+
+        columns = ["prompt_ids", "response_ids"]
+        n = self._per_rank()
+        return self._loop(client, "logprob", columns, n, logprobs, balance_over=self.num_consumers)
+
+    def _update(self, client, step: int) -> list[float]:
+        columns = ["response_ids", "old_logprobs", "rollout_logprobs", "reward"]
+        n = self._per_rank()
+        return self._loop(
+            client, "update", columns, n, lambda rows, batch: None, balance_over=self.num_consumers
+        )
+
+
+def response_length(step: int, row: int, mean: int) -> int:
+    """Long-tailed response length of one row (deterministic in step and row)."""
+    import numpy as np
+
+    rng = np.random.default_rng([step, row])
+    sigma = 1.0
+    draw = rng.lognormal(mean=np.log(mean) - sigma**2 / 2, sigma=sigma)  # E[draw] = mean
+    return int(np.clip(draw, 1, 4 * mean))
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every configuration; one dict per (nodes, mode, warehouses)."""
+    import ray
+
+    results = []
+    for nodes in [int(n) for n in args.nodes.split(",")]:
+        cluster = _start_ray(nodes)
+        try:
+            results += _run_on_cluster(args, nodes)
+        finally:
+            ray.shutdown()
+            if cluster is not None:
+                cluster.shutdown()
+    return results
+
+
+def _start_ray(nodes: int):
+    import os
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local benchmark cluster, as in init_ray
+
+    settings = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    if nodes == 1:
+        ray.init(num_cpus=2, _node_ip_address="127.0.0.1", **settings)
+        return None
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    return cluster
+
+
+def _run_on_cluster(args: argparse.Namespace, nodes: int) -> list[dict[str, Any]]:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from dockrl.dock.launch import launch_dock
+
+    driver_node = ray.get_runtime_context().get_node_id()
+    node_ids = sorted((n["NodeID"] for n in ray.nodes() if n["Alive"]), key=lambda n: n != driver_node)
+    settings = {k: getattr(args, k) for k in ("prompts", "samples", "tokens_per_row", "prompt_tokens")}
+    consumer_class = ray.remote(BenchConsumer)
+    consumers = [
+        consumer_class.options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_ids[i % nodes], soft=False)
+        ).remote(i, args.consumers, settings)
+        for i in range(args.consumers)
+    ]
+    ray.get([c.node_id.remote() for c in consumers], timeout=args.timeout_s)
+    configs = []
+    for mode in args.modes.split(","):
+        counts = [int(w) for w in args.warehouses.split(",")] if mode == "dock" else [1]
+        configs += [(mode, w) for w in counts]
+    results = []
+    for mode, num_warehouses in configs:
+        dock = launch_dock(
+            mode=mode,
+            num_warehouses=num_warehouses,
+            name_prefix=f"bench-{mode}-{num_warehouses}",
+            get_timeout_s=args.timeout_s,
+        )
+        try:
+            results.append(_measure(args, dock, consumers, nodes, mode, num_warehouses))
+        finally:
+            dock.shutdown()
+    for consumer in consumers:
+        ray.kill(consumer)
+    return results
+
+
+def _measure(args, dock, consumers, nodes: int, mode: str, num_warehouses: int) -> dict[str, Any]:
+    import numpy as np
+    import ray
+
+    from dockrl.dock.metrics import bytes_moved, driver_bytes
+
+    client = dock.client()
+    client.reset()
+    rows_per_step = args.prompts * args.samples
+    seconds, moved, through_driver, prompt_bytes, latencies = 0.0, 0, 0, 0, []
+    for step in range(args.warmup + args.steps):
+        prompts = [np.arange(args.prompt_tokens, dtype=np.int32) + p for p in range(args.prompts)]
+        start = time.perf_counter()
+        client.add_groups(prompts, [f"answer-{p}" for p in range(args.prompts)], args.samples)
+        refs = [c.run_step.remote(dock.client(), step) for c in consumers]
+        try:
+            step_latencies = [x for r in ray.get(refs, timeout=args.timeout_s) for x in r]
+        except ray.exceptions.GetTimeoutError:
+            stats = client.stats()
+            raise RuntimeError(
+                f"bench step {step} ({mode}, {num_warehouses} warehouses, {nodes} nodes) did not finish in "
+                f"--timeout-s={args.timeout_s:g}: ready {stats['ready']}, consumed {stats['consumed']}"
+            ) from None
+        elapsed = time.perf_counter() - start
+        stats = client.stats()
+        client.reset()
+        if step >= args.warmup:
+            seconds += elapsed
+            moved += bytes_moved(stats)
+            through_driver += driver_bytes(stats)
+            prompt_bytes += sum(p.nbytes for p in prompts) + sum(
+                sys.getsizeof(f"answer-{p}") for p in range(len(prompts))
+            )
+            latencies += step_latencies
+    ms = np.asarray(latencies) * 1e3
+    return {
+        "mode": mode,
+        "nodes": nodes,
+        "warehouses": num_warehouses,
+        "consumers": len(consumers),
+        "rows_per_s": args.steps * rows_per_step / seconds,
+        "mb_per_s": moved / seconds / 1e6,
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "driver_bytes": through_driver // args.steps,
+        "prompt_bytes": prompt_bytes // args.steps,
+        "mb_per_step": moved / args.steps / 1e6,
+    }

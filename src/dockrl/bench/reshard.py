@@ -1,0 +1,186 @@
+"""`dockrl bench reshard`: peak memory of the training -> inference switch, bucketed vs naive.
+
+Spawns dp x tp_train processes (gloo on CPU, NCCL on CUDA) holding a random >= 50M-parameter llama-shaped
+model after one optimizer step (params, grads, Adam state: the steady state), then on every rank measures
+the extra peak over that steady state of (1) dockrl's bucketed allgather-swap `RolloutSwitch.enter()` and
+(2) the naive switch that first gathers the full state dict on every rank. CPU: process RSS high-water mark
+(reset through /proc/self/clear_refs; glibc's mmap threshold is pinned so freed tensors leave RSS); CUDA:
+the caching allocator's peak. Offload moves nothing on CPU, so the inference buffers count in full. Also
+reports `dockrl plan`'s prediction of the bucketed extra peak and its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Layouts and model size."""
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--tp-train", type=int, default=1)
+    parser.add_argument("--tp-infer", type=int, default=1)
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--bucket-mb", type=float, default=None, help="default: the largest tensor")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+
+
+def _rss_reset() -> int:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def _measure(switch, device: str, naive: bool) -> int:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        switch.enter(naive=naive)
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        base = _rss_reset()
+        switch.enter(naive=naive)
+        peak = _status("VmHWM")
+    switch.exit()
+    return peak - base
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, model_dir: str, out: str) -> None:
+    import os
+    import time
+
+    import torch
+
+    from dockrl.config import ActorConfig, AlgoConfig
+    from dockrl.parallel.dist import inference_mesh, init_distributed, training_mesh
+    from dockrl.workers.reshard.switch import OffloadFlags, RolloutSwitch
+    from dockrl.workers.train.engine import TrainEngine
+    from dockrl.workers.train.policy_update import policy_update
+
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)  # one GPU per spawned rank
+    device = init_distributed(rank, world, "127.0.0.1", port, args.device, timeout_s=600)
+    train_mesh = training_mesh(args.device, args.dp, args.tp_train)
+    engine = TrainEngine(model_dir, device=device, precision="fp32", mesh=train_mesh, optim=ActorConfig())
+    g = torch.Generator().manual_seed(rank // args.tp_train)
+    batch = {
+        "prompt_ids": [torch.randint(0, args.vocab_size, (8,), generator=g) for _ in range(2)],
+        "response_ids": [torch.randint(0, args.vocab_size, (8,), generator=g) for _ in range(2)],
+        "advantages": [torch.ones(8), -torch.ones(8)],
+    }
+    start = time.perf_counter()
+    policy_update(
+        engine,
+        batch,
+        [0, 1],
+        ["advantages"],
+        AlgoConfig(kl_coef=0.0),
+        temperature=1.0,
+        micro_batch_size=2,
+        pad_token_id=0,
+        world_size=args.dp,
+    )
+    train_s = time.perf_counter() - start
+    group = inference_mesh(args.device, world, args.tp_infer).get_group("tp")
+    bucket = None if args.bucket_mb is None else int(args.bucket_mb * 2**20)
+    switch = RolloutSwitch(
+        engine,
+        rank=rank,
+        world=world,
+        tp_infer=args.tp_infer,
+        infer_group=group,
+        bucket_bytes=bucket,
+        dtype=torch.float32,
+        offload=OffloadFlags(),
+    )
+    switch.enter()  # warm-up: first-touch allocations and collective setup are not the switch's cost
+    switch.exit()
+    start = time.perf_counter()
+    bucketed = _measure(switch, args.device, naive=False)
+    switch_s = time.perf_counter() - start
+    naive = _measure(switch, args.device, naive=True)
+    result = {
+        "bucketed": bucketed,
+        "naive": naive,
+        "bucket": switch.bucket_bytes,
+        "shard": switch.inference_shard_bytes,
+        "train_s": train_s,
+        "switch_s": switch_s,
+    }
+    results = [None] * world
+    torch.distributed.all_gather_object(results, result)
+    if rank == 0:
+        torch.save(results, out)
+    torch.distributed.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Spawn the ranks, measure, and summarise (max over ranks)."""
+    import os
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from dockrl.config.validate import resolve_device
+    from dockrl.models.config import ModelArgs
+    from dockrl.models.decoder import Transformer
+    from dockrl.models.hf import save_model
+    from dockrl.parallel.dist import free_port
+    from dockrl.parallel.plan import PlanInput, plan
+
+    args.device = resolve_device(args.device, "--device")
+    world = args.dp * args.tp_train
+    model_args = ModelArgs(
+        family="llama",
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=3 * args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=args.hidden_size // 8,
+    )
+    # A freed tensor must leave RSS for the CPU peak to mean anything: pin glibc's mmap threshold at 64 KiB.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Transformer(model_args)
+        model.init_weights(0)
+        save_model(model, model_args, tmp)
+        del model
+        out = os.path.join(tmp, "results.pt")
+        mp.start_processes(
+            _worker, args=(world, free_port(), args, tmp, out), nprocs=world, start_method="spawn"
+        )
+        results = torch.load(out, weights_only=False)
+    predicted = plan(PlanInput(model_args, args.dp, args.tp_train, args.tp_infer, infer_bytes=4))
+    bucketed = max(r["bucketed"] for r in results)
+    naive = max(r["naive"] for r in results)
+    target = max(r["bucket"] + r["shard"] for r in results)
+    return {
+        "peak_bytes_bucketed": bucketed,
+        "peak_bytes_naive": naive,
+        "naive_over_bucketed": naive / max(bucketed, 1),
+        "bucket_bytes": results[0]["bucket"],
+        "model_bytes": model_args.num_params() * 4,
+        "inference_shard_bytes": max(r["shard"] for r in results),
+        "target_bytes": target,
+        "within_target": bucketed <= target,
+        "planned_extra_bytes": int(predicted["switch_extra_bytes"]),
+        "plan_error": predicted["switch_extra_bytes"] / max(bucketed, 1) - 1,
+        "switch_s": max(r["switch_s"] for r in results),
+        "num_params": model_args.num_params(),
+        "layout": f"dp={args.dp} tp_train={args.tp_train} -> tp_infer={args.tp_infer}",
+    }

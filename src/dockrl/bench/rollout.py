@@ -1,0 +1,122 @@
+"""`dockrl bench rollout`: tokens/s of dockrl's rollout engine vs transformers' `generate`, same weights.
+
+One tiny random model (`make_tiny`: a Qwen2-family Hugging Face directory) is loaded into dockrl and into
+transformers; both sample num_sequences random prompts of prompt_len tokens with the same settings
+(temperature / top-p / top-k), with end-of-sequence disabled so both produce exactly new_tokens tokens per
+sequence, on the same torch thread count. Each side runs once to warm up, then `repeats` timed runs; the
+best run counts (the machine may be shared). Prints model_params, num_sequences, new_tokens,
+tokens_per_s_dockrl, tokens_per_s_hf, ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+PRESETS = {"1m": (128, 4), "10m": (320, 8)}  # name -> (hidden_size, num_layers)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `dockrl bench rollout`."""
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="1m", help="model size (default 1m)")
+    parser.add_argument("--hidden-size", type=int, default=None, help="override the preset's hidden size")
+    parser.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
+    parser.add_argument("--num-sequences", type=int, default=128, help="sequences sampled at once")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per sequence")
+    parser.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for both engines")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per engine; the best counts")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the model, time both engines, return the figures."""
+    import tempfile
+
+    import torch
+
+    hidden_size, num_layers = PRESETS[args.preset]
+    hidden_size = args.hidden_size or hidden_size
+    num_layers = args.num_layers or num_layers
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as model_dir:
+        dockrl_model, hf_model = _load_both(model_dir, hidden_size, num_layers, args)
+    generator = torch.Generator().manual_seed(args.seed)
+    vocab_size = dockrl_model.args.vocab_size
+    prompts = torch.randint(0, vocab_size, (args.num_sequences, args.prompt_len), generator=generator)
+    dockrl_s = _best_time(lambda n: _run_dockrl(dockrl_model, prompts, n, args), args)
+    hf_s = _best_time(lambda n: _run_hf(hf_model, prompts, n, args), args)
+    num_tokens = args.num_sequences * args.new_tokens
+    return {
+        "model_params": dockrl_model.args.num_params(),
+        "num_sequences": args.num_sequences,
+        "new_tokens": args.new_tokens,
+        "tokens_per_s_dockrl": num_tokens / dockrl_s,
+        "tokens_per_s_hf": num_tokens / hf_s,
+        "ratio": hf_s / dockrl_s,
+    }
+
+
+def _load_both(model_dir: str, hidden_size: int, num_layers: int, args: argparse.Namespace) -> tuple:
+    from transformers import AutoModelForCausalLM
+
+    from dockrl.models.hf import load_model
+    from dockrl.models.tiny import make_tiny
+
+    max_positions = max(512, args.prompt_len + args.new_tokens)
+    make_tiny(
+        model_dir,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        seed=args.seed,
+        max_position_embeddings=max_positions,
+    )
+    dockrl_model = load_model(model_dir).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    return dockrl_model, hf_model
+
+
+def _best_time(run_once, args: argparse.Namespace) -> float:
+    """Warm up with a short run, then the best wall time of `repeats` full runs."""
+    import time
+
+    run_once(min(4, args.new_tokens))
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        run_once(args.new_tokens)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _run_dockrl(model, prompts, new_tokens: int, args: argparse.Namespace) -> None:
+    from dockrl.workers.rollout import SamplingParams, generate
+
+    params = SamplingParams(
+        max_new_tokens=new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+    )
+    seeds = [args.seed + i for i in range(len(prompts))]
+    outputs = generate(model, prompts.tolist(), params, seeds, max_batch_size=len(prompts))
+    assert all(len(output.token_ids) == new_tokens for output in outputs)
+
+
+def _run_hf(model, prompts, new_tokens: int, args: argparse.Namespace) -> None:
+    import torch
+
+    sampling = args.temperature > 0
+    extra = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k) if sampling else {}
+    with torch.no_grad():
+        output = model.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            do_sample=sampling,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+            **extra,
+        )
+    assert output.shape[1] == prompts.shape[1] + new_tokens

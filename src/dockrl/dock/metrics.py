@@ -1,0 +1,70 @@
+"""Dock bookkeeping shared by its actors and clients: op latency windows and payload byte counts (no Ray)."""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+LATENCY_WINDOW = 2048  # latest op durations kept per op for p50/p99
+
+
+def payload_nbytes(value: Any) -> int:
+    """Bytes held by one cell: `nbytes` for torch tensors and numpy arrays, sys.getsizeof for other objects."""
+    # Duck-typed so that the warehouse process imports torch only once a tensor arrives.
+    nbytes = getattr(value, "nbytes", None)
+    return int(nbytes) if isinstance(nbytes, int) else sys.getsizeof(value)
+
+
+def batch_nbytes(batch: dict[str, list]) -> int:
+    """Bytes of a put/get batch, each distinct object counted once (add_groups repeats a prompt per row)."""
+    seen: set[int] = set()
+    total = 0
+    for values in batch.values():
+        for value in values:
+            if id(value) not in seen:
+                seen.add(id(value))
+                total += payload_nbytes(value)
+    return total
+
+
+class OpLatency:
+    """Durations of the latest LATENCY_WINDOW calls per op name; `summary()` gives p50/p99 in ms."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[str, deque] = {}
+
+    def record(self, op: str, seconds: float) -> None:
+        """Add one duration of `op`."""
+        self._seconds.setdefault(op, deque(maxlen=LATENCY_WINDOW)).append(seconds)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """op -> {"p50_ms", "p99_ms", "count"} over the window."""
+        out = {}
+        for op, window in self._seconds.items():
+            ms = np.asarray(window) * 1e3
+            out[op] = {
+                "p50_ms": float(np.percentile(ms, 50)),
+                "p99_ms": float(np.percentile(ms, 99)),
+                "count": len(ms),
+            }
+        return out
+
+
+def driver_bytes(stats: dict) -> int:
+    """Payload bytes that passed through the driver, from the driver client's `stats()`.
+
+    driver mode: every byte put to or got from the store (it lives in the driver); other modes: what the
+    driver's own client put and got (the prompts, when the driver only adds groups).
+    """
+    if stats.get("mode") == "driver":
+        return int(sum(w["bytes_in"] + w["bytes_out"] for w in stats["warehouses"]))
+    client = stats.get("client", {})
+    return int(client.get("bytes_put", 0) + client.get("bytes_got", 0))
+
+
+def bytes_moved(stats: dict) -> int:
+    """Payload bytes written to and read from the warehouses (all modes)."""
+    return int(sum(w.get("bytes_in", 0) + w.get("bytes_out", 0) for w in stats.get("warehouses", [])))

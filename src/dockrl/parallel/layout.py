@@ -1,0 +1,69 @@
+"""Layouts of the actor's weights: which slice of which parameter a rank holds, in training and inference.
+
+Training layout (dp, tp_train): rank r is (dp_rank, tp_rank) = (r // tp_train, r % tp_train); a split
+parameter (`dockrl.models.tp.shard_dim`) is cut in tp_train slices, and FSDP2 shards each slice over dp.
+Inference layout (replicas, tp_infer): rank r serves replica r // tp_infer as tp rank r % tp_infer and holds
+slice r % tp_infer of every split parameter, whole replicated ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from dockrl.models.tp import shard_dim, shard_range
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A (replica/dp, tp) grid over `world` ranks; tp ranks are contiguous."""
+
+    world: int
+    tp: int
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.world % self.tp:
+            raise ValueError(f"tensor-parallel size {self.tp} does not divide the world size {self.world}")
+
+    @property
+    def groups(self) -> int:
+        """Number of tp groups (dp ranks in training, replicas in inference)."""
+        return self.world // self.tp
+
+    def tp_rank(self, rank: int) -> int:
+        """Position of `rank` inside its tp group."""
+        return rank % self.tp
+
+    def group_of(self, rank: int) -> int:
+        """Index of the tp group `rank` belongs to."""
+        return rank // self.tp
+
+    def shard_slice(self, name: str, shape: tuple[int, ...], rank: int) -> tuple[int | None, int, int]:
+        """(dim, start, end) of `rank`'s slice of parameter `name` with full `shape`; dim None = whole."""
+        dim = shard_dim(name) if self.tp > 1 else None
+        if dim is None:
+            return None, 0, shape[0] if shape else 1
+        start, end = shard_range(shape[dim], self.tp_rank(rank), self.tp)
+        return dim, start, end
+
+    def shard_shape(self, name: str, shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
+        """Shape of `rank`'s slice of parameter `name`."""
+        dim, start, end = self.shard_slice(name, shape, rank)
+        if dim is None:
+            return tuple(shape)
+        return tuple(end - start if d == dim else s for d, s in enumerate(shape))
+
+
+def full_tensor(name: str, tensor: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The whole parameter from this rank's training shard (collective over dp, then tp when split)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    dim = shard_dim(name)
+    if tp_group is None or dim is None or dist.get_world_size(tp_group) == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(parts, tensor.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=dim)

@@ -1,0 +1,243 @@
+"""Allgather-swap: switch the actor between its training layout and its inference layout.
+
+    training layout (dp x tp_train, FSDP2 shards)                inference layout (replicas x tp_infer)
+    enter():  offload optimizer state, drop grads
+              for each bucket:  buffer = empty(sum of THIS rank's inference shards in the bucket)
+                  for each param: gather dp shards (FSDP) -> tp_train slices (all-gather over tp_train)
+                                  -> copy only this rank's tp_infer slice into the buffer; free the transient
+                                  -> the inference model's parameter becomes a view of the buffer
+              offload training params (and the reference model's)
+    exit():   inference parameters -> meta; buffers freed; params and optimizer state back, bit for bit
+
+Buffers are sized from the inference layout, so no rank ever holds bytes it will not serve with. The
+transient of one gather is one full parameter (plus this rank's training slice of it); together with the
+buffers, the switch's extra peak over the steady state stays within one bucket plus the inference shard as
+long as `reshard.bucket_mb` holds that transient (checked; the default is exactly that, rounded up to MiB). `enter(naive=True)` is the
+baseline of peers: gather the whole state dict on every rank, then cut the inference shard out of it.
+
+Lifecycle: built once in `ActorWorker.setup`; enter / exit alternate (rollout between them).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from dockrl.models.decoder import Transformer
+from dockrl.models.tp import local_args, shard_dim
+from dockrl.parallel.layout import Layout
+from dockrl.parallel.tp import parallelize
+from dockrl.workers.reshard.offload import HostSwap
+from dockrl.workers.train.engine import TrainEngine
+
+
+@dataclass(frozen=True)
+class OffloadFlags:
+    """What leaves the device while the inference layout is active."""
+
+    optimizer: bool = True
+    grads: bool = True
+    params: bool = True
+
+
+@dataclass
+class _ParamSpec:
+    name: str
+    full_shape: tuple[int, ...]
+    shape: tuple[int, ...]  # this rank's inference shard
+    offset: int  # elements into the bucket buffer
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+
+@dataclass
+class _Bucket:
+    specs: list[_ParamSpec] = field(default_factory=list)
+    numel: int = 0
+
+
+class RolloutSwitch:
+    """Owns the inference model (tp_infer-parallel) of one actor rank and the switches into and out of it."""
+
+    def __init__(
+        self,
+        engine: TrainEngine,
+        *,
+        rank: int,
+        world: int,
+        tp_infer: int,
+        infer_group: dist.ProcessGroup | None,
+        bucket_bytes: int | None,
+        dtype: torch.dtype,
+        offload: OffloadFlags = OffloadFlags(),
+        host_copy: bool | None = None,
+        extra_offload: tuple[nn.Module, ...] = (),
+    ) -> None:
+        self.engine, self.rank, self.dtype, self.flags = engine, rank, dtype, offload
+        self.device = engine.device
+        self.train_layout = Layout(world, engine.tp_size)
+        self.infer_layout = Layout(world, tp_infer)
+        self.extra_offload = extra_offload
+        with torch.device("meta"):
+            full_shapes = {n: tuple(p.shape) for n, p in Transformer(engine.args).named_parameters()}
+            model = Transformer(engine.args)
+            if tp_infer > 1:
+                parallelize(model, rank % tp_infer, tp_infer, infer_group, gather_logits=True)
+        # KV caches are sized from model.args: a tensor-parallel inference model describes its local heads.
+        model.args = local_args(engine.args, tp_infer)
+        self.model = model.requires_grad_(False).eval()
+        self.buckets = self._plan_buckets(full_shapes, bucket_bytes)
+        self.buffers: list[torch.Tensor] = []
+        self.optimizer_swap = HostSwap("optimizer", host_copy=host_copy)
+        self.param_swap = HostSwap("params", host_copy=host_copy)
+        self.active = False
+
+    def _plan_buckets(
+        self, full_shapes: dict[str, tuple[int, ...]], bucket_bytes: int | None
+    ) -> list[_Bucket]:
+        """Consecutive parameters whose inference shards fit `bucket_bytes` (None: the largest tensor)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        name, shape = max(full_shapes.items(), key=lambda kv: torch.Size(kv[1]).numel())
+        # The gather workspace of one tensor: the full tensor plus this rank's training slice of it (fp32).
+        numel = torch.Size(shape).numel()
+        workspace = 4 * (numel + (numel // self.train_layout.tp if self.train_layout.tp > 1 else 0))
+        if bucket_bytes is None:
+            bucket_bytes = -(-workspace // 2**20) * 2**20
+        self.bucket_bytes = bucket_bytes
+        if bucket_bytes < workspace:
+            raise ValueError(
+                f"reshard.bucket_mb={bucket_bytes / 2**20:.1f} is smaller than the gather workspace of the "
+                f"largest tensor {name} ({workspace / 2**20:.1f} MiB: the full tensor plus this rank's "
+                f"training slice, fp32); use reshard.bucket_mb >= {-(-workspace // 2**20)} or None"
+            )
+        buckets = [_Bucket()]
+        for name, param in self.model.named_parameters():
+            shape = self.infer_layout.shard_shape(name, full_shapes[name], self.rank)
+            assert shape == tuple(param.shape), (name, shape, tuple(param.shape))
+            numel = int(torch.Size(shape).numel())
+            if buckets[-1].specs and (buckets[-1].numel + numel) * size > bucket_bytes:
+                buckets.append(_Bucket())
+            buckets[-1].specs.append(_ParamSpec(name, full_shapes[name], shape, buckets[-1].numel))
+            buckets[-1].numel += numel
+        return buckets
+
+    @property
+    def inference_shard_bytes(self) -> int:
+        """Bytes of this rank's inference weights (all buffers together)."""
+        return sum(b.numel for b in self.buckets) * torch.empty((), dtype=self.dtype).element_size()
+
+    # ---- enter / exit ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def enter(self, *, naive: bool = False) -> dict[str, float]:
+        """Training -> inference layout (a collective: every actor rank calls it)."""
+        assert not self.active, "enter() twice without exit()"
+        start = time.perf_counter()
+        engine = self.engine
+        offloaded = 0
+        if engine.optimizer is not None and self.flags.grads:
+            engine.optimizer.zero_grad(set_to_none=True)
+        if engine.optimizer is not None and self.flags.optimizer:
+            offloaded += self.optimizer_swap.offload(_optimizer_tensors(engine.optimizer))
+        for module in engine.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        train_params = dict(engine.model.named_parameters())
+        full = {n: self._full(n, p) for n, p in train_params.items()} if naive else None
+        for bucket in self.buckets:
+            buffer = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+            for spec in bucket.specs:
+                view = buffer[spec.offset : spec.offset + spec.numel].view(spec.shape)
+                if full is None:
+                    self._gather_into(spec, train_params[spec.name], view)
+                else:
+                    self._cut_into(spec, full[spec.name], view)
+                _set_param(self.model, spec.name, view)
+            self.buffers.append(buffer)
+        del full
+        if self.flags.params:
+            params = [p for p in train_params.values()]
+            params += [p for module in self.extra_offload for p in module.parameters()]
+            offloaded += self.param_swap.offload(params)
+        self.active = True
+        return {"seconds": time.perf_counter() - start, "offloaded_bytes": float(offloaded)}
+
+    @torch.no_grad()
+    def exit(self) -> dict[str, float]:
+        """Inference -> training layout: free the buffers, bring training state back (local, no collective)."""
+        assert self.active, "exit() without enter()"
+        start = time.perf_counter()
+        for bucket in self.buckets:
+            for spec in bucket.specs:
+                _set_param(self.model, spec.name, torch.empty(spec.shape, dtype=self.dtype, device="meta"))
+        self.buffers = []
+        if self.param_swap.offloaded:
+            self.param_swap.onload()
+        if self.optimizer_swap.offloaded:
+            self.optimizer_swap.onload()
+        self.active = False
+        return {"seconds": time.perf_counter() - start}
+
+    # ---- gathers --------------------------------------------------------------------------------
+
+    def _full(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        from dockrl.parallel.layout import full_tensor
+
+        return full_tensor(name, param, self.engine.tp_group)
+
+    def _cut_into(self, spec: _ParamSpec, full: torch.Tensor, out: torch.Tensor) -> None:
+        dim, start, end = self.infer_layout.shard_slice(spec.name, spec.full_shape, self.rank)
+        out.copy_(full if dim is None else full.narrow(dim, start, end - start))
+
+    def _gather_into(self, spec: _ParamSpec, param: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy this rank's inference slice of `param` into `out`, gathering training shards as needed."""
+        local = param.full_tensor() if isinstance(param, DTensor) else param.detach()  # training tp slice
+        train_dim = shard_dim(spec.name) if self.train_layout.tp > 1 else None
+        if train_dim is None:
+            self._cut_into(spec, local, out)
+            return
+        parts = [torch.empty_like(local) for _ in range(self.train_layout.tp)]
+        dist.all_gather(parts, local.contiguous(), group=self.engine.tp_group)
+        del local
+        dim, start, end = self.infer_layout.shard_slice(spec.name, spec.full_shape, self.rank)
+        if dim is None:
+            start, end = 0, spec.full_shape[train_dim]
+        width = parts[0].shape[train_dim]
+        for j, part in enumerate(parts):
+            lo, hi = max(start, j * width), min(end, (j + 1) * width)
+            if lo < hi:
+                out.narrow(train_dim, lo - start, hi - lo).copy_(
+                    part.narrow(train_dim, lo - j * width, hi - lo)
+                )
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+
+
+def offload_flags(reshard, device_type: str) -> OffloadFlags:
+    """Resolve `reshard.offload_*` (None = on with CUDA) into OffloadFlags."""
+    auto = device_type == "cuda"
+
+    def pick(value: bool | None) -> bool:
+        return auto if value is None else value
+
+    return OffloadFlags(
+        optimizer=pick(reshard.offload_optimizer),
+        grads=pick(reshard.offload_grads),
+        params=pick(reshard.offload_params),
+    )

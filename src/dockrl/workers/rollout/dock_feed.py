@@ -1,0 +1,118 @@
+"""Serve rollout rows from the transfer dock through a RolloutEngine, pulling and writing back incrementally.
+
+```
+ loop:
+   while the engine has room for a whole group and the dock may still have rows:
+       pull up to min(groups_per_pull, free slots / group) whole groups of prompt_ids
+         (blocking only when the engine is idle; otherwise a single non-blocking poll)
+       rows with the same prompt (one group) -> one Request: one prefill, n samples, one seed per row
+   engine.step()  -> samples finished this step -> put response_ids / rollout_logprobs for their rows
+ until the dock says every row was served and the engine is empty
+```
+
+Rows are written back the step they finish, so reward workers (which pull whole groups) start on early
+groups while later ones still generate. The client is passed in (anything with DockClient's `get` and
+`put`), so tests drive this loop with a fake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dockrl.dock.errors import DockTimeoutError
+from dockrl.workers.rollout.engine import Completion, Request, RolloutEngine
+from dockrl.workers.rollout.sampling import SamplingParams
+
+
+def serve_from_dock(
+    engine: RolloutEngine,
+    client: Any,
+    *,
+    consumer: str,
+    params: SamplingParams,
+    group_size: int,
+    groups_per_pull: int,
+    row_seed: Callable[[int], int],
+) -> dict[str, Any]:
+    """Generate a response for every row `consumer` gets from the dock; returns lengths and counts.
+
+    row_seed(row) gives each row's sampling seed, so a row's response does not depend on which rank or
+    batch serves it.
+    """
+    exhausted = False
+    lengths: list[int] = []
+    truncated = 0
+    num_puts = 0
+    while True:
+        while not exhausted and engine.num_free_slots() >= group_size:
+            num_groups = min(groups_per_pull, engine.num_free_slots() // group_size)
+            status, got = _pull(client, consumer, num_groups * group_size, group_size, engine.has_work())
+            if status == "done":
+                exhausted = True
+            if got is None:
+                break
+            for request in _requests(*got, params, group_size, row_seed):
+                engine.add(request)
+        if not engine.has_work():
+            break
+        completions = engine.step()
+        if completions:
+            _put(client, completions)
+            num_puts += 1
+            lengths += [len(c.generation.token_ids) for c in completions]
+            truncated += sum(c.generation.finish_reason == "length" for c in completions)
+    return {"response_lengths": lengths, "truncated": truncated, "puts": num_puts, **engine.stats}
+
+
+def _pull(
+    client: Any, consumer: str, count: int, group_size: int, busy: bool
+) -> tuple[str, tuple[list[int], dict[str, list]] | None]:
+    """("rows", got), ("done", None) once every row was served, or ("later", None) when a busy engine's
+    poll found nothing ready yet (it keeps decoding and asks again next step)."""
+    try:
+        got = client.get(
+            consumer,
+            ["prompt_ids"],
+            count,
+            whole_groups=True,
+            min_count=group_size,
+            timeout_s=0.0 if busy else None,
+        )
+    except DockTimeoutError:
+        if busy:
+            return "later", None
+        raise
+    return ("done", None) if got is None else ("rows", got)
+
+
+def _requests(
+    rows: list[int],
+    batch: dict[str, list],
+    params: SamplingParams,
+    group_size: int,
+    row_seed: Callable[[int], int],
+) -> list[Request]:
+    """Consecutive rows with the same prompt (at most group_size) become one Request tagged by its rows."""
+    requests: list[Request] = []
+    previous: list[int] | None = None
+    for row, prompt_ids in zip(rows, batch["prompt_ids"]):
+        prompt = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
+        if requests and prompt == previous and len(requests[-1].seeds) < group_size:
+            requests[-1].seeds.append(row_seed(row))
+            requests[-1].tag.append(row)
+        else:
+            requests.append(Request(prompt, [row_seed(row)], params, tag=[row]))
+        previous = prompt
+    return requests
+
+
+def _put(client: Any, completions: list[Completion]) -> None:
+    rows = [c.tag[c.sample] for c in completions]
+    client.put(
+        rows,
+        {
+            "response_ids": [c.generation.token_ids for c in completions],
+            "rollout_logprobs": [c.generation.logprobs for c in completions],
+        },
+    )

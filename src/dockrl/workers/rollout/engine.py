@@ -1,0 +1,343 @@
+"""RolloutEngine: continuous batching over a fixed pool of sequence slots with a preallocated KV cache.
+
+```
+ add(Request: prompt, n seeds, params) ──▶ waiting (FIFO)
+ step():
+   admit   : while the head request's n samples fit in free slots: take the n lowest free slots.
+             Prefill all admitted prompts together ONCE (right-padded, causal) into a scratch cache, copy
+             each prompt's KV into its n slots (shared prefill), draw every sample's first token.
+   decode  : one token for every running slot: input = its last token, written at its own cache position
+             (per-row offsets), attending only its own slot's keys.
+   finish  : a sample that hits a stop token / stop string / max_new_tokens frees its slot at once; the
+             next step's admit hands the slot to a waiting request.
+   returns the Completions finished in this step
+```
+
+Cache layout: contiguous per slot - per layer k, v [num_slots, K, max_seq_len, D] (the model's `KVCache`).
+A slot's sequence always starts at cache position 0, so cache position == RoPE position. Free slots are
+handed out lowest index first and decode runs over the slot range [0, hi) with hi = highest running slot
++ 1, as one view of the cache (no gather, no copy); idle slots inside the range compute a harmless garbage
+row (they write only at their position 0 and their output is dropped). Keys are read up to the longest
+running sequence, S = max length + 1, with a causal per-row mask.
+
+Shape letters: G prompts prefilled together, P longest of them, R sample rows, B decode rows (slot range
+[0, hi)), S key slots read, H hidden size, V vocabulary.
+
+Tensor parallelism (issue 3's layouts) touches only `_forward_last`: the model's `hidden_states` and its LM
+head. Everything else - slots, cache bookkeeping, sampling - is per rank identical, driven by the same
+host-side decisions on every rank of a TP group, and sees full-vocabulary logits.
+
+Seeds: each sample carries its own seed; the uniform of its t-th token is a pure function of (seed, t)
+(see `sampling.counter_uniforms`), so results do not depend on the batch or on arrival order.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dockrl.models.decoder import KVCache, Transformer
+from dockrl.workers.rollout.sampling import RowSettings, SamplingParams, sample_rows
+
+_IDLE = SamplingParams(max_new_tokens=1, temperature=0.0)
+
+
+@dataclass
+class Request:
+    """One prompt and the samples to draw from it (n = len(seeds)); they share one prefill."""
+
+    prompt_ids: list[int]
+    """The prompt's token ids (at least one)."""
+    seeds: list[int]
+    """One seed per sample; sample i's tokens depend only on the prompt, params and seeds[i]."""
+    params: SamplingParams
+    """How every sample of this request is drawn."""
+    tag: Any = None
+    """Caller's handle, returned with each Completion (e.g. dock row ids)."""
+
+
+@dataclass
+class Generation:
+    """One completed sample."""
+
+    token_ids: torch.Tensor
+    """int64 [R] generated tokens, including the stop token if one was produced."""
+    logprobs: torch.Tensor
+    """float32 [R] log-prob of each generated token (see `sampling` for the exact formula)."""
+    finish_reason: str
+    """"stop" (a stop token or stop string was produced) or "length" (max_new_tokens reached)."""
+
+
+@dataclass
+class Completion:
+    """A finished sample: which request (tag) and sample index, and what it generated."""
+
+    tag: Any
+    sample: int
+    generation: Generation
+
+
+@dataclass
+class _Running:
+    """Host-side state of the sample living in one slot, from admission until it finishes."""
+
+    request: Request
+    sample: int
+    length: int
+    """Tokens in this slot's cache = cache position of the next token fed."""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class RolloutEngine:
+    """Continuous-batching sampler on a dockrl `Transformer` (see the module docstring).
+
+    Lifecycle: build once per model and cache size; `add` requests at any time; call `step` (or iterate
+    `run`) until `has_work()` is False. The cache persists across requests; weights may change between
+    steps only when no request is running (e.g. after a rollout phase).
+
+    Args:
+        model: the rollout model (eval mode; its parameter dtype/device set the cache's).
+        num_slots: sequences decoded at once (the preallocated cache holds this many).
+        max_seq_len: cache positions per slot; a request needs len(prompt) + max_new_tokens of them.
+        pad_token_id: token id used to right-pad prompts prefilled together (never attended to).
+        detokenize: token ids -> text, needed only for requests with stop strings.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        num_slots: int,
+        max_seq_len: int,
+        pad_token_id: int = 0,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        limit = model.args.max_position_embeddings
+        if num_slots < 1:
+            raise ValueError(f"rollout engine num_slots={num_slots} must be >= 1")
+        if not 1 <= max_seq_len <= limit:
+            raise ValueError(
+                f"rollout engine max_seq_len={max_seq_len} must be in [1, max_position_embeddings={limit}]"
+            )
+        self.model, self.num_slots, self.max_seq_len = model, num_slots, max_seq_len
+        self.pad_token_id, self.detokenize = pad_token_id, detokenize
+        weight = model.output_weight()
+        self.device, self.dtype = weight.device, weight.dtype
+        self.cache = KVCache(model.args, num_slots, max_seq_len, self.dtype, self.device)
+        self.waiting: deque[Request] = deque()
+        self.free: list[int] = list(range(num_slots))  # a heap: lowest slot first keeps `hi` small
+        self.running: list[_Running | None] = [None] * num_slots
+        # Per-slot device state; idle slots keep length 0 so their garbage writes stay in bounds.
+        self.lengths = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # [num_slots]
+        self.pending = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # last drawn token
+        self.seeds = torch.zeros(num_slots, dtype=torch.long, device=self.device)
+        self.steps = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # tokens drawn so far
+        self.active = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # 1 = running
+        self._all_keys = torch.ones(num_slots, max_seq_len, dtype=torch.bool, device=self.device)
+        self._settings: RowSettings | None = None  # rows [0, hi), rebuilt when slots change
+        self.stats = {"prefill_calls": 0, "prefill_prompts": 0, "decode_steps": 0, "decode_rows": 0}
+
+    # ---- public API ------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a request; raises ValueError (naming the limit) when it can never fit."""
+        num_samples, prompt_len = len(request.seeds), len(request.prompt_ids)
+        params = request.params
+        if prompt_len == 0:
+            raise ValueError(f"request {request.tag!r} has an empty prompt; every prompt needs a token")
+        if not 1 <= num_samples <= self.num_slots:
+            raise ValueError(
+                f"request {request.tag!r} asks for {num_samples} samples; use 1 to num_slots={self.num_slots}"
+            )
+        needed = prompt_len + params.max_new_tokens
+        if needed > self.max_seq_len:
+            model_limit = self.model.args.max_position_embeddings
+            which = (
+                f" = the model's max_position_embeddings={model_limit}"
+                if model_limit == self.max_seq_len
+                else ""
+            )
+            raise ValueError(
+                f"request {request.tag!r}: prompt of {prompt_len} tokens + max_new_tokens="
+                f"{params.max_new_tokens} = {needed} exceeds the cache limit max_seq_len={self.max_seq_len}"
+                f"{which} tokens per sequence; shorten the prompt or lower max_new_tokens"
+            )
+        if params.stop_strings and self.detokenize is None:
+            raise ValueError(f"request {request.tag!r} has stop_strings but the engine has no detokenize")
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        """True while a request is waiting or a sample is running."""
+        return bool(self.waiting) or len(self.free) < self.num_slots
+
+    def num_free_slots(self) -> int:
+        """Slots not running and not claimed by waiting requests: room for new requests to start now."""
+        return len(self.free) - sum(len(request.seeds) for request in self.waiting)
+
+    @torch.no_grad()
+    def step(self) -> list[Completion]:
+        """Admit what fits, then decode one token for every running sample; returns samples finished."""
+        finished = self._admit()
+        if len(self.free) < self.num_slots:
+            finished += self._decode()
+        return finished
+
+    def run(self) -> Iterator[Completion]:
+        """Step until every queued request is complete, yielding samples as they finish."""
+        while self.has_work():
+            yield from self.step()
+
+    # ---- admission and shared prefill -----------------------------------------------------------
+
+    def _admit(self) -> list[Completion]:
+        admitted: list[tuple[Request, list[int]]] = []
+        while self.waiting and len(self.waiting[0].seeds) <= len(self.free):
+            request = self.waiting.popleft()
+            slots = [heapq.heappop(self.free) for _ in request.seeds]
+            admitted.append((request, slots))
+        if not admitted:
+            return []
+        row_slots = [slot for _, slots in admitted for slot in slots]
+        row_prompt = [i for i, (_, slots) in enumerate(admitted) for _ in slots]
+        logits = self._prefill([request.prompt_ids for request, _ in admitted], row_slots, row_prompt)
+        for request, slots in admitted:
+            for sample, slot in enumerate(slots):
+                self.running[slot] = _Running(request, sample, len(request.prompt_ids))
+        index = torch.tensor(row_slots, device=self.device)  # [R]
+        self.lengths[index] = torch.tensor(
+            [len(admitted[i][0].prompt_ids) for i in row_prompt], device=self.device
+        )
+        self.seeds[index] = torch.tensor(
+            [r.seeds[s] for r, slots in admitted for s in range(len(slots))], device=self.device
+        )
+        self.steps[index] = 0
+        self.active[index] = 1
+        self._settings = None
+        settings = RowSettings.build([admitted[i][0].params for i in row_prompt], self.device)
+        row_logits = logits[torch.tensor(row_prompt, device=self.device)]  # [R, V]
+        tokens, logprobs = sample_rows(row_logits, settings, self.seeds[index], self.steps[index])
+        self.pending[index] = tokens
+        self.steps[index] += 1
+        return self._record(row_slots, tokens.tolist(), logprobs.tolist())
+
+    def _prefill(self, prompts: list[list[int]], row_slots: list[int], row_prompt: list[int]) -> torch.Tensor:
+        """Run each prompt once, copy its KV into the slots of its samples; returns last logits [G, V]."""
+        num_prompts, longest = len(prompts), max(len(prompt) for prompt in prompts)
+        ids = torch.full((num_prompts, longest), self.pad_token_id, dtype=torch.long)  # [G, P]
+        for row, prompt in enumerate(prompts):
+            ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        # Right padding: pads sit after every real token, so causal attention alone keeps them unseen.
+        scratch = KVCache(self.model.args, num_prompts, longest, self.dtype, self.device)
+        last = torch.tensor([len(prompt) - 1 for prompt in prompts], device=self.device)  # [G]
+        logits = self._forward_last(ids.to(self.device), None, None, scratch, 0, last)  # [G, V]
+        slots = torch.tensor(row_slots, device=self.device)  # [R]
+        sources = torch.tensor(row_prompt, device=self.device)  # [R]
+        for layer in range(len(self.cache.k)):
+            self.cache.k[layer][slots, :, :longest] = scratch.k[layer][sources]
+            self.cache.v[layer][slots, :, :longest] = scratch.v[layer][sources]
+        self.stats["prefill_calls"] += 1
+        self.stats["prefill_prompts"] += num_prompts
+        return logits
+
+    def _forward_last(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        key_mask: torch.Tensor | None,
+        cache: KVCache,
+        cache_offset: int | torch.Tensor,
+        last: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The one model call: hidden states, then LM-head logits of token `last[b]` of each row -> [B, V].
+
+        last=None takes the final token. Only these rows go through the LM head (the prefill's other
+        positions never need logits). A tensor-parallel model plugs in here.
+        """
+        hidden = self.model.hidden_states(input_ids, position_ids, key_mask, cache, cache_offset)  # [B, T, H]
+        if last is None:
+            picked = hidden[:, -1]
+        else:
+            picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
+        return self.model.lm_logits(picked)  # full vocabulary, also for a tensor-parallel model
+
+    # ---- decode ----------------------------------------------------------------------------------
+
+    def _decode(self) -> list[Completion]:
+        slots = [slot for slot, state in enumerate(self.running) if state is not None]
+        hi = slots[-1] + 1
+        num_keys = max(self.running[slot].length for slot in slots) + 1
+        if self._settings is None or self._settings.temperature.shape[0] != hi:
+            params = [_IDLE if state is None else state.request.params for state in self.running[:hi]]
+            self._settings = RowSettings.build(params, self.device)
+        offsets = self.lengths[:hi]
+        logits = self._forward_last(
+            self.pending[:hi, None],
+            offsets[:, None],
+            self._all_keys[:hi, :num_keys],
+            self.cache.rows(hi),
+            offsets,
+            None,
+        )  # [B, V]
+        tokens, logprobs = sample_rows(logits, self._settings, self.seeds[:hi], self.steps[:hi])
+        self.lengths[:hi] += self.active[:hi]
+        self.steps[:hi] += self.active[:hi]
+        self.pending[:hi] = tokens
+        for slot in slots:
+            self.running[slot].length += 1
+        self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += len(slots)
+        host_tokens, host_logprobs = tokens.tolist(), logprobs.tolist()
+        return self._record(slots, [host_tokens[s] for s in slots], [host_logprobs[s] for s in slots])
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
+
+    def _record(self, slots: list[int], tokens: list[int], logprobs: list[float]) -> list[Completion]:
+        """Append one drawn token per slot; finish (and free) the samples that are done."""
+        finished: list[Completion] = []
+        for slot, token, logprob in zip(slots, tokens, logprobs):
+            state = self.running[slot]
+            state.token_ids.append(token)
+            state.logprobs.append(logprob)
+            reason = self._finish_reason(state)
+            if reason is not None:
+                finished.append(self._release(slot, reason))
+        return finished
+
+    def _finish_reason(self, state: _Running) -> str | None:
+        params = state.request.params
+        if state.token_ids[-1] in params.stop_token_ids:
+            return "stop"
+        if params.stop_strings and self._completes_stop_string(state.token_ids, params.stop_strings):
+            return "stop"
+        if len(state.token_ids) >= params.max_new_tokens:
+            return "length"
+        return None
+
+    def _completes_stop_string(self, token_ids: list[int], stop_strings: list[str]) -> bool:
+        """True when the newest token completes a stop string (checked after every token, so the first
+        match is always the newest token's). The window covers a stop string even if every character
+        of it were split over 4 byte-level tokens."""
+        window = 4 * max(len(s) for s in stop_strings) + 1
+        text = self.detokenize(token_ids[-window:])
+        return any(s in text for s in stop_strings)
+
+    def _release(self, slot: int, reason: str) -> Completion:
+        state = self.running[slot]
+        self.running[slot] = None
+        heapq.heappush(self.free, slot)
+        self.active[slot] = 0
+        self.lengths[slot] = 0
+        self.steps[slot] = 0
+        self._settings = None
+        generation = Generation(
+            torch.tensor(state.token_ids, dtype=torch.long),
+            torch.tensor(state.logprobs, dtype=torch.float32),
+            reason,
+        )
+        return Completion(state.request.tag, state.sample, generation)
