@@ -1,6 +1,20 @@
 """Pure-torch RL algorithm pieces: log-probs, advantages, policy losses (no Ray, no processes)."""
 
 from dockrl.algos.advantages import group_normalized_advantages
+from dockrl.algos.estimators import (
+    ADV_ESTIMATORS,
+    DEFAULT_ESTIMATOR,
+    GROUP_ESTIMATORS,
+    compute_advantages,
+    gae_advantages,
+    group_mean_advantages,
+    masked_moments,
+    needs_batch_whitening,
+    overlong_penalty,
+    rloo_advantages,
+    value_loss,
+    whiten,
+)
 from dockrl.algos.logprobs import token_entropy, token_logprobs
 from dockrl.algos.losses import (
     AGG_MODES,
@@ -13,7 +27,19 @@ from dockrl.algos.losses import (
 )
 
 __all__ = [
+    "ADV_ESTIMATORS",
     "AGG_MODES",
+    "DEFAULT_ESTIMATOR",
+    "GROUP_ESTIMATORS",
+    "compute_advantages",
+    "gae_advantages",
+    "group_mean_advantages",
+    "masked_moments",
+    "needs_batch_whitening",
+    "overlong_penalty",
+    "rloo_advantages",
+    "value_loss",
+    "whiten",
     "KL_ESTIMATORS",
     "PolicyLossOutput",
     "aggregate",

@@ -61,6 +61,7 @@ def aggregate(
     *,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    seq_len_norm: float | None = None,
 ) -> Tensor:
     """Reduce a per-token [B, T] term to a scalar over the tokens where ``mask`` is set.
 
@@ -71,7 +72,9 @@ def aggregate(
         "seq-mean-token-sum":  mean over rows of each row's sum over its valid tokens (Dr. GRPO).
     In the two seq modes ``num_seqs`` replaces the row count B with a global row count. Each count
     is ignored by the modes it does not apply to, so a trainer can always pass both. Rows or batches
-    with no valid token contribute 0 (never NaN).
+    with no valid token contribute 0 (never NaN). ``seq_len_norm`` divides each row's token sum in
+    "seq-mean-token-sum" by a constant (Dr. GRPO uses the generation limit, so every token of every row
+    weighs the same whatever the lengths); other modes ignore it.
 
     Args:
         values: [B, T] per-token values.
@@ -79,6 +82,7 @@ def aggregate(
         mode: one of ``AGG_MODES``.
         num_tokens: global valid-token count for "token-mean" across micro-batches.
         num_seqs: global row count for the seq modes across micro-batches.
+        seq_len_norm: constant divisor of each row's token sum in "seq-mean-token-sum".
 
     Returns:
         Scalar tensor.
@@ -94,6 +98,8 @@ def aggregate(
         per_seq = masked.sum(dim=-1)  # [B]
         if mode == "seq-mean-token-mean":
             per_seq = per_seq / mask_f.sum(dim=-1).clamp(min=1)  # [B]
+        elif seq_len_norm is not None:
+            per_seq = per_seq / seq_len_norm  # [B]
         num_rows = per_seq.numel() if num_seqs is None else num_seqs
         return per_seq.sum() / max(num_rows, 1)
     raise ValueError(f"unknown aggregation mode {mode!r}; choose one of {AGG_MODES}")
@@ -144,12 +150,16 @@ def policy_loss(
     agg: str = "token-mean",
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    seq_len_norm: float | None = None,
+    sequence_ratio: bool = False,
 ) -> PolicyLossOutput:
     """PPO/GRPO clipped policy loss with optional KL-to-reference penalty and entropy bonus.
 
     Per token, with ratio = exp(logprobs - old_logprobs) (log-ratio clamped to [-20, 20]):
         pg = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
-    ``clip_low != clip_high`` gives DAPO's clip-higher. The loss adds ``kl_coef * kl_penalty`` when
+    ``clip_low != clip_high`` gives DAPO's clip-higher. ``sequence_ratio=True`` is GSPO: every token of
+    a row uses the row's ratio exp(mean over its valid tokens of the log-ratio), clipped per sequence;
+    its gradient reaches each token's log-prob with weight 1 / (valid tokens of the row). The loss adds ``kl_coef * kl_penalty`` when
     ``kl_coef > 0`` and subtracts ``entropy_coef * entropy`` when ``entropy_coef > 0``.
 
     Args:
@@ -162,7 +172,8 @@ def policy_loss(
         kl_coef, kl_estimator: weight and estimator (``KL_ESTIMATORS``) of the KL penalty.
         entropy: [B, T] per-token entropy (with grad); required when entropy_coef > 0.
         entropy_coef: weight of the entropy bonus.
-        agg, num_tokens, num_seqs: reduction, see ``aggregate``; the same for every term.
+        agg, num_tokens, num_seqs, seq_len_norm: reduction, see ``aggregate``; the same for every term.
+        sequence_ratio: GSPO's sequence-level importance ratio instead of per-token ratios.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)
@@ -177,9 +188,15 @@ def policy_loss(
         )
 
     def reduce(values: Tensor) -> Tensor:
-        return aggregate(values, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs)
+        return aggregate(
+            values, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, seq_len_norm=seq_len_norm
+        )
 
     log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
+    if sequence_ratio:
+        mask_f = mask.to(log_ratio.dtype)
+        seq_log_ratio = (log_ratio * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1)  # [B]
+        log_ratio = seq_log_ratio.unsqueeze(-1).expand_as(logprobs)  # [B, T]
     ratio = log_ratio.exp()  # [B, T]
     unclipped = -advantages * ratio  # [B, T]
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]

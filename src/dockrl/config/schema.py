@@ -128,7 +128,23 @@ class ActorConfig:
 class AlgoConfig:
     """The RL objective."""
 
-    name: str = setting("grpo", "Algorithm; `grpo` in this release.")
+    name: str = setting(
+        "grpo",
+        "Algorithm: grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, dr_grpo or gspo (README, Algorithms).",
+    )
+    adv_estimator: str | None = setting(
+        None,
+        "Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp or reinforce_pp_baseline; None uses the "
+        "algorithm's own (dapo and gspo use grpo's).",
+    )
+    overlong_buffer_len: int = setting(
+        0,
+        "DAPO overlong shaping: the last this-many tokens before rollout.max_new_tokens get a linearly growing "
+        "reward penalty; 0 turns shaping off.",
+    )
+    overlong_penalty: float = setting(
+        1.0, "Penalty at (and beyond) rollout.max_new_tokens when overlong_buffer_len > 0."
+    )
     clip_low: float = setting(0.2, "Lower clip of the importance ratio: 1 - clip_low.")
     clip_high: float = setting(0.2, "Upper clip of the importance ratio: 1 + clip_high (DAPO uses 0.28).")
     kl_coef: float = setting(

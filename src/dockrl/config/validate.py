@@ -14,7 +14,7 @@ from dockrl.config.schema import SFTConfig, TrainConfig
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-ALGORITHMS = ("grpo",)
+ALGORITHMS = ("grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo", "gspo")
 
 
 def resolve_device(device: str, key: str = "run.device") -> str:
@@ -94,8 +94,7 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
     _positive("reward.num_processes", cfg.reward.num_processes, allow_zero=True)
     _positive("run.save_every", run.save_every, allow_zero=True)
     _positive("run.eval_every", run.eval_every, allow_zero=True)
-    if algo.name not in ALGORITHMS:
-        raise config_error("algo.name", algo.name, "unknown algorithm", f"use one of {', '.join(ALGORITHMS)}")
+    _check_algorithm(cfg)
     if roll.temperature < 0:
         raise config_error("rollout.temperature", roll.temperature, "must be >= 0", "use 0 (greedy) or above")
     if not 0 < roll.top_p <= 1:
@@ -150,10 +149,11 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
             "clip ranges must be >= 0 and clip_low < 1",
             "use e.g. clip_low=0.2 clip_high=0.28",
         )
-    if roll.samples_per_prompt == 1 and algo.norm_adv_by_std:
+    group_baseline = (algo.adv_estimator or algo.name) not in ("reinforce_pp",)
+    if roll.samples_per_prompt == 1 and algo.norm_adv_by_std and group_baseline:
         warnings.warn(
-            "rollout.samples_per_prompt=1: GRPO group advantages are all zero with groups of one; "
-            "use samples_per_prompt >= 2",
+            "rollout.samples_per_prompt=1: group-baseline advantages are all zero with groups of one; "
+            "use samples_per_prompt >= 2 (or algo.name=reinforce_pp)",
             stacklevel=2,
         )
     if algo.kl_coef == 0 and cfg.model.ref_path is not None:
@@ -175,6 +175,67 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
     _check_devices(run.device, actor.dp * actor.tp)
     _check_layouts(cfg)
     return cfg
+
+
+def _check_algorithm(cfg: TrainConfig) -> None:
+    """algo.name and the settings each algorithm needs, conflicts as errors, no-ops as warnings."""
+    from dockrl.algos.estimators import GROUP_ESTIMATORS
+
+    algo, roll = cfg.algo, cfg.rollout
+    critic_fix = f"use one of {', '.join(ALGORITHMS)}; PPO's CriticWorker is not in this release"
+    if algo.name == "ppo":
+        raise config_error("algo.name", algo.name, "PPO needs a critic for its GAE advantages", critic_fix)
+    if algo.name not in ALGORITHMS:
+        raise config_error("algo.name", algo.name, "unknown algorithm", f"use one of {', '.join(ALGORITHMS)}")
+    if algo.adv_estimator == "gae":
+        raise config_error("algo.adv_estimator", "gae", "GAE needs a critic", critic_fix)
+    if algo.adv_estimator is not None and algo.adv_estimator not in GROUP_ESTIMATORS:
+        raise config_error(
+            "algo.adv_estimator",
+            algo.adv_estimator,
+            "unknown estimator",
+            f"use one of {GROUP_ESTIMATORS} or None (the algorithm's own)",
+        )
+    if roll.samples_per_prompt == 1 and algo.name in ("dapo", "rloo"):
+        raise config_error(
+            "rollout.samples_per_prompt",
+            1,
+            f"algo.name={algo.name} compares the samples of a group and needs at least 2",
+            "set rollout.samples_per_prompt >= 2 (or use reinforce_pp, which needs no group)",
+        )
+    if algo.name == "dapo" and algo.kl_coef > 0:
+        raise config_error(
+            "algo.kl_coef",
+            algo.kl_coef,
+            "DAPO trains without a reference model",
+            "set algo.kl_coef=0 (or use algo.name=grpo for a KL term)",
+        )
+    if algo.name == "dapo" and algo.clip_high <= algo.clip_low:
+        warnings.warn(
+            f"algo.name=dapo with algo.clip_high={algo.clip_high} <= algo.clip_low={algo.clip_low}: no clip-higher; "
+            "DAPO uses clip_low=0.2 clip_high=0.28",
+            stacklevel=3,
+        )
+    wanted_agg = {"dapo": "token-mean", "dr_grpo": "seq-mean-token-sum"}.get(algo.name)
+    if wanted_agg is not None and algo.loss_agg != wanted_agg:
+        warnings.warn(
+            f"algo.name={algo.name} is defined with algo.loss_agg={wanted_agg}; got {algo.loss_agg}",
+            stacklevel=3,
+        )
+    if not algo.norm_adv_by_std and (algo.adv_estimator or algo.name) not in ("grpo", "dapo", "gspo"):
+        warnings.warn(
+            f"algo.norm_adv_by_std=False has no effect with algo.name={algo.name} "
+            f"(adv_estimator={algo.adv_estimator}); it applies to the grpo estimator",
+            stacklevel=3,
+        )
+    if algo.overlong_buffer_len < 0 or algo.overlong_buffer_len > roll.max_new_tokens:
+        raise config_error(
+            "algo.overlong_buffer_len",
+            algo.overlong_buffer_len,
+            f"must be in [0, rollout.max_new_tokens={roll.max_new_tokens}]",
+            "use 0 (off) or a buffer shorter than the generation limit",
+        )
+    _positive("algo.overlong_penalty", algo.overlong_penalty, allow_zero=True)
 
 
 def _check_layouts(cfg: TrainConfig) -> None:

@@ -135,6 +135,7 @@ def _start_workers(cfg: TrainConfig, dock) -> tuple[WorkerGroup, WorkerGroup]:
             client=dock.client(),
             group_size=cfg.rollout.samples_per_prompt,
             log_samples=cfg.run.log_samples,
+            max_new_tokens=cfg.rollout.max_new_tokens,
         ),
     )
     return actors, rewards
@@ -183,6 +184,10 @@ def _metrics(cfg, step, batch, gen, scored, updates, timer: StageTimer, dock_sta
     m["response_length/truncated_frac"] = sum(g["truncated"] for g in gen) / max(1, len(lengths))
     if correct:
         m["train/accuracy"] = statistics.fmean(correct)
+    overlong = [x for s in scored for x in s.get("overlong", [])]
+    if overlong:  # DAPO overlong shaping: mean penalty (<= 0) and share of rows penalised
+        m["reward/overlong_penalty"] = statistics.fmean(overlong)
+        m["reward/overlong_frac"] = sum(x < 0 for x in overlong) / len(overlong)
     m["reward/timeouts"] = float(sum(s["timeouts"] for s in scored))
     m["reward/errors"] = float(sum(s["errors"] for s in scored))
     for key in updates[0]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dockrl.algos.estimators import DEFAULT_ESTIMATOR, needs_batch_whitening
 from dockrl.config.schema import TrainConfig
 from dockrl.dock.client import DockClient
 from dockrl.models.hf import save_model
@@ -32,7 +33,7 @@ from dockrl.workers.rollout.dock_feed import serve_from_dock
 from dockrl.workers.rollout.engine import RolloutEngine
 from dockrl.workers.rollout.sampler import SamplingParams, generate
 from dockrl.workers.train.engine import TrainEngine
-from dockrl.workers.train.policy_update import policy_update
+from dockrl.workers.train.policy_update import policy_update, whiten_rows
 
 ROLLOUT = "rollout"
 REF = "ref"
@@ -203,6 +204,8 @@ class ActorWorker(Worker):
         columns += ["ref_logprobs"] if use_ref else []
         columns += [] if self.on_policy else ["old_logprobs"]
         rows, batch = self.train_client.get(UPDATE, columns, self.rows_per_rank)
+        if needs_batch_whitening(self.cfg.algo.adv_estimator or DEFAULT_ESTIMATOR[self.cfg.algo.name]):
+            batch["advantages"] = whiten_rows(batch["advantages"], self.policy.dp_group)
         per_token_names = [c for c in columns if c not in ("prompt_ids", "response_ids")]
         mini_size = self.rows_per_rank // actor.mini_batches
         history: list[dict[str, float]] = []
@@ -220,6 +223,7 @@ class ActorWorker(Worker):
                         micro_batch_size=actor.micro_batch_size,
                         pad_token_id=self.pad_token_id,
                         world_size=self.dp,
+                        max_new_tokens=self.cfg.rollout.max_new_tokens,
                     )
                 )
         self.rollout_stale = True

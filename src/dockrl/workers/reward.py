@@ -1,7 +1,8 @@
 """RewardWorker: a CPU actor that scores whole groups as soon as they are generated.
 
     loop: pull whole groups (prompt_ids, response_ids, label) ─▶ decode ─▶ reward functions (process pool,
-          per-call timeout) ─▶ group-normalised advantages ─▶ put reward, reward/<component>, advantages
+          per-call timeout) ─▶ [overlong shaping] ─▶ advantages of the algorithm's estimator (algos.compute_advantages)
+          ─▶ put reward, reward/<component>, advantages
     ends when the dock has no unserved rows for the `reward` consumer
 
 Because it pulls whole groups while the actor still generates later ones, reward work overlaps rollout.
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dockrl.algos.advantages import group_normalized_advantages
+from dockrl.algos.estimators import DEFAULT_ESTIMATOR, compute_advantages, overlong_penalty
 from dockrl.config.schema import AlgoConfig, RewardConfig
 from dockrl.dock.client import DockClient
 from dockrl.models.tokenizer import Tokenizer
@@ -48,10 +49,14 @@ class RewardWorker(Worker):
         client: DockClient,
         group_size: int,
         log_samples: int = 0,
+        max_new_tokens: int | None = None,
     ):
         super().__init__(name, rank, world_size, num_threads=1)
         self.cfg, self.algo, self.client, self.group_size = reward, algo, client, group_size
         self.log_samples = log_samples
+        # The overlong-shaping limit (rollout.max_new_tokens); needed when algo.overlong_buffer_len > 0.
+        self.max_new_tokens = max_new_tokens
+        self.estimator = algo.adv_estimator or DEFAULT_ESTIMATOR[algo.name]
         self.tokenizer = Tokenizer.from_dir(tokenizer_path)
         self.runner = RewardRunner(
             reward_specs(reward), timeout_s=reward.timeout_s, num_processes=reward.num_processes
@@ -62,6 +67,7 @@ class RewardWorker(Worker):
         n = self.group_size
         rewards: list[float] = []
         correct: list[float] = []
+        overlong: list[float] = []
         timeouts = errors = 0
         samples: list[dict[str, Any]] = []
         while True:
@@ -79,7 +85,10 @@ class RewardWorker(Worker):
             prompts = [self.tokenizer.decode(p.tolist()) for p in batch["prompt_ids"]]
             responses = [self.tokenizer.decode(r.tolist()) for r in batch["response_ids"]]
             scores, components, stats = self.runner.score(prompts, responses, batch["label"])
-            adv = group_normalized_advantages(
+            if self.algo.overlong_buffer_len > 0:
+                scores, components = self._shape_overlong(scores, components, batch["response_ids"])
+            adv = compute_advantages(
+                self.estimator,
                 torch.tensor(scores, dtype=torch.float32),
                 n,
                 eps=self.algo.adv_eps,
@@ -92,6 +101,7 @@ class RewardWorker(Worker):
             out.update({f"reward/{k}": v for k, v in components.items()})
             self.client.put(rows, out)
             rewards += scores
+            overlong += components.get("overlong", [])
             key = accuracy_key(components)
             if key is not None:
                 correct += components[key]
@@ -110,10 +120,21 @@ class RewardWorker(Worker):
         return {
             "rewards": rewards,
             "correct": correct,
+            "overlong": overlong,
             "timeouts": timeouts,
             "errors": errors,
             "samples": samples,
         }
+
+    def _shape_overlong(self, scores: list[float], components: dict, response_ids: list) -> tuple[list, dict]:
+        """Add DAPO's overlong penalty to each score; it is also stored as the `overlong` component."""
+        if self.max_new_tokens is None:
+            raise ValueError("algo.overlong_buffer_len > 0 needs the RewardWorker's max_new_tokens")
+        lengths = torch.tensor([len(r) for r in response_ids])
+        penalty = overlong_penalty(
+            lengths, self.max_new_tokens, self.algo.overlong_buffer_len, self.algo.overlong_penalty
+        ).tolist()
+        return [s + p for s, p in zip(scores, penalty)], {**components, "overlong": penalty}
 
     def close(self) -> None:
         """Stop the reward process pool."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dockrl.algos.estimators import masked_moments, whiten
 from dockrl.algos.losses import policy_loss
 from dockrl.config.schema import AlgoConfig
 from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
@@ -39,11 +40,16 @@ def policy_update(
     micro_batch_size: int,
     pad_token_id: int,
     world_size: int,
+    max_new_tokens: int | None = None,
 ) -> dict[str, float]:
     """Train on rows `idx` of `batch` (prompt_ids, response_ids, advantages [, ref_logprobs, old_logprobs]).
 
     `world_size` is the number of data-parallel ranks; tensor-parallel peers train on the same rows.
+    `max_new_tokens` (the generation limit) is Dr. GRPO's constant loss normaliser; required for dr_grpo.
     """
+    if algo.name == "dr_grpo" and max_new_tokens is None:
+        raise ValueError("algo.name=dr_grpo normalises the loss by max_new_tokens; pass it to policy_update")
+    seq_len_norm = float(max_new_tokens) if algo.name == "dr_grpo" else None
     local_tokens = sum(len(batch["response_ids"][i]) for i in idx)
     global_tokens = all_reduce_sum(torch.tensor([float(local_tokens)]), engine.dp_group)[0].item()
     global_seqs = float(len(idx) * world_size)
@@ -57,7 +63,7 @@ def policy_update(
         )
         for chunk in split_indices(len(idx), micro_batch_size)
     ]
-    loss_fn = _loss_fn(engine, algo, temperature, global_tokens, global_seqs, world_size)
+    loss_fn = _loss_fn(engine, algo, temperature, global_tokens, global_seqs, world_size, seq_len_norm)
     metrics = engine.train_step(micro_batches, loss_fn)
     totals = torch.tensor([metrics[k] for k in SUMMED_METRICS], dtype=torch.float64)
     totals = all_reduce_sum(totals, engine.dp_group)
@@ -73,6 +79,7 @@ def _loss_fn(
     global_tokens: float,
     global_seqs: float,
     world_size: int,
+    seq_len_norm: float | None,
 ):
     # engine.token_logprobs / token_entropy are vocab-parallel under tensor parallelism (logits [B, T-1, V/tp]).
     def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -96,6 +103,8 @@ def _loss_fn(
             agg=algo.loss_agg,
             num_tokens=global_tokens,
             num_seqs=global_seqs,
+            seq_len_norm=seq_len_norm,
+            sequence_ratio=algo.name == "gspo",
         )
         if entropy is None:
             with torch.no_grad():
@@ -115,3 +124,14 @@ def _loss_fn(
         return out.loss * world_size, metrics
 
     return loss_fn
+
+
+def whiten_rows(advantages: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Whiten per-token advantages [len_i] of rows over every token of the step, all-reduced over `group`.
+
+    REINFORCE++ normalises over the whole batch; the dp ranks each hold a share, so they sum their moments.
+    """
+    flat = torch.cat([a.float() for a in advantages])  # [sum len_i]
+    valid = torch.ones_like(flat, dtype=torch.bool)
+    moments = all_reduce_sum(masked_moments(flat, valid), group)
+    return list(whiten(flat, valid, moments=moments).split([len(a) for a in advantages]))
