@@ -184,7 +184,10 @@ class ActorWorker(Worker):
         return self._logprob_stage(OLD, self.policy, "old_logprobs")
 
     def _logprob_stage(self, consumer: str, engine: TrainEngine, column: str) -> dict[str, Any]:
-        rows, batch = self.train_client.get(consumer, ["prompt_ids", "response_ids"], self.rows_per_rank)
+        # The dp ranks of a stage get near-equal token counts (length balance, dock.policies.balanced_partition).
+        rows, batch = self.train_client.get(
+            consumer, ["prompt_ids", "response_ids"], self.rows_per_rank, balance_over=self.dp
+        )
         logps, _ = engine.logprobs(
             batch["prompt_ids"],
             batch["response_ids"],
@@ -203,7 +206,7 @@ class ActorWorker(Worker):
         columns = ["prompt_ids", "response_ids", "advantages"]
         columns += ["ref_logprobs"] if use_ref else []
         columns += [] if self.on_policy else ["old_logprobs"]
-        rows, batch = self.train_client.get(UPDATE, columns, self.rows_per_rank)
+        rows, batch = self.train_client.get(UPDATE, columns, self.rows_per_rank, balance_over=self.dp)
         if needs_batch_whitening(self.cfg.algo.adv_estimator or DEFAULT_ESTIMATOR[self.cfg.algo.name]):
             batch["advantages"] = whiten_rows(batch["advantages"], self.policy.dp_group)
         per_token_names = [c for c in columns if c not in ("prompt_ids", "response_ids")]
