@@ -129,3 +129,11 @@ def test_docs_config_md_is_current(capsys):
     rendered = capsys.readouterr().out
     path = Path(__file__).parent.parent / "docs" / "config.md"
     assert path.read_text() == rendered, "docs/config.md is stale: run `dockrl config-docs > docs/config.md`"
+
+
+def test_gpu_example_config_parses():
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "grpo_qwen2.5_0.5b_gsm8k.yaml"
+    cfg = load_config(TrainConfig, path)
+    assert cfg.actor.dp == 8 and cfg.run.device == "cuda" and cfg.reward.functions[0].name == "math_verify"
