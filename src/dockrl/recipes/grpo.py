@@ -31,7 +31,7 @@ from dockrl.observe.run_dir import RunDir, StageTimer
 from dockrl.recipes.common import EncodedPrompt, EpochSampler, describe, encode_prompts, init_ray
 from dockrl.recipes.eval import score_answers
 from dockrl.workers.actor import ActorWorker
-from dockrl.workers.group import WorkerGroup
+from dockrl.workers.group import WorkerError, WorkerGroup
 from dockrl.workers.reward import RewardWorker, reward_specs
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             summary.update({"steps": step, "final_metrics": metrics})
         progress.close()
     finally:
-        rewards.call("close")
+        try:
+            rewards.call("close")
+        except WorkerError as exc:  # a dead reward worker must not mask the error that ended the run
+            log.warning("closing reward workers failed: %s", exc)
         for group in (actors, rewards):
             group.shutdown()
         dock.shutdown()
