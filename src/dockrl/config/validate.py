@@ -84,11 +84,10 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
         ("actor.micro_batch_size", actor.micro_batch_size),
         ("actor.mini_batches", actor.mini_batches),
         ("actor.epochs", actor.epochs),
-        ("reward.num_workers", reward_workers := cfg.reward.num_workers),
+        ("reward.num_workers", cfg.reward.num_workers),
         ("reward.groups_per_pull", cfg.reward.groups_per_pull),
     ]:
         _positive(key, value)
-    del reward_workers
     _positive("actor.lr", actor.lr)
     _positive("reward.timeout_s", cfg.reward.timeout_s)
     _positive("reward.num_processes", cfg.reward.num_processes, allow_zero=True)

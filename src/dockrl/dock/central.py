@@ -24,7 +24,7 @@ from typing import Any
 
 from dockrl.dock.controller import DockController
 from dockrl.dock.errors import DockError, DockTimeoutError, WarehouseDiedError
-from dockrl.dock.metrics import OpLatency, batch_nbytes
+from dockrl.dock.metrics import ClientCounters, batch_nbytes
 from dockrl.dock.warehouse import Warehouse
 
 MAX_POLL_INTERVAL_S = 0.1
@@ -188,7 +188,7 @@ class ActorTransport:
             ) from error
 
 
-class CentralClient:
+class CentralClient(ClientCounters):
     """DockClient's interface over a CentralDock (single or driver mode)."""
 
     def __init__(
@@ -196,18 +196,6 @@ class CentralClient:
     ):
         self.transport, self.mode = transport, mode
         self.get_timeout_s, self.poll_interval_s = get_timeout_s, poll_interval_s
-        self._reset_counters()
-
-    def _reset_counters(self) -> None:
-        self.bytes_put = 0  # since the last reset (one step)
-        self.bytes_got = 0
-        self.latency = OpLatency()
-
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("bytes_put", "bytes_got", "latency")}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
         self._reset_counters()
 
     def add_groups(
@@ -272,14 +260,6 @@ class CentralClient:
         stats["mode"] = self.mode
         stats["client"] = self.client_stats()
         return stats
-
-    def client_stats(self) -> dict:
-        """This process's client counters: bytes_put, bytes_got, latency_ms."""
-        return {
-            "bytes_put": self.bytes_put,
-            "bytes_got": self.bytes_got,
-            "latency_ms": self.latency.summary(),
-        }
 
     def reset(self, keep_unfinished: str | None = None) -> list[int]:
         """As DockClient.reset."""

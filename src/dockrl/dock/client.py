@@ -27,14 +27,14 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from dockrl.dock.errors import DockError, DockTimeoutError, StaleHandleError, WarehouseDiedError
-from dockrl.dock.metrics import OpLatency, batch_nbytes
+from dockrl.dock.metrics import ClientCounters, batch_nbytes
 
 MAX_POLL_INTERVAL_S = 0.1
 POLL_BACKOFF = 1.5
 HEALTH_CHECK_S = 2.0
 
 
-class DockClient:
+class DockClient(ClientCounters):
     """Puts and gets rows of the current step's table.
 
     Args:
@@ -85,22 +85,11 @@ class DockClient:
         self.incarnations = incarnations
         self._reset_counters()
 
-    def _reset_counters(self) -> None:
-        self.bytes_put = 0  # since the last reset (one step)
-        self.bytes_got = 0
-        self.latency = OpLatency()
-
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         if self._home_setting is None:
             state["_home"] = None  # re-resolve on the node of the process that unpickles us
-        for key in ("bytes_put", "bytes_got", "latency"):
-            del state[key]
         return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._reset_counters()
 
     @property
     def home(self) -> int:
@@ -256,14 +245,6 @@ class DockClient:
         stats["mode"] = "dock"
         stats["client"] = self.client_stats()
         return stats
-
-    def client_stats(self) -> dict:
-        """This process's client counters: bytes_put, bytes_got, latency_ms (end-to-end put/get)."""
-        return {
-            "bytes_put": self.bytes_put,
-            "bytes_got": self.bytes_got,
-            "latency_ms": self.latency.summary(),
-        }
 
     def reset(self, keep_unfinished: str | None = None) -> list[int]:
         """Start the next step's table: controller reset, then every warehouse cleared. Call between steps.

@@ -68,3 +68,34 @@ def driver_bytes(stats: dict) -> int:
 def bytes_moved(stats: dict) -> int:
     """Payload bytes written to and read from the warehouses (all modes)."""
     return int(sum(w.get("bytes_in", 0) + w.get("bytes_out", 0) for w in stats.get("warehouses", [])))
+
+
+COUNTER_KEYS = ("bytes_put", "bytes_got", "latency")
+
+
+class ClientCounters:
+    """Per-process traffic counters of a dock client: `bytes_put`, `bytes_got` and op `latency`.
+
+    They start at 0 wherever the client lives: pickling drops them and unpickling starts fresh, so a
+    client passed to a worker counts only that worker's traffic (the driver's = bytes through the driver).
+    """
+
+    def _reset_counters(self) -> None:
+        self.bytes_put = 0  # since the last reset (one step)
+        self.bytes_got = 0
+        self.latency = OpLatency()
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in COUNTER_KEYS}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._reset_counters()
+
+    def client_stats(self) -> dict:
+        """This process's client counters: bytes_put, bytes_got, latency_ms (end-to-end put/get)."""
+        return {
+            "bytes_put": self.bytes_put,
+            "bytes_got": self.bytes_got,
+            "latency_ms": self.latency.summary(),
+        }
