@@ -68,6 +68,8 @@ def test_missing_required_names_the_key():
         ("rollout.top_p=1.5", "rollout.top_p=1.5"),
         ("reward.functions=[{name: no_such_fn}]", "reward.functions\\[0\\].name='no_such_fn'"),
         ("run.device=tpu", "run.device='tpu': unknown device"),
+        ("reshard.bucket_mb=0.01", "reshard.bucket_mb=0.01: is smaller than the model's largest tensor"),
+        ("actor.tp=3", "actor.tp=3"),
     ],
 )
 def test_validation_errors(tiny_model, arithmetic_data, override, expected):

@@ -42,6 +42,8 @@ def test_two_grpo_steps_through_cli(ray_session, tmp_path, tiny_model, arithmeti
         # A random model never answers right; a length reward gives the groups reward spread to learn from.
         "reward: {functions: [{name: exact_answer}, {name: 'reward_fixtures:length_reward', weight: 0.1}]}\n"
         "dock: {num_warehouses: 2, get_timeout_s: 120}\n"
+        # The KV cache is dropped after each rollout and built again at the next (the CUDA default).
+        "reshard: {free_kv_cache: true}\n"
         "run: {steps: 2, prompts_per_step: 4, progress: false, worker_timeout_s: 300, log_samples: 2}\n"
     )
     code = main(

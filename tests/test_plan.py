@@ -24,3 +24,15 @@ def test_plan_rejects_impossible_layouts():
         plan(PlanInput(args, dp=1, tp_train=8, tp_infer=1))
     with pytest.raises(ValueError, match=r"tp_infer=4 does not divide dp x tp_train = 2"):
         plan(PlanInput(args, dp=1, tp_train=2, tp_infer=4))
+
+
+def test_plan_switch_transient_and_kv_cache_terms():
+    args = load_args("Qwen3-8B")
+    base = PlanInput(args, dp=2, tp_train=2, tp_infer=4, bucket_bytes=2**30)
+    full = plan(base)
+    # Two gather stages (dp and tp_train): three quarter-bucket chunks on top of the inference shard.
+    assert full["switch_extra_bytes"] - full["inference_shard_bytes"] == 3 * 2**30 // 4
+    one_stage = plan(PlanInput(args, dp=1, tp_train=2, tp_infer=2, bucket_bytes=2**30))
+    assert one_stage["switch_extra_bytes"] - one_stage["inference_shard_bytes"] == 2 * 2**30 // 4
+    kept = plan(PlanInput(args, dp=2, tp_train=2, tp_infer=4, bucket_bytes=2**30, free_kv_cache=False))
+    assert kept["train_bytes"] - full["train_bytes"] == full["kv_cache_bytes"]

@@ -143,6 +143,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         train_seq_len=args.seq_len,
         rollout_batch=args.rollout_batch,
         rollout_seq_len=args.seq_len,
+        bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * 2**20),
     )
     result = plan(question)
     print(json.dumps(result) if args.json else render(result, args.device_gib))
@@ -231,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=4096, help="prompt + response tokens")
     p.add_argument("--rollout-batch", type=int, default=64, help="sequences one rollout rank decodes at once")
     p.add_argument("--device-gib", type=float, default=None, help="device memory to check against")
+    p.add_argument("--bucket-mb", type=float, default=None, help="reshard.bucket_mb (default: largest tensor)")
     p.add_argument("--json", action="store_true")
 
     import importlib

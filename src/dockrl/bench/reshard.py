@@ -165,7 +165,10 @@ def run(args: argparse.Namespace) -> dict:
             _worker, args=(world, free_port(), args, tmp, out), nprocs=world, start_method="spawn"
         )
         results = torch.load(out, weights_only=False)
-    predicted = plan(PlanInput(model_args, args.dp, args.tp_train, args.tp_infer, infer_bytes=4))
+    question = PlanInput(
+        model_args, args.dp, args.tp_train, args.tp_infer, infer_bytes=4, bucket_bytes=results[0]["bucket"]
+    )
+    predicted = plan(question)
     bucketed = max(r["bucketed"] for r in results)
     naive = max(r["naive"] for r in results)
     target = max(r["bucket"] + r["shard"] for r in results)

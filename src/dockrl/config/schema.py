@@ -94,6 +94,11 @@ class ReshardConfig:
         None,
         "Move training (and reference) parameters to host memory during rollout; None: on with cuda.",
     )
+    free_kv_cache: bool | None = setting(
+        None,
+        "Free the rollout KV cache while training (it holds no state between steps and is allocated again "
+        "at the next rollout); None: on with cuda.",
+    )
 
 
 @dataclass

@@ -260,12 +260,12 @@ def _check_layouts(cfg: TrainConfig) -> None:
         if problem is not None:
             raise config_error(key, value, problem, f"set {key} to a valid size")
     numel = max(args.vocab_size, args.intermediate_size) * args.hidden_size
-    largest = 4 * (numel + (numel // actor.tp if actor.tp > 1 else 0))  # full tensor + training slice, fp32
+    largest = 4 * numel  # fp32, the training dtype
     if reshard.bucket_mb is not None and reshard.bucket_mb * 2**20 < largest:
         raise config_error(
             "reshard.bucket_mb",
             reshard.bucket_mb,
-            f"is smaller than the gather workspace of the model's largest tensor ({largest / 2**20:.1f} MiB)",
+            f"is smaller than the model's largest tensor ({largest / 2**20:.1f} MiB in fp32)",
             f"use reshard.bucket_mb >= {-(-largest // 2**20)} or None (automatic)",
         )
     if cfg.run.device == "cpu":

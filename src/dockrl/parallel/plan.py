@@ -4,8 +4,10 @@ Phases of one RL step on one actor rank (bytes; P_t / P_i = this rank's training
 parameters, exact per tensor from the TP plan; FSDP2 divides training shares by dp):
 
     train   = P_t x (4 param + 4 grad + 8 Adam) + gathered layer (x2, prefetch) + activations + logits slice
-    switch  = state kept on device + inference shard P_i x e + gather transient (largest full tensor,
-              fp32, plus this rank's training slice of it)
+              (+ the KV cache when `reshard.free_kv_cache` is off)
+    switch  = state kept on device + inference shard P_i x e + gather transient (chunks of at most a
+              quarter bucket: ~2 chunks with one gather stage (dp or tp_train), ~3 with both, on gloo whose
+              all-gathers stage through a flat copy; NCCL needs less, so this is an upper bound there)
     rollout = state kept on device + inference shard + KV cache (batch x seq x layers x 2 x K/tp_i x D x e)
 
 State kept on device = what the `reshard.offload_*` flags leave there. Activation and logits terms are
@@ -71,6 +73,8 @@ class PlanInput:
     rollout_batch: int = 64
     rollout_seq_len: int = 4096
     infer_bytes: int = 2  # bf16 rollout weights and KV cache
+    free_kv_cache: bool = True  # reshard.free_kv_cache: the KV cache is not held while training
+    bucket_bytes: int | None = None  # reshard.bucket_mb; None: the largest tensor (fp32), rounded up to MiB
 
 
 def load_args(model: str) -> ModelArgs:
@@ -96,20 +100,18 @@ def shares(args: ModelArgs, dp: int, tp_train: int, tp_infer: int) -> dict[str, 
 
     with torch.device("meta"):
         model = Transformer(args)
-    train = infer = largest = largest_slice = layer = 0
+    train = infer = largest = layer = 0
     for name, param in model.named_parameters():
         n, split = param.numel(), shard_dim(name) is not None
         train += -(-(n // tp_train if split else n) // dp)
         infer += n // tp_infer if split else n
-        if n > largest:
-            largest, largest_slice = n, n // tp_train if split else n
+        largest = max(largest, n)
         if ".layers.0." in name:
             layer += n // tp_train if split else n
     return {
         "train": train,
         "infer": infer,
         "largest": largest,
-        "largest_slice": largest_slice,
         "layer": layer,
     }
 
@@ -131,12 +133,16 @@ def plan(p: PlanInput) -> dict[str, float]:
     kept = (0 if p.offload_params else params) + (0 if p.offload_optimizer else optim)
     kept += 0 if p.offload_grads else grads
     inference = s["infer"] * p.infer_bytes
-    transient = 4 * (s["largest"] + s["largest_slice"]) if p.tp_train > 1 else 4 * s["largest"]
+    bucket = p.bucket_bytes or -(-4 * s["largest"] // 2**20) * 2**20
+    stages = (p.dp > 1) + (p.tp_train > 1)
+    transient = (0, 2, 3)[stages] * bucket // 4
     switch = params + (0 if p.offload_optimizer else optim) + (0 if p.offload_grads else grads)
     switch += inference + transient
     kv = p.rollout_batch * p.rollout_seq_len * a.num_layers * 2 * (a.num_kv_heads // p.tp_infer) * a.head_dim
     kv *= p.infer_bytes
     rollout = kept + inference + kv
+    if not p.free_kv_cache:
+        train += kv
     return {
         "num_params": float(a.num_params()),
         "train_bytes": float(train),

@@ -82,7 +82,7 @@ class ActorWorker(Worker):
         if cfg.algo.kl_coef > 0:
             self.ref = TrainEngine(cfg.model.ref_path or cfg.model.path, trainable=False, **common)
         self._setup_switch(mesh)
-        self.rollout_engine: RolloutEngine | None = None  # built at the first generate; keeps its cache
+        self.rollout_engine: RolloutEngine | None = None  # built at a generate; see reshard.free_kv_cache
         self.tokenizer = Tokenizer.from_dir(cfg.model.path)
         self.pad_token_id = _first_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
         self.stop_token_ids = _stop_ids(self.tokenizer.eos_token_id, self.policy.args.eos_token_id)
@@ -128,6 +128,9 @@ class ActorWorker(Worker):
         if self.switch.active:
             self.switch.exit()
         self.rollout_stale = True
+        free_kv = self.cfg.reshard.free_kv_cache
+        if free_kv if free_kv is not None else self.device.type == "cuda":
+            self.rollout_engine = None  # its KV cache goes with it; rebuilt at the next generate
 
     def generate(self, step: int) -> dict[str, Any]:
         """Serve rollout rows from the dock through the continuous-batching engine until every row has a

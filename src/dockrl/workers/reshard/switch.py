@@ -9,11 +9,12 @@
               offload training params (and the reference model's)
     exit():   inference parameters -> meta; buffers freed; params and optimizer state back, bit for bit
 
-Buffers are sized from the inference layout, so no rank ever holds bytes it will not serve with. The
-transient of one gather is one full parameter (plus this rank's training slice of it); together with the
-buffers, the switch's extra peak over the steady state stays within one bucket plus the inference shard as
-long as `reshard.bucket_mb` holds that transient (checked; the default is exactly that, rounded up to MiB). `enter(naive=True)` is the
-baseline of peers: gather the whole state dict on every rank, then cut the inference shard out of it.
+Buffers are sized from the inference layout, so no rank ever holds bytes it will not serve with. No full
+parameter is ever built: a gathered chunk is at most a quarter of `reshard.bucket_mb` (outputs plus gloo's
+flat staging copies of two stages stay within one bucket), so the switch's extra peak over the steady state
+stays within one bucket plus the inference shard. `reshard.bucket_mb` must hold the largest tensor (checked;
+the default is exactly that, rounded up to MiB). `enter(naive=True)` is the baseline of peers: gather the
+whole state dict on every rank, then cut the inference shard out of it.
 
 Lifecycle: built once in `ActorWorker.setup`; enter / exit alternate (rollout between them).
 """
@@ -106,17 +107,16 @@ class RolloutSwitch:
         """Consecutive parameters whose inference shards fit `bucket_bytes` (None: the largest tensor)."""
         size = torch.empty((), dtype=self.dtype).element_size()
         name, shape = max(full_shapes.items(), key=lambda kv: torch.Size(kv[1]).numel())
-        # The gather workspace of one tensor: the full tensor plus this rank's training slice of it (fp32).
-        numel = torch.Size(shape).numel()
-        workspace = 4 * (numel + (numel // self.train_layout.tp if self.train_layout.tp > 1 else 0))
+        # A tensor never spans two buckets, and the chunked gathers of one tensor stay within a bucket: the
+        # bucket must hold the largest tensor (fp32, the training dtype).
+        workspace = 4 * torch.Size(shape).numel()
         if bucket_bytes is None:
             bucket_bytes = -(-workspace // 2**20) * 2**20
         self.bucket_bytes = bucket_bytes
         if bucket_bytes < workspace:
             raise ValueError(
-                f"reshard.bucket_mb={bucket_bytes / 2**20:.1f} is smaller than the gather workspace of the "
-                f"largest tensor {name} ({workspace / 2**20:.1f} MiB: the full tensor plus this rank's "
-                f"training slice, fp32); use reshard.bucket_mb >= {-(-workspace // 2**20)} or None"
+                f"reshard.bucket_mb={bucket_bytes / 2**20:.1f} is smaller than the largest tensor {name} "
+                f"({workspace / 2**20:.1f} MiB in fp32); use reshard.bucket_mb >= {-(-workspace // 2**20)} or None"
             )
         buckets = [_Bucket()]
         for name, param in self.model.named_parameters():
@@ -198,25 +198,81 @@ class RolloutSwitch:
         out.copy_(full if dim is None else full.narrow(dim, start, end - start))
 
     def _gather_into(self, spec: _ParamSpec, param: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy this rank's inference slice of `param` into `out`, gathering training shards as needed."""
-        local = param.full_tensor() if isinstance(param, DTensor) else param.detach()  # training tp slice
+        """Copy this rank's inference slice of `param` into `out`, gathering training shards in chunks.
+
+        The full tensor is never built: rows of the FSDP shard are gathered a chunk at a time, first over dp
+        (FSDP2's dim-0 shards) then over tp_train (the tensor-parallel slices), and only the part of each
+        gathered chunk that lies inside this rank's inference slice is copied into `out`. A chunk gathers at
+        most `bucket_bytes / 4` bytes, so the transient of the gathers (outputs plus gloo's flat staging
+        copies) stays within one bucket.
+        """
+        if isinstance(param, DTensor):
+            local, dp_group = param.to_local(), param.device_mesh.get_group()
+            dp = dist.get_world_size(dp_group)
+        else:
+            local, dp_group, dp = param.detach(), None, 1
         train_dim = shard_dim(spec.name) if self.train_layout.tp > 1 else None
-        if train_dim is None:
-            self._cut_into(spec, local, out)
-            return
-        parts = [torch.empty_like(local) for _ in range(self.train_layout.tp)]
-        dist.all_gather(parts, local.contiguous(), group=self.engine.tp_group)
-        del local
+        tp = self.train_layout.tp if train_dim is not None else 1
         dim, start, end = self.infer_layout.shard_slice(spec.name, spec.full_shape, self.rank)
-        if dim is None:
-            start, end = 0, spec.full_shape[train_dim]
-        width = parts[0].shape[train_dim]
-        for j, part in enumerate(parts):
-            lo, hi = max(start, j * width), min(end, (j + 1) * width)
-            if lo < hi:
-                out.narrow(train_dim, lo - start, hi - lo).copy_(
-                    part.narrow(train_dim, lo - j * width, hi - lo)
-                )
+        if dp == 1 and tp == 1:
+            out.copy_(local if dim is None else local.narrow(dim, start, end - start))
+            return
+        slice_shape = list(spec.full_shape)  # this rank's training (tp) slice, before FSDP sharding
+        if train_dim is not None:
+            slice_shape[train_dim] //= tp
+        rows, row_shape = slice_shape[0], tuple(slice_shape[1:])
+        shard_rows = -(-rows // dp)  # FSDP2 splits dim 0 like torch.chunk; the last shards may be short
+        row_bytes = int(torch.Size(row_shape).numel()) * local.element_size()
+        step = max(1, min(shard_rows, (self.bucket_bytes // 4) // max(1, row_bytes * dp * tp)))
+        for r in range(0, shard_rows, step):
+            n = min(step, shard_rows - r)
+            piece = local[r : r + n]
+            if piece.shape[0] < n:  # a short (or empty) last shard: pad to the common chunk shape
+                piece = torch.cat([piece, piece.new_zeros((n - piece.shape[0], *row_shape))])
+            block = piece.contiguous()
+            if dp > 1:
+                block = _all_gather(block, dp_group, dp)  # [dp * n, ...]: rank j's rows j*R + r ...
+            if tp > 1:
+                block = _all_gather(block, self.engine.tp_group, tp)  # [tp * dp * n, ...]
+            for t in range(tp):
+                for j in range(dp):
+                    lo = j * shard_rows + r  # first row of this piece in the tp slice
+                    count = min(n, rows - lo)
+                    if count <= 0:
+                        continue
+                    part = block[(t * dp + j) * n :][:count]
+                    row0 = lo + (t * rows if train_dim == 0 else 0)  # in the full tensor
+                    col0 = t * slice_shape[1] if train_dim == 1 else 0
+                    _copy_overlap(part, row0, col0, out, dim, start, end)
+            del block, piece
+
+
+def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    out = torch.empty((size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather_into_tensor(out, tensor, group=group)
+    return out
+
+
+def _copy_overlap(
+    part: torch.Tensor, row0: int, col0: int, out: torch.Tensor, dim: int | None, start: int, end: int
+) -> None:
+    """Copy the overlap of `part` (full-tensor rows row0.., columns col0..) with out = full[dim: start:end]."""
+    rows_lo, rows_hi = row0, row0 + part.shape[0]
+    if dim == 0:
+        rows_lo, rows_hi = max(rows_lo, start), min(rows_hi, end)
+    if rows_lo >= rows_hi:
+        return
+    src = part.narrow(0, rows_lo - row0, rows_hi - rows_lo)
+    dst = out.narrow(0, rows_lo - (start if dim == 0 else 0), rows_hi - rows_lo)
+    if part.dim() > 1:
+        cols_lo, cols_hi = col0, col0 + part.shape[1]
+        if dim == 1:
+            cols_lo, cols_hi = max(cols_lo, start), min(cols_hi, end)
+        if cols_lo >= cols_hi:
+            return
+        src = src.narrow(1, cols_lo - col0, cols_hi - cols_lo)
+        dst = dst.narrow(1, cols_lo - (start if dim == 1 else 0), cols_hi - cols_lo)
+    dst.copy_(src)
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
