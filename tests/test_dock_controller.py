@@ -141,6 +141,7 @@ def test_reset_forgets_rows_columns_and_consumers():
     del stats["latency_ms"]
     assert stats == {
         "ages": {},
+        "dropped": 0,
         "num_rows": 0,
         "num_groups": 0,
         "ready": {},
@@ -275,3 +276,48 @@ def test_warehouse_put_get_notifies_and_counts_bytes():
         warehouse.put([0, 1], {"reward": [1.0]})
     warehouse.clear()
     assert warehouse.stats()["bytes"] == 0 and warehouse.stats()["cells"] == 0
+
+
+def test_dropped_groups_are_never_served_and_do_not_count_as_unconsumed():
+    controller = table(3, 2)
+    ready(controller, range(6))
+    first = controller.allocate("reward", COLS, 2, whole_groups=True)
+    assert first.rows == [0, 1]
+    assert controller.drop([2, 3]) == 2  # group 1 carries no signal
+    # Neither the consumer that already read some rows nor a consumer that never asked gets group 1.
+    assert controller.allocate("reward", COLS, 4, whole_groups=True, min_count=2).rows == [4, 5]
+    assert controller.allocate("update", COLS, 6, min_count=1).rows == [0, 1, 4, 5]
+    assert controller.all_consumed("reward") and controller.all_consumed("update")
+    assert controller.stats()["dropped"] == 2
+    controller.reset()
+    controller.add_groups([2], [3])
+    assert controller.stats()["dropped"] == 0
+
+
+def test_shared_controller_serves_a_parked_get_when_its_columns_arrive_and_ends_it_on_drop():
+    import threading
+
+    from dockrl.dock.shared import SharedController
+
+    controller = SharedController(1)
+    controller.add_groups([2, 2], [3, 3])
+    results = {}
+
+    def wait(name, rows_needed):
+        results[name] = controller.wait_poll(name, COLS, rows_needed, 10.0)
+
+    served = threading.Thread(target=wait, args=("a", 2))
+    ended = threading.Thread(target=wait, args=("b", 4))
+    served.start(), ended.start()
+    ready(controller, [0, 1], ["response_ids"])
+    ready(controller, [0, 1], ["reward"])  # rows 0-1 now have both columns: "a" is served
+    served.join(5)
+    assert results["a"][0].rows == [0, 1]
+    ready(controller, [0, 1, 2, 3], COLS)  # "b" can take all four rows
+    ended.join(5)
+    assert results["b"][0].rows == [0, 1, 2, 3]
+    timed_out = controller.wait_poll("a", COLS, 4, 0.05)  # only 2 unconsumed rows left for "a", min 4
+    assert timed_out == (None, False) or timed_out[0].rows == [2, 3]  # tail rule: the remainder is served
+    controller.drop([2, 3])
+    assert controller.wait_poll("c", COLS, 2, 0.05)[0].rows == [0, 1]
+    assert controller.wait_poll("c", COLS, 2, 0.05) == (None, True)  # dropped rows: nothing left, done

@@ -19,7 +19,6 @@ from dockrl.dock import (
     WarehouseDiedError,
     launch_dock,
 )
-from dockrl.dock.launch import RemoteController
 from dockrl.dock.metrics import driver_bytes
 
 GROUP_SIZE = 4
@@ -106,11 +105,11 @@ class Trainer:
 
 def test_concurrent_producers_and_consumers_serve_every_row_exactly_once(ray_session, dock, client):
     ray = ray_session
-    trainer = ray.remote(num_cpus=0)(Trainer).remote(dock.client(poll_interval_s=0.005))
+    trainer = ray.remote(num_cpus=0)(Trainer).remote(dock.client())
     # Consumers start first and wait on an empty table. Producers and reward consumers are driver threads
     # (each Ray process costs seconds of torch import on a small machine); the trainer is a Ray actor.
     with ThreadPoolExecutor(5) as pool:
-        scores = [pool.submit(score, dock.client(poll_interval_s=0.005)) for _ in range(3)]
+        scores = [pool.submit(score, dock.client()) for _ in range(3)]
         trained = trainer.run.remote()
         produced = [pool.submit(produce, dock.client(home=home), seed=home) for home in (0, 1)]
         rows = add_prompts(client)
@@ -201,11 +200,7 @@ def test_get_that_cannot_be_served_times_out_naming_consumer_and_ready_counts(cl
 
 def test_killed_warehouse_turns_get_into_dock_error_naming_it(ray_session, dock, client):
     # A fresh warehouse 1 next to the module's controller and warehouse 0 (one process instead of a dock).
-    doomed = (
-        ray_session.remote(Warehouse)
-        .options(num_cpus=0, name="test-dock-doomed")
-        .remote(1, RemoteController(dock.controller))
-    )
+    doomed = ray_session.remote(Warehouse).options(num_cpus=0, name="test-dock-doomed").remote(1)
     fragile = DockClient(dock.controller, [dock.warehouses[0], doomed], warehouse_nodes=dock.warehouse_nodes)
     # Group 0 on warehouse 0, group 1 (rows 4-7) on the doomed one; list prompts spare it a torch import.
     fragile.add_groups([[1, 2], [3]], ["a", "b"], GROUP_SIZE)
@@ -219,11 +214,7 @@ def test_killed_warehouse_turns_get_into_dock_error_naming_it(ray_session, dock,
 
 
 def test_warehouse_killed_mid_step_fails_a_waiting_consumer_naming_it_and_its_rows(ray_session, dock):
-    doomed = (
-        ray_session.remote(Warehouse)
-        .options(num_cpus=0, name="test-dock-doomed-2")
-        .remote(1, RemoteController(dock.controller))
-    )
+    doomed = ray_session.remote(Warehouse).options(num_cpus=0, name="test-dock-doomed-2").remote(1)
     fragile = DockClient(
         dock.controller, [dock.warehouses[0], doomed], warehouse_nodes=dock.warehouse_nodes, home=0
     )
@@ -238,6 +229,22 @@ def test_warehouse_killed_mid_step_fails_a_waiting_consumer_naming_it_and_its_ro
         fragile.get("reward", ["prompt_ids", "response_ids"], 8, timeout_s=30)
     assert time.monotonic() - start < 15  # a health check, not the 30 s timeout
     killer.shutdown()
+
+
+def test_killed_warehouse_of_a_socket_dock_is_named_with_its_rows(ray_session):
+    # The default transport: clients hold direct connections to the warehouses' hubs.
+    dock = launch_dock(num_warehouses=2, name_prefix="test-socket-kill", get_timeout_s=20.0)
+    try:
+        client = dock.client(home=0)
+        client.add_groups([[1, 2], [3]], ["a", "b"], GROUP_SIZE)  # group 1 (rows 4-7) on warehouse 1
+        client.put([0, 1, 2, 3], {"response_ids": [[1]] * 4})
+        ray_session.kill(dock.warehouses[1])
+        start = time.monotonic()
+        with pytest.raises(WarehouseDiedError, match=r"dock warehouse 1 .* rows affected: \[4, 5, 6, 7\]"):
+            client.get("reward", ["prompt_ids", "response_ids"], 8)
+        assert time.monotonic() - start < 10.0
+    finally:
+        dock.shutdown()
 
 
 def test_relaunched_dock_makes_old_handles_stale(ray_session):

@@ -7,40 +7,40 @@
 ```
 
 `CentralDock` is the store (a DockController and a Warehouse in one object, one lock). In `single` mode it
-is a Ray actor; in `driver` mode it lives in the driver process and a `DriverHub` thread serves it to
-workers over authenticated multiprocessing connections. `CentralClient` offers DockClient's methods
+is a Ray actor; in `driver` mode it lives in the driver process and a ServiceHub (transport.py, the same hub
+the dock's actors use) serves it to workers over authenticated connections. `CentralClient` offers DockClient's methods
 (add_groups, put, get, all_consumed, stats, reset) over either transport, so recipes and benchmarks do not
 care which mode runs. Used for benchmarks and as a fallback; `dock` mode is the scalable one.
 """
 
 from __future__ import annotations
 
-import secrets
 import threading
 import time
 from collections import defaultdict
-from multiprocessing.connection import Client, Listener
 from typing import Any
 
-from dockrl.dock.controller import DockController
 from dockrl.dock.errors import DockError, DockTimeoutError, WarehouseDiedError
 from dockrl.dock.metrics import ClientCounters, batch_nbytes
+from dockrl.dock.shared import SharedController
+from dockrl.dock.transport import Lost, NoReply, ServiceHub, SocketTransport
 from dockrl.dock.warehouse import Warehouse
 
-MAX_POLL_INTERVAL_S = 0.1
+WAIT_SLICE_S = 2.0  # a waiting get re-asks at least this often (liveness of the store is checked by the call)
 
 
 class CentralDock:
-    """Controller and warehouse in one object; every method is atomic under one lock.
+    """Controller and warehouse in one object: a SharedController (thread-safe, long-polling `wait_poll`)
+    and a Warehouse that notifies it directly.
 
     Args:
         policy, max_rows: as for DockController.
     """
 
     def __init__(self, *, policy: str = "first", max_rows: int | None = None) -> None:
-        self.controller = DockController(1, policy=policy, max_rows=max_rows)
+        self.controller = SharedController(1, policy=policy, max_rows=max_rows)
         self.warehouse = Warehouse(0, self.controller)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # add_groups and reset are two-part
 
     def add_groups(self, group_sizes: list[int], prompt_lens: list[int], batch: dict[str, list]) -> list[int]:
         """Add groups and store their per-row batch (prompt_ids, label, ...) in one call."""
@@ -51,27 +51,26 @@ class CentralDock:
 
     def put(self, rows: list[int], batch: dict[str, list]) -> int:
         """Store cells and mark them ready; returns bytes stored."""
-        with self._lock:
-            return self.warehouse.put(rows, batch)
+        return self.warehouse.put(rows, batch)
 
-    def poll_get(self, consumer: str, columns: list[str], count: int, **options) -> tuple:
-        """Allocate and fetch in one call: (rows, batch), or (None, done) like DockController.poll."""
-        with self._lock:
-            allocation, done = self.controller.poll(consumer, columns, count, **options)
-            if allocation is None:
-                return None, done
-            return allocation.rows, self.warehouse.get(allocation.rows, columns)
+    def poll_get(
+        self, consumer: str, columns: list[str], count: int, wait_s: float = 0.0, **options
+    ) -> tuple:
+        """Allocate and fetch in one call: (rows, batch), or (None, done) like DockController.poll; waits up
+        to `wait_s` for the request to become servable (SharedController.wait_poll)."""
+        allocation, done = self.controller.wait_poll(consumer, columns, count, wait_s, **options)
+        if allocation is None:
+            return None, done
+        return allocation.rows, self.warehouse.get(allocation.rows, columns)
 
     def call(self, method: str, *args) -> Any:
-        """A controller method (all_consumed, unready_rows, ...), under the lock."""
-        with self._lock:
-            return getattr(self.controller, method)(*args)
+        """A controller method (all_consumed, unready_rows, ...)."""
+        return getattr(self.controller, method)(*args)
 
     def stats(self) -> dict:
         """Controller stats plus "warehouses": [the warehouse's stats]."""
-        with self._lock:
-            stats = self.controller.stats()
-            stats["warehouses"] = [self.warehouse.stats()]
+        stats = self.controller.stats()
+        stats["warehouses"] = [self.warehouse.stats()]
         return stats
 
     def reset(self, keep_unfinished: str | None = None) -> list[int]:
@@ -82,86 +81,25 @@ class CentralDock:
         return kept
 
 
-class DriverHub:
-    """Serves a CentralDock living in this (the driver's) process to clients in other processes.
-
-    One thread accepts connections; one thread per connection answers (method, args, kwargs) messages.
-    """
-
-    _local: dict[tuple, CentralDock] = {}  # address -> store served in this process (clients skip the socket)
-
-    def __init__(self, store: CentralDock, host: str = "127.0.0.1") -> None:
-        self.store = store
-        self.authkey = secrets.token_bytes(16)
-        self._listener = Listener((host, 0), backlog=128, authkey=self.authkey)
-        self.address = self._listener.address
-        DriverHub._local[self.address] = store
-        self._closed = False
-        threading.Thread(target=self._accept, name="dock-driver-hub", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                connection = self._listener.accept()
-            except Exception:  # noqa: BLE001 - a failed handshake must not stop the hub
-                if self._closed:
-                    return
-                continue
-            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
-
-    def _serve(self, connection) -> None:
-        with connection:
-            while True:
-                try:
-                    method, args, kwargs = connection.recv()
-                except (EOFError, OSError):
-                    return
-                try:
-                    reply = ("ok", getattr(self.store, method)(*args, **kwargs))
-                except Exception as error:  # noqa: BLE001 - sent back and re-raised in the client
-                    reply = ("error", error)
-                connection.send(reply)
-
-    def close(self) -> None:
-        """Stop accepting connections (open ones end when their clients go away)."""
-        self._closed = True
-        DriverHub._local.pop(self.address, None)
-        self._listener.close()
-
-
 class HubTransport:
-    """Calls a CentralDock through a DriverHub (directly when the hub runs in this process)."""
+    """Calls a CentralDock served by a ServiceHub in the driver (directly when the caller is the driver)."""
 
-    def __init__(self, address: tuple, authkey: bytes) -> None:
-        self.address, self.authkey = address, authkey
-        self._connections = threading.local()
-
-    def __getstate__(self) -> dict:
-        return {"address": self.address, "authkey": self.authkey}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["address"], state["authkey"])
+    def __init__(self, address: tuple, authkey: bytes, timeout_s: float = 300.0) -> None:
+        self.socket, self.timeout_s = SocketTransport(address, authkey), timeout_s
 
     def call(self, method: str, *args, **kwargs) -> Any:
         """Run `store.method(*args, **kwargs)` where the store lives; re-raise its errors here."""
-        local = DriverHub._local.get(self.address)
-        if local is not None:
-            return getattr(local, method)(*args, **kwargs)
-        connection = getattr(self._connections, "connection", None)
         try:
-            if connection is None:
-                connection = self._connections.connection = Client(self.address, authkey=self.authkey)
-            connection.send((method, args, kwargs))
-            status, value = connection.recv()
-        except (OSError, EOFError) as error:
-            self._connections.connection = None
+            return self.socket.call(method, *args, timeout_s=self.timeout_s, **kwargs)
+        except Lost as error:
             raise WarehouseDiedError(
-                f"the driver's dock hub at {self.address} is gone during {method} (driver mode: the driver "
-                f"holds every row); restart the run. Cause: {error!r}"
+                f"the driver's dock hub at {self.socket.address} is gone during {method} (driver mode: the "
+                f"driver holds every row); restart the run. Cause: {error}"
             ) from error
-        if status == "error":
-            raise value
-        return value
+        except NoReply as error:
+            raise DockTimeoutError(
+                f"the driver's dock hub did not answer {method} within {self.timeout_s:g}s"
+            ) from error
 
 
 class ActorTransport:
@@ -191,11 +129,9 @@ class ActorTransport:
 class CentralClient(ClientCounters):
     """DockClient's interface over a CentralDock (single or driver mode)."""
 
-    def __init__(
-        self, transport: Any, mode: str, *, get_timeout_s: float = 300.0, poll_interval_s: float = 0.01
-    ):
+    def __init__(self, transport: Any, mode: str, *, get_timeout_s: float = 300.0):
         self.transport, self.mode = transport, mode
-        self.get_timeout_s, self.poll_interval_s = get_timeout_s, poll_interval_s
+        self.get_timeout_s = get_timeout_s
         self._reset_counters()
 
     def add_groups(
@@ -230,10 +166,10 @@ class CentralClient(ClientCounters):
         """As DockClient.get (options: whole_groups, min_count, balance_over, policy)."""
         timeout_s = self.get_timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
-        delay = self.poll_interval_s
         options = {k: v for k, v in options.items() if v is not None}
         while True:
-            rows, value = self.transport.call("poll_get", consumer, columns, count, **options)
+            wait_s = max(0.0, min(WAIT_SLICE_S, start + timeout_s - time.monotonic()))
+            rows, value = self.transport.call("poll_get", consumer, columns, count, wait_s, **options)
             if rows is not None:
                 self.bytes_got += batch_nbytes(value)
                 self.latency.record("get", time.monotonic() - start)
@@ -247,8 +183,10 @@ class CentralClient(ClientCounters):
                     f"asked for {count} rows of columns {list(columns)}; rows not ready: {waiting}. Is "
                     "the producer of the missing columns running? (raise dock.get_timeout_s if slow)"
                 )
-            time.sleep(delay)
-            delay = min(delay * 1.5, MAX_POLL_INTERVAL_S)
+
+    def drop(self, rows: list[int]) -> int:
+        """As DockClient.drop."""
+        return self.transport.call("call", "drop", rows)
 
     def all_consumed(self, consumer: str) -> bool:
         """As DockClient.all_consumed."""
@@ -271,5 +209,7 @@ class CentralClient(ClientCounters):
         """Raise if the store is gone (a cheap call)."""
         self.transport.call("call", "num_rows")
 
+
+DriverHub = ServiceHub  # driver mode: the driver serves its CentralDock like a dock actor serves itself
 
 __all__ = ["ActorTransport", "CentralClient", "CentralDock", "DockError", "DriverHub", "HubTransport"]

@@ -1,14 +1,17 @@
 """Dock client: what the driver and every worker use to put and get rows (the Ray edge of the dock).
 
 ```
- put:  client --put(rows, batch)--> home warehouse --mark_ready--> controller      (1 round trip, waited)
- get:  client --poll(consumer, cols, n)--> controller     (repeated with backoff until served)
+ put:  client --put(rows, batch)--> home warehouse  ]  both sent at once, both waited for: 1 round trip;
+       client --mark_ready(rows, cols, lengths)--> controller ]  a get racing the payload waits at the warehouse
+ get:  client --wait_poll(consumer, cols, n)--> controller (a long poll: answered the moment rows are
+                                                           served, or after HEALTH_CHECK_S to re-check)
        client --get_cells--> warehouse 0 ]
        client --get_cells--> warehouse 1 ]  in parallel, one call per warehouse holding part of the rows
 ```
 
-The client holds only actor handles and settings, so it pickles into Ray tasks and actors. Payload moves
-between the caller's process and the warehouses through Ray's object store; it never passes the controller.
+The client holds only actor handles, socket endpoints and settings, so it pickles into Ray tasks and actors.
+Requests go over direct sockets to each actor's hub (or as Ray actor calls without endpoints; see
+transport.py). Payload moves between the caller's process and the warehouses; it never passes the controller.
 
 Failures: a dead controller or warehouse raises WarehouseDiedError naming the actor and the rows it held;
 a consumer waiting for rows pings the warehouses every HEALTH_CHECK_S, so a warehouse that dies mid-step
@@ -28,9 +31,9 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from dockrl.dock.errors import DockError, DockTimeoutError, StaleHandleError, WarehouseDiedError
 from dockrl.dock.metrics import ClientCounters, batch_nbytes
+from dockrl.dock.transport import Lost, NoReply, RayTransport, SocketTransport
+from dockrl.dock.warehouse import check_batch, lengths_of
 
-MAX_POLL_INTERVAL_S = 0.1
-POLL_BACKOFF = 1.5
 HEALTH_CHECK_S = 2.0
 
 
@@ -45,9 +48,9 @@ class DockClient(ClientCounters):
             that uses the client (resolved lazily, and again after the client is pickled to another
             process), else warehouse 0.
         get_timeout_s: default wait for `get`, and the bound on every other dock round trip.
-        poll_interval_s: first wait between allocation polls; grows to 0.1 s.
         names: Ray actor names of [controller, *warehouses]; incarnations: their incarnation ids at launch
             (both optional; with them the client tells a re-created dock from a dead one).
+        endpoints: socket (address, authkey) of [controller, *warehouses]; None: Ray actor calls.
 
     Counters of this process's client (`bytes_put`, `bytes_got`, `latency`) start at 0 wherever the client
     is unpickled; the driver's are the "bytes through the driver".
@@ -63,9 +66,9 @@ class DockClient(ClientCounters):
         warehouse_nodes: list[str] | None = None,
         home: int | None = None,
         get_timeout_s: float = 300.0,
-        poll_interval_s: float = 0.01,
         names: list[str] | None = None,
         incarnations: list[str] | None = None,
+        endpoints: list[tuple[tuple, bytes]] | None = None,
     ) -> None:
         if not warehouses:
             raise ValueError("DockClient needs at least one warehouse handle")
@@ -77,12 +80,20 @@ class DockClient(ClientCounters):
         self.warehouses = list(warehouses)
         self.warehouse_nodes = list(warehouse_nodes) if warehouse_nodes is not None else None
         self.get_timeout_s = get_timeout_s
-        self.poll_interval_s = poll_interval_s
         self._home_setting = home
         self._home = home
         self._next_warehouse = 0  # round-robin cursor for add_groups
         self.names = names
         self.incarnations = incarnations
+        actors = [controller, *self.warehouses]
+        if endpoints is not None and len(endpoints) != len(actors):
+            raise ValueError(f"{len(endpoints)} endpoints for a controller and {len(warehouses)} warehouses")
+        transports = (
+            [RayTransport(a) for a in actors]
+            if endpoints is None
+            else [SocketTransport(address, key) for address, key in endpoints]
+        )
+        self._controller_transport, self._warehouse_transports = transports[0], transports[1:]
         self._reset_counters()
 
     def __getstate__(self) -> dict:
@@ -130,18 +141,29 @@ class DockClient(ClientCounters):
             for column, values in per_prompt.items():
                 batch[column].extend([values[group]] * group_size)
         self._next_warehouse = (self._next_warehouse + len(prompts)) % len(self.warehouses)
-        refs = {w: self.warehouses[w].put.remote(r, dict(b)) for w, (r, b) in puts.items()}
+        self._put_many({w: (r, dict(b)) for w, (r, b) in puts.items()})
         self.bytes_put += sum(batch_nbytes(b) for _, b in puts.values())
-        self._gather(refs, {w: r for w, (r, _) in puts.items()}, "put")
         return rows
 
     def put(self, rows: list[int], batch: dict[str, list]) -> None:
         """Write `batch[column][i]` for row `rows[i]` to the home warehouse; visible to `get` on return."""
         t0 = time.perf_counter()
-        home = self.home
-        self._gather({home: self.warehouses[home].put.remote(rows, batch)}, {home: rows}, "put")
+        check_batch(rows, batch, "the dock")
+        self._put_many({self.home: (rows, batch)})
         self.bytes_put += batch_nbytes(batch)
         self.latency.record("put", time.perf_counter() - t0)
+
+    def _put_many(self, puts: dict[int, tuple[list[int], dict[str, list]]]) -> None:
+        """Payload to each warehouse and its metadata to the controller, all in flight at once."""
+        refs = {w: self._request(w, "put", rows, batch) for w, (rows, batch) in puts.items()}
+        marks = [
+            self._controller_request("mark_ready", w, rows, list(batch), lengths_of(batch) or None)
+            for w, (rows, batch) in puts.items()
+            if rows and batch
+        ]
+        self._gather(refs, {w: rows for w, (rows, _) in puts.items()}, "put")
+        for mark in marks:
+            self._controller_result(mark, "mark_ready")
 
     # ---------------------------------------------------------------- consumers
 
@@ -165,26 +187,21 @@ class DockClient(ClientCounters):
         """
         timeout_s = self.get_timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
-        deadline, next_check = start + timeout_s, start + HEALTH_CHECK_S
-        delay = self.poll_interval_s
+        deadline = start + timeout_s
         options = dict(whole_groups=whole_groups, min_count=min_count, balance_over=balance_over)
         options.update({"policy": policy} if policy is not None else {})
         while True:
-            allocation, done = self._call_controller("poll", consumer, columns, count, **options)
+            wait_s = max(0.0, min(HEALTH_CHECK_S, deadline - time.monotonic()))
+            allocation, done = self._call_controller("wait_poll", consumer, columns, count, wait_s, **options)
             if allocation is not None:
                 batch = self._fetch(consumer, allocation)
                 self.latency.record("get", time.monotonic() - start)
                 return allocation.rows, batch
             if done:
                 return None
-            now = time.monotonic()
-            if now >= deadline:
+            if time.monotonic() >= deadline:
                 raise self._timeout_error(consumer, columns, count, whole_groups, min_count, timeout_s)
-            if now >= next_check:
-                self.check_warehouses()
-                next_check = now + HEALTH_CHECK_S
-            time.sleep(min(delay, deadline - now))
-            delay = max(self.poll_interval_s, min(delay * POLL_BACKOFF, MAX_POLL_INTERVAL_S))
+            self.check_warehouses()  # a dead warehouse is named within HEALTH_CHECK_S, not at the timeout
 
     def _fetch(self, consumer: str, allocation) -> dict[str, list]:
         """One get_cells call per warehouse holding part of the allocation, reassembled in row order."""
@@ -194,7 +211,7 @@ class DockClient(ClientCounters):
             for position, (row, warehouse) in enumerate(zip(allocation.rows, locations)):
                 requests[warehouse][column].append(row)
                 positions[warehouse][column].append(position)
-        refs = {w: self.warehouses[w].get_cells.remote(dict(req)) for w, req in requests.items()}
+        refs = {w: self._request(w, "get_cells", dict(req)) for w, req in requests.items()}
         rows_by_warehouse = {
             w: sorted({r for rows in req.values() for r in rows}) for w, req in requests.items()
         }
@@ -228,6 +245,10 @@ class DockClient(ClientCounters):
             "running? (raise dock.get_timeout_s if it is just slow)"
         )
 
+    def drop(self, rows: list[int]) -> int:
+        """Take rows out of the step (see DockController.drop); their payload stays until the reset."""
+        return self._call_controller("drop", rows)
+
     def all_consumed(self, consumer: str) -> bool:
         """True iff the table has rows and `consumer` has taken them all."""
         return self._call_controller("all_consumed", consumer)
@@ -239,7 +260,7 @@ class DockClient(ClientCounters):
         "client" (this client's bytes_put, bytes_got and latency_ms; the driver's = bytes through the driver).
         """
         stats = self._call_controller("stats")
-        refs = {w: handle.stats.remote() for w, handle in enumerate(self.warehouses)}
+        refs = {w: self._request(w, "stats") for w in range(len(self.warehouses))}
         warehouse_stats = self._gather(refs, {w: [] for w in refs}, "stats")
         stats["warehouses"] = [warehouse_stats[w] for w in range(len(self.warehouses))]
         stats["mode"] = "dock"
@@ -254,7 +275,7 @@ class DockClient(ClientCounters):
         """
         self.check_handles()
         kept = self._call_controller("reset", keep_unfinished)
-        refs = {w: handle.clear.remote(kept) for w, handle in enumerate(self.warehouses)}
+        refs = {w: self._request(w, "clear", kept) for w in range(len(self.warehouses))}
         self._gather(refs, {w: [] for w in refs}, "clear")
         self.bytes_put = self.bytes_got = 0
         return kept
@@ -263,7 +284,7 @@ class DockClient(ClientCounters):
 
     def check_warehouses(self) -> None:
         """Ping every warehouse; a dead one raises WarehouseDiedError naming it and the rows it held."""
-        refs = {w: handle.ping.remote() for w, handle in enumerate(self.warehouses)}
+        refs = {w: self._request(w, "ping") for w in range(len(self.warehouses))}
         self._gather(refs, None, "a health check")
 
     def check_handles(self) -> None:
@@ -299,23 +320,38 @@ class DockClient(ClientCounters):
     # ---------------------------------------------------------------- Ray plumbing
 
     def _call_controller(self, method: str, *args, **kwargs) -> Any:
-        ref = getattr(self.controller, method).remote(*args, **kwargs)
+        return self._controller_result(self._controller_request(method, *args, **kwargs), method)
+
+    def _controller_request(self, method: str, *args, **kwargs) -> Any:
         try:
-            return ray.get(ref, timeout=self.get_timeout_s)
-        except RayActorError as error:
+            return self._controller_transport.request(method, *args, **kwargs)
+        except Lost as error:
+            return _Failed(error)
+
+    def _controller_result(self, pending: Any, method: str) -> Any:
+        try:
+            return pending.result(self.get_timeout_s)
+        except Lost as error:
             if self.names is not None and self._replacement(0) is not None:
                 self.check_handles()  # raises StaleHandleError: the dock was re-created
             raise WarehouseDiedError(
                 f"dock controller died during {method}; every row of the step's table is lost (its "
                 f"metadata lived there). Restart the run (or the dock and the step). Cause: {error}"
             ) from error
-        except GetTimeoutError as error:
+        except NoReply as error:
             raise DockTimeoutError(
                 f"dock controller did not answer {method} within {self.get_timeout_s:g}s"
             ) from error
 
+    def _request(self, warehouse: int, method: str, *args) -> Any:
+        """Send one call to a warehouse; a send that fails is reported when its reply is collected."""
+        try:
+            return self._warehouse_transports[warehouse].request(method, *args)
+        except Lost as error:
+            return _Failed(error)
+
     def _gather(self, refs: dict[int, Any], rows: dict[int, list[int]] | None, what: str) -> dict[int, Any]:
-        """ray.get each warehouse's reply (all already in flight), naming the warehouse that failed.
+        """Collect each warehouse's reply (all already in flight), naming the warehouse that failed.
 
         rows: the rows each call concerned; None (or empty) names every row the controller placed there.
         """
@@ -323,8 +359,8 @@ class DockClient(ClientCounters):
         results = {}
         for warehouse, ref in refs.items():
             try:
-                results[warehouse] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
-            except RayActorError as error:
+                results[warehouse] = ref.result(deadline - time.monotonic())
+            except Lost as error:
                 if self.names is not None and self._replacement(1 + warehouse) is not None:
                     self.check_handles()  # raises StaleHandleError: the dock was re-created
                 affected = (rows or {}).get(warehouse) or self._rows_on(warehouse)
@@ -332,7 +368,7 @@ class DockClient(ClientCounters):
                     f"{self._describe(warehouse)} died during {what}; rows affected: "
                     f"{_abbreviate(affected)}. Their payload is lost: restart the step. Cause: {error}"
                 ) from error
-            except GetTimeoutError as error:
+            except NoReply as error:
                 raise DockTimeoutError(
                     f"{self._describe(warehouse)} did not answer {what} within {self.get_timeout_s:g}s; "
                     f"rows: {_abbreviate((rows or {}).get(warehouse, []))}"
@@ -348,6 +384,16 @@ class DockClient(ClientCounters):
     def _describe(self, warehouse: int) -> str:
         node = self.warehouse_nodes[warehouse] if self.warehouse_nodes is not None else "unknown"
         return f"dock warehouse {warehouse} on node {node}"
+
+
+class _Failed:
+    """A request whose send already failed."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def result(self, timeout_s: float) -> Any:
+        raise self.error
 
 
 def _abbreviate(rows: list[int], limit: int = 16) -> str:

@@ -144,6 +144,7 @@ class DockController:
         self._ready: dict[str, np.ndarray] = {}  # column -> bool [capacity]
         self._location: dict[str, np.ndarray] = {}  # column -> int32 [capacity], -1 = nowhere
         self._consumed: dict[str, np.ndarray] = {}  # consumer -> bool [capacity]
+        self._dropped = np.zeros(0, dtype=bool)  # rows taken out of the step (DAPO dynamic sampling)
         self._planned: dict[str, list[Allocation]] = {}  # consumer -> balanced bins not yet handed out
 
     def _fit(self, values: np.ndarray) -> np.ndarray:
@@ -209,6 +210,7 @@ class DockController:
         self._ready = {col: grown(a, False) for col, a in self._ready.items()}
         self._location = {col: grown(a, -1) for col, a in self._location.items()}
         self._consumed = {name: grown(a, False) for name, a in self._consumed.items()}
+        self._dropped = grown(self._dropped, False)
         self._capacity = capacity
 
     # ---------------------------------------------------------------- producers
@@ -374,8 +376,18 @@ class DockController:
 
     def _consumed_of(self, consumer: str) -> np.ndarray:
         if consumer not in self._consumed:
-            self._consumed[consumer] = np.zeros(self._capacity, dtype=bool)
+            self._consumed[consumer] = self._dropped.copy()  # a dropped row is never served
         return self._consumed[consumer]
+
+    def drop(self, rows: list[int]) -> int:
+        """Take rows out of the step: no consumer (present or future) is served them again, and they do not
+        count as unconsumed. For whole groups that carry no signal (DAPO dynamic sampling drops groups whose
+        rewards are all equal). Returns the number of rows dropped so far this step."""
+        index = self._row_index(rows)
+        self._dropped[index] = True
+        for consumed in self._consumed.values():
+            consumed[index] = True
+        return int(self._dropped[: self._num_rows].sum())
 
     def _pick_groups(
         self, ready: np.ndarray, consumed: np.ndarray, count: int, policy: str | None
@@ -485,7 +497,7 @@ class DockController:
 
         Keys: num_rows, num_groups, ready (column -> rows ready), consumed (consumer -> rows taken),
         warehouse_cells (per warehouse, the number of ready (row, column) cells it holds), ages (age ->
-        rows), latency_ms (op -> p50_ms, p99_ms, count of the controller's own service times).
+        rows), dropped (rows taken out by `drop`), latency_ms (op -> p50_ms, p99_ms, count of the controller's own service times).
         """
         n = self._num_rows
         cells = np.zeros(self.num_warehouses, dtype=np.int64)
@@ -500,5 +512,6 @@ class DockController:
             "consumed": {name: self.consumed_count(name) for name in self._consumed},
             "warehouse_cells": cells.tolist(),
             "ages": {int(a): int(c) for a, c in zip(ages, counts)},
+            "dropped": int(self._dropped[:n].sum()),
             "latency_ms": self.latency.summary(),
         }

@@ -9,10 +9,14 @@
 Placement: the controller runs on the driver's node; warehouse i runs on node i mod num_nodes, the
 driver's node first, so by default every node has exactly one warehouse and producers write on-node.
 
-Concurrency: the controller runs one method at a time (max_concurrency=1), which makes `allocate` atomic
-without locks. Warehouses block on controller.mark_ready during a put; that cannot deadlock because the
-controller never calls a warehouse. Warehouses are threaded (their storage has a lock) so that gets from
-many consumers are served while a put waits for the controller.
+Requests (transport.py): with `transport="socket"` (default) every actor also runs a socket hub and clients
+connect to it directly; with "ray" they make Ray actor calls. Either way the actors are Ray actors.
+
+Concurrency: the controller (SharedController) runs every method under one lock, so `allocate` is atomic;
+consumers long-poll (`wait_poll`) and wake the moment a put, a new group or a reset changes the table.
+Neither the controller nor a warehouse calls anyone: a client sends a put's payload to its warehouse and
+its metadata to the controller at once, and a consumer served those rows early waits at the warehouse for
+the payload (at most IN_FLIGHT_S). Warehouses are threaded (their storage has a lock).
 """
 
 from __future__ import annotations
@@ -25,26 +29,17 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dockrl.dock.central import ActorTransport, CentralClient, CentralDock, DriverHub, HubTransport
 from dockrl.dock.client import DockClient
-from dockrl.dock.controller import DockController
 from dockrl.dock.errors import DockError
+from dockrl.dock.shared import SharedController
 from dockrl.dock.warehouse import Warehouse
 
-WAREHOUSE_MAX_CONCURRENCY = 4
+WAREHOUSE_MAX_CONCURRENCY = 16
+CONTROLLER_MAX_CONCURRENCY = 64  # transport=ray: a waiting get holds a thread (long poll)
+SINGLE_MAX_CONCURRENCY = 64  # single mode: waiting gets hold a thread each (long poll), puts need one free
 STARTUP_TIMEOUT_S = 120.0
+IN_FLIGHT_S = 60.0  # a get waits this long at a warehouse for a payload whose put is still in flight
 MODES = ("dock", "single", "driver")
-
-
-class RemoteController:
-    """Blocking `mark_ready` over a controller actor handle: what a warehouse actor notifies after a put."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    def mark_ready(
-        self, warehouse: int, rows: list[int], columns: list[str], lengths: dict[str, list[int]] | None = None
-    ) -> None:
-        """Forward to the controller and wait, so the put's rows are allocatable when the put returns."""
-        ray.get(self.handle.mark_ready.remote(warehouse, rows, columns, lengths), timeout=STARTUP_TIMEOUT_S)
+TRANSPORTS = ("socket", "ray")
 
 
 @dataclass
@@ -62,9 +57,10 @@ class Dock:
     names: list[str] | None = None
     incarnations: list[str] | None = None
     mode: str = "dock"
+    endpoints: list[tuple[tuple, bytes]] | None = None  # socket (address, key) of [controller, *warehouses]
 
     def client(self, **kwargs) -> DockClient:
-        """A DockClient for this dock; kwargs override DockClient's (home, get_timeout_s, poll_interval_s)."""
+        """A DockClient for this dock; kwargs override DockClient's (home, get_timeout_s)."""
         kwargs.setdefault("get_timeout_s", self.get_timeout_s)
         return DockClient(
             self.controller,
@@ -72,6 +68,7 @@ class Dock:
             warehouse_nodes=self.warehouse_nodes,
             names=self.names,
             incarnations=self.incarnations,
+            endpoints=self.endpoints,
             **kwargs,
         )
 
@@ -95,7 +92,7 @@ class CentralDockHandle:
     hub: DriverHub | None = None
 
     def client(self, **kwargs) -> CentralClient:
-        """A CentralClient (DockClient's interface); kwargs: get_timeout_s, poll_interval_s (home is ignored)."""
+        """A CentralClient (DockClient's interface); kwargs: get_timeout_s (home is ignored)."""
         kwargs.pop("home", None)
         kwargs.setdefault("get_timeout_s", self.get_timeout_s)
         return CentralClient(self.transport, self.mode, **kwargs)
@@ -116,24 +113,29 @@ def launch_dock(
     get_timeout_s: float = 300.0,
     policy: str = "first",
     max_rows: int | None = None,
+    transport: str = "socket",
 ) -> Dock | CentralDockHandle:
     """Start the dock and wait for it. mode: dock (default; controller + `num_warehouses` warehouses, default
     one per alive node), single (one replay-buffer actor) or driver (store inside this process).
 
     Actors are named f"{name_prefix}-controller" and f"{name_prefix}-warehouse-{i}" (single mode:
-    f"{name_prefix}-buffer") and use no CPUs. policy and max_rows: see DockController.
+    f"{name_prefix}-buffer") and use no CPUs. policy and max_rows: see DockController. transport (dock
+    mode): "socket" (clients connect straight to each actor) or "ray" (Ray actor calls), see transport.py.
     """
     if not ray.is_initialized():
         raise DockError("launch_dock needs a running Ray runtime; call ray.init() first")
     if mode not in MODES:
         raise ValueError(f"dock.mode={mode!r} is not one of {list(MODES)}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"dock.transport={transport!r} is not one of {list(TRANSPORTS)}")
     if mode == "driver":
         hub = DriverHub(CentralDock(policy=policy, max_rows=max_rows), host=ray.util.get_node_ip_address())
-        return CentralDockHandle(mode, HubTransport(hub.address, hub.authkey), get_timeout_s, hub=hub)
+        hub_transport = HubTransport(hub.address, hub.authkey, get_timeout_s)
+        return CentralDockHandle(mode, hub_transport, get_timeout_s, hub=hub)
     if mode == "single":
         actor = (
             ray.remote(CentralDock)
-            .options(name=f"{name_prefix}-buffer", num_cpus=0, max_concurrency=WAREHOUSE_MAX_CONCURRENCY)
+            .options(name=f"{name_prefix}-buffer", num_cpus=0, max_concurrency=SINGLE_MAX_CONCURRENCY)
             .remote(policy=policy, max_rows=max_rows)
         )
         ray.get(actor.stats.remote(), timeout=STARTUP_TIMEOUT_S)
@@ -145,15 +147,19 @@ def launch_dock(
         raise ValueError(f"num_warehouses={num_warehouses} must be >= 1 (or None for one per node)")
 
     controller = (
-        ray.remote(DockController)
+        ray.remote(SharedController)
         .options(
             name=f"{name_prefix}-controller",
             num_cpus=0,
-            max_concurrency=1,
+            max_concurrency=CONTROLLER_MAX_CONCURRENCY,
             scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=True),
         )
         .remote(num_warehouses, policy=policy, max_rows=max_rows)
     )
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    endpoints = None
+    if transport == "socket":
+        endpoints = [ray.get(controller.serve.remote(ips[driver_node]), timeout=STARTUP_TIMEOUT_S)]
     warehouse_nodes = [nodes[i % len(nodes)] for i in range(num_warehouses)]
     warehouse_class = ray.remote(Warehouse)
     warehouses = [
@@ -162,11 +168,18 @@ def launch_dock(
             num_cpus=0,
             max_concurrency=WAREHOUSE_MAX_CONCURRENCY,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        ).remote(i, RemoteController(controller))
+        ).remote(i, in_flight_s=IN_FLIGHT_S)
         for i, node in enumerate(warehouse_nodes)
     ]
+    if endpoints is not None:
+        endpoints += ray.get(
+            [w.serve.remote(ips[node]) for w, node in zip(warehouses, warehouse_nodes)],
+            timeout=STARTUP_TIMEOUT_S,
+        )
     incarnations = ray.get(
         [a.get_incarnation.remote() for a in (controller, *warehouses)], timeout=STARTUP_TIMEOUT_S
     )
     names = [f"{name_prefix}-controller", *(f"{name_prefix}-warehouse-{i}" for i in range(num_warehouses))]
-    return Dock(controller, warehouses, warehouse_nodes, get_timeout_s, names, incarnations)
+    return Dock(
+        controller, warehouses, warehouse_nodes, get_timeout_s, names, incarnations, endpoints=endpoints
+    )

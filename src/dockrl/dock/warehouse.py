@@ -1,8 +1,10 @@
 """Dock warehouse: the payload half of the transfer dock (no Ray import; launch.py wraps it as an actor).
 
-A warehouse stores column cells for the rows written to it and serves them back by (row, column). After each
-put it tells the controller, and waits for the controller's acknowledgement, so that once `put` returns the
-rows are visible to `allocate`. The controller never calls a warehouse, so this wait cannot deadlock.
+A warehouse stores column cells for the rows written to it and serves them back by (row, column). In dock
+mode the client tells the controller about a put itself, in parallel with sending the payload here (one
+round trip instead of two in a row); a consumer served those rows may then ask for cells still in flight,
+so `get_cells` waits up to `in_flight_s` for them. In the central modes the warehouse is given the
+controller and notifies it after storing (same process, no round trip).
 
 Lifecycle: put/get during a step, clear(kept) between steps with the row list the controller's reset()
 returned (kept rows are renumbered to their index in it, every other cell is dropped).
@@ -22,6 +24,21 @@ from dockrl.dock.metrics import OpLatency, payload_nbytes
 LENGTH_COLUMNS = {"prompt_ids": "prompt_len", "response_ids": "response_len"}
 
 
+def lengths_of(batch: dict[str, list]) -> dict[str, list[int]]:
+    """Per-row length metadata of a put (prompt_len / response_len) for the columns that carry it."""
+    return {LENGTH_COLUMNS[c]: [len(v) for v in values] for c, values in batch.items() if c in LENGTH_COLUMNS}
+
+
+def check_batch(rows: list[int], batch: dict[str, list], where: str) -> None:
+    """One value per row in every column, or a ValueError naming the column."""
+    for column, values in batch.items():
+        if len(values) != len(rows):
+            raise ValueError(
+                f"put to {where}: column {column!r} has {len(values)} values for {len(rows)} rows; "
+                "pass one value per row"
+            )
+
+
 class ReadyListener(Protocol):
     """What a warehouse notifies: the controller itself in unit tests, a blocking Ray adapter in launch.py."""
 
@@ -35,17 +52,22 @@ class Warehouse:
 
     Args:
         index: this warehouse's index in the dock (reported to the controller with every put).
-        controller: notified with `mark_ready(index, rows, columns, lengths)` after each put and waited for;
-            None stores without notifying (tests of the warehouse alone).
+        controller: notified with `mark_ready(index, rows, columns, lengths)` after each put (central modes);
+            None stores without notifying (dock mode: the client notifies the controller).
+        in_flight_s: how long `get_cells` waits for a cell that is not stored yet (a put racing its own
+            mark_ready); 0 raises at once.
 
     Safe to call from several threads (Ray actors with max_concurrency > 1): storage is guarded by a lock,
     and the controller is notified outside it so gets are not blocked by that round trip.
     """
 
-    def __init__(self, index: int, controller: ReadyListener | None = None) -> None:
+    def __init__(
+        self, index: int, controller: ReadyListener | None = None, *, in_flight_s: float = 0.0
+    ) -> None:
         self.index = index
         self._controller = controller
-        self._lock = threading.Lock()
+        self.in_flight_s = in_flight_s
+        self._lock = threading.Condition()  # notified after every put (gets wait for cells in flight)
         self._cells: dict[str, dict[int, Any]] = {}  # column -> row -> payload
         self._nbytes = 0
         self._num_puts = 0
@@ -61,6 +83,14 @@ class Warehouse:
         """Unique id of this warehouse instance (a restarted actor has a new one)."""
         return self.incarnation
 
+    def serve(self, host: str) -> tuple[tuple, bytes]:
+        """Start (once) a socket hub for this warehouse in this process; returns (address, authkey)."""
+        from dockrl.dock.transport import ServiceHub
+
+        if getattr(self, "_hub", None) is None:
+            self._hub = ServiceHub(self, host)
+        return self._hub.address, self._hub.authkey
+
     def ping(self) -> int:
         """Liveness probe for clients that wait; returns the index."""
         return self.index
@@ -68,14 +98,8 @@ class Warehouse:
     def put(self, rows: list[int], batch: dict[str, list]) -> int:
         """Store `batch[column][i]` for row `rows[i]`, then notify the controller; returns bytes stored."""
         t0 = time.perf_counter()
-        for column, values in batch.items():
-            if len(values) != len(rows):
-                raise ValueError(
-                    f"put to warehouse {self.index}: column {column!r} has {len(values)} values for "
-                    f"{len(rows)} rows; pass one value per row"
-                )
+        check_batch(rows, batch, f"warehouse {self.index}")
         nbytes = 0
-        lengths: dict[str, list[int]] = {}
         with self._lock:
             for column, values in batch.items():
                 cells = self._cells.setdefault(column, {})
@@ -85,13 +109,12 @@ class Warehouse:
                         self._nbytes -= payload_nbytes(old)
                     cells[row] = value
                     nbytes += payload_nbytes(value)
-                if column in LENGTH_COLUMNS:
-                    lengths[LENGTH_COLUMNS[column]] = [len(value) for value in values]
             self._nbytes += nbytes
             self._bytes_in += nbytes
             self._num_puts += 1
+            self._lock.notify_all()
         if self._controller is not None and rows and batch:
-            self._controller.mark_ready(self.index, list(rows), list(batch), lengths or None)
+            self._controller.mark_ready(self.index, list(rows), list(batch), lengths_of(batch) or None)
         self.latency.record("put", time.perf_counter() - t0)
         return nbytes
 
@@ -103,17 +126,22 @@ class Warehouse:
         """Cells for a different row list per column (one call serves a client's whole allocation)."""
         t0 = time.perf_counter()
         out: dict[str, list] = {}
+        deadline = time.monotonic() + self.in_flight_s
         with self._lock:
             for column, rows in rows_by_column.items():
-                cells = self._cells.get(column, {})
-                try:
-                    out[column] = [cells[row] for row in rows]
-                except KeyError:
-                    missing = [row for row in rows if row not in cells][:8]
+                while True:
+                    cells = self._cells.get(column, {})
+                    missing = [row for row in rows if row not in cells]
+                    remaining = deadline - time.monotonic()
+                    if not missing or remaining <= 0:
+                        break
+                    self._lock.wait(remaining)  # a put of these cells is in flight
+                if missing:
                     raise DockError(
-                        f"dock warehouse {self.index} holds no {column!r} for rows {missing} "
+                        f"dock warehouse {self.index} holds no {column!r} for rows {missing[:8]} "
                         "(never put here, or cleared by a reset)"
-                    ) from None
+                    )
+                out[column] = [cells[row] for row in rows]
                 self._cells_out += len(rows)
                 self._bytes_out += sum(payload_nbytes(value) for value in out[column])
             self._num_gets += 1
