@@ -161,6 +161,20 @@ def test_batch_invariance_any_companions_any_order(model):
         assert (mixed[("target", 0)].logprobs - alone[("target", 0)].logprobs).abs().max() < 1e-5
 
 
+def test_a_long_tail_decodes_only_the_running_rows_with_the_same_tokens(model):
+    # Slot 7 runs long while slots 0-6 finish early: the late steps decode one gathered row, not eight.
+    long = SamplingParams(max_new_tokens=24, temperature=1.0)
+    short = SamplingParams(max_new_tokens=2, temperature=1.0)
+    requests = [Request(PROMPTS[1 + i % 4], [40 + i], short, tag=i) for i in range(7)]
+    requests += [Request(PROMPTS[0], [3], long, tag="long")]
+    mixed, engine = run_engine(model, requests, num_slots=8)
+    assert engine.stats["compact_steps"] >= 20
+    for request in requests:
+        alone, _ = run_engine(model, [request], num_slots=1)
+        assert torch.equal(mixed[(request.tag, 0)].token_ids, alone[(request.tag, 0)].token_ids)
+        assert (mixed[(request.tag, 0)].logprobs - alone[(request.tag, 0)].logprobs).abs().max() < 1e-5
+
+
 def test_shared_prefill_samples_equal_single_requests(model):
     params = SamplingParams(max_new_tokens=10, temperature=1.0)
     grouped, engine = run_engine(model, [Request(PROMPTS[0], [1, 2, 3, 4], params, tag="g")], num_slots=4)

@@ -6,6 +6,11 @@ transformers; both sample num_sequences random prompts of prompt_len tokens with
 sequence, on the same torch thread count. Each side runs once to warm up, then `repeats` timed runs; the
 best run counts (the machine may be shared). Prints model_params, num_sequences, new_tokens,
 tokens_per_s_dockrl, tokens_per_s_hf, ratio.
+
+`--lengths longtail` gives each sequence its own length, drawn from a lognormal (sigma 1) with mean
+new_tokens / 4, clipped to [1, new_tokens], as RL responses are: dockrl stops each sequence at its length
+(continuous batching); transformers' static batch runs until the longest is done, as `generate` does when
+sequences end at different points. Throughput counts the requested tokens only, on both sides.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both engines")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per engine; the best counts")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--lengths", choices=("fixed", "longtail"), default="fixed", help="tokens per sequence (see above)"
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -47,17 +55,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(args.seed)
     vocab_size = dockrl_model.args.vocab_size
     prompts = torch.randint(0, vocab_size, (args.num_sequences, args.prompt_len), generator=generator)
-    dockrl_s = _best_time(lambda n: _run_dockrl(dockrl_model, prompts, n, args), args)
-    hf_s = _best_time(lambda n: _run_hf(hf_model, prompts, n, args), args)
-    num_tokens = args.num_sequences * args.new_tokens
+    lengths = sequence_lengths(args)
+    dockrl_s = _best_time(lambda n: _run_dockrl(dockrl_model, prompts, _cap(lengths, n), args), args)
+    hf_s = _best_time(lambda n: _run_hf(hf_model, prompts, max(_cap(lengths, n)), args), args)
+    num_tokens = sum(lengths)
     return {
         "model_params": dockrl_model.args.num_params(),
         "num_sequences": args.num_sequences,
         "new_tokens": args.new_tokens,
+        "lengths": args.lengths,
+        "mean_new_tokens": num_tokens / len(lengths),
         "tokens_per_s_dockrl": num_tokens / dockrl_s,
         "tokens_per_s_hf": num_tokens / hf_s,
         "ratio": hf_s / dockrl_s,
     }
+
+
+def sequence_lengths(args: argparse.Namespace) -> list[int]:
+    """New tokens of each sequence: new_tokens each, or long-tailed (see the module docstring)."""
+    if args.lengths == "fixed":
+        return [args.new_tokens] * args.num_sequences
+    import numpy as np
+
+    rng = np.random.default_rng(args.seed)
+    mean, sigma = args.new_tokens / 4, 1.0
+    draws = rng.lognormal(np.log(mean) - sigma**2 / 2, sigma, size=args.num_sequences)
+    return [int(x) for x in np.clip(np.round(draws), 1, args.new_tokens)]
+
+
+def _cap(lengths: list[int], limit: int) -> list[int]:
+    return [min(n, limit) for n in lengths]
 
 
 def _load_both(model_dir: str, hidden_size: int, num_layers: int, args: argparse.Namespace) -> tuple:
@@ -92,15 +119,17 @@ def _best_time(run_once, args: argparse.Namespace) -> float:
     return min(times)
 
 
-def _run_dockrl(model, prompts, new_tokens: int, args: argparse.Namespace) -> None:
-    from dockrl.workers.rollout import SamplingParams, generate
+def _run_dockrl(model, prompts, lengths: list[int], args: argparse.Namespace) -> None:
+    from dockrl.workers.rollout import Request, RolloutEngine, SamplingParams
 
-    params = SamplingParams(
-        max_new_tokens=new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
-    )
-    seeds = [args.seed + i for i in range(len(prompts))]
-    outputs = generate(model, prompts.tolist(), params, seeds, max_batch_size=len(prompts))
-    assert all(len(output.token_ids) == new_tokens for output in outputs)
+    engine = RolloutEngine(model, num_slots=len(prompts), max_seq_len=prompts.shape[1] + max(lengths))
+    for index, (prompt, length) in enumerate(zip(prompts.tolist(), lengths)):
+        params = SamplingParams(
+            max_new_tokens=length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+        )
+        engine.add(Request(prompt, [args.seed + index], params, tag=index))
+    produced = {c.tag: len(c.generation.token_ids) for c in engine.run()}
+    assert [produced[i] for i in range(len(lengths))] == lengths
 
 
 def _run_hf(model, prompts, new_tokens: int, args: argparse.Namespace) -> None:

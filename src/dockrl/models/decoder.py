@@ -53,6 +53,8 @@ class KVCache:
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)
         ]
 
+    rows_index: torch.Tensor | None = None  # set on views made by `select`
+
     def rows(self, num_rows: int) -> KVCache:
         """A view of the first num_rows sequences of this cache (shares storage, allocates nothing)."""
         view = KVCache.__new__(KVCache)
@@ -60,6 +62,20 @@ class KVCache:
         view.k = [k[:num_rows] for k in self.k]
         view.v = [v[:num_rows] for v in self.v]
         return view
+
+    def select(self, rows: torch.Tensor) -> KVCache:
+        """A view of sequences `rows` (int64 [R], any order) for per-row-offset decoding: new keys are
+        written into those rows of this cache, and attention reads a gathered copy of their key slots."""
+        view = KVCache.__new__(KVCache)
+        view.batch_size, view.max_len = int(rows.shape[0]), self.max_len
+        view.k, view.v, view.rows_index = self.k, self.v, rows
+        return view
+
+    def layer(self, index: int) -> tuple:
+        """What one attention layer gets: (k, v), or (k, v, rows) for a `select` view."""
+        if self.rows_index is None:
+            return self.k[index], self.v[index]
+        return self.k[index], self.v[index], self.rows_index
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -235,7 +251,7 @@ class DecoderModel(nn.Module):
         else:
             mask = _attention_mask(key_mask, batch, seq, cache_offset, kv_cache is not None, input_ids.device)
         for index, layer in enumerate(self.layers):
-            cache = None if kv_cache is None else (kv_cache.k[index], kv_cache.v[index])
+            cache = None if kv_cache is None else kv_cache.layer(index)
             x = layer(x, rope, mask, cache, cache_offset)
         return self.norm(x)
 
@@ -358,15 +374,21 @@ def _write_rows(
     cache_offset: torch.Tensor,
     num_keys: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write k, v [B, K, T, D] at per-row slots cache_offset[b] + t; return the key slots [B, K, S, D]."""
-    cache_k, cache_v = cache
+    """Write k, v [B, K, T, D] at per-row slots cache_offset[b] + t; return the key slots [B, K, S, D].
+
+    cache is (k, v) for rows 0..B-1, or (k, v, rows) to write cache rows `rows[b]` (a `KVCache.select`
+    view); then the returned key slots are a gathered copy of those rows.
+    """
+    cache_k, cache_v, selected = cache if len(cache) == 3 else (*cache, None)
     batch, seq = k.shape[0], k.shape[2]
     slots = cache_offset[:, None] + torch.arange(seq, device=k.device)  # [B, T]
-    rows = torch.arange(batch, device=k.device)[:, None]  # [B, 1]
+    rows = torch.arange(batch, device=k.device) if selected is None else selected
     # Advanced indices on dims 0 and 2 around a slice: the indexed view is [B, T, K, D].
-    cache_k[rows, :, slots] = k.transpose(1, 2)
-    cache_v[rows, :, slots] = v.transpose(1, 2)
-    return cache_k[:, :, :num_keys], cache_v[:, :, :num_keys]
+    cache_k[rows[:, None], :, slots] = k.transpose(1, 2)
+    cache_v[rows[:, None], :, slots] = v.transpose(1, 2)
+    if selected is None:
+        return cache_k[:, :, :num_keys], cache_v[:, :, :num_keys]
+    return cache_k[selected, :, :num_keys], cache_v[selected, :, :num_keys]
 
 
 def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

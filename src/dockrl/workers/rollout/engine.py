@@ -45,6 +45,7 @@ from dockrl.models.decoder import KVCache, Transformer
 from dockrl.workers.rollout.sampling import RowSettings, SamplingParams, sample_rows
 
 _IDLE = SamplingParams(max_new_tokens=1, temperature=0.0)
+COMPACT_BELOW = 0.75  # decode only the running rows once fewer than this share of rows [0, hi) run
 
 
 @dataclass
@@ -140,8 +141,15 @@ class RolloutEngine:
         self.steps = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # tokens drawn so far
         self.active = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # 1 = running
         self._all_keys = torch.ones(num_slots, max_seq_len, dtype=torch.bool, device=self.device)
-        self._settings: RowSettings | None = None  # rows [0, hi), rebuilt when slots change
-        self.stats = {"prefill_calls": 0, "prefill_prompts": 0, "decode_steps": 0, "decode_rows": 0}
+        self._settings: RowSettings | None = None  # of the decoded rows, rebuilt when they change
+        self._settings_key: int | tuple[int, ...] | None = None  # hi, or the compacted slots
+        self.stats = {
+            "prefill_calls": 0,
+            "prefill_prompts": 0,
+            "decode_steps": 0,
+            "decode_rows": 0,
+            "compact_steps": 0,  # decode steps that ran only the running rows
+        }
 
     # ---- public API ------------------------------------------------------------------------------
 
@@ -269,30 +277,47 @@ class RolloutEngine:
     # ---- decode ----------------------------------------------------------------------------------
 
     def _decode(self) -> list[Completion]:
+        """One token for every running sample. Rows [0, hi) run as one batch while most of them are busy;
+        once fewer than COMPACT_BELOW of them are, only the running rows run (gathered by slot), so a long
+        tail of a few late samples does not pay for the idle slots between them."""
         slots = [slot for slot, state in enumerate(self.running) if state is not None]
         hi = slots[-1] + 1
         num_keys = max(self.running[slot].length for slot in slots) + 1
-        if self._settings is None or self._settings.temperature.shape[0] != hi:
-            params = [_IDLE if state is None else state.request.params for state in self.running[:hi]]
-            self._settings = RowSettings.build(params, self.device)
-        offsets = self.lengths[:hi]
+        compact = len(slots) < COMPACT_BELOW * hi
+        key = tuple(slots) if compact else hi
+        if self._settings is None or self._settings_key != key:
+            rows_params = slots if compact else range(hi)
+            params = [
+                _IDLE if self.running[s] is None else self.running[s].request.params for s in rows_params
+            ]
+            self._settings, self._settings_key = RowSettings.build(params, self.device), key
+        if compact:
+            index = torch.tensor(slots, device=self.device)  # [R]
+            cache = self.cache.select(index)
+        else:
+            index = slice(0, hi)
+            cache = self.cache.rows(hi)
+        offsets = self.lengths[index]
         logits = self._forward_last(
-            self.pending[:hi, None],
+            self.pending[index][:, None],
             offsets[:, None],
-            self._all_keys[:hi, :num_keys],
-            self.cache.rows(hi),
+            self._all_keys[: offsets.shape[0], :num_keys],
+            cache,
             offsets,
             None,
         )  # [B, V]
-        tokens, logprobs = sample_rows(logits, self._settings, self.seeds[:hi], self.steps[:hi])
-        self.lengths[:hi] += self.active[:hi]
-        self.steps[:hi] += self.active[:hi]
-        self.pending[:hi] = tokens
+        tokens, logprobs = sample_rows(logits, self._settings, self.seeds[index], self.steps[index])
+        self.lengths[index] += self.active[index]
+        self.steps[index] += self.active[index]
+        self.pending[index] = tokens
         for slot in slots:
             self.running[slot].length += 1
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += len(slots)
+        self.stats["compact_steps"] += int(compact)
         host_tokens, host_logprobs = tokens.tolist(), logprobs.tolist()
+        if compact:
+            return self._record(slots, host_tokens, host_logprobs)
         return self._record(slots, [host_tokens[s] for s in slots], [host_logprobs[s] for s in slots])
 
     # ---- bookkeeping -----------------------------------------------------------------------------
