@@ -23,6 +23,7 @@ def ray_session():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # never join a cluster some other process left running on this machine
             num_cpus=4,
             include_dashboard=False,
             log_to_driver=False,

@@ -39,3 +39,10 @@ def dying_reward(prompt, response, label):
 
 
 NOT_CALLABLE = 42
+
+
+def sparse_reward(prompt, response, label):
+    """1 for about one response in eight (a stable hash), else 0: many groups have no reward spread."""
+    import zlib
+
+    return 1.0 if zlib.crc32(response.encode()) % 8 == 0 else 0.0

@@ -40,7 +40,6 @@ def test_tiny_example_validates_without_warnings(algo, tiny_model, arithmetic_da
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["algo.name=ppo"], "algo.name='ppo': PPO needs a critic"),
         (["algo.name=a2c"], "algo.name='a2c': unknown algorithm"),
         (["algo.adv_estimator=gae"], "algo.adv_estimator='gae': GAE needs a critic"),
         (["algo.adv_estimator=vtrace"], "algo.adv_estimator='vtrace': unknown estimator"),
@@ -110,8 +109,10 @@ def test_two_steps_through_cli(algo, ray_session, tmp_path, tiny_model, arithmet
             "train",
             str(EXAMPLES / f"{algo}_tiny.yaml"),
             *_paths(tiny_model, arithmetic_data),
-            # A random model never answers right; a length reward gives the groups reward spread.
-            "reward.functions=[{name: exact_answer}, {name: 'reward_fixtures:length_reward', weight: 0.1}]",
+            # A random model never answers right; a length reward gives the groups reward spread. For dapo
+            # a sparse reward leaves many groups flat, so dynamic sampling drops, refills and fills.
+            "reward.functions=[{name: exact_answer}, {name: 'reward_fixtures:"
+            + ("sparse_reward'}]" if algo == "dapo" else "length_reward', weight: 0.1}]"),
             "reward.num_processes=0",
             "run.save_every=2",
             "run.progress=false",
@@ -128,13 +129,22 @@ def test_two_steps_through_cli(algo, ray_session, tmp_path, tiny_model, arithmet
     for row in rows:
         for key in REQUIRED:
             assert key in row and math.isfinite(row[key]), key
-        assert row["dock/rows"] == 16 and row["actor/grad_norm"] > 0
+        assert row["actor/grad_norm"] > 0
+        if algo == "dapo":  # dynamic sampling: every generated row is in the dock; 4 groups are trained on
+            assert row["dock/rows"] == 4 * row["dapo/generated_groups"]
+            assert 1 <= row["dapo/rounds"] <= 3
+            assert row["dapo/informative_groups"] + row["dapo/filled_groups"] == 4
+            assert row["dapo/generated_groups"] - row["dapo/dropped_groups"] == 4
+        else:
+            assert row["dock/rows"] == 16
         # the dapo and dr_grpo examples set kl_coef=0: no reference stage runs
         assert ("timing/reference" in row) == (algo == "reinforce_pp_baseline")
         # only the dapo example shapes overlong responses
         assert ("reward/overlong_penalty" in row) == (algo == "dapo")
         if algo == "dapo":
             assert row["reward/overlong_penalty"] <= 0 and 0 <= row["reward/overlong_frac"] <= 1
+    if algo == "dapo":
+        assert sum(row["dapo/dropped_groups"] for row in rows) > 0 and max(r["dapo/rounds"] for r in rows) > 1
     summary = json.loads((run / "summary.json").read_text())
     trained, initial = load_state_dict(summary["checkpoint"]), load_state_dict(tiny_model)
     assert any(not torch.equal(trained[k], initial[k]) for k in initial), "the update moved the weights"

@@ -3,7 +3,7 @@
 dockrl train CONFIG.yaml [key=value ...]   GRPO through Ray and the transfer dock
 dockrl sft CONFIG.yaml [key=value ...]     supervised warm start
 dockrl eval --model DIR --data FILE        greedy accuracy on a held-out file
-dockrl make-tiny OUT_DIR                   tiny random model + locally trained tokenizer
+dockrl make-tiny OUT_DIR [--reward-model]  tiny random model (or reward model) + locally trained tokenizer
 dockrl data arithmetic OUT_DIR             synthetic task files
 dockrl demo                                make-tiny -> SFT -> eval -> GRPO -> eval
 dockrl config-docs                         every setting, its type, default and meaning
@@ -76,6 +76,7 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
         num_kv_heads=args.num_kv_heads,
         vocab_size=args.vocab_size,
         seed=args.seed,
+        reward_model=args.reward_model,
     )
     print(path)
     return 0
@@ -200,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--reward-model",
+        action="store_true",
+        help="write a *ForSequenceClassification reward model (scalar score head) instead of a causal LM",
+    )
 
     p = add("data", _cmd_data, "write synthetic task files (train.jsonl, test.jsonl)")
     p.add_argument("task", choices=["arithmetic"])
@@ -232,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=4096, help="prompt + response tokens")
     p.add_argument("--rollout-batch", type=int, default=64, help="sequences one rollout rank decodes at once")
     p.add_argument("--device-gib", type=float, default=None, help="device memory to check against")
-    p.add_argument("--bucket-mb", type=float, default=None, help="reshard.bucket_mb (default: largest tensor)")
+    p.add_argument(
+        "--bucket-mb", type=float, default=None, help="reshard.bucket_mb (default: largest tensor)"
+    )
     p.add_argument("--json", action="store_true")
 
     import importlib

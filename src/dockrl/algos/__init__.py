@@ -1,4 +1,5 @@
-"""Pure-torch RL algorithm pieces: log-probs, advantages, policy losses (no Ray, no processes)."""
+"""Pure-torch RL algorithm pieces: log-probs, advantages, policy and value losses, PPO's KL controller
+(no Ray, no processes)."""
 
 from dockrl.algos.advantages import group_normalized_advantages
 from dockrl.algos.estimators import (
@@ -12,6 +13,7 @@ from dockrl.algos.estimators import (
     needs_batch_whitening,
     overlong_penalty,
     rloo_advantages,
+    value_clip_frac,
     value_loss,
     whiten,
 )
@@ -24,6 +26,14 @@ from dockrl.algos.losses import (
     kl_penalty,
     masked_mean,
     policy_loss,
+)
+from dockrl.algos.ppo import (
+    KL_CONTROLLERS,
+    KLController,
+    explained_variance,
+    explained_variance_moments,
+    pad_rows,
+    token_level_rewards,
 )
 
 __all__ = [
@@ -38,8 +48,15 @@ __all__ = [
     "needs_batch_whitening",
     "overlong_penalty",
     "rloo_advantages",
+    "value_clip_frac",
     "value_loss",
     "whiten",
+    "KL_CONTROLLERS",
+    "KLController",
+    "explained_variance",
+    "explained_variance_moments",
+    "pad_rows",
+    "token_level_rewards",
     "KL_ESTIMATORS",
     "PolicyLossOutput",
     "aggregate",

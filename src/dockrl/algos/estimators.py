@@ -183,8 +183,28 @@ def value_loss(
     """
     from dockrl.algos.losses import aggregate
 
-    err = (values - returns).square()  # [B, T]
-    if clip is not None:
-        clipped = old_values + (values - old_values).clamp(-clip, clip)  # [B, T]
-        err = torch.maximum(err, (clipped - returns).square())
+    err, clipped_err = _value_errors(values, old_values, returns, clip)
+    if clipped_err is not None:
+        err = torch.maximum(err, clipped_err)
     return aggregate(0.5 * err, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+def value_clip_frac(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float
+) -> Tensor:
+    """Share of valid tokens where `value_loss` takes the clipped branch (its error is the larger); [B, T] in."""
+    from dockrl.algos.losses import masked_mean
+
+    err, clipped_err = _value_errors(values.detach(), old_values, returns, clip)
+    return masked_mean((clipped_err > err).float(), mask)
+
+
+def _value_errors(
+    values: Tensor, old_values: Tensor, returns: Tensor, clip: float | None
+) -> tuple[Tensor, Tensor | None]:
+    """Squared errors [B, T] of the values and (with `clip`) of the values clipped to V_old +- clip."""
+    err = (values - returns).square()  # [B, T]
+    if clip is None:
+        return err, None
+    clipped = old_values + (values - old_values).clamp(-clip, clip)  # [B, T]
+    return err, (clipped - returns).square()

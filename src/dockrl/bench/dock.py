@@ -154,7 +154,7 @@ def _start_ray(nodes: int):
 
     settings = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
     if nodes == 1:
-        ray.init(num_cpus=2, _node_ip_address="127.0.0.1", **settings)
+        ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", **settings)
         return None
     from ray.cluster_utils import Cluster
 

@@ -5,6 +5,7 @@ from dockrl.config.loader import apply_override, from_dict, load_config, render_
 from dockrl.config.schema import (
     ActorConfig,
     AlgoConfig,
+    CriticConfig,
     DataConfig,
     DockConfig,
     ModelConfig,
@@ -22,6 +23,7 @@ __all__ = [
     "ActorConfig",
     "AlgoConfig",
     "ConfigError",
+    "CriticConfig",
     "DataConfig",
     "DockConfig",
     "ModelConfig",

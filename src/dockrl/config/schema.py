@@ -135,12 +135,13 @@ class AlgoConfig:
 
     name: str = setting(
         "grpo",
-        "Algorithm: grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, dr_grpo or gspo (README, Algorithms).",
+        "Algorithm: grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, dr_grpo, gspo, or ppo (with a critic, "
+        "see `critic`) (README, Algorithms).",
     )
     adv_estimator: str | None = setting(
         None,
-        "Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp or reinforce_pp_baseline; None uses the "
-        "algorithm's own (dapo and gspo use grpo's).",
+        "Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, or gae (ppo's; needs "
+        "the critic); None uses the algorithm's own (dapo and gspo use grpo's).",
     )
     overlong_buffer_len: int = setting(
         0,
@@ -153,7 +154,28 @@ class AlgoConfig:
     clip_low: float = setting(0.2, "Lower clip of the importance ratio: 1 - clip_low.")
     clip_high: float = setting(0.2, "Upper clip of the importance ratio: 1 + clip_high (DAPO uses 0.28).")
     kl_coef: float = setting(
-        0.001, "Weight of the KL-to-reference term in the loss; 0 skips the reference model."
+        0.001,
+        "Weight of the KL-to-reference term in the loss (with kl_in_reward: the initial coefficient of the KL "
+        "penalty in the token rewards); 0 skips the reference model.",
+    )
+    kl_in_reward: bool = setting(
+        False,
+        "PPO: subtract kl_coef x the per-token KL of the sampling policy to the reference from the token "
+        "rewards, instead of adding a KL term to the loss.",
+    )
+    kl_ctrl: str = setting(
+        "fixed",
+        "KL coefficient controller for kl_in_reward: fixed, or adaptive (moves the coefficient towards "
+        "kl_target, Ziegler et al. 2019).",
+    )
+    kl_target: float = setting(0.1, "Adaptive KL controller: target mean per-token KL of a step.")
+    kl_horizon: int = setting(
+        10000, "Adaptive KL controller: rows over which the coefficient moves by up to 20%."
+    )
+    gamma: float = setting(1.0, "PPO: discount of GAE over response tokens.")
+    lam: float = setting(1.0, "PPO: lambda of GAE (1: Monte Carlo returns minus values, 0: one-step TD).")
+    critic_warmup_steps: int = setting(
+        0, "PPO: the first this-many RL steps train only the critic; the actor does not update."
     )
     kl_estimator: str = setting("k3", "KL estimator: k1, k2 or k3 (low-variance, non-negative).")
     entropy_coef: float = setting(0.0, "Weight of the entropy bonus (subtracted from the loss).")
@@ -162,6 +184,50 @@ class AlgoConfig:
     )
     adv_eps: float = setting(1e-6, "Added to the group std when normalising advantages.")
     norm_adv_by_std: bool = setting(True, "Divide group-centred rewards by the group std (GRPO).")
+    dynamic_sampling: bool = setting(
+        False,
+        "DAPO dynamic sampling: drop groups whose rewards are all equal and generate more prompts until "
+        "prompts_per_step groups with reward spread are found (or max_sampling_rounds run out).",
+    )
+    max_sampling_rounds: int = setting(
+        3,
+        "Most rollout rounds per step with dynamic_sampling; if they run out, zero-spread groups fill the "
+        "batch (logged as dapo/filled_groups).",
+    )
+
+
+@dataclass
+class CriticConfig:
+    """PPO's critic: a value model on its own ranks (CriticWorkers), trained with the clipped value loss."""
+
+    path: str | None = setting(
+        None,
+        "Initial critic weights: a causal-LM directory (its body, plus a fresh value head) or a saved critic "
+        "(checkpoints/step_N/critic); None uses model.path.",
+    )
+    dp: int = setting(
+        1,
+        "Data-parallel ranks of the critic (its own Ray actors and process group, FSDP2 over them; one GPU "
+        "each on run.device=cuda, besides the actor's).",
+    )
+    lr: float = setting(1e-5, "Peak learning rate of the critic's AdamW.")
+    min_lr_ratio: float = setting(1.0, "Cosine schedule floor as a fraction of `lr` (1.0: constant).")
+    warmup_steps: int = setting(0, "Linear learning-rate warm-up optimizer steps.")
+    weight_decay: float = setting(0.0, "AdamW weight decay.")
+    adam_beta1: float = setting(0.9, "AdamW beta1.")
+    adam_beta2: float = setting(0.999, "AdamW beta2.")
+    adam_eps: float = setting(1e-8, "AdamW epsilon.")
+    grad_clip: float = setting(1.0, "Clip the critic's gradient norm to this value; 0 turns clipping off.")
+    micro_batch_size: int = setting(8, "Rows per forward/backward pass on one critic rank.")
+    mini_batches: int = setting(
+        1, "Critic optimizer steps per RL step (the step's rows split this many ways)."
+    )
+    epochs: int = setting(1, "Passes of the critic over the step's rows.")
+    value_clip: float | None = setting(
+        0.2,
+        "Clip of the value loss: a new value counts at most this far from the value that produced the "
+        "advantages (the larger of the clipped and unclipped errors is used); None: plain squared error.",
+    )
 
 
 @dataclass
@@ -174,12 +240,36 @@ class RewardFnConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A reward model scored by RewardModelWorkers; its weighted score joins the rule rewards."""
+
+    path: str | None = setting(
+        None,
+        "Hugging Face LlamaForSequenceClassification / Qwen2ForSequenceClassification / "
+        "Qwen3ForSequenceClassification directory with num_labels=1 and its tokenizer (`dockrl make-tiny DIR "
+        "--reward-model` builds a tiny one); None: no reward model.",
+    )
+    weight: float = setting(1.0, "Weight of the model's score in the total reward (stored as `reward/rm`).")
+    num_workers: int = setting(
+        1, "RewardModelWorker actors, each with the whole model (one GPU each on run.device=cuda)."
+    )
+    micro_batch_size: int = setting(8, "Sequences (prompt + response) per forward pass of the reward model.")
+
+
+@dataclass
 class RewardConfig:
-    """Reward computation (CPU RewardWorkers)."""
+    """Reward computation (CPU RewardWorkers, and RewardModelWorkers when `reward.model.path` is set)."""
 
     functions: list[RewardFnConfig] = field(
         default_factory=lambda: [RewardFnConfig(name="exact_answer")],
-        metadata={"doc": "Reward functions; the total reward is their weighted sum."},
+        metadata={
+            "doc": "Reward functions; the total reward is their weighted sum (plus reward.model.weight x the "
+            "reward model's score). May be [] when reward.model.path is set."
+        },
+    )
+    model: RewardModelConfig = field(
+        default_factory=RewardModelConfig,
+        metadata={"doc": "Reward model (off unless reward.model.path is set)."},
     )
     num_workers: int = setting(1, "RewardWorker actors; each pulls whole groups from the dock.")
     num_processes: int = setting(
@@ -188,7 +278,9 @@ class RewardConfig:
     timeout_s: float = setting(
         5.0, "A reward call running longer scores 0 and is counted in `reward/timeouts`."
     )
-    groups_per_pull: int = setting(4, "Groups a RewardWorker pulls from the dock at a time.")
+    groups_per_pull: int = setting(
+        4, "Groups a RewardWorker (and a RewardModelWorker) pulls from the dock at a time."
+    )
 
 
 @dataclass
@@ -203,6 +295,11 @@ class DockConfig:
         "dock",
         "dock (controller + warehouses, payload worker to worker), single (one replay-buffer actor holds "
         "data and metadata) or driver (all payload through the driver); the last two are baselines.",
+    )
+    transport: str = setting(
+        "socket",
+        "How dock mode's clients reach the controller and warehouses: socket (a direct connection to each "
+        "actor, the fast path) or ray (Ray actor calls; payload through Ray's object store).",
     )
     policy: str = setting(
         "first",
@@ -253,6 +350,7 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     dock: DockConfig = field(default_factory=DockConfig)
     reshard: ReshardConfig = field(default_factory=ReshardConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)  # used only with algo.name=ppo
 
 
 @dataclass

@@ -6,15 +6,16 @@ warning. `resolve_device` and `resolve_precision` turn `auto` into a concrete ch
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
 from dockrl.config.fields import ConfigError, config_error
-from dockrl.config.schema import SFTConfig, TrainConfig
+from dockrl.config.schema import CriticConfig, RewardModelConfig, SFTConfig, TrainConfig
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-ALGORITHMS = ("grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo", "gspo")
+ALGORITHMS = ("grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo", "gspo", "ppo")
 
 
 def resolve_device(device: str, key: str = "run.device") -> str:
@@ -148,7 +149,7 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
             "clip ranges must be >= 0 and clip_low < 1",
             "use e.g. clip_low=0.2 clip_high=0.28",
         )
-    group_baseline = (algo.adv_estimator or algo.name) not in ("reinforce_pp",)
+    group_baseline = (algo.adv_estimator or algo.name) not in ("reinforce_pp", "ppo", "gae")
     if roll.samples_per_prompt == 1 and algo.norm_adv_by_std and group_baseline:
         warnings.warn(
             "rollout.samples_per_prompt=1: group-baseline advantages are all zero with groups of one; "
@@ -160,6 +161,7 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
             "model.ref_path has no effect with algo.kl_coef=0 (no reference model is loaded)", stacklevel=2
         )
     _check_rewards(cfg)
+    _check_dynamic_sampling(cfg)
     if cfg.dock.num_warehouses is not None:
         _positive("dock.num_warehouses", cfg.dock.num_warehouses)
     _check_dock(cfg)
@@ -172,8 +174,34 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
     run.device = resolve_device(run.device)
     run.precision = resolve_precision(run.precision, run.device)
     _check_devices(run.device, actor.dp * actor.tp)
+    _check_reward_model(cfg)
     _check_layouts(cfg)
     return cfg
+
+
+def _check_dynamic_sampling(cfg: TrainConfig) -> None:
+    """algo.dynamic_sampling needs groups whose rewards can differ, and a round limit."""
+    algo, roll = cfg.algo, cfg.rollout
+    if not algo.dynamic_sampling:
+        return
+    if roll.samples_per_prompt < 2:
+        raise config_error(
+            "algo.dynamic_sampling",
+            True,
+            f"drops groups without reward spread, and a group of rollout.samples_per_prompt="
+            f"{roll.samples_per_prompt} never has any",
+            "use rollout.samples_per_prompt >= 2 (DAPO uses 8-16), or algo.dynamic_sampling=false",
+        )
+    if algo.name == "ppo":
+        raise config_error(
+            "algo.dynamic_sampling",
+            True,
+            "filters groups by reward spread, which only group-baseline algorithms need; ppo's critic "
+            "gives every sample an advantage",
+            "use algo.dynamic_sampling=false with algo.name=ppo",
+        )
+    if algo.max_sampling_rounds < 1:
+        raise config_error("algo.max_sampling_rounds", algo.max_sampling_rounds, "must be >= 1", "use e.g. 3")
 
 
 def _check_algorithm(cfg: TrainConfig) -> None:
@@ -181,20 +209,30 @@ def _check_algorithm(cfg: TrainConfig) -> None:
     from dockrl.algos.estimators import GROUP_ESTIMATORS
 
     algo, roll = cfg.algo, cfg.rollout
-    critic_fix = f"use one of {', '.join(ALGORITHMS)}; PPO's CriticWorker is not in this release"
-    if algo.name == "ppo":
-        raise config_error("algo.name", algo.name, "PPO needs a critic for its GAE advantages", critic_fix)
     if algo.name not in ALGORITHMS:
         raise config_error("algo.name", algo.name, "unknown algorithm", f"use one of {', '.join(ALGORITHMS)}")
-    if algo.adv_estimator == "gae":
-        raise config_error("algo.adv_estimator", "gae", "GAE needs a critic", critic_fix)
-    if algo.adv_estimator is not None and algo.adv_estimator not in GROUP_ESTIMATORS:
+    if algo.adv_estimator == "gae" and algo.name != "ppo":
+        raise config_error(
+            "algo.adv_estimator",
+            "gae",
+            "GAE needs a critic's values, and only algo.name=ppo runs a critic",
+            f"set algo.name=ppo, or use one of {GROUP_ESTIMATORS}",
+        )
+    if algo.name == "ppo" and algo.adv_estimator not in (None, "gae"):
+        raise config_error(
+            "algo.adv_estimator",
+            algo.adv_estimator,
+            "algo.name=ppo computes GAE advantages from its critic's values",
+            "unset algo.adv_estimator (or use another algo.name for group advantages)",
+        )
+    if algo.adv_estimator is not None and algo.adv_estimator not in (*GROUP_ESTIMATORS, "gae"):
         raise config_error(
             "algo.adv_estimator",
             algo.adv_estimator,
             "unknown estimator",
-            f"use one of {GROUP_ESTIMATORS} or None (the algorithm's own)",
+            f"use one of {GROUP_ESTIMATORS}, gae (ppo) or None (the algorithm's own)",
         )
+    _check_ppo(cfg)
     if roll.samples_per_prompt == 1 and algo.name in ("dapo", "rloo"):
         raise config_error(
             "rollout.samples_per_prompt",
@@ -235,6 +273,85 @@ def _check_algorithm(cfg: TrainConfig) -> None:
             "use 0 (off) or a buffer shorter than the generation limit",
         )
     _positive("algo.overlong_penalty", algo.overlong_penalty, allow_zero=True)
+
+
+def _check_ppo(cfg: TrainConfig) -> None:
+    """The KL-in-reward settings, and the critic's: only PPO has token rewards and a critic."""
+    from dockrl.algos.ppo import KL_CONTROLLERS
+
+    algo, critic = cfg.algo, cfg.critic
+    if algo.kl_ctrl not in KL_CONTROLLERS:
+        raise config_error(
+            "algo.kl_ctrl", algo.kl_ctrl, "unknown KL controller", f"use one of {KL_CONTROLLERS}"
+        )
+    if algo.kl_in_reward and algo.name != "ppo":
+        raise config_error(
+            "algo.kl_in_reward",
+            True,
+            f"the KL penalty goes into per-token rewards, which only PPO's GAE uses (algo.name={algo.name})",
+            "set algo.name=ppo, or algo.kl_in_reward=false for the KL term in the loss",
+        )
+    if algo.kl_ctrl == "adaptive" and not algo.kl_in_reward:
+        raise config_error(
+            "algo.kl_ctrl",
+            "adaptive",
+            "the adaptive controller adjusts the KL penalty in the reward, which is off",
+            "set algo.kl_in_reward=true (algo.name=ppo), or algo.kl_ctrl=fixed",
+        )
+    if algo.kl_in_reward and algo.kl_coef == 0:
+        raise config_error(
+            "algo.kl_in_reward",
+            True,
+            "a KL penalty needs the reference model, and algo.kl_coef=0 skips it",
+            "set algo.kl_coef > 0 (the initial coefficient), or algo.kl_in_reward=false",
+        )
+    if algo.name != "ppo":
+        if algo.critic_warmup_steps:
+            raise config_error(
+                "algo.critic_warmup_steps",
+                algo.critic_warmup_steps,
+                f"algo.name={algo.name} has no critic to warm up",
+                "set algo.name=ppo, or algo.critic_warmup_steps=0",
+            )
+        if critic != CriticConfig():
+            warnings.warn(
+                f"critic settings have no effect with algo.name={algo.name} (only ppo has a critic)",
+                stacklevel=4,
+            )
+        return
+    for key, value in (("algo.gamma", algo.gamma), ("algo.lam", algo.lam)):
+        if not 0 <= value <= 1:
+            raise config_error(key, value, "must be in [0, 1]", "use e.g. 1.0")
+    _positive("algo.kl_target", algo.kl_target)
+    _positive("algo.kl_horizon", algo.kl_horizon)
+    _positive("algo.critic_warmup_steps", algo.critic_warmup_steps, allow_zero=True)
+    if algo.critic_warmup_steps >= cfg.run.steps:
+        warnings.warn(
+            f"algo.critic_warmup_steps={algo.critic_warmup_steps} >= run.steps={cfg.run.steps}: the actor never updates",
+            stacklevel=4,
+        )
+    for key in ("dp", "micro_batch_size", "mini_batches", "epochs"):
+        _positive(f"critic.{key}", getattr(critic, key))
+    _positive("critic.lr", critic.lr)
+    if critic.value_clip is not None:
+        _positive("critic.value_clip", critic.value_clip)
+    rows = cfg.run.prompts_per_step * cfg.rollout.samples_per_prompt
+    if rows % critic.dp:
+        raise config_error(
+            "critic.dp",
+            critic.dp,
+            f"does not divide the {rows} rows of a step (run.prompts_per_step x rollout.samples_per_prompt)",
+            f"use a divisor of {rows}",
+        )
+    if rows // critic.dp % critic.mini_batches:
+        raise config_error(
+            "critic.mini_batches",
+            critic.mini_batches,
+            f"does not divide the {rows // critic.dp} rows each critic rank trains on per step",
+            f"use a divisor of {rows // critic.dp}",
+        )
+    if critic.path is not None:
+        check_model_dir(critic.path, "critic.path")
 
 
 def _check_layouts(cfg: TrainConfig) -> None:
@@ -281,15 +398,63 @@ def _check_layouts(cfg: TrainConfig) -> None:
 def _check_rewards(cfg: TrainConfig) -> None:
     from dockrl.rewards.base import resolve_reward_fn
 
-    if not cfg.reward.functions:
+    if not cfg.reward.functions and cfg.reward.model.path is None:
         raise config_error(
-            "reward.functions", [], "no reward function is configured", "add e.g. {name: exact_answer}"
+            "reward.functions",
+            [],
+            "no reward function and no reward model is configured",
+            "add e.g. {name: exact_answer} or set reward.model.path",
+        )
+    if not cfg.reward.functions and cfg.data.eval_path is not None:
+        raise config_error(
+            "data.eval_path",
+            cfg.data.eval_path,
+            "held-out answers are scored by reward.functions, and reward.functions is empty",
+            "add a rule reward such as {name: exact_answer} or unset data.eval_path",
         )
     for i, spec in enumerate(cfg.reward.functions):
         try:
             resolve_reward_fn(spec.name, spec.kwargs)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"reward.functions[{i}].name={spec.name!r}: {exc}") from exc
+
+
+def _check_reward_model(cfg: TrainConfig) -> None:
+    """reward.model: a one-output *ForSequenceClassification checkpoint with its tokenizer; GPUs to hold it."""
+    from dockrl.models.reward_model import check_reward_model_dir
+
+    rm = cfg.reward.model
+    if rm.path is None:
+        if rm != RewardModelConfig():
+            warnings.warn("reward.model settings have no effect without reward.model.path", stacklevel=3)
+        return
+    _positive("reward.model.num_workers", rm.num_workers)
+    _positive("reward.model.micro_batch_size", rm.micro_batch_size)
+    if not math.isfinite(rm.weight):
+        raise config_error("reward.model.weight", rm.weight, "must be finite", "use e.g. 1.0")
+    check_model_dir(rm.path, "reward.model.path")
+    try:
+        check_reward_model_dir(rm.path)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"reward.model.path={rm.path!r}: {exc}") from exc
+    if not (Path(rm.path) / "tokenizer.json").is_file():
+        raise config_error(
+            "reward.model.path",
+            rm.path,
+            "the directory has no tokenizer.json (responses are re-tokenized when its vocabulary differs "
+            "from the policy's)",
+            "copy the reward model's tokenizer files into it",
+        )
+    if cfg.run.device == "cuda":
+        import torch
+
+        actor_ranks, count = cfg.actor.dp * cfg.actor.tp, torch.cuda.device_count()
+        if actor_ranks + rm.num_workers > count:
+            warnings.warn(
+                f"{actor_ranks} actor ranks and reward.model.num_workers={rm.num_workers} each take a GPU; "
+                f"the driver sees {count}, so Ray must find the rest on other nodes",
+                stacklevel=3,
+            )
 
 
 def _check_devices(device: str, dp: int) -> None:
@@ -329,6 +494,8 @@ def _check_dock(cfg: TrainConfig) -> None:
     dock = cfg.dock
     if dock.mode not in ("dock", "single", "driver"):
         raise config_error("dock.mode", dock.mode, "unknown dock mode", "use dock, single or driver")
+    if dock.transport not in ("socket", "ray"):
+        raise config_error("dock.transport", dock.transport, "unknown transport", "use socket or ray")
     if dock.max_rows is not None:
         _positive("dock.max_rows", dock.max_rows)
         rows = cfg.run.prompts_per_step * cfg.rollout.samples_per_prompt

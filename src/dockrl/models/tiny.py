@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from dockrl.models.config import ModelArgs
 from dockrl.models.decoder import Transformer
 from dockrl.models.hf import save_model
+from dockrl.models.reward_model import RewardModel, save_reward_model
 from dockrl.models.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
 PAD_TOKEN = "<|endoftext|>"
@@ -179,11 +180,14 @@ def make_tiny(
     corpus: list[str] | None = None,
     seed: int = 0,
     max_position_embeddings: int = 512,
+    reward_model: bool = False,
 ) -> Path:
     """Write a tiny random ``family`` model and its tokenizer to ``out_dir``; returns the directory.
 
     ``vocab_size`` is the BPE target; the model gets the tokenizer's actual size (smaller when the corpus
     runs out of merges). ``intermediate_size`` defaults to 3 * hidden_size. Same arguments, same files.
+    ``reward_model`` writes a ``<Family>ForSequenceClassification`` with a scalar score head instead of a
+    causal LM (same decoder shape and tokenizer, so it reads the policy's token ids as they are).
     """
     if family not in _FAMILIES:
         raise ValueError(f"make_tiny family={family!r} is not supported; use one of {_FAMILIES}")
@@ -216,6 +220,11 @@ def make_tiny(
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
+        if reward_model:
+            scorer = RewardModel(args)
+            scorer.init_weights(seed)
+            save_reward_model(scorer, out_dir, tokenizer_dir=tokenizer_dir)
+            return out_dir
         model = Transformer(args)
         model.init_weights(seed)
         save_model(model, args, out_dir, tokenizer_dir=tokenizer_dir)

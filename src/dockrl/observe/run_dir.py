@@ -77,6 +77,10 @@ class StageTimer:
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
+    def add(self, name: str, seconds: float) -> None:
+        """Add a duration measured elsewhere (stages that overlap, or repeat within a step)."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
     def metrics(self) -> dict[str, float]:
         """Timings as `timing/<stage>` metrics."""
         return {f"timing/{k}": v for k, v in self.seconds.items()}

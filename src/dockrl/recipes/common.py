@@ -26,6 +26,7 @@ def init_ray(address: str | None) -> None:
         ray.init(address=address, log_to_driver=True, configure_logging=False)
     else:
         ray.init(
+            address="local",  # a new local Ray, never a cluster left behind on this machine by `ray start`
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
             configure_logging=False,
@@ -91,15 +92,16 @@ class EpochSampler:
             random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
         return order
 
-    def next_batch(self) -> list:
-        """The next `batch_size` items, crossing epoch boundaries as needed."""
+    def next_batch(self, size: int | None = None) -> list:
+        """The next `size` (default batch_size) items, crossing epoch boundaries as needed."""
+        size = self.batch_size if size is None else size
         batch = []
-        while len(batch) < self.batch_size:
+        while len(batch) < size:
             if self.position == len(self._order):
                 self.epoch += 1
                 self.position = 0
                 self._order = self._make_order()
-            take = min(self.batch_size - len(batch), len(self._order) - self.position)
+            take = min(size - len(batch), len(self._order) - self.position)
             batch += [self.items[i] for i in self._order[self.position : self.position + take]]
             self.position += take
         return batch

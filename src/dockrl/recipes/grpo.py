@@ -3,11 +3,17 @@
     driver ── add_groups(prompts x n) ──▶ dock (controller: metadata │ warehouses: payload)
       │
       ├─▶ actor ranks  : sync weights ─▶ pull whole groups ─▶ sample ─▶ put response_ids      ┐ overlap:
-      ├─▶ reward workers: pull finished groups ─▶ score ─▶ put reward, advantages            ┘ groups flow as ready
+      ├─▶ reward models : pull finished groups ─▶ score head ─▶ put rm_score  (reward.model) │ groups flow
+      ├─▶ reward workers: pull finished groups ─▶ score ─▶ put reward, advantages            ┘ as ready
       ├─▶ actor ranks  : pull rows/dp ─▶ reference log-probs ─▶ put ref_logprobs            (kl_coef > 0)
-      ├─▶ actor ranks  : pull rows/dp ─▶ old log-probs ─▶ put old_logprobs                  (off-policy only)
-      ├─▶ actor ranks  : pull rows/dp ─▶ mini-batches x epochs of clipped-surrogate updates
+      ├─▶ actor ranks  : pull rows/dp ─▶ old log-probs ─▶ put old_logprobs   (off-policy, or ppo's KL in reward)
+      ├─▶ critic ranks : pull rows/dp ─▶ values ─▶ put values        (ppo; overlaps the log-prob stages)
+      ├─▶ critic ranks : pull rows/dp ─▶ token rewards, GAE ─▶ put advantages, returns ─▶ value updates   ┐ (ppo)
+      ├─▶ actor ranks  : pull rows/dp ─▶ mini-batches x epochs of clipped-surrogate updates            ┘ overlap
       └── metrics, samples, checkpoint, eval; dock reset
+
+PPO (algo.name=ppo) adds the critic group (workers/critic.py); its reward workers put only `reward`, and the
+actor skips its update during the first algo.critic_warmup_steps steps.
 
 Each stage waits only for the columns it reads; the driver waits for each stage's small metric dicts.
 """
@@ -29,10 +35,13 @@ from dockrl.dock.metrics import bytes_moved, driver_bytes
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.observe.run_dir import RunDir, StageTimer
 from dockrl.recipes.common import EncodedPrompt, EpochSampler, describe, encode_prompts, init_ray
+from dockrl.recipes.dynamic_sampling import group_rewards, select_groups
 from dockrl.recipes.eval import score_answers
 from dockrl.workers.actor import ActorWorker
+from dockrl.workers.critic import CriticWorker
 from dockrl.workers.group import WorkerError, WorkerGroup
 from dockrl.workers.reward import RewardWorker, reward_specs
+from dockrl.workers.reward_model import RewardModelWorker
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +66,22 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         get_timeout_s=cfg.dock.get_timeout_s,
         policy=cfg.dock.policy,
         max_rows=cfg.dock.max_rows,
+        transport=cfg.dock.transport,
     )
     client = dock.client()
     actors, rewards = _start_workers(cfg, dock)
+    reward_models: WorkerGroup | None = None
+    critic: WorkerGroup | None = None
     summary: dict[str, Any] = {"run_dir": str(run.path), "skipped_prompts": skipped}
     try:
+        reward_models = _start_reward_models(cfg, dock)
+        critic = _start_critic(cfg, dock)
         actors.call("setup")
+        if critic is not None:
+            critic.call("setup")
         progress = _progress(cfg)
         for step in range(1, cfg.run.steps + 1):
-            metrics, samples = _step(cfg, step, sampler, client, actors, rewards)
+            metrics, samples = _step(cfg, step, sampler, client, actors, rewards, reward_models, critic)
             metrics["train/epoch"] = sampler.epoch + sampler.position / len(train_prompts)
             if _due(step, cfg.run.eval_every, cfg.run.steps) and eval_prompts:
                 metrics.update(_evaluate(cfg, actors, eval_prompts, tokenizer))
@@ -73,6 +89,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             run.log_samples(step, samples)
             if _due(step, cfg.run.save_every, cfg.run.steps):
                 actors.call("save", str(run.checkpoint_path(step)))
+                if critic is not None:
+                    critic.call("save", str(run.checkpoint_path(step) / "critic"))
                 summary["checkpoint"] = str(run.checkpoint_path(step))
             progress.update(1)
             progress.set_postfix(
@@ -85,8 +103,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             rewards.call("close")
         except WorkerError as exc:  # a dead reward worker must not mask the error that ended the run
             log.warning("closing reward workers failed: %s", exc)
-        for group in (actors, rewards):
-            group.shutdown()
+        for group in (actors, rewards, reward_models, critic):
+            if group is not None:
+                group.shutdown()
         dock.shutdown()
     summary["eval_accuracy"] = summary.get("final_metrics", {}).get("eval/accuracy")
     run.write_summary(summary)
@@ -109,7 +128,9 @@ def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None
 
 def _start_workers(cfg: TrainConfig, dock) -> tuple[WorkerGroup, WorkerGroup]:
     cuda = cfg.run.device == "cuda"
-    optimizer_steps = cfg.run.steps * cfg.actor.mini_batches * cfg.actor.epochs
+    # PPO's actor does not update during the critic's warm-up steps.
+    rl_steps = max(1, cfg.run.steps - cfg.algo.critic_warmup_steps)
+    optimizer_steps = rl_steps * cfg.actor.mini_batches * cfg.actor.epochs
     num_actor_ranks = cfg.actor.dp * cfg.actor.tp
     threads = None if cuda else max(1, (os.cpu_count() or 1) // num_actor_ranks)
     actors = WorkerGroup(
@@ -144,34 +165,152 @@ def _start_workers(cfg: TrainConfig, dock) -> tuple[WorkerGroup, WorkerGroup]:
     return actors, rewards
 
 
+def _start_reward_models(cfg: TrainConfig, dock) -> WorkerGroup | None:
+    """RewardModelWorkers when reward.model.path is set (one GPU each on cuda), else None."""
+    if cfg.reward.model.path is None:
+        return None
+    cuda = cfg.run.device == "cuda"
+    return WorkerGroup(
+        RewardModelWorker,
+        cfg.reward.model.num_workers,
+        name="reward_model",
+        num_gpus=1 if cuda else 0,
+        num_cpus=0,
+        timeout_s=cfg.run.worker_timeout_s,
+        init_kwargs=dict(
+            model=cfg.reward.model,
+            policy_path=cfg.model.path,
+            client=dock.client(),
+            group_size=cfg.rollout.samples_per_prompt,
+            groups_per_pull=cfg.reward.groups_per_pull,
+            device=cfg.run.device,
+            precision=cfg.run.precision,
+        ),
+    )
+
+
+def _start_critic(cfg: TrainConfig, dock) -> WorkerGroup | None:
+    """PPO's CriticWorkers (critic.dp ranks in their own process group; one GPU each on cuda), else None."""
+    if cfg.algo.name != "ppo":
+        return None
+    cuda, critic = cfg.run.device == "cuda", cfg.critic
+    return WorkerGroup(
+        CriticWorker,
+        critic.dp,
+        name="critic",
+        distributed=True,
+        device=cfg.run.device,
+        num_gpus=1 if cuda else 0,
+        num_cpus=0,
+        timeout_s=cfg.run.worker_timeout_s,
+        init_kwargs=dict(
+            cfg=cfg,
+            client=dock.client(),
+            total_optimizer_steps=cfg.run.steps * critic.mini_batches * critic.epochs,
+            num_threads=None if cuda else max(1, (os.cpu_count() or 1) // critic.dp),
+        ),
+    )
+
+
 def _step(
-    cfg: TrainConfig, step: int, sampler: EpochSampler, client, actors: WorkerGroup, rewards: WorkerGroup
+    cfg: TrainConfig,
+    step: int,
+    sampler: EpochSampler,
+    client,
+    actors: WorkerGroup,
+    rewards: WorkerGroup,
+    reward_models: WorkerGroup | None = None,
+    critic: WorkerGroup | None = None,
 ):
     """One RL step; returns (metrics, samples)."""
     timer = StageTimer()
-    n = cfg.rollout.samples_per_prompt
     with timer("step"):
         batch: list[EncodedPrompt] = sampler.next_batch()
-        client.add_groups([torch.tensor(p.ids) for p in batch], [p.label for p in batch], n)
-        start = time.perf_counter()
-        gen_refs, reward_refs = actors.call_async("generate", step), rewards.call_async("score")
-        gen = actors.wait(gen_refs, "generate")
-        timer.seconds["rollout"] = time.perf_counter() - start
-        scored = rewards.wait(reward_refs, "score")
-        timer.seconds["reward"] = (
-            time.perf_counter() - start
-        )  # overlaps rollout; ends when the last group is scored
+        dapo: dict[str, float] = {}
+        if cfg.algo.dynamic_sampling:
+            batch, gen, scored, dapo = _sample_until_full(
+                cfg, step, batch, sampler, client, actors, rewards, reward_models, timer
+            )
+            value_refs = None  # dynamic sampling is for group-baseline algorithms, never ppo
+        else:
+            gen, scored, value_refs = _round(
+                cfg, step, batch, client, actors, rewards, reward_models, timer, critic
+            )
         if cfg.algo.kl_coef > 0:
             with timer("reference"):
                 actors.call("compute_ref")
-        if not (cfg.actor.mini_batches == 1 and cfg.actor.epochs == 1):
+        if not (cfg.actor.mini_batches == 1 and cfg.actor.epochs == 1) or cfg.algo.kl_in_reward:
             with timer("old_logprobs"):
                 actors.call("compute_old")
+        critic_out: list[dict[str, float]] = []
+        if critic is not None:
+            with timer("critic_values"):  # what is left of it: it overlaps the log-prob stages
+                critic.wait(value_refs, "compute_values")
         with timer("update"):
-            updates = actors.call("update")
+            if critic is not None:  # the actor's update waits in the dock for the critic's advantages
+                critic_refs = critic.call_async("update")
+            updates = actors.call("update") if step > cfg.algo.critic_warmup_steps else []
+            if critic is not None:
+                critic_out = critic.wait(critic_refs, "update")
         dock_stats = client.stats()
         client.reset()
-    return _metrics(cfg, step, batch, gen, scored, updates, timer, dock_stats), _samples(scored)
+    metrics = _metrics(cfg, step, batch, gen, scored, updates, timer, dock_stats)
+    metrics.update(dapo)
+    metrics.update(critic_out[0] if critic_out else {})  # already all-reduced across critic ranks
+    return metrics, _samples(scored)
+
+
+def _round(cfg, step, batch, client, actors, rewards, reward_models, timer: StageTimer, critic=None):
+    """Add `batch`'s groups, generate and score them (overlapped through the dock); returns (per-actor
+    generate results, per-reward-worker score results, the critic's compute_values refs or None)."""
+    n = cfg.rollout.samples_per_prompt
+    client.add_groups([torch.tensor(p.ids) for p in batch], [p.label for p in batch], n)
+    start = time.perf_counter()
+    gen_refs, reward_refs = actors.call_async("generate", step), rewards.call_async("score")
+    rm_refs = reward_models.call_async("score") if reward_models is not None else None
+    gen = actors.wait(gen_refs, "generate")
+    timer.add("rollout", time.perf_counter() - start)
+    value_refs = critic.call_async("compute_values") if critic is not None else None
+    if reward_models is not None:  # the reward workers wait for rm_score, so this ends first
+        reward_models.wait(rm_refs, "score")
+        timer.add("reward_model", time.perf_counter() - start)  # overlaps rollout too
+    scored = rewards.wait(reward_refs, "score")
+    timer.add("reward", time.perf_counter() - start)  # overlaps rollout; ends when the last group is scored
+    return gen, scored, value_refs
+
+
+def _sample_until_full(cfg, step, batch, sampler, client, actors, rewards, reward_models, timer):
+    """DAPO dynamic sampling (recipes/dynamic_sampling.py): rounds of generate + score until
+    prompts_per_step groups have reward spread; drops the other groups from the dock. Returns (every
+    prompt generated this step, generate results, score results, dapo/* metrics)."""
+    n, target = cfg.rollout.samples_per_prompt, cfg.run.prompts_per_step
+    prompts, gen, scored = list(batch), [], []
+    for rounds in range(1, cfg.algo.max_sampling_rounds + 1):
+        round_gen, round_scored, _ = _round(cfg, step, batch, client, actors, rewards, reward_models, timer)
+        gen, scored = gen + round_gen, scored + round_scored
+        groups = group_rewards(
+            [r for s in scored for r in s["rows"]], [x for s in scored for x in s["rewards"]], n
+        )
+        missing = target - select_groups(groups, target, fill=False).informative
+        if missing <= 0 or rounds == cfg.algo.max_sampling_rounds:
+            break
+        batch = sampler.next_batch(missing)
+        prompts += batch
+    selection = select_groups(groups, target, fill=True)
+    if selection.drop:
+        client.drop([first + i for first in selection.drop for i in range(n)])
+    return (
+        prompts,
+        gen,
+        scored,
+        {
+            "dapo/rounds": float(rounds),
+            "dapo/generated_groups": float(len(groups)),
+            "dapo/informative_groups": float(selection.informative),
+            "dapo/filled_groups": float(selection.filled),
+            "dapo/dropped_groups": float(len(selection.drop)),
+        },
+    )
 
 
 def _metrics(cfg, step, batch, gen, scored, updates, timer: StageTimer, dock_stats) -> dict[str, float]:
@@ -188,12 +327,15 @@ def _metrics(cfg, step, batch, gen, scored, updates, timer: StageTimer, dock_sta
     if correct:
         m["train/accuracy"] = statistics.fmean(correct)
     overlong = [x for s in scored for x in s.get("overlong", [])]
+    rm = [x for s in scored for x in s.get("rm", [])]
+    if rm:  # raw reward-model scores; reward/mean includes reward.model.weight x these
+        m["reward/rm"] = statistics.fmean(rm)
     if overlong:  # DAPO overlong shaping: mean penalty (<= 0) and share of rows penalised
         m["reward/overlong_penalty"] = statistics.fmean(overlong)
         m["reward/overlong_frac"] = sum(x < 0 for x in overlong) / len(overlong)
     m["reward/timeouts"] = float(sum(s["timeouts"] for s in scored))
     m["reward/errors"] = float(sum(s["errors"] for s in scored))
-    for key in updates[0]:
+    for key in updates[0] if updates else ():  # no actor update during ppo's critic warm-up
         m[f"actor/{key}"] = updates[0][key]  # already all-reduced across ranks
     m.update(timer.metrics())
     m["timing/reshard_to_rollout"] = max(g["reshard_s"] for g in gen)  # inside timing/rollout

@@ -1,11 +1,14 @@
 """RewardWorker: a CPU actor that scores whole groups as soon as they are generated.
 
-    loop: pull whole groups (prompt_ids, response_ids, label) ─▶ decode ─▶ reward functions (process pool,
-          per-call timeout) ─▶ [overlong shaping] ─▶ advantages of the algorithm's estimator (algos.compute_advantages)
-          ─▶ put reward, reward/<component>, advantages
+    loop: pull whole groups (prompt_ids, response_ids, label[, rm_score]) ─▶ decode ─▶ reward functions
+          (process pool, per-call timeout) ─▶ [+ reward.model.weight x rm_score] ─▶ [overlong shaping]
+          ─▶ advantages of the algorithm's estimator (algos.compute_advantages)
+          ─▶ put reward, reward/<component>, advantages (not for ppo: its CriticWorker computes them)
     ends when the dock has no unserved rows for the `reward` consumer
 
 Because it pulls whole groups while the actor still generates later ones, reward work overlaps rollout.
+With a reward model (`reward.model.path`), a group is served once its `rm_score` is in the dock too
+(workers/reward_model.py); reward.functions may then be empty.
 """
 
 from __future__ import annotations
@@ -14,12 +17,18 @@ from typing import Any
 
 import torch
 
-from dockrl.algos.estimators import DEFAULT_ESTIMATOR, compute_advantages, overlong_penalty
+from dockrl.algos.estimators import (
+    DEFAULT_ESTIMATOR,
+    GROUP_ESTIMATORS,
+    compute_advantages,
+    overlong_penalty,
+)
 from dockrl.config.schema import AlgoConfig, RewardConfig
 from dockrl.dock.client import DockClient
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.rewards.runner import RewardRunner, RewardSpec
 from dockrl.workers.group import Worker
+from dockrl.workers.reward_model import RM_SCORE
 
 REWARD = "reward"
 
@@ -58,22 +67,30 @@ class RewardWorker(Worker):
         self.max_new_tokens = max_new_tokens
         self.estimator = algo.adv_estimator or DEFAULT_ESTIMATOR[algo.name]
         self.tokenizer = Tokenizer.from_dir(tokenizer_path)
-        self.runner = RewardRunner(
-            reward_specs(reward), timeout_s=reward.timeout_s, num_processes=reward.num_processes
+        specs = reward_specs(reward)
+        self.runner = (
+            RewardRunner(specs, timeout_s=reward.timeout_s, num_processes=reward.num_processes)
+            if specs
+            else None
         )
+        # The weight of the reward model's score, None without a reward model.
+        self.rm_weight = reward.model.weight if reward.model.path is not None else None
 
     def score(self) -> dict[str, Any]:
         """Serve the `reward` consumer until every row is scored; returns per-row figures for metrics."""
         n = self.group_size
         rewards: list[float] = []
+        scored_rows: list[int] = []  # row id of each entry of `rewards` (DAPO dynamic sampling groups them)
         correct: list[float] = []
         overlong: list[float] = []
+        rm: list[float] = []
         timeouts = errors = 0
         samples: list[dict[str, Any]] = []
+        columns = ["prompt_ids", "response_ids", "label"] + ([RM_SCORE] if self.rm_weight is not None else [])
         while True:
             got = self.client.get(
                 REWARD,
-                ["prompt_ids", "response_ids", "label"],
+                columns,
                 self.cfg.groups_per_pull * n,
                 whole_groups=True,
                 min_count=n,
@@ -84,24 +101,29 @@ class RewardWorker(Worker):
             assert len({r // n for r in rows}) * n == len(rows), "the dock served a partial group"
             prompts = [self.tokenizer.decode(p.tolist()) for p in batch["prompt_ids"]]
             responses = [self.tokenizer.decode(r.tolist()) for r in batch["response_ids"]]
-            scores, components, stats = self.runner.score(prompts, responses, batch["label"])
+            scores, components, stats = self._rule_rewards(prompts, responses, batch["label"])
+            if self.rm_weight is not None:
+                scores, components = self._add_model_score(scores, components, batch[RM_SCORE])
             if self.algo.overlong_buffer_len > 0:
                 scores, components = self._shape_overlong(scores, components, batch["response_ids"])
-            adv = compute_advantages(
-                self.estimator,
-                torch.tensor(scores, dtype=torch.float32),
-                n,
-                eps=self.algo.adv_eps,
-                normalize_std=self.algo.norm_adv_by_std,
-            )
-            out: dict[str, list] = {
-                "reward": list(scores),
-                "advantages": [torch.full((len(r),), float(a)) for r, a in zip(batch["response_ids"], adv)],
-            }
+            out: dict[str, list] = {"reward": list(scores)}
+            if self.estimator in GROUP_ESTIMATORS:  # gae (ppo): the critic turns rewards into advantages
+                adv = compute_advantages(
+                    self.estimator,
+                    torch.tensor(scores, dtype=torch.float32),
+                    n,
+                    eps=self.algo.adv_eps,
+                    normalize_std=self.algo.norm_adv_by_std,
+                )
+                out["advantages"] = [
+                    torch.full((len(r),), float(a)) for r, a in zip(batch["response_ids"], adv)
+                ]
             out.update({f"reward/{k}": v for k, v in components.items()})
             self.client.put(rows, out)
             rewards += scores
+            scored_rows += rows
             overlong += components.get("overlong", [])
+            rm += components.get("rm", [])
             key = accuracy_key(components)
             if key is not None:
                 correct += components[key]
@@ -119,12 +141,27 @@ class RewardWorker(Worker):
                 )
         return {
             "rewards": rewards,
+            "rows": scored_rows,
             "correct": correct,
             "overlong": overlong,
+            "rm": rm,
             "timeouts": timeouts,
             "errors": errors,
             "samples": samples,
         }
+
+    def _rule_rewards(
+        self, prompts: list[str], responses: list[str], labels: list
+    ) -> tuple[list, dict, dict]:
+        """Weighted rule rewards, components and stats; all zero when reward.functions is empty."""
+        if self.runner is None:
+            return [0.0] * len(prompts), {}, {}
+        return self.runner.score(prompts, responses, labels)
+
+    def _add_model_score(self, scores: list[float], components: dict, rm_scores: list) -> tuple[list, dict]:
+        """Add reward.model.weight x rm_score to each total; the raw score is stored as the `rm` component."""
+        rm = [float(x) for x in rm_scores]
+        return [s + self.rm_weight * x for s, x in zip(scores, rm)], {**components, "rm": rm}
 
     def _shape_overlong(self, scores: list[float], components: dict, response_ids: list) -> tuple[list, dict]:
         """Add DAPO's overlong penalty to each score; it is also stored as the `overlong` component."""
@@ -138,7 +175,8 @@ class RewardWorker(Worker):
 
     def close(self) -> None:
         """Stop the reward process pool."""
-        self.runner.close()
+        if self.runner is not None:
+            self.runner.close()
 
 
 def _jsonable(value: Any) -> Any:

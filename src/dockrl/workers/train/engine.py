@@ -29,7 +29,7 @@ from dockrl.algos.logprobs import (
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
 )
-from dockrl.config.schema import ActorConfig
+from dockrl.config.schema import ActorConfig, CriticConfig
 from dockrl.models.hf import load_model
 from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
 
@@ -46,14 +46,17 @@ class TrainEngine:
         device: torch.device | str,
         precision: str,
         mesh: DeviceMesh | None = None,
-        optim: ActorConfig | None = None,
+        optim: ActorConfig | CriticConfig | None = None,
         total_optimizer_steps: int = 1,
         trainable: bool = True,
+        build: Callable[..., torch.nn.Module] = load_model,
     ):
         self.device = torch.device(device)
         self.precision = precision
         self.mesh = mesh
-        model = load_model(model_path, device="cpu", dtype=torch.float32)
+        # `build` reads the directory into a module with `.args` and `.model.layers` (PPO's critic passes
+        # models.value.load_value_model; its forward returns values [B, T] instead of logits).
+        model = build(model_path, device="cpu", dtype=torch.float32)
         self.args = model.args
         if not trainable:
             model.requires_grad_(False)
@@ -113,7 +116,7 @@ class TrainEngine:
         return nullcontext()
 
     def logits(self, mb: MicroBatch) -> torch.Tensor:
-        """Forward pass: logits on the shifted grid [B, T-1, V]."""
+        """Forward pass: logits on the shifted grid [B, T-1, V] (a value model's values [B, T-1])."""
         with self.autocast():
             return self.model(mb.input_ids)[:, :-1]
 

@@ -96,7 +96,7 @@ def _loss_fn(
             clip_low=algo.clip_low,
             clip_high=algo.clip_high,
             ref_logprobs=mb.per_token.get("ref_logprobs"),
-            kl_coef=algo.kl_coef,
+            kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,  # PPO's KL sits in the token rewards
             kl_estimator=algo.kl_estimator,
             entropy=entropy,
             entropy_coef=algo.entropy_coef,

@@ -1,0 +1,228 @@
+"""CriticWorker: one data-parallel rank of PPO's critic, a value model (`models.value`) with its own AdamW.
+
+Placement: the critic runs on its own Ray actors (`critic.dp` ranks in their own process group, FSDP2 over
+them; one GPU each on cuda, besides the actor's), so its stages overlap the actor's. Lifecycle of one RL step,
+every stage pulling exactly rows/dp rows from the dock (length-balanced, so the FSDP ranks stay in lockstep):
+
+    setup ──▶ [compute_values ──▶ update] x steps ──▶ save
+               │                  │
+               │                  pull reward, values [, ref_logprobs, old_logprobs] ─▶ token rewards (the
+               │                  sequence reward on the last token, minus kl_coef x per-token KL with
+               │                  algo.kl_in_reward) ─▶ GAE ─▶ put advantages, returns ─▶ epochs x mini-batches
+               │                  of clipped value loss on the same rows (the actor's update, waiting for
+               │                  `advantages`, runs meanwhile and whitens them over every token of the step)
+               pull prompt_ids, response_ids ─▶ V(state before each response token) ─▶ put values
+
+Shapes: B rows, T tokens of a micro-batch (shifted grid T-1, see workers.train.batch).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dockrl.algos.estimators import gae_advantages, value_clip_frac, value_loss
+from dockrl.algos.losses import kl_penalty, masked_mean
+from dockrl.algos.ppo import (
+    KLController,
+    explained_variance,
+    explained_variance_moments,
+    pad_rows,
+    token_level_rewards,
+)
+from dockrl.config.schema import TrainConfig
+from dockrl.dock.client import DockClient
+from dockrl.models.hf import save_model
+from dockrl.models.value import load_value_model
+from dockrl.parallel.dist import data_parallel_mesh
+from dockrl.workers.group import Worker
+from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
+from dockrl.workers.train.engine import TrainEngine
+from dockrl.workers.train.policy_update import all_reduce_sum
+
+VALUES = "critic_values"
+UPDATE = "critic_update"
+# Right padding never reaches a real token (causal attention) and padded values are dropped: any id will do.
+PAD_TOKEN_ID = 0
+# Summed over micro-batches and ranks; each is already weighted by its share of the mini-batch's tokens.
+SUMMED_METRICS = ("value_loss", "value_clipfrac", "vpred_mean")
+
+
+class CriticWorker(Worker):
+    """Value model on one critic rank; stages are driven by the GRPO recipe when algo.name=ppo."""
+
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        world_size: int,
+        *,
+        cfg: TrainConfig,
+        client: DockClient,
+        total_optimizer_steps: int,
+        num_threads: int | None = None,
+    ):
+        super().__init__(name, rank, world_size, num_threads)
+        self.cfg, self.client = cfg, client
+        self.total_optimizer_steps = total_optimizer_steps
+        self.rows = cfg.run.prompts_per_step * cfg.rollout.samples_per_prompt
+        self.rows_per_rank = self.rows // world_size
+        # Every rank sees the same all-reduced KL each step, so their controllers stay identical.
+        algo = cfg.algo
+        self.kl_ctrl = KLController(
+            algo.kl_ctrl, algo.kl_coef, target=algo.kl_target, horizon=algo.kl_horizon
+        )
+
+    def setup(self) -> dict[str, Any]:
+        """Build the sharded value model and its optimizer."""
+        cfg = self.cfg
+        self.engine = TrainEngine(
+            cfg.critic.path or cfg.model.path,
+            build=functools.partial(load_value_model, seed=cfg.run.seed),
+            device=self.device,
+            precision=cfg.run.precision,
+            mesh=data_parallel_mesh(self.device.type, self.world_size),
+            optim=cfg.critic,
+            total_optimizer_steps=self.total_optimizer_steps,
+        )
+        return {"num_params": sum(p.numel() for p in self.engine.model.parameters()), "where": self.where()}
+
+    def compute_values(self) -> dict[str, Any]:
+        """Values of this rank's share of rows -> `values` [R] per row."""
+        rows, batch = self.client.get(
+            VALUES, ["prompt_ids", "response_ids"], self.rows_per_rank, balance_over=self.world_size
+        )
+        self.client.put(rows, {"values": self._values(batch["prompt_ids"], batch["response_ids"])})
+        return {"rows": len(rows)}
+
+    @torch.no_grad()
+    def _values(self, prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> list[torch.Tensor]:
+        self.engine.model.eval()
+        values: list[torch.Tensor] = []
+        for idx in split_indices(len(prompts), self.cfg.critic.micro_batch_size):
+            mb = make_micro_batch(
+                [prompts[i] for i in idx],
+                [responses[i] for i in idx],
+                pad_token_id=PAD_TOKEN_ID,
+                device=self.engine.device,
+            )
+            values += mb.unpad(self.engine.logits(mb))  # [B, T-1] values on the shifted grid
+        return values
+
+    def update(self) -> dict[str, float]:
+        """GAE advantages and returns of this rank's rows into the dock, then the critic's optimizer steps.
+
+        Returns metrics of the whole step (all ranks): `critic/...`, and with algo.kl_in_reward the KL in the
+        reward and the coefficient it was weighted with (then adapted for the next step by the controller).
+        """
+        algo = self.cfg.algo
+        columns = ["prompt_ids", "response_ids", "reward", "values"]
+        columns += ["ref_logprobs", "old_logprobs"] if algo.kl_in_reward else []
+        rows, batch = self.client.get(UPDATE, columns, self.rows_per_rank, balance_over=self.world_size)
+        start = time.perf_counter()
+        values, mask = pad_rows(batch["values"])  # [B, R] over this rank's rows
+        kl = None
+        if algo.kl_in_reward:
+            old, ref = pad_rows(batch["old_logprobs"])[0], pad_rows(batch["ref_logprobs"])[0]
+            kl = kl_penalty(old, ref, algo.kl_estimator)  # [B, R]
+        scores = torch.tensor([float(r) for r in batch["reward"]])
+        kl_coef = self.kl_ctrl.value
+        rewards = token_level_rewards(scores, mask, kl, kl_coef)  # [B, R]
+        advantages, returns = gae_advantages(rewards, values, mask, gamma=algo.gamma, lam=algo.lam)
+        lengths = [len(v) for v in batch["values"]]
+        batch["returns"] = [returns[i, :n].clone() for i, n in enumerate(lengths)]
+        row_advantages = [advantages[i, :n].clone() for i, n in enumerate(lengths)]
+        self.client.put(rows, {"advantages": row_advantages, "returns": batch["returns"]})
+        metrics = self._step_stats(values, returns, advantages, mask, kl, kl_coef)
+        if kl is not None:
+            self.kl_ctrl.update(metrics["reward/kl_penalty"], self.rows)
+        history = [
+            self._train_mini_batch(batch, idx)
+            for _ in range(self.cfg.critic.epochs)
+            for idx in _mini_batches(self.rows_per_rank, self.cfg.critic.mini_batches)
+        ]
+        for key in history[0]:
+            metrics[f"critic/{key}"] = sum(h[key] for h in history) / len(history)
+        metrics["critic/update_s"] = time.perf_counter() - start
+        return metrics
+
+    def _step_stats(
+        self,
+        values: torch.Tensor,
+        returns: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        kl: torch.Tensor | None,
+        kl_coef: float,
+    ) -> dict[str, float]:
+        """Whole-step figures before training (all [B, R] in): explained variance, means of values, returns,
+        advantages and the KL in the reward, summed over the critic ranks."""
+        mask_f = mask.double()
+        sums = [mask_f.sum(), (values * mask_f).sum(), (returns * mask_f).sum(), (advantages * mask_f).sum()]
+        sums.append((kl * mask_f).sum() if kl is not None else mask_f.new_zeros(()))
+        local = torch.cat([torch.stack(sums).double(), explained_variance_moments(values, returns, mask)])
+        total = all_reduce_sum(local, self.engine.dp_group)
+        tokens = max(total[0].item(), 1.0)
+        metrics = {
+            "critic/explained_variance": explained_variance(total[5:]),
+            "critic/values_mean": total[1].item() / tokens,
+            "critic/returns_mean": total[2].item() / tokens,
+            "critic/advantages_mean": total[3].item() / tokens,  # before the actor whitens them
+        }
+        if kl is not None:
+            metrics["reward/kl_penalty"] = total[4].item() / tokens  # mean per-token KL in the reward
+            metrics["reward/kl_coef"] = kl_coef
+        return metrics
+
+    def _train_mini_batch(self, batch: dict[str, list], idx: list[int]) -> dict[str, float]:
+        """One critic optimizer step on rows `idx`: token-mean clipped value loss over the mini-batch (all ranks)."""
+        local_tokens = sum(len(batch["values"][i]) for i in idx)
+        global_tokens = all_reduce_sum(torch.tensor([float(local_tokens)]), self.engine.dp_group)[0].item()
+        micro_batches = [
+            make_micro_batch(
+                [batch["prompt_ids"][idx[j]] for j in chunk],
+                [batch["response_ids"][idx[j]] for j in chunk],
+                pad_token_id=PAD_TOKEN_ID,
+                device=self.engine.device,
+                per_token={name: [batch[name][idx[j]] for j in chunk] for name in ("values", "returns")},
+            )
+            for chunk in split_indices(len(idx), self.cfg.critic.micro_batch_size)
+        ]
+        clip, world = self.cfg.critic.value_clip, self.world_size
+
+        def loss_fn(vpred: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+            old, returns, mask = mb.per_token["values"], mb.per_token["returns"], mb.response_mask  # [B, T-1]
+            loss = value_loss(vpred, old, returns, mask, clip=clip, num_tokens=global_tokens)
+            share = mask.sum().item() / global_tokens  # weight of this micro-batch's token means
+            clipfrac = (
+                value_clip_frac(vpred, old, returns, mask, clip=clip).item() if clip is not None else 0.0
+            )
+            metrics = {
+                "value_loss": loss.item(),
+                "value_clipfrac": clipfrac * share,
+                "vpred_mean": masked_mean(vpred.detach(), mask).item() * share,
+            }
+            return loss * world, metrics  # FSDP2 averages gradients over the ranks
+
+        metrics = self.engine.train_step(micro_batches, loss_fn)
+        totals = torch.tensor([metrics[k] for k in SUMMED_METRICS], dtype=torch.float64)
+        out = dict(zip(SUMMED_METRICS, all_reduce_sum(totals, self.engine.dp_group).tolist()))
+        out["grad_norm"], out["lr"] = metrics["grad_norm"], metrics["lr"]
+        return out
+
+    def save(self, path: str) -> str:
+        """Write the critic (body + `score` head) as a model directory (collective gather; rank 0 writes)."""
+        state = self.engine.full_state_dict()
+        if self.rank == 0:
+            save_model(state, self.engine.args, path, tokenizer_dir=self.cfg.model.path)
+        dist.barrier()
+        return path
+
+
+def _mini_batches(num_rows: int, num_mini_batches: int) -> list[list[int]]:
+    size = num_rows // num_mini_batches
+    return [list(range(start, start + size)) for start in range(0, num_rows, size)]

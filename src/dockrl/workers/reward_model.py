@@ -1,0 +1,125 @@
+"""RewardModelWorker: scores whole groups with a reward model (a scalar `score` head) as soon as they finish.
+
+    loop: pull whole groups (prompt_ids, response_ids) ─▶ token ids in the reward model's vocabulary
+          ─▶ score head, micro-batches of similar lengths ─▶ put rm_score
+    ends when the dock has no unserved rows for the `reward_model` consumer
+
+    actor ranks ──response_ids──▶ dock ──▶ RewardModelWorker ──rm_score──▶ dock ──▶ RewardWorker
+                                       └─────────────────────────────────────────▶ (rule rewards, then
+                                                                                    + weight x rm_score)
+
+The RewardWorker reads `rm_score` with its other columns, so a group reaches it once both the actor and the
+reward model are done with it; both stages pull groups while later ones still generate.
+
+Vocabulary: when the reward model's tokenizer has the policy's vocabulary (same token -> id map), the dock's
+ids go in unchanged. Otherwise prompt + response are decoded with the policy's tokenizer (special tokens
+kept) and encoded with the reward model's: the reward model then reads the policy's chat markup, so its
+scores mean most when it was trained on the same chat format.
+
+Lifecycle: the model is loaded once in `__init__` (on this actor's GPU with run.device=cuda, bf16 with
+run.precision=bf16) and kept for the whole run; `score` is called once per step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer as BackendTokenizer
+
+from dockrl.config.schema import RewardModelConfig
+from dockrl.dock.client import DockClient
+from dockrl.models.reward_model import load_reward_model
+from dockrl.models.tokenizer import TOKENIZER_FILE, Tokenizer
+from dockrl.workers.group import Worker
+
+RM_CONSUMER = "reward_model"
+RM_SCORE = "rm_score"
+
+
+def same_vocabulary(policy_dir: str | Path, reward_model_dir: str | Path) -> bool:
+    """Whether both tokenizer directories map every token (added tokens included) to the same id."""
+    vocabularies = [
+        BackendTokenizer.from_file(str(Path(d) / TOKENIZER_FILE)).get_vocab(with_added_tokens=True)
+        for d in (policy_dir, reward_model_dir)
+    ]
+    return vocabularies[0] == vocabularies[1]
+
+
+def rm_token_ids(
+    prompt_ids: torch.Tensor,
+    response_ids: torch.Tensor,
+    policy_tokenizer: Tokenizer,
+    rm_tokenizer: Tokenizer | None,
+) -> list[int]:
+    """prompt + response as reward-model token ids; rm_tokenizer None means the vocabularies are the same."""
+    ids = prompt_ids.tolist() + response_ids.tolist()
+    if rm_tokenizer is None:
+        return ids
+    return rm_tokenizer.encode(policy_tokenizer.decode(ids, skip_special_tokens=False))
+
+
+class RewardModelWorker(Worker):
+    """Serves the `reward_model` consumer: one `rm_score` (float) per row; one or more per job."""
+
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        world_size: int,
+        *,
+        model: RewardModelConfig,
+        policy_path: str,
+        client: DockClient,
+        group_size: int,
+        groups_per_pull: int,
+        device: str,
+        precision: str,
+    ):
+        super().__init__(name, rank, world_size, num_threads=1 if device == "cpu" else None)
+        self.cfg, self.client = model, client
+        self.group_size, self.groups_per_pull = group_size, groups_per_pull
+        # Ray gives a GPU actor exactly one visible device.
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.model = load_reward_model(model.path, device=self.device, dtype=dtype).eval()
+        self.policy_tokenizer = Tokenizer.from_dir(policy_path)
+        self.rm_tokenizer = (
+            None if same_vocabulary(policy_path, model.path) else Tokenizer.from_dir(model.path)
+        )
+
+    def score(self) -> dict[str, Any]:
+        """Score every row of the step once; returns the scores (row order of pulls) and the busy time."""
+        n = self.group_size
+        scores: list[float] = []
+        busy_s = 0.0
+        while True:
+            got = self.client.get(
+                RM_CONSUMER,
+                ["prompt_ids", "response_ids"],
+                self.groups_per_pull * n,
+                whole_groups=True,
+                min_count=n,
+            )
+            if got is None:
+                break
+            start = time.perf_counter()
+            rows, batch = got
+            sequences = [
+                rm_token_ids(p, r, self.policy_tokenizer, self.rm_tokenizer)
+                for p, r in zip(batch["prompt_ids"], batch["response_ids"])
+            ]
+            values = self.model.score_sequences(sequences, self.cfg.micro_batch_size)
+            bad = [row for row, value in zip(rows, values) if not math.isfinite(value)]
+            if bad:
+                raise ValueError(
+                    f"reward model {self.cfg.path} gave non-finite scores for rows {bad[:5]}; with "
+                    "run.precision=bf16 try run.precision=fp32"
+                )
+            self.client.put(rows, {RM_SCORE: values})
+            scores += values
+            busy_s += time.perf_counter() - start
+        return {"scores": scores, "busy_s": busy_s}

@@ -1,0 +1,314 @@
+"""PPO with a critic: token rewards, GAE, whitening, value-loss pieces and the KL controller against numbers
+worked by hand; the value model; config errors before Ray; two PPO steps through the CLI on the tiny model.
+
+Expected values are literals worked by hand in the comments, not re-derived with the code under test.
+"""
+
+import functools
+import json
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from dockrl.algos.estimators import gae_advantages, masked_moments, value_clip_frac, value_loss, whiten
+from dockrl.algos.ppo import (
+    KLController,
+    explained_variance,
+    explained_variance_moments,
+    pad_rows,
+    token_level_rewards,
+)
+from dockrl.cli import main
+from dockrl.config import ConfigError, CriticConfig, TrainConfig, load_config, validate_train
+from dockrl.models.hf import load_state_dict, save_model
+from dockrl.models.value import load_value_model
+from dockrl.workers.train.batch import make_micro_batch
+from dockrl.workers.train.engine import TrainEngine
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def close(actual, expected, atol=1e-5):
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float32),
+        torch.tensor(expected, dtype=torch.float32),
+        atol=atol,
+        rtol=0,
+    )
+
+
+# ---------------------------------------------------------------- token rewards, GAE, whitening
+
+
+def test_pad_rows_of_uneven_length():
+    padded, mask = pad_rows([torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0])])
+    close(padded, [[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    assert mask.tolist() == [[True, True, True], [True, False, False]]
+
+
+def test_token_rewards_put_the_score_on_the_last_valid_token_minus_the_kl_penalty():
+    scores = torch.tensor([1.0, -0.5])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]]).bool()  # lengths 3 and 1
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.4, 9.0, 9.0]])  # 9 is padding
+    close(token_level_rewards(scores, mask), [[0.0, 0.0, 1.0], [-0.5, 0.0, 0.0]])
+    # row 0: -0.5 * [0.1, 0.2, 0.3] + [0, 0, 1] ; row 1: -0.5 * 0.4 - 0.5 on its only token
+    close(token_level_rewards(scores, mask, kl, 0.5), [[-0.05, -0.1, 0.85], [-0.7, 0.0, 0.0]])
+
+
+def test_gae_on_kl_shaped_token_rewards_then_whitening_by_hand():
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]]).bool()
+    rewards = torch.tensor([[-0.05, -0.1, 0.85], [-0.7, 0.0, 0.0]])  # from the test above
+    values = torch.tensor([[0.5, 0.4, 0.3], [0.2, 7.0, 7.0]])  # 7 is padding
+    adv, ret = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8)  # gamma * lam = 0.72
+    # row 0: d2 = 0.85 - 0.3 = 0.55 = A2
+    #        d1 = -0.1 + 0.9*0.3 - 0.4 = -0.23, A1 = -0.23 + 0.72*0.55 = 0.166
+    #        d0 = -0.05 + 0.9*0.4 - 0.5 = -0.19, A0 = -0.19 + 0.72*0.166 = -0.07048
+    # row 1: d0 = -0.7 - 0.2 = -0.9 (V past the end is 0)
+    close(adv, [[-0.07048, 0.166, 0.55], [-0.9, 0.0, 0.0]])
+    close(ret, [[0.42952, 0.566, 0.85], [-0.7, 0.0, 0.0]])
+    # whitening over the 4 valid tokens: mean -0.06362, population variance 0.28220835, std 0.53123286
+    close(whiten(adv, mask), [[-0.012913, 0.432240, 1.155087], [-1.574413, 0.0, 0.0]])
+
+
+def test_whitening_moments_summed_over_two_ranks_equal_the_whole_batch():
+    adv = torch.tensor([[-0.07048, 0.166, 0.55], [-0.9, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]]).bool()
+    moments = masked_moments(adv[:1], mask[:1]) + masked_moments(adv[1:], mask[1:])  # a 2-rank all-reduce
+    close(whiten(adv[1:], mask[1:], moments=moments), [[-1.574413, 0.0, 0.0]])
+
+
+# ---------------------------------------------------------------- critic loss pieces
+
+
+def test_value_clip_fraction_by_hand():
+    values = torch.tensor([[1.0, 0.2, 5.0]])
+    old = torch.tensor([[0.0, 1.0, 0.0]])
+    returns = torch.tensor([[1.0, 1.5, 0.0]])
+    mask = torch.tensor([[1, 1, 0]]).bool()
+    # token 0: unclipped error 0 < clipped (0.2 - 1)^2 = 0.64 -> clipped branch; token 1: 1.69 > 0.49 -> not
+    close(value_clip_frac(values, old, returns, mask, clip=0.2), 0.5)
+    close(value_loss(values, old, returns, mask, clip=0.2), 0.5825)  # unchanged by the refactor
+
+
+def test_explained_variance_by_hand_and_over_shards():
+    values = torch.tensor([[1.0, 2.0], [3.0, 9.0]])  # 9 is padding
+    returns = torch.tensor([[2.0, 2.0], [4.0, 0.0]])
+    mask = torch.tensor([[1, 1], [1, 0]]).bool()
+    # R - V = [1, 0, 1]: variance 2/3 - 4/9 = 2/9 ; R = [2, 2, 4]: variance 8 - 64/9 = 8/9
+    # 1 - (2/9) / (8/9 + 1e-5) = 0.7500028
+    whole = explained_variance(explained_variance_moments(values, returns, mask))
+    assert abs(whole - 0.7500028) < 1e-6
+    summed = explained_variance_moments(values[:1], returns[:1], mask[:1]) + explained_variance_moments(
+        values[1:], returns[1:], mask[1:]
+    )
+    assert abs(explained_variance(summed) - whole) < 1e-9
+    assert abs(explained_variance(explained_variance_moments(returns, returns, mask)) - 1.0) < 1e-9
+
+
+def test_kl_controllers_by_hand():
+    fixed = KLController("fixed", 0.1)
+    assert fixed.update(5.0, 16) == 0.1
+    adaptive = KLController("adaptive", 0.1, target=0.05, horizon=100)
+    # error = clip(0.06 / 0.05 - 1, -0.2, 0.2) = 0.2 -> x (1 + 0.2 * 16 / 100) = 1.032
+    assert adaptive.update(0.06, 16) == pytest.approx(0.1032)
+    # error = 0.0525 / 0.05 - 1 = 0.05 -> x 1.008
+    assert adaptive.update(0.0525, 16) == pytest.approx(0.1040256)
+    # KL 0: error -0.2 -> x 0.968
+    assert KLController("adaptive", 0.1, target=0.05, horizon=100).update(0.0, 16) == pytest.approx(0.0968)
+    with pytest.raises(ValueError, match="unknown KL controller 'pid'"):
+        KLController("pid", 0.1)
+
+
+# ---------------------------------------------------------------- the value model
+
+
+def test_value_model_head_is_fresh_from_a_causal_lm_and_round_trips(tiny_model, tmp_path):
+    model = load_value_model(tiny_model, seed=3)
+    assert "lm_head.weight" not in model.state_dict() and model.score.weight.shape == (1, 64)
+    assert torch.equal(load_value_model(tiny_model, seed=3).score.weight, model.score.weight)
+    assert not torch.equal(load_value_model(tiny_model, seed=4).score.weight, model.score.weight)
+    save_model(model, model.args, tmp_path / "critic")
+    reloaded = load_value_model(tmp_path / "critic", seed=99)  # a saved head is loaded, not drawn
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids), model(ids))
+
+
+def test_critic_engine_values_ignore_padding_and_training_fits_returns(tiny_model):
+    build = functools.partial(load_value_model, seed=0)
+    critic = CriticConfig(lr=1e-2, grad_clip=0.0)
+    engine = TrainEngine(tiny_model, device="cpu", precision="fp32", optim=critic, build=build)
+    prompts = [torch.tensor([3, 4, 5]), torch.tensor([6, 7])]
+    responses = [torch.tensor([8, 9]), torch.tensor([10, 11, 12, 13])]
+    mb = make_micro_batch(
+        prompts, responses, pad_token_id=0, per_token={"returns": [torch.ones(2), -torch.ones(4)]}
+    )
+    with torch.no_grad():
+        together = mb.unpad(engine.logits(mb))
+        alone = make_micro_batch(prompts[:1], responses[:1], pad_token_id=0)
+        # the value of the state before response token j sits at position P - 1 + j
+        torch.testing.assert_close(together[0], engine.model(torch.tensor([[3, 4, 5, 8, 9]]))[0, 2:4])
+        torch.testing.assert_close(engine.logits(alone)[0, 2:4], together[0])  # padding changes nothing
+    old = torch.zeros_like(mb.per_token["returns"])  # not read with clip=None
+
+    def loss_fn(vpred, mb):
+        loss = value_loss(vpred, old, mb.per_token["returns"], mb.response_mask, clip=None)
+        return loss, {"value_loss": loss.item()}
+
+    losses = [engine.train_step([mb], loss_fn)["value_loss"] for _ in range(15)]
+    assert losses[-1] < 0.1 * losses[0], losses
+
+
+# ---------------------------------------------------------------- config
+
+
+def _paths(tiny_model, arithmetic_data) -> list[str]:
+    return [f"model.path={tiny_model}", f"data.train_path={arithmetic_data['train']}"]
+
+
+def _base(tiny_model, arithmetic_data) -> list[str]:
+    steps = ["run.steps=2", "run.prompts_per_step=4", "rollout.samples_per_prompt=2"]
+    return _paths(tiny_model, arithmetic_data) + steps
+
+
+def test_ppo_example_validates_without_warnings(tiny_model, arithmetic_data):
+    cfg = load_config(TrainConfig, EXAMPLES / "ppo_tiny.yaml", _paths(tiny_model, arithmetic_data))
+    assert cfg.algo.name == "ppo" and cfg.algo.kl_in_reward and cfg.algo.kl_ctrl == "adaptive"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate_train(cfg)
+    # PPO has no group baseline: groups of one are fine
+    ones = ["rollout.samples_per_prompt=1", "rollout.max_batch_size=4", "algo.critic_warmup_steps=0"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate_train(
+            load_config(TrainConfig, EXAMPLES / "ppo_tiny.yaml", _paths(tiny_model, arithmetic_data) + ones)
+        )
+
+
+PPO = ["algo.name=ppo"]
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["algo.adv_estimator=gae"], "algo.adv_estimator='gae': GAE needs a critic's values"),
+        (PPO + ["algo.adv_estimator=grpo"], "algo.adv_estimator='grpo': algo.name=ppo computes GAE"),
+        (["algo.kl_in_reward=true"], "algo.kl_in_reward=True: the KL penalty goes into per-token rewards"),
+        (PPO + ["algo.kl_in_reward=true", "algo.kl_coef=0"], "needs the reference model, and algo.kl_coef=0"),
+        (PPO + ["algo.kl_ctrl=adaptive"], "algo.kl_ctrl='adaptive': the adaptive controller"),
+        (PPO + ["algo.kl_ctrl=pid"], "algo.kl_ctrl='pid': unknown KL controller"),
+        (["algo.critic_warmup_steps=1"], "algo.critic_warmup_steps=1: algo.name=grpo has no critic"),
+        (PPO + ["algo.gamma=1.5"], "algo.gamma=1.5: must be in"),
+        (PPO + ["algo.lam=-0.1"], "algo.lam=-0.1: must be in"),
+        (PPO + ["critic.dp=3"], "critic.dp=3: does not divide the 8 rows"),
+        (PPO + ["critic.dp=2", "critic.mini_batches=3"], "critic.mini_batches=3: does not divide the 4 rows"),
+        (PPO + ["critic.value_clip=0"], "critic.value_clip=0"),
+        (
+            PPO + ["critic.path=/nonexistent"],
+            "critic.path='/nonexistent': the model directory does not exist",
+        ),
+    ],
+)
+def test_conflicting_ppo_settings_are_errors(overrides, expected, tiny_model, arithmetic_data):
+    cfg = load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + overrides)
+    with pytest.raises(ConfigError, match=expected):
+        validate_train(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["critic.lr=0.1"], "critic settings have no effect with algo.name=grpo"),
+        (PPO + ["algo.critic_warmup_steps=2"], "the actor never updates"),
+    ],
+)
+def test_ppo_settings_without_effect_warn(overrides, expected, tiny_model, arithmetic_data):
+    cfg = load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + overrides)
+    with pytest.warns(UserWarning, match=expected):
+        validate_train(cfg)
+
+
+def test_cli_rejects_kl_in_reward_without_reference_before_ray(
+    monkeypatch, capsys, tiny_model, arithmetic_data
+):
+    import dockrl.recipes.grpo as grpo
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("Ray was started before the config was validated")
+
+    monkeypatch.setattr(grpo, "init_ray", forbidden)
+    args = ["algo.kl_coef=0", "algo.kl_ctrl=fixed"]
+    code = main(["train", str(EXAMPLES / "ppo_tiny.yaml"), *_paths(tiny_model, arithmetic_data), *args])
+    assert code == 2
+    assert "algo.kl_in_reward=True" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- end to end
+
+REQUIRED = [
+    "reward/mean",
+    "reward/kl_coef",
+    "reward/kl_penalty",
+    "critic/value_loss",
+    "critic/explained_variance",
+    "critic/value_clipfrac",
+    "critic/grad_norm",
+    "critic/values_mean",
+    "critic/returns_mean",
+    "timing/update",
+]
+
+
+def test_two_ppo_steps_through_cli(ray_session, tmp_path, tiny_model, arithmetic_data):
+    code = main(
+        [
+            "train",
+            str(EXAMPLES / "ppo_tiny.yaml"),
+            *_paths(tiny_model, arithmetic_data),
+            # A random model never answers right; a length reward gives the returns spread to fit.
+            "reward.functions=[{name: exact_answer}, {name: 'reward_fixtures:length_reward', weight: 0.1}]",
+            "reward.num_processes=0",
+            "critic.dp=2",  # two critic ranks: values, GAE and the critic's statistics are split over them
+            "critic.mini_batches=2",  # the second optimizer step starts from moved values: clipping can bind
+            "algo.kl_horizon=16",  # one step of 16 rows moves the coefficient by the full 20%
+            "run.save_every=2",
+            "run.progress=false",
+            "run.worker_timeout_s=300",
+            "dock.get_timeout_s=120",
+            f"run.output_dir={tmp_path}",
+            "run.name=ppo",
+        ]
+    )
+    assert code == 0
+    run = tmp_path / "ppo"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        for key in REQUIRED:
+            assert key in row and row[key] is not None and math.isfinite(row[key]), key
+        assert row["dock/rows"] == 16 and row["critic/grad_norm"] > 0 and row["critic/value_loss"] > 0
+        assert 0 <= row["critic/value_clipfrac"] <= 1 and row["critic/explained_variance"] <= 1
+    # step 1 is the critic's warm-up: the actor does not update; step 2 it does
+    assert "actor/pg_loss" not in rows[0]
+    assert math.isfinite(rows[1]["actor/pg_loss"]) and rows[1]["actor/grad_norm"] > 0
+    # the policy has not moved from the reference yet (KL 0 < target), so the adaptive controller lowers
+    # the coefficient by the largest step: 0.01 x (1 - 0.2 x 16 rows / horizon 16) = 0.008
+    assert rows[0]["reward/kl_penalty"] == pytest.approx(0.0, abs=1e-6)
+    assert rows[0]["reward/kl_coef"] == pytest.approx(0.01) and rows[1]["reward/kl_coef"] == pytest.approx(
+        0.008
+    )
+    summary = json.loads((run / "summary.json").read_text())
+    trained, initial = load_state_dict(summary["checkpoint"]), load_state_dict(tiny_model)
+    assert any(not torch.equal(trained[k], initial[k]) for k in initial), (
+        "the actor's update moved the weights"
+    )
+    critic_dir = Path(summary["checkpoint"]) / "critic"
+    critic, fresh = (
+        load_value_model(critic_dir).state_dict(),
+        load_value_model(tiny_model, seed=0).state_dict(),
+    )
+    assert set(critic) == set(fresh) and not torch.equal(critic["score.weight"], fresh["score.weight"])
