@@ -99,10 +99,10 @@ def test_cli_rejects_dapo_with_groups_of_one_before_ray(monkeypatch, capsys, tin
 REQUIRED = ["reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/clip_frac", "actor/kl", "timing/step"]
 
 
-# dapo: overlong shaping, clip-higher, no reference; reinforce_pp_baseline: step whitening across the
-# dock; dr_grpo: the max_new_tokens loss normaliser through the actor. gspo's sequence ratio is one flag
-# into policy_loss (tested by hand) and is left out to keep this file under a minute.
-@pytest.mark.parametrize("algo", ["dapo", "reinforce_pp_baseline", "dr_grpo"])
+# dapo: overlong shaping, clip-higher, dynamic sampling, no reference; reinforce_pp(_baseline): step
+# whitening across the dock; dr_grpo: the max_new_tokens loss normaliser through the actor; rloo: the
+# leave-one-out baseline; gspo: the sequence-level ratio. grpo runs in test_e2e_grpo.py, ppo in test_ppo.py.
+@pytest.mark.parametrize("algo", ["dapo", "reinforce_pp", "reinforce_pp_baseline", "rloo", "dr_grpo", "gspo"])
 def test_two_steps_through_cli(algo, ray_session, tmp_path, tiny_model, arithmetic_data):
     code = main(
         [
@@ -137,8 +137,8 @@ def test_two_steps_through_cli(algo, ray_session, tmp_path, tiny_model, arithmet
             assert row["dapo/generated_groups"] - row["dapo/dropped_groups"] == 4
         else:
             assert row["dock/rows"] == 16
-        # the dapo and dr_grpo examples set kl_coef=0: no reference stage runs
-        assert ("timing/reference" in row) == (algo == "reinforce_pp_baseline")
+        # only the reinforce_pp examples keep a KL term: the others run no reference stage
+        assert ("timing/reference" in row) == algo.startswith("reinforce_pp")
         # only the dapo example shapes overlong responses
         assert ("reward/overlong_penalty" in row) == (algo == "dapo")
         if algo == "dapo":
