@@ -48,6 +48,11 @@ def test_tiny_example_validates_without_warnings(algo, tiny_model, arithmetic_da
         (["algo.name=dapo", "algo.kl_coef=0.01"], "DAPO trains without a reference model"),
         (["algo.overlong_buffer_len=9", "rollout.max_new_tokens=8"], "algo.overlong_buffer_len=9"),
         (["algo.overlong_penalty=-1"], "algo.overlong_penalty=-1"),
+        (
+            ["algo.dynamic_sampling=true", "rollout.samples_per_prompt=1"],
+            "algo.dynamic_sampling=True: drops groups without reward spread",
+        ),
+        (["algo.dynamic_sampling=true", "algo.max_sampling_rounds=0"], "algo.max_sampling_rounds=0"),
     ],
 )
 def test_conflicting_algorithm_settings_are_errors(overrides, expected, tiny_model, arithmetic_data):
