@@ -47,6 +47,12 @@ class BenchConsumer:
 
     def __init__(self, index: int, num_consumers: int, args: dict) -> None:
         self.index, self.num_consumers, self.args = index, num_consumers, args
+        self.client = None
+
+    def set_client(self, client) -> None:
+        """The client of the dock under test, given once per configuration as a worker gets it at start-up
+        (unpickling a client resolves Ray actor handles, which is not per-step work)."""
+        self.client = client
 
     def node_id(self) -> str:
         """The Ray node this actor runs on."""
@@ -54,10 +60,11 @@ class BenchConsumer:
 
         return ray.get_runtime_context().get_node_id()
 
-    def run_step(self, client, step: int) -> list[float]:
+    def run_step(self, step: int) -> list[float]:
         """Serve the four stages of one step; returns the put/get latencies (s) this rank saw."""
         from concurrent.futures import ThreadPoolExecutor
 
+        client = self.client
         with ThreadPoolExecutor(len(STAGE_NAMES)) as pool:
             futures = [pool.submit(getattr(self, f"_{name}"), client, step) for name in STAGE_NAMES]
             return [x for f in futures for x in f.result()]
@@ -212,13 +219,14 @@ def _measure(args, dock, consumers, nodes: int, mode: str, num_warehouses: int) 
 
     client = dock.client()
     client.reset()
+    ray.get([c.set_client.remote(dock.client()) for c in consumers], timeout=args.timeout_s)
     rows_per_step = args.prompts * args.samples
     seconds, moved, through_driver, prompt_bytes, latencies = 0.0, 0, 0, 0, []
     for step in range(args.warmup + args.steps):
         prompts = [np.arange(args.prompt_tokens, dtype=np.int32) + p for p in range(args.prompts)]
         start = time.perf_counter()
         client.add_groups(prompts, [f"answer-{p}" for p in range(args.prompts)], args.samples)
-        refs = [c.run_step.remote(dock.client(), step) for c in consumers]
+        refs = [c.run_step.remote(step) for c in consumers]
         try:
             step_latencies = [x for r in ray.get(refs, timeout=args.timeout_s) for x in r]
         except ray.exceptions.GetTimeoutError:
