@@ -249,7 +249,7 @@ class RolloutSwitch:
 
 def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
     out = torch.empty((size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_into_tensor(out, tensor, group=group)
+    dist.all_gather_single(out, tensor, group=group)
     return out
 
 
