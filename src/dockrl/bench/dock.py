@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=2, help="measured steps per configuration")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per configuration")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="bound on every step")
+    parser.add_argument(
+        "--transport", default="socket", choices=("socket", "ray"), help="dock mode's requests (dock.transport)"
+    )
 
 
 class BenchConsumer:
@@ -201,6 +204,7 @@ def _run_on_cluster(args: argparse.Namespace, nodes: int) -> list[dict[str, Any]
             num_warehouses=num_warehouses,
             name_prefix=f"bench-{mode}-{num_warehouses}",
             get_timeout_s=args.timeout_s,
+            transport=args.transport,
         )
         try:
             results.append(_measure(args, dock, consumers, nodes, mode, num_warehouses))
@@ -248,7 +252,7 @@ def _measure(args, dock, consumers, nodes: int, mode: str, num_warehouses: int) 
             latencies += step_latencies
     ms = np.asarray(latencies) * 1e3
     return {
-        "mode": mode,
+        "mode": mode if mode != "dock" or args.transport == "socket" else "dock-ray",
         "nodes": nodes,
         "warehouses": num_warehouses,
         "consumers": len(consumers),
