@@ -41,7 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per configuration")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="bound on every step")
     parser.add_argument(
-        "--transport", default="socket", choices=("socket", "ray"), help="dock mode's requests (dock.transport)"
+        "--transport",
+        default="socket",
+        choices=("socket", "ray"),
+        help="dock mode's requests (dock.transport)",
     )
 
 
