@@ -173,7 +173,7 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
         check_dataset(cfg.data.eval_path, cfg.data.prompt_field, cfg.data.label_field, "data.eval_path")
     run.device = resolve_device(run.device)
     run.precision = resolve_precision(run.precision, run.device)
-    _check_devices(run.device, actor.dp * actor.tp)
+    _check_devices(run.device, actor.dp * actor.tp + (cfg.critic.dp if algo.name == "ppo" else 0))
     _check_reward_model(cfg)
     _check_layouts(cfg)
     return cfg
@@ -457,16 +457,17 @@ def _check_reward_model(cfg: TrainConfig) -> None:
             )
 
 
-def _check_devices(device: str, dp: int) -> None:
+def _check_devices(device: str, ranks: int) -> None:
     if device != "cuda":
         return
     import torch
 
     count = torch.cuda.device_count()
-    if dp > count:
+    if ranks > count:
         # On a multi-node cluster the driver sees only its own node; Ray places the rest.
         warnings.warn(
-            f"actor.dp={dp} exceeds the {count} GPUs visible to the driver; Ray must find the rest",
+            f"the {ranks} GPU ranks (actor.dp x actor.tp, plus critic.dp with ppo) exceed the {count} GPUs "
+            "visible to the driver; Ray must find the rest",
             stacklevel=2,
         )
 
@@ -499,10 +500,12 @@ def _check_dock(cfg: TrainConfig) -> None:
     if dock.max_rows is not None:
         _positive("dock.max_rows", dock.max_rows)
         rows = cfg.run.prompts_per_step * cfg.rollout.samples_per_prompt
+        what = f"one step's {rows} rows"
+        if cfg.algo.dynamic_sampling:  # each round may add up to a step's rows
+            rows *= cfg.algo.max_sampling_rounds
+            what = f"the {rows} rows of algo.max_sampling_rounds={cfg.algo.max_sampling_rounds} rounds"
         if dock.max_rows < rows:
-            raise config_error(
-                "dock.max_rows", dock.max_rows, f"cannot hold one step's {rows} rows", f"use >= {rows}"
-            )
+            raise config_error("dock.max_rows", dock.max_rows, f"cannot hold {what}", f"use >= {rows}")
     if dock.num_warehouses is not None and dock.mode != "dock":
         warnings.warn(f"dock.num_warehouses has no effect with dock.mode={dock.mode}", stacklevel=3)
     if dock.policy not in ("first", "oldest"):  # the built-ins of dockrl/dock/policies.py

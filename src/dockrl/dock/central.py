@@ -23,7 +23,7 @@ from typing import Any
 from dockrl.dock.errors import DockError, DockTimeoutError, WarehouseDiedError
 from dockrl.dock.metrics import ClientCounters, batch_nbytes
 from dockrl.dock.shared import SharedController
-from dockrl.dock.transport import Lost, NoReply, ServiceHub, SocketTransport
+from dockrl.dock.transport import BadMessage, Lost, NoReply, ServiceHub, SocketTransport
 from dockrl.dock.warehouse import Warehouse
 
 WAIT_SLICE_S = 2.0  # a waiting get re-asks at least this often (liveness of the store is checked by the call)
@@ -87,10 +87,16 @@ class HubTransport:
     def __init__(self, address: tuple, authkey: bytes, timeout_s: float = 300.0) -> None:
         self.socket, self.timeout_s = SocketTransport(address, authkey), timeout_s
 
-    def call(self, method: str, *args, **kwargs) -> Any:
-        """Run `store.method(*args, **kwargs)` where the store lives; re-raise its errors here."""
+    def call(self, method: str, *args, extra_wait_s: float = 0.0, **kwargs) -> Any:
+        """Run `store.method(*args, **kwargs)` where the store lives; re-raise its errors here.
+        extra_wait_s: how long the method itself may wait (a long poll), on top of the reply timeout."""
+        timeout_s = self.timeout_s + extra_wait_s
         try:
-            return self.socket.call(method, *args, timeout_s=self.timeout_s, **kwargs)
+            return self.socket.call(method, *args, timeout_s=timeout_s, **kwargs)
+        except BadMessage as error:
+            raise DockError(
+                f"the driver's dock hub's reply to {method} could not be unpickled: {error}"
+            ) from error
         except Lost as error:
             raise WarehouseDiedError(
                 f"the driver's dock hub at {self.socket.address} is gone during {method} (driver mode: the "
@@ -98,7 +104,7 @@ class HubTransport:
             ) from error
         except NoReply as error:
             raise DockTimeoutError(
-                f"the driver's dock hub did not answer {method} within {self.timeout_s:g}s"
+                f"the driver's dock hub did not answer {method} within {timeout_s:g}s"
             ) from error
 
 
@@ -108,13 +114,15 @@ class ActorTransport:
     def __init__(self, actor: Any, timeout_s: float) -> None:
         self.actor, self.timeout_s = actor, timeout_s
 
-    def call(self, method: str, *args, **kwargs) -> Any:
-        """ray.get(actor.method.remote(...)) with errors that name the replay-buffer actor."""
+    def call(self, method: str, *args, extra_wait_s: float = 0.0, **kwargs) -> Any:
+        """ray.get(actor.method.remote(...)) with errors that name the replay-buffer actor; extra_wait_s as
+        for HubTransport.call."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
         try:
-            return ray.get(getattr(self.actor, method).remote(*args, **kwargs), timeout=self.timeout_s)
+            ref = getattr(self.actor, method).remote(*args, **kwargs)
+            return ray.get(ref, timeout=self.timeout_s + extra_wait_s)
         except RayActorError as error:
             raise WarehouseDiedError(
                 f"the dock's single replay-buffer actor died during {method}; every row of the step is "
@@ -169,7 +177,9 @@ class CentralClient(ClientCounters):
         options = {k: v for k, v in options.items() if v is not None}
         while True:
             wait_s = max(0.0, min(WAIT_SLICE_S, start + timeout_s - time.monotonic()))
-            rows, value = self.transport.call("poll_get", consumer, columns, count, wait_s, **options)
+            rows, value = self.transport.call(
+                "poll_get", consumer, columns, count, wait_s, extra_wait_s=wait_s, **options
+            )
             if rows is not None:
                 self.bytes_got += batch_nbytes(value)
                 self.latency.record("get", time.monotonic() - start)

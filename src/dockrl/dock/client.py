@@ -31,7 +31,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from dockrl.dock.errors import DockError, DockTimeoutError, StaleHandleError, WarehouseDiedError
 from dockrl.dock.metrics import ClientCounters, batch_nbytes
-from dockrl.dock.transport import Lost, NoReply, RayTransport, SocketTransport
+from dockrl.dock.transport import BadMessage, Lost, NoReply, RayTransport, SocketTransport
 from dockrl.dock.warehouse import check_batch, lengths_of
 
 HEALTH_CHECK_S = 2.0
@@ -161,9 +161,19 @@ class DockClient(ClientCounters):
             for w, (rows, batch) in puts.items()
             if rows and batch
         ]
-        self._gather(refs, {w: rows for w, (rows, _) in puts.items()}, "put")
-        for mark in marks:
-            self._controller_result(mark, "mark_ready")
+        try:
+            self._gather(refs, {w: rows for w, (rows, _) in puts.items()}, "put")
+        except BaseException:
+            for mark in marks:
+                mark.abandon()  # a reply left unread would answer this thread's next controller call
+            raise
+        for i, mark in enumerate(marks):
+            try:
+                self._controller_result(mark, "mark_ready")
+            except BaseException:
+                for other in marks[i + 1 :]:
+                    other.abandon()
+                raise
 
     # ---------------------------------------------------------------- consumers
 
@@ -192,7 +202,15 @@ class DockClient(ClientCounters):
         options.update({"policy": policy} if policy is not None else {})
         while True:
             wait_s = max(0.0, min(HEALTH_CHECK_S, deadline - time.monotonic()))
-            allocation, done = self._call_controller("wait_poll", consumer, columns, count, wait_s, **options)
+            allocation, done = self._call_controller(
+                "wait_poll",
+                consumer,
+                columns,
+                count,
+                wait_s,
+                reply_timeout_s=wait_s + self.get_timeout_s,  # the long poll itself takes up to wait_s
+                **options,
+            )
             if allocation is not None:
                 batch = self._fetch(consumer, allocation)
                 self.latency.record("get", time.monotonic() - start)
@@ -319,8 +337,9 @@ class DockClient(ClientCounters):
 
     # ---------------------------------------------------------------- Ray plumbing
 
-    def _call_controller(self, method: str, *args, **kwargs) -> Any:
-        return self._controller_result(self._controller_request(method, *args, **kwargs), method)
+    def _call_controller(self, method: str, *args, reply_timeout_s: float | None = None, **kwargs) -> Any:
+        pending = self._controller_request(method, *args, **kwargs)
+        return self._controller_result(pending, method, reply_timeout_s)
 
     def _controller_request(self, method: str, *args, **kwargs) -> Any:
         try:
@@ -328,9 +347,14 @@ class DockClient(ClientCounters):
         except Lost as error:
             return _Failed(error)
 
-    def _controller_result(self, pending: Any, method: str) -> Any:
+    def _controller_result(self, pending: Any, method: str, timeout_s: float | None = None) -> Any:
+        timeout_s = self.get_timeout_s if timeout_s is None else timeout_s
         try:
-            return pending.result(self.get_timeout_s)
+            return pending.result(timeout_s)
+        except BadMessage as error:
+            raise DockError(
+                f"dock controller's reply to {method} could not be unpickled here: {error}"
+            ) from error
         except Lost as error:
             if self.names is not None and self._replacement(0) is not None:
                 self.check_handles()  # raises StaleHandleError: the dock was re-created
@@ -340,7 +364,7 @@ class DockClient(ClientCounters):
             ) from error
         except NoReply as error:
             raise DockTimeoutError(
-                f"dock controller did not answer {method} within {self.get_timeout_s:g}s"
+                f"dock controller did not answer {method} within {timeout_s:g}s"
             ) from error
 
     def _request(self, warehouse: int, method: str, *args) -> Any:
@@ -357,23 +381,36 @@ class DockClient(ClientCounters):
         """
         deadline = time.monotonic() + self.get_timeout_s
         results = {}
-        for warehouse, ref in refs.items():
-            try:
-                results[warehouse] = ref.result(deadline - time.monotonic())
-            except Lost as error:
-                if self.names is not None and self._replacement(1 + warehouse) is not None:
-                    self.check_handles()  # raises StaleHandleError: the dock was re-created
-                affected = (rows or {}).get(warehouse) or self._rows_on(warehouse)
-                raise WarehouseDiedError(
-                    f"{self._describe(warehouse)} died during {what}; rows affected: "
-                    f"{_abbreviate(affected)}. Their payload is lost: restart the step. Cause: {error}"
-                ) from error
-            except NoReply as error:
-                raise DockTimeoutError(
-                    f"{self._describe(warehouse)} did not answer {what} within {self.get_timeout_s:g}s; "
-                    f"rows: {_abbreviate((rows or {}).get(warehouse, []))}"
-                ) from error
+        try:
+            for warehouse, ref in refs.items():
+                results[warehouse] = self._collect(warehouse, ref, deadline, rows, what)
+        except BaseException:
+            for warehouse, ref in refs.items():
+                if warehouse not in results:
+                    ref.abandon()  # a reply left unread would answer this thread's next call there
+            raise
         return results
+
+    def _collect(self, warehouse: int, ref: Any, deadline: float, rows: dict | None, what: str) -> Any:
+        try:
+            return ref.result(deadline - time.monotonic())
+        except BadMessage as error:
+            raise DockError(
+                f"{self._describe(warehouse)}'s reply to {what} could not be unpickled here: {error}"
+            ) from error
+        except Lost as error:
+            if self.names is not None and self._replacement(1 + warehouse) is not None:
+                self.check_handles()  # raises StaleHandleError: the dock was re-created
+            affected = (rows or {}).get(warehouse) or self._rows_on(warehouse)
+            raise WarehouseDiedError(
+                f"{self._describe(warehouse)} died during {what}; rows affected: "
+                f"{_abbreviate(affected)}. Their payload is lost: restart the step. Cause: {error}"
+            ) from error
+        except NoReply as error:
+            raise DockTimeoutError(
+                f"{self._describe(warehouse)} did not answer {what} within {self.get_timeout_s:g}s; "
+                f"rows: {_abbreviate((rows or {}).get(warehouse, []))}"
+            ) from error
 
     def _rows_on(self, warehouse: int) -> list[int]:
         try:
@@ -394,6 +431,9 @@ class _Failed:
 
     def result(self, timeout_s: float) -> Any:
         raise self.error
+
+    def abandon(self) -> None:
+        """Nothing in flight."""
 
 
 def _abbreviate(rows: list[int], limit: int = 16) -> str:

@@ -2,16 +2,18 @@
 
 ```
              metadata only (this class)                      payload (warehouse.py)
- driver --add_groups--> DockController <--mark_ready(w, rows, cols)-- Warehouse[w] <--put-- producer client
-                          |    ^                                          |
+ driver --add_groups--> DockController <--mark_ready(w, rows, cols)-- producer client --put--> Warehouse[w]
+                          |    ^                                      (both sent at once)           |
                           |    +--allocate(consumer, cols, n)-- consumer client --get(rows by warehouse)-->+
                           +--> Allocation(rows, locations per column)      (pulls payload directly, in parallel)
 ```
 
 The controller knows which rows exist, how they group, their lengths, which (row, column) cells are ready and
-on which warehouse, and which rows each consumer has already taken. Warehouses call `mark_ready` after storing
-a put; clients call `allocate` and then fetch the payload straight from the warehouses named in the
-`Allocation`. The controller never calls anyone, so warehouses may block on it without deadlock.
+on which warehouse, and which rows each consumer has already taken. A producer's client calls `mark_ready`
+while its payload travels to the warehouse (in the central modes the warehouse calls it after storing);
+consumers' clients call `allocate` and then fetch the payload straight from the warehouses named in the
+`Allocation` (a warehouse waits briefly for payload still in flight). The controller never calls anyone.
+SharedController (shared.py) makes it thread-safe and adds the long poll the clients use.
 
 Lifecycle of one training step's table:
   reset() -> add_groups(...) (driver, may be repeated) -> mark_ready(...) as producers put columns ->
@@ -222,10 +224,10 @@ class DockController:
         columns: list[str],
         lengths: dict[str, list[int]] | None = None,
     ) -> None:
-        """Record that `warehouse` now holds `columns` for `rows` (called by the warehouse after storing).
+        """Record that `warehouse` holds (or is being sent) `columns` for `rows`.
 
         `lengths` (e.g. {"response_len": [...]}, one value per row) update the per-row length metadata.
-        A cell put again moves to the newest warehouse.
+        A cell put again moves to the newest warehouse; a reader racing a re-put may see either value.
         """
         t0 = time.perf_counter()
         if not 0 <= warehouse < self.num_warehouses:

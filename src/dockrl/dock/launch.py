@@ -33,7 +33,7 @@ from dockrl.dock.errors import DockError
 from dockrl.dock.shared import SharedController
 from dockrl.dock.warehouse import Warehouse
 
-WAREHOUSE_MAX_CONCURRENCY = 16
+WAREHOUSE_MAX_CONCURRENCY = 64  # transport=ray: gets waiting for in-flight cells hold a thread each
 CONTROLLER_MAX_CONCURRENCY = 64  # transport=ray: a waiting get holds a thread (long poll)
 SINGLE_MAX_CONCURRENCY = 64  # single mode: waiting gets hold a thread each (long poll), puts need one free
 STARTUP_TIMEOUT_S = 120.0
@@ -156,10 +156,10 @@ def launch_dock(
         )
         .remote(num_warehouses, policy=policy, max_rows=max_rows)
     )
-    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
     endpoints = None
     if transport == "socket":
-        endpoints = [ray.get(controller.serve.remote(ips[driver_node]), timeout=STARTUP_TIMEOUT_S)]
+        # None: each hub binds to the address of the node Ray placed its actor on.
+        endpoints = [ray.get(controller.serve.remote(None), timeout=STARTUP_TIMEOUT_S)]
     warehouse_nodes = [nodes[i % len(nodes)] for i in range(num_warehouses)]
     warehouse_class = ray.remote(Warehouse)
     warehouses = [
@@ -173,7 +173,7 @@ def launch_dock(
     ]
     if endpoints is not None:
         endpoints += ray.get(
-            [w.serve.remote(ips[node]) for w, node in zip(warehouses, warehouse_nodes)],
+            [w.serve.remote(None) for w in warehouses],
             timeout=STARTUP_TIMEOUT_S,
         )
     incarnations = ray.get(

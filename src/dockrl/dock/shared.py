@@ -134,8 +134,9 @@ class SharedController(DockController):
             self._serve_waiters()
             return kept
 
-    def serve(self, host: str) -> tuple[tuple, bytes]:
-        """Start (once) a socket hub for this controller in this process; returns (address, authkey)."""
+    def serve(self, host: str | None = None) -> tuple[tuple, bytes]:
+        """Start (once) a socket hub for this controller in this process (host None: this Ray node's
+        address); returns (address, authkey)."""
         if self._hub is None:
             self._hub = ServiceHub(self, host)
         return self._hub.address, self._hub.authkey

@@ -5,16 +5,18 @@
  ray:     client ──actor.method.remote()──▶ Ray core worker ──▶ method   (payload through the object store)
 ```
 
-Both give `request(method, *args, **kwargs) -> Pending` and `Pending.result(timeout_s)`, so a client sends
-to every warehouse first and then collects the replies (the calls overlap). Failures come out as two
-exceptions the client turns into errors that name the actor and the rows: `Lost` (the peer's process is
-gone: connection refused/reset/closed, or RayActorError) and `NoReply` (no answer within the timeout).
+Both give `request(method, *args, **kwargs) -> Pending` with `.result(timeout_s)` and `.abandon()`, so a
+client sends to every warehouse first and then collects the replies (the calls overlap). Failures come out
+as two exceptions the client turns into errors that name the actor and the rows: `Lost` (the peer's process
+is gone: connection refused/reset/closed, or RayActorError) and `NoReply` (no answer within the timeout).
 
 Why sockets: a Ray actor call costs ~1-2 ms of scheduling and object-store work here, and payloads over
 100 KB detour through the object store; a direct connection costs one pickle and one send. The actors stay
 Ray actors (placement, lifecycle, names, incarnations); only the request path changes. A hub serves each
-connection on its own thread, so the target must be thread-safe (Warehouse and SharedController are).
-No Ray import here: the central modes (driver hub) use the same hub.
+connection on its own thread (handshake included, so a stalled client blocks nobody else), so the target
+must be thread-safe (Warehouse and SharedController are). Every wait is bounded: connecting and the
+handshake by CONNECT_TIMEOUT_S, replies by the caller's timeout, a peer whose node vanished mid-message by
+TCP keepalive / user timeout. No Ray import at module level: the central modes (driver hub) use it too.
 """
 
 from __future__ import annotations
@@ -23,25 +25,13 @@ import pickle
 import secrets
 import socket
 import threading
-from multiprocessing.connection import Client, Connection, Listener
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from typing import Any
 
-
-def _send(connection: Connection, obj: Any) -> None:
-    # Plain pickle, not Connection.send: torch registers ForkingPickler reductions that would move tensors
-    # into shared memory and pass file descriptors, which only works between related processes.
-    connection.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _recv(connection: Connection) -> Any:
-    return pickle.loads(connection.recv_bytes())
-
-
-def _no_delay(connection: Connection) -> Connection:
-    """Send small messages at once (no Nagle wait for the ACK of the previous segment)."""
-    with socket.fromfd(connection.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:  # a dup: same socket
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return connection
+CONNECT_TIMEOUT_S = 30.0
+_connector = ThreadPoolExecutor(8, thread_name_prefix="dock-connect")  # bounded connect + handshake
 
 
 class Lost(Exception):
@@ -52,19 +42,57 @@ class NoReply(Exception):
     """The peer did not answer within the timeout."""
 
 
+class BadMessage(Exception):
+    """A message arrived whole but could not be unpickled (the connection is still usable)."""
+
+
+def _send(connection: Connection, obj: Any) -> None:
+    # Plain pickle, not Connection.send: torch registers ForkingPickler reductions that would move tensors
+    # into shared memory and pass file descriptors, which only works between related processes.
+    connection.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(connection: Connection) -> Any:
+    data = connection.recv_bytes()  # OSError / EOFError: the connection is gone
+    try:
+        return pickle.loads(data)
+    except Exception as error:  # noqa: BLE001 - e.g. a class the receiver cannot import
+        raise BadMessage(f"{type(error).__name__}: {error}") from error
+
+
+def node_ip() -> str:
+    """This process's Ray node address (what other nodes reach it at)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _tune(connection: Connection) -> Connection:
+    """No Nagle delay for small messages; keepalive and a user timeout so a vanished peer is noticed."""
+    with socket.fromfd(connection.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:  # a dup: same socket
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+            if hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # unacknowledged data: give up after 30 s (milliseconds)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 30_000)
+    return connection
+
+
 class ServiceHub:
     """Serves `target`'s methods to SocketTransports: one accept thread, one thread per connection.
 
-    Calls from the process that runs the hub skip the socket (see `local`).
+    Calls from the process that runs the hub skip the socket (see `local`). host None: this Ray node's IP.
     """
 
     _local: dict[tuple, Any] = {}  # address -> target served in this process
 
-    def __init__(self, target: Any, host: str = "127.0.0.1") -> None:
+    def __init__(self, target: Any, host: str | None = "127.0.0.1") -> None:
         self.target = target
         self.authkey = secrets.token_bytes(16)
-        self._listener = Listener((host, 0), backlog=256, authkey=self.authkey)
-        self.address = self._listener.address
+        self._socket = socket.create_server((host or node_ip(), 0), backlog=256)
+        self.address = self._socket.getsockname()[:2]
         ServiceHub._local[self.address] = target
         self._closed = False
         threading.Thread(target=self._accept, name="dock-hub-accept", daemon=True).start()
@@ -72,31 +100,39 @@ class ServiceHub:
     @classmethod
     def local(cls, address: tuple) -> Any:
         """The target served at `address` if its hub runs in this process, else None."""
-        return cls._local.get(address)
+        return cls._local.get(tuple(address))
 
     def _accept(self) -> None:
         while not self._closed:
             try:
-                connection = self._listener.accept()
-            except Exception:  # noqa: BLE001 - a failed handshake must not stop the hub
+                sock, _ = self._socket.accept()
+            except OSError:
                 if self._closed:
                     return
                 continue
-            threading.Thread(
-                target=self._serve, args=(_no_delay(connection),), name="dock-hub", daemon=True
-            ).start()
+            threading.Thread(target=self._serve, args=(sock,), name="dock-hub", daemon=True).start()
 
-    def _serve(self, connection: Connection) -> None:
-        with connection:
+    def _serve(self, sock: socket.socket) -> None:
+        sock.setblocking(True)
+        with Connection(sock.detach()) as connection:
+            try:  # the handshake of multiprocessing.connection.Listener, here on this connection's thread
+                deliver_challenge(connection, self.authkey)
+                answer_challenge(connection, self.authkey)
+            except Exception:  # noqa: BLE001 - a failed handshake ends only this connection
+                return
+            _tune(connection)
             while True:
                 try:
                     method, args, kwargs = _recv(connection)
                 except (EOFError, OSError):
                     return
-                try:
-                    reply = ("ok", getattr(self.target, method)(*args, **kwargs))
-                except Exception as error:  # noqa: BLE001 - sent back and re-raised in the client
-                    reply = ("error", error)
+                except BadMessage as error:
+                    reply = ("error", TypeError(f"the dock could not unpickle a request: {error}"))
+                else:
+                    try:
+                        reply = ("ok", getattr(self.target, method)(*args, **kwargs))
+                    except Exception as error:  # noqa: BLE001 - sent back and re-raised in the client
+                        reply = ("error", error)
                 try:
                     _send(connection, reply)
                 except (OSError, ValueError):
@@ -110,7 +146,7 @@ class ServiceHub:
         """Stop accepting connections (open ones end when their clients go away)."""
         self._closed = True
         ServiceHub._local.pop(self.address, None)
-        self._listener.close()
+        self._socket.close()
 
 
 class _Done:
@@ -124,6 +160,9 @@ class _Done:
             raise self.value
         return self.value
 
+    def abandon(self) -> None:
+        """Nothing in flight."""
+
 
 class _SocketPending:
     def __init__(self, transport: SocketTransport, connection: Connection) -> None:
@@ -132,15 +171,19 @@ class _SocketPending:
     def result(self, timeout_s: float) -> Any:
         try:
             if not self.connection.poll(max(0.0, timeout_s)):
-                self.transport._drop(self.connection)  # its late reply must not answer the next request
+                self.abandon()  # its late reply must not answer the next request
                 raise NoReply()
             status, value = _recv(self.connection)
         except (OSError, EOFError) as error:
-            self.transport._drop(self.connection)
+            self.abandon()
             raise Lost(repr(error)) from error
         if status == "error":
             raise value
         return value
+
+    def abandon(self) -> None:
+        """Give up on this reply: close the connection, so the next request opens a fresh one."""
+        self.transport._drop(self.connection)
 
 
 class SocketTransport:
@@ -150,7 +193,7 @@ class SocketTransport:
     """
 
     def __init__(self, address: tuple, authkey: bytes) -> None:
-        self.address, self.authkey = address, authkey
+        self.address, self.authkey = tuple(address), authkey
         self._threads = threading.local()
 
     def __getstate__(self) -> dict:
@@ -160,7 +203,7 @@ class SocketTransport:
         self.__init__(state["address"], state["authkey"])
 
     def request(self, method: str, *args, **kwargs) -> _Done | _SocketPending:
-        """Send one call; `.result(timeout_s)` waits for its reply."""
+        """Send one call; `.result(timeout_s)` waits for its reply, `.abandon()` drops it."""
         local = ServiceHub.local(self.address)
         if local is not None:
             try:
@@ -170,8 +213,7 @@ class SocketTransport:
         connection = getattr(self._threads, "connection", None)
         try:
             if connection is None:
-                connection = _no_delay(Client(self.address, authkey=self.authkey))
-                self._threads.connection = connection
+                connection = self._threads.connection = self._connect()
             _send(connection, (method, args, kwargs))
         except (OSError, EOFError) as error:
             if connection is not None:
@@ -182,6 +224,15 @@ class SocketTransport:
     def call(self, method: str, *args, timeout_s: float, **kwargs) -> Any:
         """request + result."""
         return self.request(method, *args, **kwargs).result(timeout_s)
+
+    def _connect(self) -> Connection:
+        future = _connector.submit(Client, self.address, authkey=self.authkey)
+        try:
+            return _tune(future.result(timeout=CONNECT_TIMEOUT_S))
+        except FutureTimeout:
+            raise Lost(f"no connection to {self.address} within {CONNECT_TIMEOUT_S:g} s") from None
+        except Exception as error:  # noqa: BLE001 - refused, reset, failed handshake: the peer is not there
+            raise Lost(repr(error)) from error
 
     def _drop(self, connection: Connection) -> None:
         if getattr(self._threads, "connection", None) is connection:
@@ -206,6 +257,9 @@ class _RayPending:
             raise Lost(str(error)) from error
         except GetTimeoutError as error:
             raise NoReply() from error
+
+    def abandon(self) -> None:
+        """A Ray reply matches its own ObjectRef: nothing to clean up."""
 
 
 class RayTransport:

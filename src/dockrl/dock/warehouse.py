@@ -40,7 +40,7 @@ def check_batch(rows: list[int], batch: dict[str, list], where: str) -> None:
 
 
 class ReadyListener(Protocol):
-    """What a warehouse notifies: the controller itself in unit tests, a blocking Ray adapter in launch.py."""
+    """What a warehouse notifies in the central modes and in unit tests: the controller itself."""
 
     def mark_ready(
         self, warehouse: int, rows: list[int], columns: list[str], lengths: dict[str, list[int]] | None = None
@@ -83,8 +83,9 @@ class Warehouse:
         """Unique id of this warehouse instance (a restarted actor has a new one)."""
         return self.incarnation
 
-    def serve(self, host: str) -> tuple[tuple, bytes]:
-        """Start (once) a socket hub for this warehouse in this process; returns (address, authkey)."""
+    def serve(self, host: str | None = None) -> tuple[tuple, bytes]:
+        """Start (once) a socket hub for this warehouse in this process (host None: this Ray node's
+        address); returns (address, authkey)."""
         from dockrl.dock.transport import ServiceHub
 
         if getattr(self, "_hub", None) is None:

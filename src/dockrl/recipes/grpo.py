@@ -247,11 +247,15 @@ def _step(
             with timer("critic_values"):  # what is left of it: it overlaps the log-prob stages
                 critic.wait(value_refs, "compute_values")
         with timer("update"):
-            if critic is not None:  # the actor's update waits in the dock for the critic's advantages
-                critic_refs = critic.call_async("update")
-            updates = actors.call("update") if step > cfg.algo.critic_warmup_steps else []
+            # With ppo the actor's update waits in the dock for the critic's advantages, and the critic never
+            # waits for the actor: so wait for the critic first, and its failure is reported at once rather
+            # than as the actor's dock timeout.
+            critic_refs = critic.call_async("update") if critic is not None else None
+            train_actor = step > cfg.algo.critic_warmup_steps
+            actor_refs = actors.call_async("update") if train_actor else None
             if critic is not None:
                 critic_out = critic.wait(critic_refs, "update")
+            updates = actors.wait(actor_refs, "update") if train_actor else []
         dock_stats = client.stats()
         client.reset()
     metrics = _metrics(cfg, step, batch, gen, scored, updates, timer, dock_stats)
