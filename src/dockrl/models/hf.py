@@ -16,7 +16,7 @@ checkpoint that still carries ``lm_head.weight`` loads with that entry dropped.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -93,15 +93,28 @@ def load_model(
     state_dict = load_state_dict(path)
     if args.tie_word_embeddings:
         state_dict.pop(LM_HEAD_KEY, None)
+    # assign=True is safe: tied models have no lm_head module, so no parameter is shared between names.
+    return materialize(lambda: Transformer(args), state_dict, path, device=device, dtype=dtype)
+
+
+def materialize(
+    build: Callable[[], nn.Module],
+    state_dict: Mapping[str, Tensor],
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """`build()` on the meta device, then `state_dict` assigned into it strictly: buffers HF checkpoints
+    carry are dropped, keys and shapes checked (errors name `path`), floating tensors cast to `dtype`."""
     state_dict = {k: v for k, v in state_dict.items() if not k.endswith(_IGNORED_SUFFIXES)}
     with torch.device("meta"):
-        model = Transformer(args)
+        model = build()
     _check_keys_and_shapes(model, state_dict, path)
     state_dict = {
         k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
         for k, v in state_dict.items()
     }
-    # assign=True is safe: tied models have no lm_head module, so no parameter is shared between names.
     model.load_state_dict(state_dict, strict=True, assign=True)
     return model
 

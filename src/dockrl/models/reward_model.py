@@ -22,14 +22,7 @@ from torch import nn
 
 from dockrl.models.config import ModelArgs
 from dockrl.models.decoder import DecoderModel, Transformer
-from dockrl.models.hf import (
-    _IGNORED_SUFFIXES,
-    CONFIG_FILE,
-    _check_keys_and_shapes,
-    load_state_dict,
-    read_config,
-    save_model,
-)
+from dockrl.models.hf import CONFIG_FILE, load_state_dict, materialize, read_config, save_model
 
 SCORE_KEY = "score.weight"
 ARCHITECTURES = {
@@ -145,16 +138,9 @@ def load_reward_model(
 ) -> RewardModel:
     """Build a `RewardModel` from a `*ForSequenceClassification` directory, weights loaded strictly."""
     args = check_reward_model_dir(path)
-    state_dict = {k: v for k, v in load_state_dict(path).items() if not k.endswith(_IGNORED_SUFFIXES)}
-    with torch.device("meta"):
-        model = RewardModel(args, num_labels=1)
-    _check_keys_and_shapes(model, state_dict, path)
-    state_dict = {
-        k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
-        for k, v in state_dict.items()
-    }
-    model.load_state_dict(state_dict, strict=True, assign=True)
-    return model
+    return materialize(
+        lambda: RewardModel(args, num_labels=1), load_state_dict(path), path, device=device, dtype=dtype
+    )
 
 
 def save_reward_model(

@@ -20,7 +20,7 @@ from torch import nn
 
 from dockrl.models.config import ModelArgs
 from dockrl.models.decoder import DecoderModel
-from dockrl.models.hf import _IGNORED_SUFFIXES, _check_keys_and_shapes, load_state_dict, read_config
+from dockrl.models.hf import load_state_dict, materialize, read_config
 
 SCORE_WEIGHT, SCORE_BIAS = "score.weight", "score.bias"
 
@@ -59,18 +59,7 @@ def load_value_model(
 ) -> ValueModel:
     """Build a `ValueModel` from a model directory: a causal LM (fresh head drawn with `seed`) or a saved critic."""
     args = read_config(path)
-    state = {
-        k: v
-        for k, v in load_state_dict(path).items()
-        if not k.startswith("lm_head.") and not k.endswith(_IGNORED_SUFFIXES)
-    }
+    state = {k: v for k, v in load_state_dict(path).items() if not k.startswith("lm_head.")}
     if SCORE_WEIGHT not in state:
         state.update(fresh_value_head(args, seed))
-    with torch.device("meta"):
-        model = ValueModel(args)
-    _check_keys_and_shapes(model, state, path)
-    state = {
-        k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()
-    }
-    model.load_state_dict(state, strict=True, assign=True)
-    return model
+    return materialize(lambda: ValueModel(args), state, path, device=device, dtype=dtype)
