@@ -18,16 +18,7 @@ from dockrl.algos import (
     token_logprobs,
 )
 from dockrl.algos import logprobs as logprobs_module
-
-
-def close(actual, expected, atol=1e-5):
-    torch.testing.assert_close(
-        torch.as_tensor(actual, dtype=torch.float32),
-        torch.tensor(expected, dtype=torch.float32),
-        atol=atol,
-        rtol=0,
-    )
-
+from helpers import close
 
 # ---------------------------------------------------------------- log-probs and entropy
 

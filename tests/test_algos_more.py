@@ -19,15 +19,7 @@ from dockrl.algos import (
     value_loss,
     whiten,
 )
-
-
-def close(actual, expected, atol=1e-5):
-    torch.testing.assert_close(
-        torch.as_tensor(actual, dtype=torch.float32),
-        torch.tensor(expected, dtype=torch.float32),
-        atol=atol,
-        rtol=0,
-    )
+from helpers import close
 
 
 def prefix_mask(lengths: list[int], num_tokens: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from transformers import (
 from dockrl.models.config import ModelArgs
 from dockrl.models.decoder import Transformer
 from dockrl.models.hf import load_model, load_state_dict, read_config, save_model
+from helpers import perturb_
 
 VOCAB = 96
 SEQ = 40
@@ -35,18 +36,6 @@ _HF_CLASSES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
 }
-
-
-def _perturb_(module: torch.nn.Module, seed: int) -> None:
-    """Give every parameter (norm weights and biases too) distinct random values, so any mis-loaded one shows."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(module.named_parameters()):
-            noise = torch.randn(param.shape, generator=generator)
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * noise)
-            else:
-                param.copy_(0.1 * noise)
 
 
 def _hf_model(family: str, *, tie: bool, rope_scaling: dict | None = None) -> torch.nn.Module:
@@ -73,7 +62,7 @@ def _hf_model(family: str, *, tie: bool, rope_scaling: dict | None = None) -> to
         kwargs["rope_scaling"] = rope_scaling
     torch.manual_seed(0)
     model = model_cls(config_cls(**kwargs))
-    _perturb_(model, seed=1)
+    perturb_(model, seed=1)
     return model.eval()
 
 
@@ -101,7 +90,7 @@ def _dockrl_args(family: str, *, tie: bool, rope_scaling: dict | None = None) ->
 def _dockrl_model(args: ModelArgs) -> Transformer:
     model = Transformer(args)
     model.init_weights(seed=0)
-    _perturb_(model, seed=2)
+    perturb_(model, seed=2)
     return model.eval()
 
 

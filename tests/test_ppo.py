@@ -27,17 +27,9 @@ from dockrl.models.hf import load_state_dict, save_model
 from dockrl.models.value import load_value_model
 from dockrl.workers.train.batch import make_micro_batch
 from dockrl.workers.train.engine import TrainEngine
+from helpers import close
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
-def close(actual, expected, atol=1e-5):
-    torch.testing.assert_close(
-        torch.as_tensor(actual, dtype=torch.float32),
-        torch.tensor(expected, dtype=torch.float32),
-        atol=atol,
-        rtol=0,
-    )
 
 
 # ---------------------------------------------------------------- token rewards, GAE, whitening

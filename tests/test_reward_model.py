@@ -35,6 +35,7 @@ from dockrl.models.tiny import make_tiny
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.workers.reward import RewardWorker
 from dockrl.workers.reward_model import RM_SCORE, RewardModelWorker, rm_token_ids, same_vocabulary
+from helpers import perturb_
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 VOCAB = 96
@@ -44,15 +45,6 @@ _HF_CLASSES = {
     "qwen2": (Qwen2Config, Qwen2ForSequenceClassification),
     "qwen3": (Qwen3Config, Qwen3ForSequenceClassification),
 }
-
-
-def _perturb_(module: torch.nn.Module, seed: int) -> None:
-    """Distinct random values in every parameter (norms and biases too), so a mis-loaded one shows."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(module.named_parameters()):
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.1 * noise)
 
 
 def _hf_reward_model(family: str, num_labels: int = 1) -> torch.nn.Module:
@@ -76,7 +68,7 @@ def _hf_reward_model(family: str, num_labels: int = 1) -> torch.nn.Module:
         kwargs["attention_bias"] = True
     torch.manual_seed(0)
     model = model_cls(config_cls(**kwargs))
-    _perturb_(model, seed=1)
+    perturb_(model, seed=1)
     return model.eval()
 
 
@@ -138,7 +130,7 @@ def test_saved_reward_model_loads_in_transformers(family, tmp_path):
     )
     model = RewardModel(args)
     model.init_weights(seed=0)
-    _perturb_(model, seed=2)
+    perturb_(model, seed=2)
     save_reward_model(model, tmp_path)
     hf_model = AutoModelForSequenceClassification.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert type(hf_model) is _HF_CLASSES[family][1] and hf_model.config.num_labels == 1

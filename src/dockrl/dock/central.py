@@ -23,7 +23,7 @@ from typing import Any
 from dockrl.dock.errors import DockError, DockTimeoutError, WarehouseDiedError
 from dockrl.dock.metrics import ClientCounters, batch_nbytes
 from dockrl.dock.shared import SharedController
-from dockrl.dock.transport import BadMessage, Lost, NoReply, ServiceHub, SocketTransport
+from dockrl.dock.transport import BadMessage, Lost, NoReply, SocketTransport
 from dockrl.dock.warehouse import Warehouse
 
 WAIT_SLICE_S = 2.0  # a waiting get re-asks at least this often (liveness of the store is checked by the call)
@@ -220,6 +220,4 @@ class CentralClient(ClientCounters):
         self.transport.call("call", "num_rows")
 
 
-DriverHub = ServiceHub  # driver mode: the driver serves its CentralDock like a dock actor serves itself
-
-__all__ = ["ActorTransport", "CentralClient", "CentralDock", "DockError", "DriverHub", "HubTransport"]
+__all__ = ["ActorTransport", "CentralClient", "CentralDock", "DockError", "HubTransport"]

@@ -157,23 +157,20 @@ class DockClient(ClientCounters):
         """Payload to each warehouse and its metadata to the controller, all in flight at once."""
         refs = {w: self._request(w, "put", rows, batch) for w, (rows, batch) in puts.items()}
         marks = [
-            self._controller_request("mark_ready", w, rows, list(batch), lengths_of(batch) or None)
+            self._controller_transport.request("mark_ready", w, rows, list(batch), lengths_of(batch) or None)
             for w, (rows, batch) in puts.items()
             if rows and batch
         ]
+        collected = 0
         try:
             self._gather(refs, {w: rows for w, (rows, _) in puts.items()}, "put")
-        except BaseException:
             for mark in marks:
+                self._controller_result(mark, "mark_ready")
+                collected += 1
+        except BaseException:
+            for mark in marks[collected:]:
                 mark.abandon()  # a reply left unread would answer this thread's next controller call
             raise
-        for i, mark in enumerate(marks):
-            try:
-                self._controller_result(mark, "mark_ready")
-            except BaseException:
-                for other in marks[i + 1 :]:
-                    other.abandon()
-                raise
 
     # ---------------------------------------------------------------- consumers
 
@@ -338,14 +335,8 @@ class DockClient(ClientCounters):
     # ---------------------------------------------------------------- Ray plumbing
 
     def _call_controller(self, method: str, *args, reply_timeout_s: float | None = None, **kwargs) -> Any:
-        pending = self._controller_request(method, *args, **kwargs)
+        pending = self._controller_transport.request(method, *args, **kwargs)
         return self._controller_result(pending, method, reply_timeout_s)
-
-    def _controller_request(self, method: str, *args, **kwargs) -> Any:
-        try:
-            return self._controller_transport.request(method, *args, **kwargs)
-        except Lost as error:
-            return _Failed(error)
 
     def _controller_result(self, pending: Any, method: str, timeout_s: float | None = None) -> Any:
         timeout_s = self.get_timeout_s if timeout_s is None else timeout_s
@@ -369,10 +360,7 @@ class DockClient(ClientCounters):
 
     def _request(self, warehouse: int, method: str, *args) -> Any:
         """Send one call to a warehouse; a send that fails is reported when its reply is collected."""
-        try:
-            return self._warehouse_transports[warehouse].request(method, *args)
-        except Lost as error:
-            return _Failed(error)
+        return self._warehouse_transports[warehouse].request(method, *args)
 
     def _gather(self, refs: dict[int, Any], rows: dict[int, list[int]] | None, what: str) -> dict[int, Any]:
         """Collect each warehouse's reply (all already in flight), naming the warehouse that failed.
@@ -421,19 +409,6 @@ class DockClient(ClientCounters):
     def _describe(self, warehouse: int) -> str:
         node = self.warehouse_nodes[warehouse] if self.warehouse_nodes is not None else "unknown"
         return f"dock warehouse {warehouse} on node {node}"
-
-
-class _Failed:
-    """A request whose send already failed."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-    def result(self, timeout_s: float) -> Any:
-        raise self.error
-
-    def abandon(self) -> None:
-        """Nothing in flight."""
 
 
 def _abbreviate(rows: list[int], limit: int = 16) -> str:

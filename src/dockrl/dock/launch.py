@@ -27,10 +27,11 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from dockrl.dock.central import ActorTransport, CentralClient, CentralDock, DriverHub, HubTransport
+from dockrl.dock.central import ActorTransport, CentralClient, CentralDock, HubTransport
 from dockrl.dock.client import DockClient
 from dockrl.dock.errors import DockError
 from dockrl.dock.shared import SharedController
+from dockrl.dock.transport import ServiceHub
 from dockrl.dock.warehouse import Warehouse
 
 WAREHOUSE_MAX_CONCURRENCY = 64  # transport=ray: gets waiting for in-flight cells hold a thread each
@@ -89,7 +90,7 @@ class CentralDockHandle:
     transport: Any
     get_timeout_s: float = 300.0
     actor: Any = None
-    hub: DriverHub | None = None
+    hub: ServiceHub | None = None
 
     def client(self, **kwargs) -> CentralClient:
         """A CentralClient (DockClient's interface); kwargs: get_timeout_s (home is ignored)."""
@@ -129,7 +130,7 @@ def launch_dock(
     if transport not in TRANSPORTS:
         raise ValueError(f"dock.transport={transport!r} is not one of {list(TRANSPORTS)}")
     if mode == "driver":
-        hub = DriverHub(CentralDock(policy=policy, max_rows=max_rows), host=ray.util.get_node_ip_address())
+        hub = ServiceHub(CentralDock(policy=policy, max_rows=max_rows), host=ray.util.get_node_ip_address())
         hub_transport = HubTransport(hub.address, hub.authkey, get_timeout_s)
         return CentralDockHandle(mode, hub_transport, get_timeout_s, hub=hub)
     if mode == "single":

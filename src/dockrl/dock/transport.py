@@ -6,7 +6,8 @@
 ```
 
 Both give `request(method, *args, **kwargs) -> Pending` with `.result(timeout_s)` and `.abandon()`, so a
-client sends to every warehouse first and then collects the replies (the calls overlap). Failures come out
+client sends to every warehouse first and then collects the replies (the calls overlap). `request` never
+raises: a send that fails gives a Pending whose `result` raises. Failures come out
 as two exceptions the client turns into errors that name the actor and the rows: `Lost` (the peer's process
 is gone: connection refused/reset/closed, or RayActorError) and `NoReply` (no answer within the timeout).
 
@@ -203,7 +204,8 @@ class SocketTransport:
         self.__init__(state["address"], state["authkey"])
 
     def request(self, method: str, *args, **kwargs) -> _Done | _SocketPending:
-        """Send one call; `.result(timeout_s)` waits for its reply, `.abandon()` drops it."""
+        """Send one call; `.result(timeout_s)` waits for its reply (or raises the send's failure),
+        `.abandon()` drops it."""
         local = ServiceHub.local(self.address)
         if local is not None:
             try:
@@ -215,10 +217,11 @@ class SocketTransport:
             if connection is None:
                 connection = self._threads.connection = self._connect()
             _send(connection, (method, args, kwargs))
+        except Lost as error:  # no connection could be made
+            return _Done("error", error)
         except (OSError, EOFError) as error:
-            if connection is not None:
-                self._drop(connection)
-            raise Lost(repr(error)) from error
+            self._drop(connection)
+            return _Done("error", Lost(repr(error)))
         return _SocketPending(self, connection)
 
     def call(self, method: str, *args, timeout_s: float, **kwargs) -> Any:

@@ -75,7 +75,7 @@ class StageTimer:
         try:
             yield
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            self.add(name, time.perf_counter() - start)
 
     def add(self, name: str, seconds: float) -> None:
         """Add a duration measured elsewhere (stages that overlap, or repeat within a step)."""

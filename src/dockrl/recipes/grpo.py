@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from dockrl.config.loader import to_dict
-from dockrl.config.schema import TrainConfig
+from dockrl.config.schema import RunConfig, TrainConfig
 from dockrl.dock.launch import launch_dock
 from dockrl.dock.metrics import bytes_moved, driver_bytes
 from dockrl.models.tokenizer import Tokenizer
@@ -127,40 +127,34 @@ def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None
 
 
 def _start_workers(cfg: TrainConfig, dock) -> tuple[WorkerGroup, WorkerGroup]:
-    cuda = cfg.run.device == "cuda"
     # PPO's actor does not update during the critic's warm-up steps.
     rl_steps = max(1, cfg.run.steps - cfg.algo.critic_warmup_steps)
-    optimizer_steps = rl_steps * cfg.actor.mini_batches * cfg.actor.epochs
     num_actor_ranks = cfg.actor.dp * cfg.actor.tp
-    threads = None if cuda else max(1, (os.cpu_count() or 1) // num_actor_ranks)
-    actors = WorkerGroup(
+    actors = _group(
+        cfg.run,
         ActorWorker,
         num_actor_ranks,
-        name="actor",
+        "actor",
+        gpu=True,
         distributed=True,
-        device=cfg.run.device,
-        num_gpus=1 if cuda else 0,
-        num_cpus=0,
-        timeout_s=cfg.run.worker_timeout_s,
-        init_kwargs=dict(
-            cfg=cfg, client=dock.client(), total_optimizer_steps=optimizer_steps, num_threads=threads
-        ),
+        cfg=cfg,
+        client=dock.client(),
+        total_optimizer_steps=rl_steps * cfg.actor.mini_batches * cfg.actor.epochs,
+        num_threads=_threads_per_rank(cfg, num_actor_ranks),
     )
-    rewards = WorkerGroup(
+    rewards = _group(
+        cfg.run,
         RewardWorker,
         cfg.reward.num_workers,
-        name="reward",
-        num_cpus=0,
-        timeout_s=cfg.run.worker_timeout_s,
-        init_kwargs=dict(
-            reward=cfg.reward,
-            algo=cfg.algo,
-            tokenizer_path=cfg.model.path,
-            client=dock.client(),
-            group_size=cfg.rollout.samples_per_prompt,
-            log_samples=cfg.run.log_samples,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-        ),
+        "reward",
+        gpu=False,
+        reward=cfg.reward,
+        algo=cfg.algo,
+        tokenizer_path=cfg.model.path,
+        client=dock.client(),
+        group_size=cfg.rollout.samples_per_prompt,
+        log_samples=cfg.run.log_samples,
+        max_new_tokens=cfg.rollout.max_new_tokens,
     )
     return actors, rewards
 
@@ -169,23 +163,19 @@ def _start_reward_models(cfg: TrainConfig, dock) -> WorkerGroup | None:
     """RewardModelWorkers when reward.model.path is set (one GPU each on cuda), else None."""
     if cfg.reward.model.path is None:
         return None
-    cuda = cfg.run.device == "cuda"
-    return WorkerGroup(
+    return _group(
+        cfg.run,
         RewardModelWorker,
         cfg.reward.model.num_workers,
-        name="reward_model",
-        num_gpus=1 if cuda else 0,
-        num_cpus=0,
-        timeout_s=cfg.run.worker_timeout_s,
-        init_kwargs=dict(
-            model=cfg.reward.model,
-            policy_path=cfg.model.path,
-            client=dock.client(),
-            group_size=cfg.rollout.samples_per_prompt,
-            groups_per_pull=cfg.reward.groups_per_pull,
-            device=cfg.run.device,
-            precision=cfg.run.precision,
-        ),
+        "reward_model",
+        gpu=True,
+        model=cfg.reward.model,
+        policy_path=cfg.model.path,
+        client=dock.client(),
+        group_size=cfg.rollout.samples_per_prompt,
+        groups_per_pull=cfg.reward.groups_per_pull,
+        device=cfg.run.device,
+        precision=cfg.run.precision,
     )
 
 
@@ -193,23 +183,42 @@ def _start_critic(cfg: TrainConfig, dock) -> WorkerGroup | None:
     """PPO's CriticWorkers (critic.dp ranks in their own process group; one GPU each on cuda), else None."""
     if cfg.algo.name != "ppo":
         return None
-    cuda, critic = cfg.run.device == "cuda", cfg.critic
-    return WorkerGroup(
+    critic = cfg.critic
+    return _group(
+        cfg.run,
         CriticWorker,
         critic.dp,
-        name="critic",
+        "critic",
+        gpu=True,
         distributed=True,
-        device=cfg.run.device,
-        num_gpus=1 if cuda else 0,
-        num_cpus=0,
-        timeout_s=cfg.run.worker_timeout_s,
-        init_kwargs=dict(
-            cfg=cfg,
-            client=dock.client(),
-            total_optimizer_steps=cfg.run.steps * critic.mini_batches * critic.epochs,
-            num_threads=None if cuda else max(1, (os.cpu_count() or 1) // critic.dp),
-        ),
+        cfg=cfg,
+        client=dock.client(),
+        total_optimizer_steps=cfg.run.steps * critic.mini_batches * critic.epochs,
+        num_threads=_threads_per_rank(cfg, critic.dp),
     )
+
+
+def _group(
+    run: RunConfig, worker: type, size: int, name: str, *, gpu: bool, distributed: bool = False, **init
+):
+    """`size` Ray actors of `worker` (constructed with `init`) that reserve no CPU, and one GPU each when
+    `gpu` and run.device=cuda; `distributed` joins them in one process group on run.device."""
+    return WorkerGroup(
+        worker,
+        size,
+        name=name,
+        distributed=distributed,
+        device=run.device,
+        num_gpus=1 if gpu and run.device == "cuda" else 0,
+        num_cpus=0,
+        timeout_s=run.worker_timeout_s,
+        init_kwargs=init,
+    )
+
+
+def _threads_per_rank(cfg: TrainConfig, ranks: int) -> int | None:
+    """CPU runs split the machine's cores over the ranks; on cuda torch keeps its default."""
+    return None if cfg.run.device == "cuda" else max(1, (os.cpu_count() or 1) // ranks)
 
 
 def _step(

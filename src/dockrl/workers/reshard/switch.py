@@ -257,21 +257,15 @@ def _copy_overlap(
     part: torch.Tensor, row0: int, col0: int, out: torch.Tensor, dim: int | None, start: int, end: int
 ) -> None:
     """Copy the overlap of `part` (full-tensor rows row0.., columns col0..) with out = full[dim: start:end]."""
-    rows_lo, rows_hi = row0, row0 + part.shape[0]
-    if dim == 0:
-        rows_lo, rows_hi = max(rows_lo, start), min(rows_hi, end)
-    if rows_lo >= rows_hi:
-        return
-    src = part.narrow(0, rows_lo - row0, rows_hi - rows_lo)
-    dst = out.narrow(0, rows_lo - (start if dim == 0 else 0), rows_hi - rows_lo)
-    if part.dim() > 1:
-        cols_lo, cols_hi = col0, col0 + part.shape[1]
-        if dim == 1:
-            cols_lo, cols_hi = max(cols_lo, start), min(cols_hi, end)
-        if cols_lo >= cols_hi:
+    src, dst = part, out
+    for d, first in list(enumerate((row0, col0)))[: part.dim()]:
+        lo, hi = first, first + part.shape[d]
+        if dim == d:
+            lo, hi = max(lo, start), min(hi, end)
+        if lo >= hi:
             return
-        src = src.narrow(1, cols_lo - col0, cols_hi - cols_lo)
-        dst = dst.narrow(1, cols_lo - (start if dim == 1 else 0), cols_hi - cols_lo)
+        src = src.narrow(d, lo - first, hi - lo)
+        dst = dst.narrow(d, lo - (start if dim == d else 0), hi - lo)
     dst.copy_(src)
 
 
