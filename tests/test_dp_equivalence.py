@@ -1,10 +1,12 @@
 """dp=2 (two gloo processes, FSDP2) and dp=1 take the same policy update on the same rows."""
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from dockrl.config import ActorConfig, AlgoConfig
 from dockrl.parallel.dist import free_port
+from helpers import assert_grads_close, full_grads
 
 NUM_ROWS = 8
 ALGO = AlgoConfig(kl_coef=0.05, clip_low=0.2, clip_high=0.28)
@@ -43,7 +45,7 @@ def run_update(model_dir: str, idx: list[int], world_size: int, mesh=None, micro
         pad_token_id=0,
         world_size=world_size,
     )
-    return metrics, engine.full_state_dict()
+    return metrics, full_grads(engine), engine.full_state_dict()
 
 
 def _dp_worker(rank: int, world_size: int, port: int, model_dir: str, out_path: str) -> None:
@@ -53,42 +55,37 @@ def _dp_worker(rank: int, world_size: int, port: int, model_dir: str, out_path: 
     init_distributed(rank, world_size, "127.0.0.1", port, "cpu", timeout_s=120)
     mesh = data_parallel_mesh("cpu", world_size)
     per_rank = NUM_ROWS // world_size
-    metrics, state = run_update(
+    metrics, grads, _ = run_update(
         model_dir, list(range(rank * per_rank, (rank + 1) * per_rank)), world_size, mesh
     )
     if rank == 0:
-        torch.save({"metrics": metrics, "state": state}, out_path)
+        torch.save({"metrics": metrics, "grads": grads}, out_path)
     torch.distributed.destroy_process_group()
 
 
 def test_dp2_equals_dp1(tmp_path, tiny_model):
-    ref_metrics, ref_state = run_update(str(tiny_model), list(range(NUM_ROWS)), world_size=1)
+    ref_metrics, ref_grads, _ = run_update(str(tiny_model), list(range(NUM_ROWS)), world_size=1)
     out = tmp_path / "dp2.pt"
     mp.start_processes(
         _dp_worker, args=(2, free_port(), str(tiny_model), str(out)), nprocs=2, start_method="spawn"
     )
     dp2 = torch.load(out)
     for key in ("loss", "pg_loss", "kl", "grad_norm", "clip_frac"):
-        assert abs(dp2["metrics"][key] - ref_metrics[key]) < 1e-5, (
-            key,
-            dp2["metrics"][key],
-            ref_metrics[key],
-        )
+        # O(1) sums of a few hundred fp32 terms: rounding stays near 1e-5 relative (see helpers.GRAD_RTOL).
+        assert dp2["metrics"][key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), key
     assert ref_metrics["grad_norm"] > 0
-    assert set(ref_state) == set(dp2["state"])
-    for name, ref in ref_state.items():
-        torch.testing.assert_close(dp2["state"][name], ref, atol=1e-5, rtol=1e-5, msg=name)
+    assert_grads_close(dp2["grads"], ref_grads)
 
 
 def test_update_changes_parameters_and_is_micro_batch_invariant(tiny_model):
     from dockrl.models.hf import load_state_dict
 
     initial = load_state_dict(tiny_model)
-    m8, s8 = run_update(str(tiny_model), list(range(NUM_ROWS)), world_size=1, micro_batch_size=8)
-    m1, s1 = run_update(str(tiny_model), list(range(NUM_ROWS)), world_size=1, micro_batch_size=1)
-    assert abs(m8["loss"] - m1["loss"]) < 1e-6
+    m8, g8, s8 = run_update(str(tiny_model), list(range(NUM_ROWS)), world_size=1, micro_batch_size=8)
+    m1, g1, _ = run_update(str(tiny_model), list(range(NUM_ROWS)), world_size=1, micro_batch_size=1)
+    assert m1["loss"] == pytest.approx(m8["loss"], rel=1e-4, abs=1e-6)
+    assert m1["grad_norm"] == pytest.approx(m8["grad_norm"], rel=1e-4)
     moved = [n for n in s8 if not torch.equal(s8[n], initial[n])]
     assert len(moved) == len(s8), "every parameter receives a gradient and moves"
-    for name in s8:
-        # Adam normalises each update, so float-order noise in near-zero gradients shows up at ~1e-5 of lr=1e-2.
-        torch.testing.assert_close(s1[name], s8[name], atol=5e-5, rtol=1e-4, msg=name)
+    # One micro-batch of 8 and eight of 1 accumulate the same gradient (compared before Adam, see helpers).
+    assert_grads_close(g1, g8)

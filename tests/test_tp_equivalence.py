@@ -5,11 +5,13 @@ gives each case its own (dp, tp) sub-mesh, the replicas computing the same thing
 and entropy are checked against the single-process functions, values and gradients.
 """
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from dockrl.config import ActorConfig, AlgoConfig
 from dockrl.parallel.dist import free_port
+from helpers import assert_grads_close, full_grads
 
 NUM_ROWS = 8
 ALGO = AlgoConfig(kl_coef=0.05, clip_low=0.2, clip_high=0.28, entropy_coef=0.01)
@@ -63,13 +65,11 @@ def make_rows(vocab: int) -> dict[str, list]:
 
 
 def run_update(model_dir: str, idx: list[int], dp: int, mesh=None):
-    """One policy update on rows idx; returns (metrics, full state dict)."""
+    """One policy update on rows idx; returns (metrics, whole gradients before the optimizer step)."""
     from dockrl.workers.train.engine import TrainEngine
     from dockrl.workers.train.policy_update import policy_update
 
-    # adam_eps well above float noise: Adam's first step is lr * g / (|g| + eps), which turns rounding noise in
-    # near-zero gradients (rows of tokens no row uses) into lr-sized differences when eps is tiny.
-    optim = ActorConfig(lr=1e-2, grad_clip=1.0, micro_batch_size=2, adam_eps=1e-4)
+    optim = ActorConfig(lr=1e-2, grad_clip=1.0, micro_batch_size=2)
     engine = TrainEngine(model_dir, device="cpu", precision="fp32", mesh=mesh, optim=optim)
     metrics = policy_update(
         engine,
@@ -82,7 +82,7 @@ def run_update(model_dir: str, idx: list[int], dp: int, mesh=None):
         pad_token_id=0,
         world_size=dp,
     )
-    return metrics, engine.full_state_dict()
+    return metrics, full_grads(engine)
 
 
 def _check_vocab_parallel_functions(rank: int, world: int) -> dict:
@@ -150,12 +150,16 @@ def test_tp_and_dp_layouts_equal_single_process(tmp_path, tiny_model):
     for rank_result in results["functions"]:
         assert rank_result["value_error"] < 1e-4 and rank_result["grad_error"] < 1e-4, rank_result
     for family, layouts in CASES.items():
-        ref_metrics, ref_state = run_update(model_dirs[family], list(range(NUM_ROWS)), dp=1)
+        ref_metrics, ref_grads = run_update(model_dirs[family], list(range(NUM_ROWS)), dp=1)
         assert ref_metrics["grad_norm"] > 0 and ref_metrics["entropy"] > 0
         for dp, tp in layouts:
-            metrics, state = results[(family, dp, tp)]
+            metrics, grads = results[(family, dp, tp)]
             for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "clip_frac"):
-                assert abs(metrics[key] - ref_metrics[key]) < 1e-5, (family, dp, tp, key, metrics[key])
-            assert set(state) == set(ref_state)
-            for name, ref in ref_state.items():
-                torch.testing.assert_close(state[name], ref, atol=1e-5, rtol=1e-5, msg=(family, dp, tp, name))
+                # O(1) fp32 sums of a few hundred terms: rounding stays near 1e-5 relative (helpers.GRAD_RTOL).
+                assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), (
+                    family,
+                    dp,
+                    tp,
+                    key,
+                )
+            assert_grads_close(grads, ref_grads, msg=(family, dp, tp))
