@@ -4,7 +4,6 @@ worked by hand; the value model; config errors before Ray; two PPO steps through
 Expected values are literals worked by hand in the comments, not re-derived with the code under test.
 """
 
-import functools
 import json
 import math
 import warnings
@@ -24,7 +23,7 @@ from dockrl.algos.ppo import (
 from dockrl.cli import main
 from dockrl.config import ConfigError, CriticConfig, TrainConfig, load_config, validate_train
 from dockrl.models.hf import load_state_dict, save_model
-from dockrl.models.value import load_value_model
+from dockrl.models.value import load_value_model, value_model_kind
 from dockrl.workers.train.batch import make_micro_batch
 from dockrl.workers.train.engine import TrainEngine
 from helpers import close
@@ -130,9 +129,10 @@ def test_value_model_head_is_fresh_from_a_causal_lm_and_round_trips(tiny_model, 
 
 
 def test_critic_engine_values_ignore_padding_and_training_fits_returns(tiny_model):
-    build = functools.partial(load_value_model, seed=0)
     critic = CriticConfig(lr=1e-2, grad_clip=0.0)
-    engine = TrainEngine(tiny_model, device="cpu", precision="fp32", optim=critic, build=build)
+    engine = TrainEngine(tiny_model, device="cpu", precision="fp32", optim=critic, kind=value_model_kind(0))
+    # Shard-sized loading draws the same fresh head as the whole-model loader.
+    assert torch.equal(engine.model.score.weight, load_value_model(tiny_model, seed=0).score.weight)
     prompts = [torch.tensor([3, 4, 5]), torch.tensor([6, 7])]
     responses = [torch.tensor([8, 9]), torch.tensor([10, 11, 12, 13])]
     mb = make_micro_batch(

@@ -13,4 +13,5 @@ BENCHMARKS: dict[str, str] = {
     "dock": "dockrl.bench.dock",
     "rollout": "dockrl.bench.rollout",
     "reshard": "dockrl.bench.reshard",
+    "load": "dockrl.bench.load",
 }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,26 +60,100 @@ def read_config(path: str | Path) -> ModelArgs:
 
 def load_state_dict(path: str | Path) -> dict[str, Tensor]:
     """Read all tensors of the model directory ``path`` (single file or shards) onto the CPU."""
-    path = Path(path)
+    reader = CheckpointReader(path)
+    return {name: reader.read(name) for name in reader.shapes}
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """How a module is built from a checkpoint's config.json and which checkpoint tensors it uses.
+
+    build(args): the module (called on the meta device by shard-sized loading); ignore(name, args): a
+    checkpoint tensor the module does not have; fallback(args): whole tensors for parameters a checkpoint
+    may lack (PPO's fresh value head), or None.
+    """
+
+    build: Callable[[ModelArgs], nn.Module]
+    ignore: Callable[[str, ModelArgs], bool]
+    fallback: Callable[[ModelArgs], dict[str, Tensor]] | None = None
+
+
+CAUSAL_LM = ModelKind(
+    build=lambda args: Transformer(args),
+    # Tied checkpoints may still carry lm_head.weight; the model reads the embedding instead.
+    ignore=lambda name, args: args.tie_word_embeddings and name == LM_HEAD_KEY,
+)
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class CheckpointReader:
+    """Reads tensors, or slices of tensors, of a model directory without loading whole files.
+
+    Only the headers are read up front (names, shapes, dtypes). `read(name, index)` opens the tensor's file,
+    reads the requested slice and closes it again: safetensors memory-maps files, and mapped pages count as
+    resident memory for as long as the map lives, so no map outlives a read.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.files = _weight_files(self.path)  # tensor name -> file
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        for file in sorted(set(self.files.values())):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    view = f.get_slice(name)
+                    self.shapes[name] = tuple(view.get_shape())
+                    self.dtypes[name] = _SAFETENSORS_DTYPES[view.get_dtype()]
+        absent = sorted(set(self.files) - set(self.shapes))
+        if absent:
+            raise ValueError(
+                f"{self.path / WEIGHTS_INDEX_FILE} lists {len(absent)} tensors its shards lack, "
+                f"e.g. {absent[:_NUM_KEYS_SHOWN]}"
+            )
+
+    def names(self) -> list[str]:
+        """Every tensor name in the checkpoint (rotary buffers of old checkpoints excluded)."""
+        return [n for n in self.shapes if not n.endswith(_IGNORED_SUFFIXES)]
+
+    def floating_dtype(self) -> torch.dtype:
+        """The dtype the checkpoint stores its floating tensors in (its source dtype)."""
+        return next((d for d in self.dtypes.values() if d.is_floating_point), torch.float32)
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> Tensor:
+        """Tensor `name`, or its sub-block `index` (one slice per leading dim), as a CPU tensor (it may map
+        the file until it is freed: copy it where it must outlive a short use)."""
+        with safe_open(str(self.files[name]), framework="pt", device="cpu") as f:
+            return f.get_slice(name)[index] if index else f.get_tensor(name)
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file of a single-file or sharded model directory."""
     if (path / WEIGHTS_FILE).is_file():
-        return _read_safetensors(path / WEIGHTS_FILE)
+        with safe_open(str(path / WEIGHTS_FILE), framework="pt", device="cpu") as f:
+            return dict.fromkeys(f.keys(), path / WEIGHTS_FILE)
     index_file = path / WEIGHTS_INDEX_FILE
     if not index_file.is_file():
         raise FileNotFoundError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in {path}; {_DIR_CONTENTS}")
     with open(index_file, encoding="utf-8") as f:
         weight_map: dict[str, str] = json.load(f)["weight_map"]
-    state_dict: dict[str, Tensor] = {}
     for shard_name in sorted(set(weight_map.values())):
-        shard_file = path / shard_name
-        if not shard_file.is_file():
+        if not (path / shard_name).is_file():
             raise FileNotFoundError(f"{index_file} names shard {shard_name}, which is missing from {path}")
-        state_dict.update(_read_safetensors(shard_file))
-    absent = sorted(set(weight_map) - set(state_dict))
-    if absent:
-        raise ValueError(
-            f"{index_file} lists {len(absent)} tensors its shards lack, e.g. {absent[:_NUM_KEYS_SHOWN]}"
-        )
-    return state_dict
+    return {name: path / shard for name, shard in weight_map.items()}
 
 
 def load_model(
@@ -120,19 +195,28 @@ def materialize(
 
 
 def _check_keys_and_shapes(model: nn.Module, state_dict: Mapping[str, Tensor], path: str | Path) -> None:
-    """Raise ValueError naming a few missing / unexpected / mis-shaped tensors."""
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
+    check_shapes(
+        {k: tuple(v.shape) for k, v in model.state_dict().items()},
+        {k: tuple(v.shape) for k, v in state_dict.items()},
+        path,
+    )
+
+
+def check_shapes(
+    expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]], path: str | Path
+) -> None:
+    """Raise ValueError naming a few missing / unexpected / mis-shaped tensors of checkpoint `path`."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing, e.g. {missing[:_NUM_KEYS_SHOWN]}")
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected, e.g. {unexpected[:_NUM_KEYS_SHOWN]}")
     mismatched = [
-        f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(shape)}"
+        f"{k}: checkpoint {tuple(found[k])} vs model {tuple(shape)}"
         for k, shape in expected.items()
-        if k in state_dict and state_dict[k].shape != shape
+        if k in found and tuple(found[k]) != tuple(shape)
     ]
     if mismatched:
         problems.append(f"{len(mismatched)} with wrong shapes, e.g. {mismatched[:_NUM_KEYS_SHOWN]}")
@@ -225,11 +309,6 @@ def _write_shards(state_dict: dict[str, Tensor], path: Path, max_shard_bytes: in
     total_size = sum(t.nbytes for t in state_dict.values())
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     _write_json(path / WEIGHTS_INDEX_FILE, index)
-
-
-def _read_safetensors(file: Path) -> dict[str, Tensor]:
-    with safe_open(str(file), framework="pt", device="cpu") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
 
 
 def _write_json(path: Path, data: dict) -> None:

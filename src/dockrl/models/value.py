@@ -20,7 +20,7 @@ from torch import nn
 
 from dockrl.models.config import ModelArgs
 from dockrl.models.decoder import DecoderModel
-from dockrl.models.hf import load_state_dict, materialize, read_config
+from dockrl.models.hf import ModelKind, load_state_dict, materialize, read_config
 
 SCORE_WEIGHT, SCORE_BIAS = "score.weight", "score.bias"
 
@@ -48,6 +48,15 @@ def fresh_value_head(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     weight = torch.empty(1, args.hidden_size).normal_(0.0, 1.0 / (args.hidden_size + 1), generator=generator)
     return {SCORE_WEIGHT: weight, SCORE_BIAS: torch.zeros(1)}
+
+
+def value_model_kind(seed: int) -> ModelKind:
+    """Shard-sized loading of a ValueModel: a causal LM's lm_head is dropped, a missing head drawn with `seed`."""
+    return ModelKind(
+        build=ValueModel,
+        ignore=lambda name, args: name.startswith("lm_head."),
+        fallback=lambda args: fresh_value_head(args, seed),
+    )
 
 
 def load_value_model(

@@ -18,7 +18,6 @@ Shapes: B rows, T tokens of a micro-batch (shifted grid T-1, see workers.train.b
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -37,7 +36,7 @@ from dockrl.algos.ppo import (
 from dockrl.config.schema import TrainConfig
 from dockrl.dock.client import DockClient
 from dockrl.models.hf import save_model
-from dockrl.models.value import load_value_model
+from dockrl.models.value import value_model_kind
 from dockrl.parallel.dist import data_parallel_mesh
 from dockrl.workers.group import Worker
 from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
@@ -82,7 +81,7 @@ class CriticWorker(Worker):
         cfg = self.cfg
         self.engine = TrainEngine(
             cfg.critic.path or cfg.model.path,
-            build=functools.partial(load_value_model, seed=cfg.run.seed),
+            kind=value_model_kind(cfg.run.seed),
             device=self.device,
             precision=cfg.run.precision,
             mesh=data_parallel_mesh(self.device.type, self.world_size),

@@ -6,8 +6,9 @@ Layout: `mesh` is a 1-D ("dp",) mesh or a 2-D ("dp", "tp") mesh (possibly a sub-
 Tensor parallelism (`dockrl.parallel.tp`) splits the model first; FSDP2 then shards each rank's local
 tensors over the dp group. Logits stay vocab-parallel and log-probs use the vocab-parallel functions.
 
-Lifecycle: built once per worker (loads a Hugging Face directory on CPU in fp32, shards it, moves the shards
-to the device); then `logprobs` (no grad) and `train_step` (one optimizer step over a list of micro-batches)
+Lifecycle: built once per worker: the model is built on the meta device, split and sharded there, and each
+rank reads only its own blocks of the Hugging Face checkpoint into fp32 shards on its device
+(`dockrl.parallel.load`: no rank ever holds the whole model); then `logprobs` (no grad) and `train_step` (one optimizer step over a list of micro-batches)
 as often as the recipe asks. Gradient sync: FSDP2 averages gradients over dp ranks, so a loss that must be a
 global mean is scaled by the caller (see `ActorWorker.update`) to sum to the right value.
 Without a mesh (`dockrl sft`, tests) the same code runs on one process with autocast for bf16.
@@ -30,7 +31,8 @@ from dockrl.algos.logprobs import (
     vocab_parallel_logprobs,
 )
 from dockrl.config.schema import ActorConfig, CriticConfig
-from dockrl.models.hf import load_model
+from dockrl.models.hf import CAUSAL_LM, CheckpointReader, ModelKind, read_config
+from dockrl.parallel.load import load_sharded
 from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
 
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -49,15 +51,18 @@ class TrainEngine:
         optim: ActorConfig | CriticConfig | None = None,
         total_optimizer_steps: int = 1,
         trainable: bool = True,
-        build: Callable[..., torch.nn.Module] = load_model,
+        kind: ModelKind = CAUSAL_LM,
     ):
         self.device = torch.device(device)
         self.precision = precision
         self.mesh = mesh
-        # `build` reads the directory into a module with `.args` and `.model.layers` (PPO's critic passes
-        # models.value.load_value_model; its forward returns values [B, T] instead of logits).
-        model = build(model_path, device="cpu", dtype=torch.float32)
-        self.args = model.args
+        self.model_path = model_path
+        self.args = read_config(model_path)
+        # `kind` builds a module with `.args` and `.model.layers` (PPO's critic passes
+        # models.value.value_model_kind; its forward returns values [B, T] instead of logits).
+        with torch.device("meta"):
+            model = kind.build(self.args)
+        global_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         if not trainable:
             model.requires_grad_(False)
         self._init_layout(mesh)
@@ -69,7 +74,21 @@ class TrainEngine:
             self.vocab_start = self.tp_rank * (self.args.vocab_size // self.tp_size)
         if mesh is not None:
             _shard(model, self.dp_mesh, precision)
-        model.to(self.device)
+        model.to_empty(device=self.device)
+        reader = CheckpointReader(model_path)
+        load_sharded(
+            model,
+            reader,
+            global_shapes,
+            tp_rank=self.tp_rank,
+            tp=self.tp_size,
+            dp_rank=self.dp_rank,
+            dp=self.dp_size,
+            ignore=lambda name: kind.ignore(name, self.args),
+            fallback=kind.fallback(self.args) if kind.fallback is not None else None,
+        )
+        # Hugging Face exports of this model are written in the dtype its checkpoint came in.
+        self.source_dtype = reader.floating_dtype()
         self.model = model
         self.optimizer = self.scheduler = None
         if trainable:

@@ -1,0 +1,177 @@
+"""`dockrl bench load`: host memory of loading the policy on dp ranks, shard-sized vs whole-model.
+
+Spawns `--dp` gloo processes. Each builds the actor's TrainEngine (FSDP2 over dp) from a Hugging Face
+checkpoint and measures the host RSS the load added: the high-water mark (VmHWM, reset through
+/proc/self/clear_refs just before) minus the RSS before. dockrl's loader builds the model on the meta device
+and reads only this rank's rows of each tensor from the safetensors files; `--naive` also measures the
+whole-model load peers do (every rank reads the whole checkpoint, then shards). Without `--model` a random
+llama-shaped checkpoint of ~60M parameters (`--dtype`, fp32 by default) is written to a temporary directory first.
+
+The last stdout line (with --json) is one JSON object: model_bytes (fp32 parameters), peak_extra_rss_bytes
+(max over ranks), its ratio to model_bytes, load_s (max over ranks), dp, and the naive figures when asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Layout, model and what to compare."""
+    parser.add_argument("--dp", type=int, default=4)
+    parser.add_argument("--model", default=None, help="a Hugging Face model directory; default: a random one")
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="of the random checkpoint")
+    parser.add_argument("--naive", action="store_true", help="also measure the whole-model load")
+
+
+def rss_reset() -> int:
+    """Reset this process's RSS high-water mark; returns the current RSS in bytes (Linux)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return proc_status("VmRSS")
+
+
+def proc_status(key: str) -> int:
+    """A byte figure of /proc/self/status (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def _naive_load(model_dir: str, mesh):
+    """The whole-model load: every rank reads every tensor, then FSDP2 keeps its rows."""
+    import torch
+
+    from dockrl.models.hf import load_model
+    from dockrl.workers.train.engine import _shard
+
+    model = load_model(model_dir, dtype=torch.float32)
+    _shard(model, mesh, "fp32")
+    return model
+
+
+def _warm_up(model_dir: str, mesh) -> None:
+    """Import and initialise everything a load touches once (module code is resident memory too, and it
+    is not the load's cost), by loading a one-layer model of the same kind."""
+    import dataclasses
+    import tempfile
+
+    from dockrl.config import ActorConfig
+    from dockrl.models.decoder import Transformer
+    from dockrl.models.hf import read_config, save_model
+    from dockrl.workers.train.engine import TrainEngine
+
+    args = dataclasses.replace(
+        read_config(model_dir), num_layers=1, vocab_size=64, hidden_size=64, head_dim=8
+    )
+    args = dataclasses.replace(args, intermediate_size=64)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Transformer(args)
+        model.init_weights(0)
+        save_model(model, args, tmp)
+        TrainEngine(tmp, device="cpu", precision="fp32", mesh=mesh, optim=ActorConfig())
+        _naive_load(tmp, mesh)
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, model_dir: str, out: str) -> None:
+    import gc
+    import time
+
+    import torch
+
+    from dockrl.config import ActorConfig
+    from dockrl.parallel.dist import data_parallel_mesh, init_distributed
+    from dockrl.workers.train.engine import TrainEngine
+
+    torch.set_num_threads(1)
+    init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=600)
+    mesh = data_parallel_mesh("cpu", world)
+    _warm_up(model_dir, mesh)
+    result = {}
+    gc.collect()
+    base = rss_reset()
+    start = time.perf_counter()
+    engine = TrainEngine(model_dir, device="cpu", precision="fp32", mesh=mesh, optim=ActorConfig())
+    result["load_s"] = time.perf_counter() - start
+    result["peak_extra"] = proc_status("VmHWM") - base
+    result["held"] = sum(p.to_local().numel() * 4 for p in engine.model.parameters())
+    del engine
+    gc.collect()
+    if args.naive:
+        torch.distributed.barrier()
+        base = rss_reset()
+        start = time.perf_counter()
+        model = _naive_load(model_dir, mesh)
+        result["naive_load_s"] = time.perf_counter() - start
+        result["naive_peak_extra"] = proc_status("VmHWM") - base
+        del model
+    results = [None] * world
+    torch.distributed.all_gather_object(results, result)
+    if rank == 0:
+        torch.save(results, out)
+    torch.distributed.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Spawn the ranks, measure, and summarise (max over ranks)."""
+    import os
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from dockrl.models.config import ModelArgs
+    from dockrl.models.decoder import Transformer
+    from dockrl.models.hf import read_config, save_model
+    from dockrl.parallel.dist import free_port
+
+    # A freed tensor must leave RSS for the peak to mean anything: pin glibc's mmap threshold at 64 KiB.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            model_args = ModelArgs(
+                family="llama",
+                vocab_size=args.vocab_size,
+                hidden_size=args.hidden_size,
+                intermediate_size=3 * args.hidden_size,
+                num_layers=args.num_layers,
+                num_heads=8,
+                num_kv_heads=8,
+                head_dim=args.hidden_size // 8,
+            )
+            model = Transformer(model_args)
+            model.init_weights(0)
+            save_model(model, model_args, tmp, dtype=torch.bfloat16 if args.dtype == "bf16" else None)
+            del model
+            model_dir = tmp
+        num_params = read_config(model_dir).num_params()
+        out = os.path.join(tmp, "results.pt")
+        mp.start_processes(
+            _worker, args=(args.dp, free_port(), args, model_dir, out), nprocs=args.dp, start_method="spawn"
+        )
+        results = torch.load(out, weights_only=False)
+    model_bytes = num_params * 4
+    peak = max(r["peak_extra"] for r in results)
+    summary = {
+        "dp": args.dp,
+        "num_params": num_params,
+        "model_bytes": model_bytes,
+        "peak_extra_rss_bytes": peak,
+        "peak_over_model": peak / model_bytes,
+        "shard_bytes": max(r["held"] for r in results),
+        "load_s": max(r["load_s"] for r in results),
+    }
+    if args.naive:
+        naive = max(r["naive_peak_extra"] for r in results)
+        summary.update(
+            naive_peak_extra_rss_bytes=naive,
+            naive_peak_over_model=naive / model_bytes,
+            naive_load_s=max(r["naive_load_s"] for r in results),
+        )
+    return summary
