@@ -1,8 +1,10 @@
 """Process groups and device meshes for the workers of one group.
 
 Each worker of a WorkerGroup calls `init_distributed` with its rank, the world size and the rendezvous
-address chosen by rank 0; the backend follows the device (gloo on CPU, NCCL on CUDA), so one code path
-serves a laptop and a cluster.
+address chosen by rank 0; the backend follows the device, so one code path serves a laptop and a cluster:
+gloo on CPU, and on CUDA `cpu:gloo,cuda:nccl` (NCCL for device tensors, gloo for the small CPU tensors of
+token counts, metric sums and whitening moments: an NCCL-only group refuses CPU tensors). Sub-groups (device
+meshes) inherit the default group's backends.
 """
 
 from __future__ import annotations
@@ -35,6 +37,21 @@ def host_ip() -> str:
     return "127.0.0.1"
 
 
+def backend_for(device: str) -> str:
+    """The process-group backend of a run on `device` (see the module docstring)."""
+    return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+
+
+def served_devices(backend: str) -> set[str]:
+    """Device types whose tensors the backend string `backend` takes ("nccl" -> {"cuda"})."""
+    defaults = {"gloo": "cpu", "nccl": "cuda", "mpi": "cpu"}
+    served = set()
+    for part in backend.split(","):
+        device, _, name = part.strip().rpartition(":")
+        served.add(device or defaults.get(name, name))
+    return served
+
+
 def init_distributed(
     rank: int, world_size: int, master_addr: str, master_port: int, device: str, timeout_s: float = 600.0
 ) -> torch.device:
@@ -47,7 +64,7 @@ def init_distributed(
         dev = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(
-            backend="nccl" if device == "cuda" else "gloo",
+            backend=backend_for(device),
             init_method=f"tcp://{master_addr}:{master_port}",
             rank=rank,
             world_size=world_size,
