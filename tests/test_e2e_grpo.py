@@ -76,12 +76,12 @@ def test_two_grpo_steps_through_cli(ray_session, tmp_path, tiny_model, arithmeti
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and 0 <= summary["eval_accuracy"] <= 1
 
-    checkpoint = summary["checkpoint"]
-    trained, initial = load_state_dict(checkpoint), load_state_dict(tiny_model)
+    checkpoint = summary["checkpoint"]  # a checkpoint root: eval and load_state_dict read its hf/
+    trained, initial = load_state_dict(f"{checkpoint}/hf"), load_state_dict(tiny_model)
     assert set(trained) == set(initial)
     assert any(not torch.equal(trained[k], initial[k]) for k in initial), "the update moved the weights"
 
-    capsys.readouterr()
+    capsys.readouterr()  # `dockrl eval --model` takes the checkpoint root as well as its hf/ directory
     assert main(["eval", "--model", checkpoint, "--data", str(arithmetic_data["test"]), "--limit", "8"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["num_prompts"] == 8 and 0 <= result["accuracy"] <= 1

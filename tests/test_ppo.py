@@ -294,11 +294,11 @@ def test_two_ppo_steps_through_cli(ray_session, tmp_path, tiny_model, arithmetic
         0.008
     )
     summary = json.loads((run / "summary.json").read_text())
-    trained, initial = load_state_dict(summary["checkpoint"]), load_state_dict(tiny_model)
+    trained, initial = load_state_dict(Path(summary["checkpoint"]) / "hf"), load_state_dict(tiny_model)
     assert any(not torch.equal(trained[k], initial[k]) for k in initial), (
         "the actor's update moved the weights"
     )
-    critic_dir = Path(summary["checkpoint"]) / "critic"
+    critic_dir = Path(summary["checkpoint"]) / "critic" / "hf"  # what critic.path=<checkpoint root> loads
     critic, fresh = (
         load_value_model(critic_dir).state_dict(),
         load_value_model(tiny_model, seed=0).state_dict(),

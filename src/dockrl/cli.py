@@ -39,10 +39,12 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    from dockrl.checkpoint.layout import resolve_model_path
     from dockrl.config.validate import check_dataset, check_model_dir, resolve_device
     from dockrl.recipes.eval import evaluate_model_dir
     from dockrl.rewards.runner import RewardSpec
 
+    args.model = resolve_model_path(args.model)  # a checkpoint root means its hf/ export
     check_model_dir(args.model, "--model")
     check_dataset(args.data, args.prompt_field, args.label_field, "--data")
     result = evaluate_model_dir(
@@ -181,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=10 actor.lr=1e-5")
 
     p = add("eval", _cmd_eval, "greedy accuracy of a checkpoint on a held-out file")
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument(
+        "--model", required=True, help="Hugging Face model directory or checkpoint root (step_NNNNNN)"
+    )
     p.add_argument("--data", required=True, help=".jsonl or .parquet file")
     p.add_argument("--prompt-field", default="prompt")
     p.add_argument("--label-field", default="answer")
@@ -261,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dockrl` console script."""
     from dockrl.config.fields import ConfigError
     from dockrl.data.datasets import DatasetError
+    from dockrl.recipes.common import RunFailed
 
     args = build_parser().parse_args(argv)
     if getattr(args, "reward", "unset") is None:
@@ -271,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DatasetError, FileNotFoundError) as exc:
         print(f"dockrl {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except RunFailed as exc:  # a worker or dock failure: named, with how to resume; no Ray traceback
+        print(f"dockrl {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -17,10 +17,13 @@ class ModelConfig:
     """The policy model."""
 
     path: str = required(
-        "Hugging Face checkpoint directory: config.json, *.safetensors (single or sharded) and tokenizer files."
+        "Hugging Face checkpoint directory (config.json, *.safetensors, single or sharded, and tokenizer "
+        "files), or a dockrl checkpoint root RUN_DIR/checkpoints/step_NNNNNN (its hf/ export is loaded)."
     )
     ref_path: str | None = setting(
-        None, "Reference model directory for the KL term; None uses `model.path` (the usual choice)."
+        None,
+        "Reference model directory for the KL term; None uses `model.path`, or, when `model.path` is a "
+        "checkpoint root, the reference that checkpoint's run used (the KL reference never moves silently).",
     )
 
 
@@ -202,8 +205,9 @@ class CriticConfig:
 
     path: str | None = setting(
         None,
-        "Initial critic weights: a causal-LM directory (its body, plus a fresh value head) or a saved critic "
-        "(checkpoints/step_N/critic); None uses model.path.",
+        "Initial critic weights: a causal-LM directory (its body, plus a fresh value head), a saved critic "
+        "(RUN_DIR/checkpoints/step_NNNNNN/critic/hf), or a checkpoint root step_NNNNNN (its critic); None uses "
+        "model.path.",
     )
     dp: int = setting(
         1,
@@ -322,7 +326,37 @@ class RunConfig:
     seed: int = setting(0, "Seed for data order, initialisation and sampling (per-row seeds derive from it).")
     output_dir: str = setting("runs", "Parent directory of run directories.")
     name: str | None = setting(None, "Run directory name; None uses a timestamp.")
-    save_every: int = setting(0, "Save a Hugging Face checkpoint every this many steps (0: only at the end).")
+    save_every: int = setting(
+        0,
+        "Write a resumable checkpoint every this many steps and at the end (0: only at the end): "
+        "RUN_DIR/checkpoints/step_NNNNNN/ with the sharded training state of the actor (and critic), a Hugging "
+        "Face export in hf/ and trainer_state.json. `model.path`, `critic.path` and `dockrl eval --model` take "
+        "such a checkpoint root as well as a Hugging Face directory.",
+    )
+    keep_checkpoints: int | None = setting(
+        None,
+        "Keep at most this many checkpoints (the newest); an old one is deleted only after a new one is "
+        "complete. None keeps all.",
+    )
+    resume: str = setting(
+        "never",
+        "never; auto (continue from the newest complete checkpoint in the run directory, or start fresh when "
+        "there is none); or the path of a checkpoint root (RUN_DIR/checkpoints/step_NNNNNN). A resumed run "
+        "reproduces the uninterrupted one exactly (README, Resuming and failures).",
+    )
+    resume_force: bool = setting(
+        False, "Resume even though settings that change the computation differ from the checkpoint's."
+    )
+    max_restarts: int = setting(
+        0,
+        "When a worker dies or hangs, stop every worker and the dock, start them again and resume from the "
+        "newest checkpoint, at most this many times per run (logged as run/restarts).",
+    )
+    heartbeat_timeout_s: float = setting(
+        30.0,
+        "A worker or dock actor that answers no heartbeat for this long is hung: the run stops with an error "
+        "naming it (or restarts, see max_restarts).",
+    )
     eval_every: int = setting(0, "Evaluate on `data.eval_path` every this many steps (0: only at the end).")
     log_samples: int = setting(4, "Prompt/response/reward triples written to samples.jsonl per step.")
     device: str = setting("auto", "cpu, cuda or auto (cuda when available).")

@@ -74,6 +74,7 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
 def validate_train(cfg: TrainConfig) -> TrainConfig:
     """Check a GRPO config; resolves run.device and run.precision in place and returns cfg."""
     run, roll, actor, algo = cfg.run, cfg.rollout, cfg.actor, cfg.algo
+    _resolve_checkpoint_paths(cfg)
     for key, value in [
         ("run.steps", run.steps),
         ("run.prompts_per_step", run.prompts_per_step),
@@ -94,6 +95,7 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
     _positive("reward.num_processes", cfg.reward.num_processes, allow_zero=True)
     _positive("run.save_every", run.save_every, allow_zero=True)
     _positive("run.eval_every", run.eval_every, allow_zero=True)
+    _check_resume(cfg)
     _check_algorithm(cfg)
     if roll.temperature < 0:
         raise config_error("rollout.temperature", roll.temperature, "must be >= 0", "use 0 (greedy) or above")
@@ -177,6 +179,60 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
     _check_reward_model(cfg)
     _check_layouts(cfg)
     return cfg
+
+
+def _check_resume(cfg: TrainConfig) -> None:
+    """run.resume and the checkpoint settings; a resume path must be a complete checkpoint."""
+    from dockrl.checkpoint.layout import is_checkpoint
+
+    run = cfg.run
+    if run.keep_checkpoints is not None:
+        _positive("run.keep_checkpoints", run.keep_checkpoints)
+    _positive("run.max_restarts", run.max_restarts, allow_zero=True)
+    _positive("run.heartbeat_timeout_s", run.heartbeat_timeout_s)
+    if run.resume == "auto" and run.name is None:
+        raise config_error(
+            "run.resume",
+            "auto",
+            "resumes from the run directory run.output_dir/run.name, and run.name is unset (each run gets a "
+            "new timestamped directory, so there is never anything to resume)",
+            "set run.name, e.g. run.name=my-run",
+        )
+    if run.resume not in ("never", "auto") and not is_checkpoint(run.resume):
+        raise config_error(
+            "run.resume",
+            run.resume,
+            "is not never, auto, or a complete checkpoint (a RUN_DIR/checkpoints/step_NNNNNN directory with "
+            "trainer_state.json; a *.tmp directory is an interrupted save)",
+            "use run.resume=auto, or the path of a complete checkpoint",
+        )
+
+
+def _resolve_checkpoint_paths(cfg: TrainConfig) -> None:
+    """model.path / critic.path may name a checkpoint root: load its Hugging Face exports, and keep the KL
+    reference of the run that wrote it (model.ref_path unset) instead of silently moving it to the checkpoint."""
+    from dockrl.checkpoint.layout import (
+        is_checkpoint,
+        read_trainer_state,
+        resolve_critic_path,
+        resolve_model_path,
+    )
+
+    if is_checkpoint(cfg.model.path):
+        root = cfg.model.path
+        cfg.model.path = resolve_model_path(root)
+        if cfg.model.ref_path is None and cfg.algo.kl_coef > 0:
+            cfg.model.ref_path = read_trainer_state(root)["reference_path"]
+            warnings.warn(
+                f"model.path={root} is a checkpoint: the policy starts from its hf/ export and the KL reference "
+                f"stays that run's reference {cfg.model.ref_path} (set model.ref_path to choose another)",
+                stacklevel=3,
+            )
+    if cfg.critic.path is not None and is_checkpoint(cfg.critic.path):
+        try:
+            cfg.critic.path = resolve_critic_path(cfg.critic.path)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"critic.path={cfg.critic.path!r}: {exc}") from exc
 
 
 def _check_dynamic_sampling(cfg: TrainConfig) -> None:

@@ -238,28 +238,76 @@ def save_model(
     ``dtype`` casts floating tensors (default: keep each tensor's dtype). Weight files from an earlier save
     into the same directory are removed first, so a single file never coexists with stale shards.
     """
-    if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     state_dict = _prepare_for_saving(model_or_state_dict, args, dtype)
-    for stale in [*path.glob("model-*-of-*.safetensors"), path / WEIGHTS_FILE, path / WEIGHTS_INDEX_FILE]:
-        stale.unlink(missing_ok=True)
-    _write_shards(state_dict, path, max_shard_bytes)
-    config = args.to_hf_config()
-    floating = [t.dtype for t in state_dict.values() if t.is_floating_point()]
-    if floating:
-        # Record the dtype actually written; transformers 5 reads "dtype", older versions "torch_dtype".
-        config["dtype"] = config["torch_dtype"] = str(floating[0]).removeprefix("torch.")
-    _write_json(path / CONFIG_FILE, config)
-    generation_config = {
-        f"{name}_token_id": getattr(args, f"{name}_token_id")
-        for name in ("bos", "eos", "pad")
-        if getattr(args, f"{name}_token_id") is not None
-    }
-    _write_json(path / GENERATION_CONFIG_FILE, generation_config)
-    if tokenizer_dir is not None:
-        copy_tokenizer_files(tokenizer_dir, path)
+    writer = HFWriter(path, args, {k: t.nbytes for k, t in state_dict.items()}, max_shard_bytes)
+    for shard in writer.shards:
+        writer.write_shard({name: state_dict[name] for name in shard})
+    floating = next((t.dtype for t in state_dict.values() if t.is_floating_point()), None)
+    writer.finish(floating, tokenizer_dir)
+
+
+class HFWriter:
+    """Writes a Hugging Face model directory one weight file at a time, so a caller that gathers tensors
+    from shards never holds more than one file's worth: plan with the tensors' sizes, then `write_shard`
+    each of `shards` in order, then `finish`.
+
+    One file when everything fits in ``max_shard_bytes``, else greedy shards of at most that size (a larger
+    tensor gets its own) plus ``model.safetensors.index.json``.
+    """
+
+    def __init__(self, path: str | Path, args: ModelArgs, nbytes: Mapping[str, int], max_shard_bytes: int):
+        if max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
+        self.path, self.args = Path(path), args
+        self.path.mkdir(parents=True, exist_ok=True)
+        for stale in [*self.path.glob("model-*-of-*.safetensors"), self.path / WEIGHTS_FILE]:
+            stale.unlink(missing_ok=True)
+        (self.path / WEIGHTS_INDEX_FILE).unlink(missing_ok=True)
+        self.shards: list[list[str]] = [[]]
+        shard_bytes = 0
+        for name, size in nbytes.items():
+            if self.shards[-1] and shard_bytes + size > max_shard_bytes:
+                self.shards.append([])
+                shard_bytes = 0
+            self.shards[-1].append(name)
+            shard_bytes += size
+        self._written = 0
+        self._weight_map: dict[str, str] = {}
+        self._total = 0
+
+    def write_shard(self, tensors: Mapping[str, Tensor]) -> None:
+        """Write the next planned file; `tensors` holds exactly its names (contiguous CPU tensors)."""
+        names = self.shards[self._written]
+        assert list(tensors) == names, "write_shard got tensors out of the planned order"
+        count = len(self.shards)
+        file = WEIGHTS_FILE if count == 1 else f"model-{self._written + 1:05d}-of-{count:05d}.safetensors"
+        save_file(dict(tensors), str(self.path / file), metadata={"format": "pt"})
+        self._weight_map.update(dict.fromkeys(names, file))
+        self._total += sum(t.nbytes for t in tensors.values())
+        self._written += 1
+
+    def finish(self, dtype: torch.dtype | None, tokenizer_dir: str | Path | None = None) -> None:
+        """Write the index (sharded), config.json (recording `dtype`), generation_config.json and tokenizer."""
+        assert self._written == len(self.shards), "finish before every planned shard was written"
+        if len(self.shards) > 1:
+            index = {
+                "metadata": {"total_size": self._total},
+                "weight_map": dict(sorted(self._weight_map.items())),
+            }
+            _write_json(self.path / WEIGHTS_INDEX_FILE, index)
+        config = self.args.to_hf_config()
+        if dtype is not None:
+            # Record the dtype actually written; transformers 5 reads "dtype", older versions "torch_dtype".
+            config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        _write_json(self.path / CONFIG_FILE, config)
+        generation_config = {
+            f"{name}_token_id": getattr(self.args, f"{name}_token_id")
+            for name in ("bos", "eos", "pad")
+            if getattr(self.args, f"{name}_token_id") is not None
+        }
+        _write_json(self.path / GENERATION_CONFIG_FILE, generation_config)
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, self.path)
 
 
 def _prepare_for_saving(
@@ -285,30 +333,6 @@ def _prepare_for_saving(
         seen_storages.add(tensor.untyped_storage().data_ptr())
         prepared[name] = tensor
     return prepared
-
-
-def _write_shards(state_dict: dict[str, Tensor], path: Path, max_shard_bytes: int) -> None:
-    """Write one file, or greedy shards of at most ``max_shard_bytes`` (a larger tensor gets its own)."""
-    shards: list[dict[str, Tensor]] = [{}]
-    shard_bytes = 0
-    for name, tensor in state_dict.items():
-        if shards[-1] and shard_bytes + tensor.nbytes > max_shard_bytes:
-            shards.append({})
-            shard_bytes = 0
-        shards[-1][name] = tensor
-        shard_bytes += tensor.nbytes
-    metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(path / WEIGHTS_FILE), metadata=metadata)
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        shard_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / shard_name), metadata=metadata)
-        weight_map.update(dict.fromkeys(shard, shard_name))
-    total_size = sum(t.nbytes for t in state_dict.values())
-    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_json(path / WEIGHTS_INDEX_FILE, index)
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -5,13 +5,17 @@ run/
   metrics.jsonl     one JSON object per step (flat `section/name` keys)
   samples.jsonl     a few prompt/response/reward triples per step
   summary.json      final figures
-  checkpoints/      step_000010/ ... Hugging Face directories
+  checkpoints/      step_000010/ ... resumable checkpoints (dockrl.checkpoint.layout)
+
+A resumed run keeps writing the same metrics.jsonl and samples.jsonl: `keep_history(step)` first drops the
+rows of steps after the checkpoint it resumes from, so no step appears twice.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,9 +56,16 @@ class RunDir:
         current.update(summary)
         path.write_text(json.dumps(current, indent=2) + "\n")
 
-    def checkpoint_path(self, step: int) -> Path:
-        """Directory for the checkpoint of `step`."""
-        return self.checkpoints / f"step_{step:06d}"
+    def keep_history(self, last_step: int, source: Path | None = None) -> None:
+        """Make metrics.jsonl and samples.jsonl hold exactly the rows of steps <= `last_step`, taken from
+        this run directory or, when resuming another run's checkpoint, from run directory `source`."""
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            origin = (source or self.path) / name
+            lines = origin.read_text().splitlines() if origin.is_file() else []
+            kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= last_step]
+            staging = self.path / f"{name}.tmp"
+            staging.write_text("".join(line + "\n" for line in kept))
+            os.replace(staging, self.path / name)
 
 
 def _finite_or_none(value: Any) -> Any:

@@ -92,6 +92,11 @@ class EpochSampler:
             random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
         return order
 
+    def seek(self, epoch: int, position: int) -> None:
+        """Continue from `position` in epoch `epoch` (a resumed run's sampler)."""
+        self.epoch, self.position = epoch, position
+        self._order = self._make_order()
+
     def next_batch(self, size: int | None = None) -> list:
         """The next `size` (default batch_size) items, crossing epoch boundaries as needed."""
         size = self.batch_size if size is None else size
@@ -105,6 +110,10 @@ class EpochSampler:
             batch += [self.items[i] for i in self._order[self.position : self.position + take]]
             self.position += take
         return batch
+
+
+class RunFailed(RuntimeError):
+    """A run stopped on a worker or dock failure; the message says which, where, and how to resume."""
 
 
 def describe(values: list[float], prefix: str) -> dict[str, float]:

@@ -21,95 +21,180 @@ Each stage waits only for the columns it reads; the driver waits for each stage'
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 from typing import Any
 
 import torch
 
+from dockrl.checkpoint import layout
+from dockrl.checkpoint.state import data_fingerprint
 from dockrl.config.loader import to_dict
-from dockrl.config.schema import RunConfig, TrainConfig
-from dockrl.dock.launch import launch_dock
+from dockrl.config.schema import TrainConfig
+from dockrl.dock.errors import DockError
 from dockrl.dock.metrics import bytes_moved, driver_bytes
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.observe.run_dir import RunDir, StageTimer
-from dockrl.recipes.common import EncodedPrompt, EpochSampler, describe, encode_prompts, init_ray
+from dockrl.recipes.cluster import Cluster
+from dockrl.recipes.common import (
+    EncodedPrompt,
+    EpochSampler,
+    RunFailed,
+    describe,
+    encode_prompts,
+    init_ray,
+)
 from dockrl.recipes.dynamic_sampling import group_rewards, select_groups
 from dockrl.recipes.eval import score_answers
-from dockrl.workers.actor import ActorWorker
-from dockrl.workers.critic import CriticWorker
+from dockrl.recipes.resume import newest, plan_resume, restore, trainer_state
+from dockrl.workers.faults import FaultInjector
 from dockrl.workers.group import WorkerError, WorkerGroup
-from dockrl.workers.reward import RewardWorker, reward_specs
-from dockrl.workers.reward_model import RewardModelWorker
+from dockrl.workers.reward import reward_specs
+from dockrl.workers.supervisor import WorkerFailure
 
 log = logging.getLogger(__name__)
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run a validated GRPO config; returns the summary (also written to the run directory)."""
+    """Run a validated GRPO config; returns the summary (also written to the run directory).
+
+    Resumes from a checkpoint with run.resume (recipes/resume.py). A worker or dock actor that dies or hangs
+    stops the run within seconds with a RunFailed naming it, or, with run.max_restarts, restarts every worker
+    and the dock and resumes from the newest checkpoint.
+    """
     run = RunDir(cfg.run.output_dir, cfg.run.name)
-    run.write_config(to_dict(cfg))
     tokenizer = Tokenizer.from_dir(cfg.model.path)
     train_prompts, skipped = _encode(cfg, cfg.data.train_path, tokenizer)
     eval_prompts = (
         _encode(cfg, cfg.data.eval_path, tokenizer, cfg.data.eval_limit)[0] if cfg.data.eval_path else []
     )
-    sampler = EpochSampler(
-        train_prompts, cfg.run.prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.run.seed
-    )
-
+    data = data_fingerprint([(p.ids, p.label) for p in train_prompts])
+    point = plan_resume(cfg, run, data)  # before Ray starts: a changed config is refused here
+    if point is not None and cfg.model.ref_path is None:
+        cfg.model.ref_path = point.state["reference_path"]  # the KL reference of the run being resumed
+    run.write_config(to_dict(cfg))
     init_ray(cfg.run.ray_address)
-    dock = launch_dock(
-        mode=cfg.dock.mode,
-        num_warehouses=cfg.dock.num_warehouses,
-        get_timeout_s=cfg.dock.get_timeout_s,
-        policy=cfg.dock.policy,
-        max_rows=cfg.dock.max_rows,
-        transport=cfg.dock.transport,
-    )
-    client = dock.client()
-    actors, rewards = _start_workers(cfg, dock)
-    reward_models: WorkerGroup | None = None
-    critic: WorkerGroup | None = None
-    summary: dict[str, Any] = {"run_dir": str(run.path), "skipped_prompts": skipped}
-    try:
-        reward_models = _start_reward_models(cfg, dock)
-        critic = _start_critic(cfg, dock)
-        actors.call("setup")
-        if critic is not None:
-            critic.call("setup")
-        progress = _progress(cfg)
-        for step in range(1, cfg.run.steps + 1):
-            metrics, samples = _step(cfg, step, sampler, client, actors, rewards, reward_models, critic)
-            metrics["train/epoch"] = sampler.epoch + sampler.position / len(train_prompts)
-            if _due(step, cfg.run.eval_every, cfg.run.steps) and eval_prompts:
-                metrics.update(_evaluate(cfg, actors, eval_prompts, tokenizer))
-            run.log_metrics(step, metrics)
-            run.log_samples(step, samples)
-            if _due(step, cfg.run.save_every, cfg.run.steps):
-                actors.call("save", str(run.checkpoint_path(step)))
-                if critic is not None:
-                    critic.call("save", str(run.checkpoint_path(step) / "critic"))
-                summary["checkpoint"] = str(run.checkpoint_path(step))
-            progress.update(1)
-            progress.set_postfix(
-                reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics.get('train/accuracy', 0):.2f}"
-            )
-            summary.update({"steps": step, "final_metrics": metrics})
-        progress.close()
-    finally:
+    faults = FaultInjector()
+    summary: dict[str, Any] = {"run_dir": str(run.path), "skipped_prompts": skipped, "restarts": []}
+    fresh = cfg.run.resume == "auto"
+    while True:
+        sampler = EpochSampler(
+            train_prompts, cfg.run.prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.run.seed
+        )
+        first_step = restore(point, run, sampler, fresh=fresh)
+        cluster: Cluster | None = None
         try:
-            rewards.call("close")
-        except WorkerError as exc:  # a dead reward worker must not mask the error that ended the run
-            log.warning("closing reward workers failed: %s", exc)
-        for group in (actors, rewards, reward_models, critic):
-            if group is not None:
-                group.shutdown()
-        dock.shutdown()
+            cluster = Cluster.start(
+                cfg,
+                resume_from=None if point is None else str(point.path),
+                kl_coef=None if point is None else point.kl_coef,
+                faults=faults,
+            )
+            _run_steps(cfg, run, cluster, sampler, first_step, eval_prompts, tokenizer, summary, data)
+        except (WorkerError, DockError) as exc:
+            failure = _root_cause(exc, cluster)
+            if cluster is not None:
+                cluster.kill()
+            restarts = summary["restarts"]
+            if not isinstance(failure, WorkerFailure) or len(restarts) >= cfg.run.max_restarts:
+                raise _run_failed(failure, run, cfg) from None
+            point, fresh = newest(run), True
+            restarts.append({"cause": str(failure), "resume_from": str(point.path) if point else None})
+            log.warning(
+                "restart %d of run.max_restarts=%d after: %s; resuming from %s",
+                len(restarts),
+                cfg.run.max_restarts,
+                failure,
+                point.path if point else "the start (no checkpoint yet)",
+            )
+            continue
+        except BaseException:
+            if cluster is not None:
+                cluster.kill()
+            raise
+        cluster.close()
+        break
     summary["eval_accuracy"] = summary.get("final_metrics", {}).get("eval/accuracy")
     run.write_summary(summary)
     return summary
+
+
+def _run_steps(
+    cfg: TrainConfig,
+    run: RunDir,
+    cluster: Cluster,
+    sampler: EpochSampler,
+    first_step: int,
+    eval_prompts: list[EncodedPrompt],
+    tokenizer: Tokenizer,
+    summary: dict[str, Any],
+    data: str,
+) -> None:
+    """Steps first_step..run.steps: step, evaluate, log, checkpoint."""
+    progress = _progress(cfg, first_step - 1)
+    restarts = len(summary["restarts"])
+    for step in range(first_step, cfg.run.steps + 1):
+        cluster.supervisor.step, cluster.supervisor.stage = step, "step"
+        metrics, samples = _step(cfg, step, sampler, cluster)
+        metrics["train/epoch"] = sampler.epoch + sampler.position / len(sampler.items)
+        if restarts:
+            metrics["run/restarts"] = float(restarts)
+        if _due(step, cfg.run.eval_every, cfg.run.steps) and eval_prompts:
+            cluster.supervisor.stage = "eval"
+            metrics.update(_evaluate(cfg, cluster.actors, eval_prompts, tokenizer))
+        run.log_metrics(step, metrics)
+        run.log_samples(step, samples)
+        if _due(step, cfg.run.save_every, cfg.run.steps):
+            summary["checkpoint"] = _save(cfg, run, cluster, step, sampler, data)
+        progress.update(1)
+        progress.set_postfix(
+            reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics.get('train/accuracy', 0):.2f}"
+        )
+        summary.update({"steps": step, "final_metrics": metrics})
+    progress.close()
+
+
+def _save(
+    cfg: TrainConfig, run: RunDir, cluster: Cluster, step: int, sampler: EpochSampler, data: str
+) -> str:
+    """A resumable checkpoint of `step` (checkpoint/layout.py): the workers write their shards and exports
+    into a staging directory, the driver adds trainer_state.json and renames it, then prunes old ones."""
+    cluster.supervisor.stage = "save"
+    staging = layout.begin(run.checkpoints, step)
+    actor_refs = cluster.actors.call_async("save", str(staging))
+    critic_state = cluster.critic.call("save", str(staging))[0] if cluster.critic is not None else {}
+    cluster.actors.wait(actor_refs, "save")
+    cluster.supervisor.at("save", "commit")
+    state = trainer_state(cfg, step, sampler, data, critic_state.get("kl_coef"))
+    final = layout.commit(staging, state)
+    layout.prune(run.checkpoints, cfg.run.keep_checkpoints)
+    return str(final)
+
+
+def _root_cause(exc: Exception, cluster: Cluster | None) -> Exception:
+    """A worker that raised because a peer died (a dock read of a dead warehouse, a collective with a dead
+    rank) is reported as that peer's death: the supervisor is asked who died before the raise is believed."""
+    if isinstance(exc, WorkerFailure) or cluster is None:
+        return exc
+    try:
+        cluster.supervisor.find_dead()
+    except WorkerFailure as failure:
+        return failure
+    return exc
+
+
+def _run_failed(exc: Exception, run: RunDir, cfg: TrainConfig) -> RunFailed:
+    """The one-line error a failed run ends with: what failed, and how to resume it."""
+    details = getattr(exc, "remote_traceback", None)
+    errors = run.path / "errors.log"
+    with open(errors, "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {exc}\n{details or ''}\n")
+    point = newest(run)
+    where = f"newest checkpoint: step {point.step}" if point else "no checkpoint yet: it starts over"
+    return RunFailed(
+        f"{exc}. Resume with: dockrl train ... run.name={run.path.name} run.resume=auto ({where}); "
+        f"details in {errors}"
+    )
 
 
 def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None = None):
@@ -126,112 +211,10 @@ def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None
     )
 
 
-def _start_workers(cfg: TrainConfig, dock) -> tuple[WorkerGroup, WorkerGroup]:
-    # PPO's actor does not update during the critic's warm-up steps.
-    rl_steps = max(1, cfg.run.steps - cfg.algo.critic_warmup_steps)
-    num_actor_ranks = cfg.actor.dp * cfg.actor.tp
-    actors = _group(
-        cfg.run,
-        ActorWorker,
-        num_actor_ranks,
-        "actor",
-        gpu=True,
-        distributed=True,
-        cfg=cfg,
-        client=dock.client(),
-        total_optimizer_steps=rl_steps * cfg.actor.mini_batches * cfg.actor.epochs,
-        num_threads=_threads_per_rank(cfg, num_actor_ranks),
-    )
-    rewards = _group(
-        cfg.run,
-        RewardWorker,
-        cfg.reward.num_workers,
-        "reward",
-        gpu=False,
-        reward=cfg.reward,
-        algo=cfg.algo,
-        tokenizer_path=cfg.model.path,
-        client=dock.client(),
-        group_size=cfg.rollout.samples_per_prompt,
-        log_samples=cfg.run.log_samples,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-    )
-    return actors, rewards
-
-
-def _start_reward_models(cfg: TrainConfig, dock) -> WorkerGroup | None:
-    """RewardModelWorkers when reward.model.path is set (one GPU each on cuda), else None."""
-    if cfg.reward.model.path is None:
-        return None
-    return _group(
-        cfg.run,
-        RewardModelWorker,
-        cfg.reward.model.num_workers,
-        "reward_model",
-        gpu=True,
-        model=cfg.reward.model,
-        policy_path=cfg.model.path,
-        client=dock.client(),
-        group_size=cfg.rollout.samples_per_prompt,
-        groups_per_pull=cfg.reward.groups_per_pull,
-        device=cfg.run.device,
-        precision=cfg.run.precision,
-    )
-
-
-def _start_critic(cfg: TrainConfig, dock) -> WorkerGroup | None:
-    """PPO's CriticWorkers (critic.dp ranks in their own process group; one GPU each on cuda), else None."""
-    if cfg.algo.name != "ppo":
-        return None
-    critic = cfg.critic
-    return _group(
-        cfg.run,
-        CriticWorker,
-        critic.dp,
-        "critic",
-        gpu=True,
-        distributed=True,
-        cfg=cfg,
-        client=dock.client(),
-        total_optimizer_steps=cfg.run.steps * critic.mini_batches * critic.epochs,
-        num_threads=_threads_per_rank(cfg, critic.dp),
-    )
-
-
-def _group(
-    run: RunConfig, worker: type, size: int, name: str, *, gpu: bool, distributed: bool = False, **init
-):
-    """`size` Ray actors of `worker` (constructed with `init`) that reserve no CPU, and one GPU each when
-    `gpu` and run.device=cuda; `distributed` joins them in one process group on run.device."""
-    return WorkerGroup(
-        worker,
-        size,
-        name=name,
-        distributed=distributed,
-        device=run.device,
-        num_gpus=1 if gpu and run.device == "cuda" else 0,
-        num_cpus=0,
-        timeout_s=run.worker_timeout_s,
-        init_kwargs=init,
-    )
-
-
-def _threads_per_rank(cfg: TrainConfig, ranks: int) -> int | None:
-    """CPU runs split the machine's cores over the ranks; on cuda torch keeps its default."""
-    return None if cfg.run.device == "cuda" else max(1, (os.cpu_count() or 1) // ranks)
-
-
-def _step(
-    cfg: TrainConfig,
-    step: int,
-    sampler: EpochSampler,
-    client,
-    actors: WorkerGroup,
-    rewards: WorkerGroup,
-    reward_models: WorkerGroup | None = None,
-    critic: WorkerGroup | None = None,
-):
+def _step(cfg: TrainConfig, step: int, sampler: EpochSampler, cluster: Cluster):
     """One RL step; returns (metrics, samples)."""
+    client, actors, rewards = cluster.client, cluster.actors, cluster.rewards
+    reward_models, critic = cluster.reward_models, cluster.critic
     timer = StageTimer()
     with timer("step"):
         batch: list[EncodedPrompt] = sampler.next_batch()
@@ -393,9 +376,14 @@ def _due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def _progress(cfg: TrainConfig):
+def _progress(cfg: TrainConfig, done: int = 0):
     from tqdm.auto import tqdm
 
     return tqdm(
-        total=cfg.run.steps, desc="grpo", unit="step", disable=not cfg.run.progress, dynamic_ncols=True
+        total=cfg.run.steps,
+        initial=done,
+        desc="grpo",
+        unit="step",
+        disable=not cfg.run.progress,
+        dynamic_ncols=True,
     )

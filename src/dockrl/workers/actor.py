@@ -2,7 +2,7 @@
 
 Lifecycle of one RL step, every stage pulling its rows from the dock and pushing results back:
 
-    setup ──▶ [generate ──▶ compute_ref ──▶ compute_old? ──▶ update] x steps ──▶ save
+    setup(resume_from?) ──▶ [generate ──▶ compute_ref ──▶ compute_old? ──▶ update ──▶ save?] x steps
                │  sync weights (collective), then free-running: the rollout engine pulls whole groups as
                │  its slots free up and puts response_ids / rollout_logprobs of each row as it finishes;
                │  ends when the dock has no unserved rows
@@ -15,15 +15,16 @@ With tensor parallel degree 1 every rank is the head of its own data-parallel gr
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from dockrl.algos.estimators import DEFAULT_ESTIMATOR, needs_batch_whitening
+from dockrl.checkpoint.layout import ACTOR, HF
+from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
 from dockrl.config.schema import TrainConfig
 from dockrl.dock.client import DockClient
-from dockrl.models.hf import save_model
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.parallel.dist import inference_mesh, training_mesh
 from dockrl.parallel.replica import ReplicaClient
@@ -70,14 +71,21 @@ class ActorWorker(Worker):
         self.on_policy = cfg.actor.mini_batches == 1 and cfg.actor.epochs == 1
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
 
-    def setup(self) -> dict[str, Any]:
-        """Build the sharded policy (+ optimizer), the reference model and the rollout model."""
+    def setup(self, resume_from: str | None = None) -> dict[str, Any]:
+        """Build the sharded policy (+ optimizer), the reference model and the rollout model; with
+        `resume_from` (a checkpoint root) the policy, its optimizer and LR schedule come from there."""
         cfg = self.cfg
         mesh = training_mesh(self.device.type, self.dp, cfg.actor.tp)
         common = dict(device=self.device, precision=cfg.run.precision, mesh=mesh)
         self.policy = TrainEngine(
-            cfg.model.path, optim=cfg.actor, total_optimizer_steps=self.total_optimizer_steps, **common
+            cfg.model.path,
+            optim=cfg.actor,
+            total_optimizer_steps=self.total_optimizer_steps,
+            load_weights=resume_from is None,
+            **common,
         )
+        if resume_from is not None:
+            load_engine(self.policy, Path(resume_from) / ACTOR)
         self.ref = None
         if cfg.algo.kl_coef > 0:
             self.ref = TrainEngine(cfg.model.ref_path or cfg.model.path, trainable=False, **common)
@@ -238,11 +246,10 @@ class ActorWorker(Worker):
     # ---- checkpoints and evaluation ------------------------------------------------------------
 
     def save(self, path: str) -> str:
-        """Write the policy as a Hugging Face directory (collective gather; rank 0 writes)."""
-        state = self.policy.full_state_dict()
-        if self.rank == 0:
-            save_model(state, self.policy.args, path, tokenizer_dir=self.cfg.model.path)
-        dist.barrier()
+        """Write the policy's training state (model, AdamW, LR schedule; each rank its shards) to
+        `path`/actor and its Hugging Face export (gathered on rank 0) to `path`/hf (collective)."""
+        save_engine(self.policy, Path(path) / ACTOR)
+        export_hf(self.policy, Path(path) / HF, tokenizer_dir=self.cfg.model.path)
         return path
 
     def evaluate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -4,7 +4,7 @@ Placement: the critic runs on its own Ray actors (`critic.dp` ranks in their own
 them; one GPU each on cuda, besides the actor's), so its stages overlap the actor's. Lifecycle of one RL step,
 every stage pulling exactly rows/dp rows from the dock (length-balanced, so the FSDP ranks stay in lockstep):
 
-    setup ──▶ [compute_values ──▶ update] x steps ──▶ save
+    setup(resume_from?) ──▶ [compute_values ──▶ update ──▶ save?] x steps
                │                  │
                │                  pull reward, values [, ref_logprobs, old_logprobs] ─▶ token rewards (the
                │                  sequence reward on the last token, minus kl_coef x per-token KL with
@@ -19,10 +19,10 @@ Shapes: B rows, T tokens of a micro-batch (shifted grid T-1, see workers.train.b
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from dockrl.algos.estimators import gae_advantages, value_clip_frac, value_loss
 from dockrl.algos.losses import kl_penalty, masked_mean
@@ -33,9 +33,10 @@ from dockrl.algos.ppo import (
     pad_rows,
     token_level_rewards,
 )
+from dockrl.checkpoint.layout import CRITIC, HF
+from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
 from dockrl.config.schema import TrainConfig
 from dockrl.dock.client import DockClient
-from dockrl.models.hf import save_model
 from dockrl.models.value import value_model_kind
 from dockrl.parallel.dist import data_parallel_mesh
 from dockrl.workers.group import Worker
@@ -76,9 +77,12 @@ class CriticWorker(Worker):
             algo.kl_ctrl, algo.kl_coef, target=algo.kl_target, horizon=algo.kl_horizon
         )
 
-    def setup(self) -> dict[str, Any]:
-        """Build the sharded value model and its optimizer."""
+    def setup(self, resume_from: str | None = None, kl_coef: float | None = None) -> dict[str, Any]:
+        """Build the sharded value model and its optimizer; with `resume_from` (a checkpoint root) both come
+        from there, and the KL controller continues from `kl_coef`."""
         cfg = self.cfg
+        if kl_coef is not None:
+            self.kl_ctrl.value = kl_coef
         self.engine = TrainEngine(
             cfg.critic.path or cfg.model.path,
             kind=value_model_kind(cfg.run.seed),
@@ -87,7 +91,10 @@ class CriticWorker(Worker):
             mesh=data_parallel_mesh(self.device.type, self.world_size),
             optim=cfg.critic,
             total_optimizer_steps=self.total_optimizer_steps,
+            load_weights=resume_from is None,
         )
+        if resume_from is not None:
+            load_engine(self.engine, Path(resume_from) / CRITIC)
         return {"num_params": sum(p.numel() for p in self.engine.model.parameters()), "where": self.where()}
 
     def compute_values(self) -> dict[str, Any]:
@@ -213,13 +220,12 @@ class CriticWorker(Worker):
         out["grad_norm"], out["lr"] = metrics["grad_norm"], metrics["lr"]
         return out
 
-    def save(self, path: str) -> str:
-        """Write the critic (body + `score` head) as a model directory (collective gather; rank 0 writes)."""
-        state = self.engine.full_state_dict()
-        if self.rank == 0:
-            save_model(state, self.engine.args, path, tokenizer_dir=self.cfg.model.path)
-        dist.barrier()
-        return path
+    def save(self, path: str) -> dict[str, float]:
+        """Write the critic's training state to `path`/critic and its model directory (body + `score` head,
+        which `critic.path` loads) to `path`/critic/hf (collective); returns the KL controller's state."""
+        save_engine(self.engine, Path(path) / CRITIC)
+        export_hf(self.engine, Path(path) / CRITIC / HF, tokenizer_dir=self.cfg.model.path)
+        return {"kl_coef": self.kl_ctrl.value}
 
 
 def _mini_batches(num_rows: int, num_mini_batches: int) -> list[list[int]]:

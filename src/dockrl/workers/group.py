@@ -5,11 +5,17 @@
 
 A call waits at most `timeout_s`; a dead actor, an exception in a rank, or a rank still running at the
 deadline becomes a `WorkerError` that names the worker (`actor-1 on node 3f2a...`) within that bound,
-instead of a silent hang in a collective.
+instead of a silent hang in a collective. With a `Supervisor` (workers/supervisor.py) the wait also checks the
+heartbeats of every actor of the run, so a worker of another group that dies or hangs meanwhile stops the
+wait within seconds as a `WorkerFailure`.
+
+Every worker answers `heartbeat` on its own "health" thread (a Ray concurrency group), so a stage that runs
+for minutes does not look hung; stage methods still run one at a time.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -17,10 +23,10 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from dockrl.parallel.dist import free_port, host_ip, init_distributed
+from dockrl.workers.faults import process_identity
+from dockrl.workers.supervisor import HEALTH_GROUP, POLL_S, Supervisor, WorkerError, WorkerFailure
 
-
-class WorkerError(RuntimeError):
-    """A worker died, raised, or did not answer in time; the message names it."""
+__all__ = ["Worker", "WorkerError", "WorkerFailure", "WorkerGroup"]
 
 
 class Worker:
@@ -46,9 +52,16 @@ class Worker:
 
     def where(self) -> str:
         """`name on node <id> pid <pid>` for error messages."""
-        import os
-
         return f"{self.name} on node {ray.get_runtime_context().get_node_id()[:8]} pid {os.getpid()}"
+
+    def identity(self) -> dict[str, Any]:
+        """Node address and id, and process id, for naming this worker in errors."""
+        return process_identity()
+
+    @ray.method(concurrency_group=HEALTH_GROUP)
+    def heartbeat(self) -> float:
+        """Answered on the health thread, even while a stage runs (see the module docstring)."""
+        return time.time()
 
 
 class WorkerGroup:
@@ -67,9 +80,10 @@ class WorkerGroup:
         distributed: bool = False,
         device: str = "cpu",
         startup_timeout_s: float = 300.0,
+        supervisor: Supervisor | None = None,
     ):
-        self.name, self.timeout_s = name, timeout_s
-        remote_cls = ray.remote(worker_cls)
+        self.name, self.timeout_s, self.supervisor = name, timeout_s, supervisor
+        remote_cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(worker_cls)
         self.names = [f"{name}-{rank}" for rank in range(num_workers)]
         self.actors = [
             remote_cls.options(name=actor_name, num_cpus=num_cpus, num_gpus=num_gpus).remote(
@@ -77,22 +91,47 @@ class WorkerGroup:
             )
             for rank, actor_name in enumerate(self.names)
         ]
+        try:
+            self._start(supervisor, distributed, device, time.monotonic() + startup_timeout_s)
+        except BaseException:
+            self.shutdown()  # never leave half a group running
+            raise
+
+    def _start(self, supervisor: Supervisor | None, distributed: bool, device: str, deadline: float) -> None:
+        """Wait for every actor to start (naming each to the supervisor), then join the process group."""
         # Starting a worker process (imports, model code) can take far longer than a call on a busy host.
-        start_deadline = time.monotonic() + startup_timeout_s
-        self._wait([a.where.remote() for a in self.actors], "start", list(range(num_workers)), start_deadline)
+        ids = self._wait(
+            [a.identity.remote() for a in self.actors], "start", list(range(len(self))), deadline
+        )
+        self.identities = ids
+        if supervisor is not None:
+            for rank, (actor, ident) in enumerate(zip(self.actors, ids)):
+                where = f"{self.name} rank {rank}, node {ident['node_ip']} {ident['node_id'][:8]}, pid {ident['pid']}"
+                supervisor.watch(self.names[rank], actor, where, pid=ident["pid"])
         if distributed:
-            addr, port = self._wait([self.actors[0].rendezvous.remote()], "rendezvous", [0], start_deadline)[
-                0
-            ]
-            refs = self.call_async("join_group", addr, port, device, timeout_s)
-            self.wait(refs, "join_group", start_deadline)
+            addr, port = self._wait([self.actors[0].rendezvous.remote()], "rendezvous", [0], deadline)[0]
+            refs = self.call_async("join_group", addr, port, device, self.timeout_s)
+            self.wait(refs, "join_group", deadline)
 
     def __len__(self) -> int:
         return len(self.actors)
 
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
         """Start `method(*args, **kwargs)` on every rank; returns the refs (see `wait`)."""
-        return [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
+        self._running(method)
+        refs = [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
+        self._at(method, "during")
+        return refs
+
+    def _running(self, method: str | None) -> None:
+        if self.supervisor is not None:
+            self.supervisor.at(method, "before")
+            for name in self.names:
+                self.supervisor.running(name, method)
+
+    def _at(self, method: str, when: str) -> None:
+        if self.supervisor is not None:
+            self.supervisor.at(method, when)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Run `method` on every rank and return the per-rank results."""
@@ -100,12 +139,16 @@ class WorkerGroup:
 
     def call_ranks(self, method: str, per_rank_args: list[tuple]) -> list[Any]:
         """Run `method` with different positional arguments per rank."""
+        self._running(method)
         refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)]
+        self._at(method, "during")
         return self.wait(refs, method)
 
     def wait(self, refs: list[ray.ObjectRef], method: str, deadline: float | None = None) -> list[Any]:
         """Gather per-rank results; the first failure (or the deadline) raises a named WorkerError."""
-        return self._wait(refs, method, ranks=list(range(len(refs))), deadline=deadline)
+        results = self._wait(refs, method, ranks=list(range(len(refs))), deadline=deadline)
+        self._at(method, "after")
+        return results
 
     def _wait(
         self, refs: list[ray.ObjectRef], method: str, ranks: list[int], deadline: float | None = None
@@ -117,28 +160,47 @@ class WorkerGroup:
         pending = list(refs)
         while pending:
             remaining = deadline - time.monotonic()
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, remaining))
-            if not done:
+            if remaining <= 0:
                 waited = time.monotonic() - started
                 names = ", ".join(self.names[ranks[index[r]]] for r in pending)
                 raise WorkerError(
                     f"{self.name}.{method}: no answer from {names} after {waited:.0f} s "
                     f"(run.worker_timeout_s); the worker is hung or far slower than expected"
                 )
+            slice_s = remaining if self.supervisor is None else min(remaining, POLL_S)
+            done, pending = ray.wait(pending, num_returns=1, timeout=slice_s)
+            if not done:
+                if self.supervisor is not None:
+                    self.supervisor.check()
+                continue
             i = index[done[0]]
             worker = self.names[ranks[i]]
             try:
                 results[i] = ray.get(done[0], timeout=max(1.0, deadline - time.monotonic()))
             except RayActorError as exc:
-                raise WorkerError(f"{self.name}.{method}: worker {worker} died: {exc}") from exc
+                if self.supervisor is not None:
+                    raise self.supervisor.failure(worker, "died") from exc
+                raise WorkerError(f"{self.name}.{method}: worker {worker} died") from exc
             except RayTaskError as exc:
-                raise WorkerError(f"{self.name}.{method}: worker {worker} raised:\n{exc}") from exc
+                cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+                error = WorkerError(
+                    f"{self.name}.{method}: worker {worker} raised: {type(cause).__name__}: {cause}"
+                )
+                error.remote_traceback = str(exc)
+                raise error from None
             except GetTimeoutError as exc:  # pragma: no cover - ray.wait said it was ready
                 raise WorkerError(f"{self.name}.{method}: worker {worker} result not retrievable") from exc
+            if self.supervisor is not None:
+                self.supervisor.running(worker, None)
         return results
 
     def shutdown(self) -> None:
         """Kill the actors (their process groups go with them)."""
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
+        for name, actor in zip(self.names, self.actors):
+            if self.supervisor is not None:
+                self.supervisor.unwatch(name)
+            try:
+                ray.kill(actor, no_restart=True)
+            except (ValueError, RayActorError):  # already gone
+                pass
         self.actors = []

@@ -52,6 +52,7 @@ class TrainEngine:
         total_optimizer_steps: int = 1,
         trainable: bool = True,
         kind: ModelKind = CAUSAL_LM,
+        load_weights: bool = True,
     ):
         self.device = torch.device(device)
         self.precision = precision
@@ -62,7 +63,8 @@ class TrainEngine:
         # models.value.value_model_kind; its forward returns values [B, T] instead of logits).
         with torch.device("meta"):
             model = kind.build(self.args)
-        global_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        # Every parameter's unsplit, unsharded shape (checkpoint blocks and Hugging Face exports use it).
+        self.global_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         if not trainable:
             model.requires_grad_(False)
         self._init_layout(mesh)
@@ -75,21 +77,22 @@ class TrainEngine:
         if mesh is not None:
             _shard(model, self.dp_mesh, precision)
         model.to_empty(device=self.device)
-        reader = CheckpointReader(model_path)
-        load_sharded(
-            model,
-            reader,
-            global_shapes,
-            tp_rank=self.tp_rank,
-            tp=self.tp_size,
-            dp_rank=self.dp_rank,
-            dp=self.dp_size,
-            ignore=lambda name: kind.ignore(name, self.args),
-            fallback=kind.fallback(self.args) if kind.fallback is not None else None,
-        )
+        reader = CheckpointReader(model_path)  # headers only
         # Hugging Face exports of this model are written in the dtype its checkpoint came in.
         self.source_dtype = reader.floating_dtype()
         self.model = model
+        if load_weights:  # else a resumed run fills the parameters from its checkpoint (load_engine)
+            load_sharded(
+                model,
+                reader,
+                self.global_shapes,
+                tp_rank=self.tp_rank,
+                tp=self.tp_size,
+                dp_rank=self.dp_rank,
+                dp=self.dp_size,
+                ignore=lambda name: kind.ignore(name, self.args),
+                fallback=kind.fallback(self.args) if kind.fallback is not None else None,
+            )
         self.optimizer = self.scheduler = None
         if trainable:
             assert optim is not None, "a trainable engine needs optimizer settings"

@@ -1,0 +1,182 @@
+"""A TrainEngine's training state through torch.distributed.checkpoint, and its Hugging Face export.
+
+`save_engine` / `load_engine` (collectives over the engine's ranks, the default process group):
+
+    model/<name>[@tp<r>]                  parameter shards (DTensors over dp: each rank writes its rows)
+    optim/<name>[@tp<r>]/<state key>      AdamW state (exp_avg, exp_avg_sq shards; the step counter)
+    optim_groups, scheduler               python objects: param-group settings, LambdaLR state
+
+Tensor-parallel ranks hold different slices under the same parameter name, so under tp > 1 every key carries
+`@tp<rank>`: a checkpoint resumes in the layout that wrote it (resuming exactly needs the same layout anyway,
+and the config check refuses another). An optimizer that has not stepped yet (PPO's actor during critic
+warm-up) has no state and saves none: initialising it for the checkpoint would change the run.
+
+`export_hf` writes the weights as a Hugging Face directory in the checkpoint's source dtype, gathering one
+tensor at a time onto global rank 0 (over dp, then over tp) and writing one weight file at a time, so no rank
+ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+
+from dockrl.models.hf import LM_HEAD_KEY, HFWriter
+from dockrl.models.tp import shard_dim
+
+_GROUP_SKIP = ("params",)
+
+
+def _key(engine, name: str) -> str:
+    return f"{name}@tp{engine.tp_rank}" if engine.tp_size > 1 else name
+
+
+def _named_params(engine) -> list[tuple[str, torch.nn.Parameter]]:
+    return list(engine.model.named_parameters())
+
+
+def engine_state(engine) -> dict[str, Any]:
+    """The flat dict DCP saves for `engine` (tensors alias the live parameters and optimizer state)."""
+    state: dict[str, Any] = {}
+    for name, param in _named_params(engine):
+        state[f"model/{_key(engine, name)}"] = param.data if not isinstance(param, DTensor) else param
+    optimizer = engine.optimizer
+    if optimizer is not None:
+        for name, param in _named_params(engine):
+            for key, value in optimizer.state.get(param, {}).items():
+                state[f"optim/{_key(engine, name)}/{key}"] = value
+        # Tuples are leaves to DCP (dicts would be flattened into keys): each is saved as one object.
+        state["optim_groups"] = tuple(
+            {k: v for k, v in group.items() if k not in _GROUP_SKIP} for group in optimizer.param_groups
+        )
+        state["scheduler"] = (engine.scheduler.state_dict(),)
+    return state
+
+
+def save_engine(engine, path: str | Path) -> None:
+    """Write `engine`'s model, optimizer and LR schedule to directory `path` (all ranks call it)."""
+    dcp.save(engine_state(engine), checkpoint_id=str(path))
+
+
+def load_engine(engine, path: str | Path) -> None:
+    """Restore what `save_engine` wrote into `engine` (same layout; all ranks call it)."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state: dict[str, Any] = {}
+    optim_state: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
+    for name, param in _named_params(engine):
+        state[f"model/{_key(engine, name)}"] = param if isinstance(param, DTensor) else param.data
+        if engine.optimizer is None:
+            continue
+        prefix = f"optim/{_key(engine, name)}/"
+        keys = [k.removeprefix(prefix) for k in saved if k.startswith(prefix)]
+        if keys:
+            optim_state[param] = {key: _template(saved[prefix + key], param) for key in keys}
+            state.update({prefix + key: value for key, value in optim_state[param].items()})
+    missing = sorted(k for k in state if k not in saved)
+    if missing:
+        raise ValueError(
+            f"checkpoint {path} lacks {len(missing)} entries this run needs, e.g. {missing[:3]}: it was written "
+            "by another model or layout"
+        )
+    if engine.optimizer is not None:
+        state["optim_groups"] = None
+        state["scheduler"] = None
+    dcp.load(state, checkpoint_id=str(path))
+    if engine.optimizer is None:
+        return
+    for param, values in optim_state.items():
+        engine.optimizer.state[param] = values
+    for group, saved_group in zip(engine.optimizer.param_groups, state["optim_groups"]):
+        group.update(saved_group)
+    engine.scheduler.load_state_dict(state["scheduler"][0])
+
+
+def _template(metadata, param: torch.Tensor) -> torch.Tensor:
+    """A tensor to load one optimizer state entry into: shaped (and sharded) like `param` when it is per
+    element (Adam's moments), else a plain tensor of the saved size and dtype (Adam's step counter)."""
+    if tuple(metadata.size) == tuple(param.shape):
+        return torch.zeros_like(param, dtype=metadata.properties.dtype)
+    return torch.zeros(tuple(metadata.size), dtype=metadata.properties.dtype)
+
+
+def export_hf(
+    engine, path: str | Path, *, tokenizer_dir: str | None, max_shard_bytes: int = 2 * 2**30
+) -> None:
+    """Write `engine`'s weights as a Hugging Face directory in `engine.source_dtype` (all ranks call it;
+    global rank 0 gathers each tensor and writes)."""
+    dtype = engine.source_dtype
+    names = [
+        n for n, _ in _named_params(engine) if not (engine.args.tie_word_embeddings and n == LM_HEAD_KEY)
+    ]
+    params = dict(_named_params(engine))
+    shapes = {n: engine.global_shapes[n] for n in names}
+    is_writer = dist.get_rank() == 0
+    nbytes = {n: _numel(shapes[n]) * dtype.itemsize for n in names}
+    writer = HFWriter(path, engine.args, nbytes, max_shard_bytes) if is_writer else None
+    plan = writer.shards if is_writer else None
+    plan = _broadcast_object(plan)
+    for shard in plan:
+        tensors = {}
+        for name in shard:
+            whole = gather_to_rank0(engine, name, params[name], shapes[name])
+            if is_writer:
+                tensors[name] = whole.to("cpu", dtype).contiguous()
+        if is_writer:
+            writer.write_shard(tensors)
+    if is_writer:
+        writer.finish(dtype, tokenizer_dir)
+    dist.barrier()
+
+
+def gather_to_rank0(engine, name: str, param: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """Parameter `name` whole on global rank 0 (None elsewhere): its FSDP rows gathered over dp onto dp rank
+    0, then its tensor-parallel slices over tp onto tp rank 0. Transient: about two copies of one tensor."""
+    local = param.to_local() if isinstance(param, DTensor) else param.data
+    if engine.dp_size > 1:
+        local = _gather_rows(
+            local, engine.dp_group, engine.dp_rank, engine.dp_size, _tp_local_rows(engine, name, shape)
+        )
+    if engine.dp_rank != 0:
+        return None
+    dim = shard_dim(name) if engine.tp_size > 1 else None
+    if dim is None:
+        return local if engine.tp_rank == 0 else None
+    parts = [torch.empty_like(local) for _ in range(engine.tp_size)] if engine.tp_rank == 0 else None
+    dist.gather(local.contiguous(), parts, group_dst=0, group=engine.tp_group)
+    return torch.cat(parts, dim=dim) if engine.tp_rank == 0 else None
+
+
+def _tp_local_rows(engine, name: str, shape: tuple[int, ...]) -> int:
+    """Rows of this rank's tensor-parallel slice of `name` (what FSDP2 splits over dp)."""
+    dim = shard_dim(name) if engine.tp_size > 1 else None
+    return shape[0] // engine.tp_size if dim == 0 else shape[0]
+
+
+def _gather_rows(local: torch.Tensor, group, rank: int, size: int, rows: int) -> torch.Tensor | None:
+    """The FSDP2 row shards of `rows` rows concatenated on group rank 0 (torch.chunk sizes, padded to send)."""
+    chunk = -(-rows // size)
+    padded = local.new_zeros((chunk, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in range(size)] if rank == 0 else None
+    dist.gather(padded, parts, group_dst=0, group=group)
+    if rank != 0:
+        return None
+    return torch.cat(parts)[:rows]
+
+
+def _broadcast_object(value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for size in shape:
+        out *= size
+    return out

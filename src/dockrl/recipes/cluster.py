@@ -1,0 +1,217 @@
+"""Cluster: everything one attempt of a run starts on Ray, started together and stopped together.
+
+Cluster.start(cfg, resume_from) ──▶ dock (controller + warehouses) ──▶ actor, reward[, reward_model,
+                                    critic] worker groups ──▶ setup (from the checkpoint when resuming)
+every actor is watched by one Supervisor (heartbeats; a death or hang becomes a named WorkerFailure)
+close(): the normal end (reward process pools are stopped politely, then every actor is killed)
+kill():  after a failure (every actor is killed at once; nothing waits on a worker that may be stuck)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from dockrl.config.schema import RunConfig, TrainConfig
+from dockrl.dock.launch import Dock, launch_dock
+from dockrl.workers.actor import ActorWorker
+from dockrl.workers.critic import CriticWorker
+from dockrl.workers.faults import FaultInjector, process_identity
+from dockrl.workers.group import WorkerError, WorkerGroup
+from dockrl.workers.reward import RewardWorker
+from dockrl.workers.reward_model import RewardModelWorker
+from dockrl.workers.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Cluster:
+    """The dock, the worker groups and their supervisor of one run attempt."""
+
+    dock: Any
+    client: Any
+    actors: WorkerGroup
+    rewards: WorkerGroup
+    reward_models: WorkerGroup | None
+    critic: WorkerGroup | None
+    supervisor: Supervisor
+
+    @classmethod
+    def start(
+        cls,
+        cfg: TrainConfig,
+        *,
+        resume_from: str | None = None,
+        kl_coef: float | None = None,
+        faults: FaultInjector | None = None,
+    ) -> Cluster:
+        """Launch and set up everything (from checkpoint `resume_from` when given); on any failure on the way,
+        kill what was started and re-raise."""
+        supervisor = Supervisor(cfg.run.heartbeat_timeout_s, faults=faults)
+        started: dict[str, Any] = {}
+        try:
+            dock = launch_dock(
+                mode=cfg.dock.mode,
+                num_warehouses=cfg.dock.num_warehouses,
+                get_timeout_s=cfg.dock.get_timeout_s,
+                policy=cfg.dock.policy,
+                max_rows=cfg.dock.max_rows,
+                transport=cfg.dock.transport,
+            )
+            started["dock"] = dock
+            _watch_dock(supervisor, dock)
+            started["actors"], started["rewards"] = _start_workers(cfg, dock, supervisor)
+            started["reward_models"] = _start_reward_models(cfg, dock, supervisor)
+            started["critic"] = _start_critic(cfg, dock, supervisor)
+            supervisor.step, supervisor.stage = None, "setup"
+            setup = started["actors"].call_async("setup", resume_from)
+            if started["critic"] is not None:
+                started["critic"].call("setup", resume_from, kl_coef)
+            started["actors"].wait(setup, "setup")
+            supervisor.stage = None
+            return cls(client=dock.client(), supervisor=supervisor, **started)
+        except BaseException:
+            supervisor.kill_all()
+            if "dock" in started:
+                started["dock"].shutdown()
+            raise
+
+    def close(self) -> None:
+        """The normal end: stop the reward process pools, then every actor and the dock."""
+        try:
+            self.rewards.call("close")
+        except WorkerError as exc:  # a reward worker that fails to close must not fail a finished run
+            log.warning("closing reward workers failed: %s", exc)
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill every actor of this attempt at once (after a failure: nothing is asked politely)."""
+        self.supervisor.kill_all()
+        self.dock.shutdown()
+
+
+def _watch_dock(supervisor: Supervisor, dock: Any) -> None:
+    """Heartbeats of the dock's actors (controller and warehouses, or single mode's buffer)."""
+    import ray
+
+    if isinstance(dock, Dock):
+        actors = list(zip(dock.names, [dock.controller, *dock.warehouses]))
+        method = "get_incarnation"
+    else:
+        actors = [("dockrl-buffer", dock.actor)] if dock.actor is not None else []
+        method = "stats"
+    identities = ray.get([a.__ray_call__.remote(process_identity) for _, a in actors], timeout=60)
+    for (name, actor), ident in zip(actors, identities):
+        where = f"dock, node {ident['node_ip']} {ident['node_id'][:8]}, pid {ident['pid']}"
+        supervisor.watch(name, actor, where, method=method, pid=ident["pid"])
+
+
+def _start_workers(cfg: TrainConfig, dock, supervisor: Supervisor) -> tuple[WorkerGroup, WorkerGroup]:
+    # PPO's actor does not update during the critic's warm-up steps.
+    rl_steps = max(1, cfg.run.steps - cfg.algo.critic_warmup_steps)
+    num_actor_ranks = cfg.actor.dp * cfg.actor.tp
+    actors = _group(
+        cfg.run,
+        supervisor,
+        ActorWorker,
+        num_actor_ranks,
+        "actor",
+        gpu=True,
+        distributed=True,
+        cfg=cfg,
+        client=dock.client(),
+        total_optimizer_steps=rl_steps * cfg.actor.mini_batches * cfg.actor.epochs,
+        num_threads=_threads_per_rank(cfg, num_actor_ranks),
+    )
+    rewards = _group(
+        cfg.run,
+        supervisor,
+        RewardWorker,
+        cfg.reward.num_workers,
+        "reward",
+        gpu=False,
+        reward=cfg.reward,
+        algo=cfg.algo,
+        tokenizer_path=cfg.model.path,
+        client=dock.client(),
+        group_size=cfg.rollout.samples_per_prompt,
+        log_samples=cfg.run.log_samples,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+    )
+    return actors, rewards
+
+
+def _start_reward_models(cfg: TrainConfig, dock, supervisor: Supervisor) -> WorkerGroup | None:
+    """RewardModelWorkers when reward.model.path is set (one GPU each on cuda), else None."""
+    if cfg.reward.model.path is None:
+        return None
+    return _group(
+        cfg.run,
+        supervisor,
+        RewardModelWorker,
+        cfg.reward.model.num_workers,
+        "reward_model",
+        gpu=True,
+        model=cfg.reward.model,
+        policy_path=cfg.model.path,
+        client=dock.client(),
+        group_size=cfg.rollout.samples_per_prompt,
+        groups_per_pull=cfg.reward.groups_per_pull,
+        device=cfg.run.device,
+        precision=cfg.run.precision,
+    )
+
+
+def _start_critic(cfg: TrainConfig, dock, supervisor: Supervisor) -> WorkerGroup | None:
+    """PPO's CriticWorkers (critic.dp ranks in their own process group; one GPU each on cuda), else None."""
+    if cfg.algo.name != "ppo":
+        return None
+    critic = cfg.critic
+    return _group(
+        cfg.run,
+        supervisor,
+        CriticWorker,
+        critic.dp,
+        "critic",
+        gpu=True,
+        distributed=True,
+        cfg=cfg,
+        client=dock.client(),
+        total_optimizer_steps=cfg.run.steps * critic.mini_batches * critic.epochs,
+        num_threads=_threads_per_rank(cfg, critic.dp),
+    )
+
+
+def _group(
+    run: RunConfig,
+    supervisor: Supervisor,
+    worker: type,
+    size: int,
+    name: str,
+    *,
+    gpu: bool,
+    distributed: bool = False,
+    **init,
+) -> WorkerGroup:
+    """`size` Ray actors of `worker` (constructed with `init`) that reserve no CPU, and one GPU each when
+    `gpu` and run.device=cuda; `distributed` joins them in one process group on run.device."""
+    return WorkerGroup(
+        worker,
+        size,
+        name=name,
+        distributed=distributed,
+        device=run.device,
+        num_gpus=1 if gpu and run.device == "cuda" else 0,
+        num_cpus=0,
+        timeout_s=run.worker_timeout_s,
+        init_kwargs=init,
+        supervisor=supervisor,
+    )
+
+
+def _threads_per_rank(cfg: TrainConfig, ranks: int) -> int | None:
+    """CPU runs split the machine's cores over the ranks; on cuda torch keeps its default."""
+    return None if cfg.run.device == "cuda" else max(1, (os.cpu_count() or 1) // ranks)

@@ -1,0 +1,101 @@
+"""Fault injection for chaos drills and the fault tests: the driver kills or freezes one process on cue.
+
+    DOCKRL_FAULTS="kill:actor-1:update:2:during;hang:reward-0:generate:1:during;kill:driver:save:2:during"
+
+Each fault is ACTION:TARGET:STAGE:STEP[:WHEN]:
+- ACTION `kill` (SIGKILL) or `hang` (SIGSTOP: the process stays alive and answers nothing);
+- TARGET a worker (`actor-1`, `critic-0`, `reward-0`, `reward_model-0`), a dock actor
+  (`dockrl-controller`, `dockrl-warehouse-0`) or `driver` (this process, killed only);
+- STAGE the stage method the driver starts (generate, compute_ref, compute_old, compute_values, update,
+  score, save) at RL step STEP; WHEN `before` it is started, `during` (right after it is started, default) or
+  `after` its results are in. The driver's own `save` stage also has `commit` (the workers' shards are
+  written, trainer_state.json and the rename are not).
+
+A fault fires at most once per driver process, so a run that restarts (run.max_restarts) replays the step
+undisturbed. The processes are real and the kills are real signals: nothing is simulated. Faults need the
+target on the driver's machine (local Ray); unset DOCKRL_FAULTS injects nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+ENV = "DOCKRL_FAULTS"
+ACTIONS = ("kill", "hang")
+WHENS = ("before", "during", "after", "commit")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One scheduled fault (see the module docstring)."""
+
+    action: str
+    target: str
+    stage: str
+    step: int
+    when: str = "during"
+
+
+def parse_faults(text: str | None) -> list[Fault]:
+    """Faults from the DOCKRL_FAULTS syntax; errors name the malformed entry."""
+    faults = []
+    for entry in (text or "").replace(",", ";").split(";"):
+        entry = entry.strip()
+        if not entry:
+            continue
+        parts = entry.split(":")
+        if len(parts) not in (4, 5) or parts[0] not in ACTIONS or not parts[3].isdigit():
+            raise ValueError(
+                f"{ENV} entry {entry!r} is not ACTION:TARGET:STAGE:STEP[:WHEN] with ACTION in {ACTIONS}, "
+                "e.g. kill:actor-1:update:2:during"
+            )
+        when = parts[4] if len(parts) == 5 else "during"
+        if when not in WHENS:
+            raise ValueError(f"{ENV} entry {entry!r}: WHEN must be one of {WHENS}")
+        faults.append(Fault(parts[0], parts[1], parts[2], int(parts[3]), when))
+    return faults
+
+
+class FaultInjector:
+    """Fires the faults of DOCKRL_FAULTS (or `faults`) when the driver reaches their stage and step."""
+
+    def __init__(self, faults: list[Fault] | None = None):
+        self.faults = parse_faults(os.environ.get(ENV)) if faults is None else faults
+        self.fired: set[Fault] = set()
+        self.pids: dict[str, int] = {}  # target name -> pid, registered as processes start
+
+    def register(self, name: str, pid: int) -> None:
+        """Make process `pid` reachable as target `name`."""
+        self.pids[name] = pid
+
+    def at(self, stage: str, step: int | None, when: str) -> None:
+        """The driver is at `when` of `stage` in `step`: fire what is due."""
+        for fault in self.faults:
+            if fault in self.fired or (fault.stage, fault.step, fault.when) != (stage, step, when):
+                continue
+            self.fired.add(fault)
+            self._fire(fault)
+
+    def _fire(self, fault: Fault) -> None:
+        if fault.target == "driver":
+            if fault.action != "kill":
+                raise ValueError(f"{ENV}: the driver can only be killed, not {fault.action}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        pid = self.pids.get(fault.target)
+        if pid is None:
+            raise ValueError(f"{ENV}: no process named {fault.target!r}; known: {sorted(self.pids)}")
+        os.kill(pid, signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
+
+
+def process_identity(_actor: Any = None) -> dict[str, Any]:
+    """Node address and id, and pid, of the calling process (run inside an actor via `__ray_call__`)."""
+    import ray
+
+    return {
+        "node_ip": ray.util.get_node_ip_address(),
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "pid": os.getpid(),
+    }
