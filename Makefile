@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test lint format venv clean
+.PHONY: demo test test-faults lint format venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --durations=15
+
+test-faults: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m faults tests/test_faults.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

@@ -151,5 +151,5 @@ def test_two_steps_through_cli(algo, ray_session, tmp_path, tiny_model, arithmet
     if algo == "dapo":
         assert sum(row["dapo/dropped_groups"] for row in rows) > 0 and max(r["dapo/rounds"] for r in rows) > 1
     summary = json.loads((run / "summary.json").read_text())
-    trained, initial = load_state_dict(summary["checkpoint"]), load_state_dict(tiny_model)
+    trained, initial = load_state_dict(f"{summary['checkpoint']}/hf"), load_state_dict(tiny_model)
     assert any(not torch.equal(trained[k], initial[k]) for k in initial), "the update moved the weights"

@@ -413,5 +413,5 @@ def test_two_steps_with_reward_model_through_cli(
         assert row["reward/mean"] == pytest.approx(row["train/accuracy"] + 0.5 * row["reward/rm"], abs=1e-5)
         assert row["reward/std"] > 0  # the reward model separates responses even where exact_answer does not
     summary = json.loads((run / "summary.json").read_text())
-    trained, initial = load_state_dict(summary["checkpoint"]), load_state_dict(tiny_model)
+    trained, initial = load_state_dict(f"{summary['checkpoint']}/hf"), load_state_dict(tiny_model)
     assert any(not torch.equal(trained[k], initial[k]) for k in initial), "the update moved the weights"

@@ -63,9 +63,13 @@ class Cluster:
             )
             started["dock"] = dock
             _watch_dock(supervisor, dock)
+            # Every group's processes start side by side (imports dominate), then each is waited for.
             started["actors"], started["rewards"] = _start_workers(cfg, dock, supervisor)
             started["reward_models"] = _start_reward_models(cfg, dock, supervisor)
             started["critic"] = _start_critic(cfg, dock, supervisor)
+            for group in started.values():
+                if isinstance(group, WorkerGroup):
+                    group.wait_started()
             supervisor.step, supervisor.stage = None, "setup"
             setup = started["actors"].call_async("setup", resume_from)
             if started["critic"] is not None:
@@ -75,8 +79,11 @@ class Cluster:
             return cls(client=dock.client(), supervisor=supervisor, **started)
         except BaseException:
             supervisor.kill_all()
-            if "dock" in started:
-                started["dock"].shutdown()
+            for name, part in started.items():
+                if name == "dock":
+                    part.shutdown()
+                elif part is not None:
+                    part.shutdown()  # groups not yet named to the supervisor
             raise
 
     def close(self) -> None:
@@ -209,6 +216,7 @@ def _group(
         timeout_s=run.worker_timeout_s,
         init_kwargs=init,
         supervisor=supervisor,
+        wait=False,
     )
 
 

@@ -16,7 +16,8 @@ log = logging.getLogger(__name__)
 
 
 def init_ray(address: str | None) -> None:
-    """Join the cluster at `address`, or start a local Ray bound to localhost without a dashboard."""
+    """Join the cluster at `address`, or start a local Ray bound to localhost without a dashboard; a local
+    Ray gets a reaper (workers/reaper.py), so even a driver killed with SIGKILL leaves no process behind."""
     import ray
 
     if ray.is_initialized():
@@ -25,6 +26,10 @@ def init_ray(address: str | None) -> None:
     if address:
         ray.init(address=address, log_to_driver=True, configure_logging=False)
     else:
+        if os.path.isdir("/proc/self"):
+            from dockrl.workers.reaper import start_reaper
+
+            start_reaper()
         ray.init(
             address="local",  # a new local Ray, never a cluster left behind on this machine by `ray start`
             include_dashboard=False,

@@ -81,6 +81,7 @@ class WorkerGroup:
         device: str = "cpu",
         startup_timeout_s: float = 300.0,
         supervisor: Supervisor | None = None,
+        wait: bool = True,
     ):
         self.name, self.timeout_s, self.supervisor = name, timeout_s, supervisor
         remote_cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(worker_cls)
@@ -91,18 +92,28 @@ class WorkerGroup:
             )
             for rank, actor_name in enumerate(self.names)
         ]
+        # Starting a worker process (imports, model code) can take far longer than a call on a busy host.
+        self._pending_start = (distributed, device, time.monotonic() + startup_timeout_s)
+        self._identity_refs = [a.identity.remote() for a in self.actors]
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> WorkerGroup:
+        """Wait until every actor runs (naming each to the supervisor) and the process group is joined.
+        Groups made with wait=False start side by side; call this on each before using it."""
+        if self._pending_start is None:
+            return self
+        distributed, device, deadline = self._pending_start
         try:
-            self._start(supervisor, distributed, device, time.monotonic() + startup_timeout_s)
+            self._start(self.supervisor, distributed, device, deadline)
         except BaseException:
             self.shutdown()  # never leave half a group running
             raise
+        self._pending_start = None
+        return self
 
     def _start(self, supervisor: Supervisor | None, distributed: bool, device: str, deadline: float) -> None:
-        """Wait for every actor to start (naming each to the supervisor), then join the process group."""
-        # Starting a worker process (imports, model code) can take far longer than a call on a busy host.
-        ids = self._wait(
-            [a.identity.remote() for a in self.actors], "start", list(range(len(self))), deadline
-        )
+        ids = self._wait(self._identity_refs, "start", list(range(len(self))), deadline)
         self.identities = ids
         if supervisor is not None:
             for rank, (actor, ident) in enumerate(zip(self.actors, ids)):
@@ -123,8 +134,9 @@ class WorkerGroup:
         self._at(method, "during")
         return refs
 
-    def _running(self, method: str | None) -> None:
+    def _running(self, method: str) -> None:
         if self.supervisor is not None:
+            self.supervisor.stage = method  # the driver's latest stage, named when a dock actor fails
             self.supervisor.at(method, "before")
             for name in self.names:
                 self.supervisor.running(name, method)

@@ -1,0 +1,122 @@
+"""Exact resume: kill -9 of the driver, then run.resume=auto, repeats the uninterrupted run bit for bit.
+
+One reference run (4 steps, a checkpoint every 2) is compared with:
+- the same run again (dockrl is bitwise repeatable run to run);
+- a run whose driver is killed with SIGKILL while it saves step 4's checkpoint (the workers' shards are
+  written, trainer_state.json and the rename are not: a torn checkpoint), then resumed with run.resume=auto:
+  it must ignore the torn step 4, continue from step 2, and end with identical metrics and weights;
+- a resume with a changed setting, refused before Ray starts with the key named.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dockrl.cli import main
+from dockrl.models.hf import load_state_dict
+from runs import computed_metrics, run_cli, wait_gone, write_config
+
+STEPS = 4
+CONFIG = (
+    "rollout: {samples_per_prompt: 4, max_new_tokens: 6, groups_per_pull: 2}\n"
+    "actor: {dp: 2, lr: 1.0e-3, micro_batch_size: 4, warmup_steps: 2, min_lr_ratio: 0.5}\n"
+    "algo: {kl_coef: 0.01}\n"
+    "reward: {functions: [{name: exact_answer}, {name: 'reward_fixtures:length_reward', weight: 0.1}]}\n"
+    "dock: {num_warehouses: 2, get_timeout_s: 120}\n"
+    f"run: {{steps: {STEPS}, prompts_per_step: 4, save_every: 2, progress: false, worker_timeout_s: 300}}\n"
+)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model, arithmetic_data):
+    root = tmp_path_factory.mktemp("resume")
+    config = write_config(root / "grpo.yaml", CONFIG)
+    args = [
+        "train",
+        str(config),
+        f"model.path={tiny_model}",
+        f"data.train_path={arithmetic_data['train']}",
+        f"run.output_dir={root}",
+    ]
+    return root, args
+
+
+@pytest.fixture(scope="module")
+def reference(setup, ray_session):
+    root, args = setup
+    assert main([*args, "run.name=reference"]) == 0
+    return root / "reference"
+
+
+def _final_weights(run_dir: Path) -> dict:
+    return load_state_dict(run_dir / "checkpoints" / f"step_{STEPS:06d}" / "hf")
+
+
+def test_runs_repeat_bitwise(setup, reference):
+    root, args = setup
+    assert main([*args, "run.name=again"]) == 0
+    assert computed_metrics(root / "again") == computed_metrics(reference)
+    again, ref = _final_weights(root / "again"), _final_weights(reference)
+    assert all(torch.equal(again[k], ref[k]) for k in ref)
+    # checkpoints hold the sharded state and a Hugging Face export; nothing is left half-written
+    step = reference / "checkpoints" / "step_000002"
+    assert {p.name for p in step.iterdir()} == {"actor", "hf", "trainer_state.json"}
+    state = json.loads((step / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["sampler"]["position"] == 8 and len(state["config_hash"]) == 16
+
+
+def test_driver_killed_mid_save_resumes_exactly(setup, reference):
+    root, args = setup
+    killed, marker = run_cli(
+        [*args, "run.name=killed"], env={"DOCKRL_FAULTS": f"kill:driver:save:{STEPS}:commit"}
+    )
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    # Ray's fate-sharing takes the run's workers and daemons down with the driver.
+    assert wait_gone(marker, within_s=10) == []
+    run = root / "killed"
+    assert (run / "checkpoints" / f"step_{STEPS:06d}.tmp" / "actor").is_dir()  # torn: shards, no state
+    assert len(computed_metrics(run)) == STEPS  # step 4 was logged before the save began
+
+    assert main([*args, "run.name=killed", "run.resume=auto"]) == 0
+    assert not (run / "checkpoints" / f"step_{STEPS:06d}.tmp").exists()
+    resumed, expected = computed_metrics(run), computed_metrics(reference)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))  # steps 3-4 replaced, not duplicated
+    assert resumed == expected
+    final, ref = _final_weights(run), _final_weights(reference)
+    assert all(torch.equal(final[k], ref[k]) for k in ref)
+
+
+def test_changed_config_is_refused_with_the_keys_named(setup, reference, capsys):
+    root, args = setup
+    code = main([*args, "run.name=reference", "run.resume=auto", "actor.lr=2e-3", "run.max_restarts=3"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "actor.lr: 0.001 -> 0.002" in err and "run.resume_force=true" in err
+    assert "max_restarts" not in err  # recovery settings do not change the computation
+
+
+def test_resume_settings_are_checked_before_ray(setup, capsys):
+    root, args = setup
+    assert main([*args, "run.resume=auto"]) == 2  # no run.name: nothing could ever be resumed
+    assert "set run.name" in capsys.readouterr().err
+    assert main([*args, "run.name=x", f"run.resume={root}/nowhere/step_000002"]) == 2
+    assert "not never, auto, or a complete checkpoint" in capsys.readouterr().err
+
+
+def test_restart_after_an_actor_kill_ends_with_identical_metrics(setup, reference, monkeypatch):
+    root, args = setup
+    # actor-1 is killed while step 3 updates; the run restarts every worker and the dock, resumes from
+    # step 2's checkpoint and replays step 3 undisturbed (a fault fires once per driver)
+    monkeypatch.setenv("DOCKRL_FAULTS", "kill:actor-1:update:3:during")
+    assert main([*args, "run.name=restarted", "run.max_restarts=1"]) == 0
+    run = root / "restarted"
+    assert computed_metrics(run) == computed_metrics(reference)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("run/restarts", 0) for r in rows] == [0, 0, 1, 1]  # logged from the replayed step on
+    summary = json.loads((run / "summary.json").read_text())
+    assert len(summary["restarts"]) == 1 and "actor-1 (" in summary["restarts"][0]["cause"]
+    assert summary["restarts"][0]["resume_from"].endswith("step_000002")
+    final, ref = _final_weights(run), _final_weights(reference)
+    assert all(torch.equal(final[k], ref[k]) for k in ref)
