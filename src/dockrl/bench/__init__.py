@@ -14,4 +14,5 @@ BENCHMARKS: dict[str, str] = {
     "rollout": "dockrl.bench.rollout",
     "reshard": "dockrl.bench.reshard",
     "load": "dockrl.bench.load",
+    "faults": "dockrl.bench.faults",
 }

@@ -1,4 +1,4 @@
-"""`dockrl bench load`: host memory of loading the policy on dp ranks, shard-sized vs whole-model.
+"""`dockrl bench load`: host memory and time of loading (and saving) the policy on dp ranks.
 
 Spawns `--dp` gloo processes. Each builds the actor's TrainEngine (FSDP2 over dp) from a Hugging Face
 checkpoint and measures the host RSS the load added: the high-water mark (VmHWM, reset through
@@ -7,8 +7,13 @@ and reads only this rank's rows of each tensor from the safetensors files; `--na
 whole-model load peers do (every rank reads the whole checkpoint, then shards). Without `--model` a random
 llama-shaped checkpoint of ~60M parameters (`--dtype`, fp32 by default) is written to a temporary directory first.
 
+With `--save`, each rank then takes one optimizer step (so AdamW state exists) and writes a resumable
+checkpoint the way a run does: its DCP shards (model, AdamW, LR schedule) and the Hugging Face export gathered
+on rank 0; reported are save_s, the extra RSS peak of saving and the bytes on disk.
+
 The last stdout line (with --json) is one JSON object: model_bytes (fp32 parameters), peak_extra_rss_bytes
-(max over ranks), its ratio to model_bytes, load_s (max over ranks), dp, and the naive figures when asked.
+(max over ranks), its ratio to model_bytes, load_s (max over ranks), dp, and the naive and save figures when
+asked.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="of the random checkpoint")
     parser.add_argument("--naive", action="store_true", help="also measure the whole-model load")
+    parser.add_argument("--save", action="store_true", help="also measure saving a resumable checkpoint")
 
 
 def rss_reset() -> int:
@@ -78,6 +84,57 @@ def _warm_up(model_dir: str, mesh) -> None:
         _naive_load(tmp, mesh)
 
 
+def _save(model_dir: str, mesh, world: int, out: str) -> dict:
+    """One optimizer step, then a checkpoint as a run writes it; time, RSS peak and bytes on disk."""
+    import gc
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from dockrl.checkpoint.sharded import export_hf, save_engine
+    from dockrl.config import ActorConfig, AlgoConfig
+    from dockrl.workers.train.engine import TrainEngine
+    from dockrl.workers.train.policy_update import policy_update
+
+    engine = TrainEngine(model_dir, device="cpu", precision="fp32", mesh=mesh, optim=ActorConfig())
+    vocab = engine.args.vocab_size
+    g = torch.Generator().manual_seed(engine.dp_rank)
+    batch = {
+        "prompt_ids": [torch.randint(0, vocab, (8,), generator=g) for _ in range(2)],
+        "response_ids": [torch.randint(0, vocab, (8,), generator=g) for _ in range(2)],
+        "advantages": [torch.ones(8), -torch.ones(8)],
+    }
+    policy_update(
+        engine,
+        batch,
+        [0, 1],
+        ["advantages"],
+        AlgoConfig(kl_coef=0.0),
+        temperature=1.0,
+        micro_batch_size=2,
+        pad_token_id=0,
+        world_size=world,
+    )
+    root = Path(out).parent / "checkpoint"
+    gc.collect()
+    torch.distributed.barrier()
+    base = rss_reset()
+    start = time.perf_counter()
+    save_engine(engine, root / "actor")
+    sharded_s = time.perf_counter() - start
+    export_hf(engine, root / "hf", tokenizer_dir=None)
+    result = {
+        "save_s": time.perf_counter() - start,
+        "save_sharded_s": sharded_s,
+        "save_peak_extra": proc_status("VmHWM") - base,
+    }
+    if torch.distributed.get_rank() == 0:
+        size = lambda path: sum(f.stat().st_size for f in path.rglob("*") if f.is_file())  # noqa: E731
+        result["sharded_bytes"], result["hf_bytes"] = size(root / "actor"), size(root / "hf")
+    return result
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, model_dir: str, out: str) -> None:
     import gc
     import time
@@ -110,6 +167,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, model_di
         result["naive_load_s"] = time.perf_counter() - start
         result["naive_peak_extra"] = proc_status("VmHWM") - base
         del model
+    if args.save:
+        result.update(_save(model_dir, mesh, world, out))
     results = [None] * world
     torch.distributed.all_gather_object(results, result)
     if rank == 0:
@@ -167,6 +226,14 @@ def run(args: argparse.Namespace) -> dict:
         "shard_bytes": max(r["held"] for r in results),
         "load_s": max(r["load_s"] for r in results),
     }
+    if args.save:
+        summary.update(
+            save_s=max(r["save_s"] for r in results),
+            save_sharded_s=max(r["save_sharded_s"] for r in results),
+            save_peak_extra_rss_bytes=max(r["save_peak_extra"] for r in results),
+            checkpoint_sharded_bytes=results[0]["sharded_bytes"],
+            checkpoint_hf_bytes=results[0]["hf_bytes"],
+        )
     if args.naive:
         naive = max(r["naive_peak_extra"] for r in results)
         summary.update(
