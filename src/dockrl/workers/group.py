@@ -181,9 +181,9 @@ class WorkerGroup:
                 )
             slice_s = remaining if self.supervisor is None else min(remaining, POLL_S)
             done, pending = ray.wait(pending, num_returns=1, timeout=slice_s)
+            if self.supervisor is not None:
+                self.supervisor.check()  # at most every POLL_S: a death elsewhere ends this wait too
             if not done:
-                if self.supervisor is not None:
-                    self.supervisor.check()
                 continue
             i = index[done[0]]
             worker = self.names[ranks[i]]
