@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dockrl.checkpoint.layout import resolve_model_path
 from dockrl.models.hf import load_model
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.recipes.common import EncodedPrompt, encode_prompts
@@ -57,7 +58,9 @@ def evaluate_model_dir(
     batch_size: int = 128,
     device: str = "cpu",
 ) -> dict[str, Any]:
-    """Load a checkpoint directory in this process and score greedy answers on a held-out file."""
+    """Load a model directory (or a checkpoint root's hf/ export) in this process and score greedy answers
+    on a held-out file."""
+    model_path = resolve_model_path(model_path)
     tokenizer = Tokenizer.from_dir(model_path)
     model = load_model(model_path, device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
     model.eval()
