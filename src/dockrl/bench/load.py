@@ -123,11 +123,16 @@ def _save(model_dir: str, mesh, world: int, out: str) -> dict:
     start = time.perf_counter()
     save_engine(engine, root / "actor")
     sharded_s = time.perf_counter() - start
+    sharded_peak = proc_status("VmHWM") - base
+    gc.collect()
+    torch.distributed.barrier()
+    base = rss_reset()
     export_hf(engine, root / "hf", tokenizer_dir=None)
     result = {
         "save_s": time.perf_counter() - start,
         "save_sharded_s": sharded_s,
-        "save_peak_extra": proc_status("VmHWM") - base,
+        "save_sharded_peak_extra": sharded_peak,
+        "export_peak_extra": proc_status("VmHWM") - base,
     }
     if torch.distributed.get_rank() == 0:
         size = lambda path: sum(f.stat().st_size for f in path.rglob("*") if f.is_file())  # noqa: E731
@@ -230,7 +235,8 @@ def run(args: argparse.Namespace) -> dict:
         summary.update(
             save_s=max(r["save_s"] for r in results),
             save_sharded_s=max(r["save_sharded_s"] for r in results),
-            save_peak_extra_rss_bytes=max(r["save_peak_extra"] for r in results),
+            save_sharded_peak_extra_rss_bytes=max(r["save_sharded_peak_extra"] for r in results),
+            export_peak_extra_rss_bytes=max(r["export_peak_extra"] for r in results),
             checkpoint_sharded_bytes=results[0]["sharded_bytes"],
             checkpoint_hf_bytes=results[0]["hf_bytes"],
         )

@@ -12,8 +12,8 @@ and the config check refuses another). An optimizer that has not stepped yet (PP
 warm-up) has no state and saves none: initialising it for the checkpoint would change the run.
 
 `export_hf` writes the weights as a Hugging Face directory in the checkpoint's source dtype, gathering one
-tensor at a time onto global rank 0 (over dp, then over tp) and writing one weight file at a time, so no rank
-ever holds the whole model.
+tensor at a time onto global rank 0 (over dp, then over tp) and streaming it into its safetensors file
+(models.hf.HFWriter), so no rank ever holds more than one whole tensor.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from dockrl.models.hf import LM_HEAD_KEY, HFWriter
 from dockrl.models.tp import shard_dim
 
 _GROUP_SKIP = ("params",)
+GATHER_BLOCK_BYTES = 8 * 2**20  # per rank and gather step of a Hugging Face export
 
 
 def _key(engine, name: str) -> str:
@@ -108,35 +109,30 @@ def export_hf(
     engine, path: str | Path, *, tokenizer_dir: str | None, max_shard_bytes: int = 2 * 2**30
 ) -> None:
     """Write `engine`'s weights as a Hugging Face directory in `engine.source_dtype` (all ranks call it;
-    global rank 0 gathers each tensor and writes)."""
+    global rank 0 gathers one tensor at a time and streams it to its file, so it holds one tensor at most)."""
     dtype = engine.source_dtype
-    names = [
-        n for n, _ in _named_params(engine) if not (engine.args.tie_word_embeddings and n == LM_HEAD_KEY)
-    ]
     params = dict(_named_params(engine))
-    shapes = {n: engine.global_shapes[n] for n in names}
+    names = [n for n in params if not (engine.args.tie_word_embeddings and n == LM_HEAD_KEY)]
     is_writer = dist.get_rank() == 0
-    nbytes = {n: _numel(shapes[n]) * dtype.itemsize for n in names}
-    writer = HFWriter(path, engine.args, nbytes, max_shard_bytes) if is_writer else None
-    plan = writer.shards if is_writer else None
-    plan = _broadcast_object(plan)
-    for shard in plan:
-        tensors = {}
-        for name in shard:
-            whole = gather_to_rank0(engine, name, params[name], shapes[name])
-            if is_writer:
-                tensors[name] = whole.to("cpu", dtype).contiguous()
+    specs = {n: (engine.global_shapes[n], dtype) for n in names}
+    writer = HFWriter(path, engine.args, specs, max_shard_bytes) if is_writer else None
+    for name in names:
+        whole = gather_to_rank0(engine, name, params[name], engine.global_shapes[name], dtype)
         if is_writer:
-            writer.write_shard(tensors)
+            writer.write(name, whole.to("cpu", dtype))
+        del whole
     if is_writer:
         writer.finish(dtype, tokenizer_dir)
     dist.barrier()
 
 
-def gather_to_rank0(engine, name: str, param: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """Parameter `name` whole on global rank 0 (None elsewhere): its FSDP rows gathered over dp onto dp rank
-    0, then its tensor-parallel slices over tp onto tp rank 0. Transient: about two copies of one tensor."""
+def gather_to_rank0(
+    engine, name: str, param: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None
+) -> torch.Tensor | None:
+    """Parameter `name` whole on global rank 0 (None elsewhere), cast to `dtype` before it moves: its FSDP
+    rows gathered over dp onto dp rank 0, then its tensor-parallel slices over tp onto tp rank 0."""
     local = param.to_local() if isinstance(param, DTensor) else param.data
+    local = local.detach().to(dtype or local.dtype)
     if engine.dp_size > 1:
         local = _gather_rows(
             local, engine.dp_group, engine.dp_rank, engine.dp_size, _tp_local_rows(engine, name, shape)
@@ -158,25 +154,21 @@ def _tp_local_rows(engine, name: str, shape: tuple[int, ...]) -> int:
 
 
 def _gather_rows(local: torch.Tensor, group, rank: int, size: int, rows: int) -> torch.Tensor | None:
-    """The FSDP2 row shards of `rows` rows concatenated on group rank 0 (torch.chunk sizes, padded to send)."""
+    """The FSDP2 row shards of `rows` rows joined on group rank 0 (torch.chunk sizes). Gathered in blocks of
+    at most GATHER_BLOCK_BYTES per rank, so rank 0 holds the tensor once plus one block from each rank
+    (gloo stages a gather's outputs in a flat copy: a whole-shard gather would hold the tensor twice)."""
     chunk = -(-rows // size)
-    padded = local.new_zeros((chunk, *local.shape[1:]))
-    padded[: local.shape[0]] = local
-    parts = [torch.empty_like(padded) for _ in range(size)] if rank == 0 else None
-    dist.gather(padded, parts, group_dst=0, group=group)
-    if rank != 0:
-        return None
-    return torch.cat(parts)[:rows]
-
-
-def _broadcast_object(value: Any) -> Any:
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for size in shape:
-        out *= size
-    return out
+    row_bytes = max(1, local[0].numel() * local.element_size()) if local.shape[0] else 1
+    block = max(1, GATHER_BLOCK_BYTES // row_bytes)
+    whole = local.new_empty((chunk * size, *local.shape[1:])) if rank == 0 else None
+    for start in range(0, chunk, block):
+        end = min(chunk, start + block)
+        piece = local.new_zeros((end - start, *local.shape[1:]))
+        mine = local[start:end]
+        piece[: mine.shape[0]] = mine
+        parts = [torch.empty_like(piece) for _ in range(size)] if rank == 0 else None
+        dist.gather(piece, parts, group_dst=0, group=group)
+        if rank == 0:
+            for r, part in enumerate(parts):
+                whole[r * chunk + start : r * chunk + end] = part
+    return whole[:rows] if rank == 0 else None

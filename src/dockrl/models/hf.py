@@ -19,10 +19,10 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from dockrl.models.config import ModelArgs
@@ -97,6 +97,9 @@ _SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 
 
 class CheckpointReader:
@@ -239,61 +242,106 @@ def save_model(
     into the same directory are removed first, so a single file never coexists with stale shards.
     """
     state_dict = _prepare_for_saving(model_or_state_dict, args, dtype)
-    writer = HFWriter(path, args, {k: t.nbytes for k, t in state_dict.items()}, max_shard_bytes)
-    for shard in writer.shards:
-        writer.write_shard({name: state_dict[name] for name in shard})
+    specs = {name: (tuple(t.shape), t.dtype) for name, t in state_dict.items()}
+    writer = HFWriter(path, args, specs, max_shard_bytes)
+    for name, tensor in state_dict.items():
+        writer.write(name, tensor)
     floating = next((t.dtype for t in state_dict.values() if t.is_floating_point()), None)
     writer.finish(floating, tokenizer_dir)
 
 
 class HFWriter:
-    """Writes a Hugging Face model directory one weight file at a time, so a caller that gathers tensors
-    from shards never holds more than one file's worth: plan with the tensors' sizes, then `write_shard`
-    each of `shards` in order, then `finish`.
+    """Streams a Hugging Face model directory to disk one tensor at a time, so a caller that gathers tensors
+    from shards holds one tensor, never a file's worth: plan with every tensor's shape and dtype, `write` them
+    in that order, then `finish`.
 
     One file when everything fits in ``max_shard_bytes``, else greedy shards of at most that size (a larger
-    tensor gets its own) plus ``model.safetensors.index.json``.
+    tensor gets its own) plus ``model.safetensors.index.json``. Each file is safetensors: an 8-byte
+    little-endian header length, a JSON header (dtype, shape, byte offsets of each tensor, padded to 8 bytes),
+    then the tensors' bytes in order; the header can be written first because the plan fixes every offset.
     """
 
-    def __init__(self, path: str | Path, args: ModelArgs, nbytes: Mapping[str, int], max_shard_bytes: int):
+    def __init__(
+        self,
+        path: str | Path,
+        args: ModelArgs,
+        specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        max_shard_bytes: int,
+    ):
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
-        self.path, self.args = Path(path), args
+        self.path, self.args, self.specs = Path(path), args, dict(specs)
         self.path.mkdir(parents=True, exist_ok=True)
         for stale in [*self.path.glob("model-*-of-*.safetensors"), self.path / WEIGHTS_FILE]:
             stale.unlink(missing_ok=True)
         (self.path / WEIGHTS_INDEX_FILE).unlink(missing_ok=True)
         self.shards: list[list[str]] = [[]]
         shard_bytes = 0
-        for name, size in nbytes.items():
+        for name in self.specs:
+            size = self._nbytes(name)
             if self.shards[-1] and shard_bytes + size > max_shard_bytes:
                 self.shards.append([])
                 shard_bytes = 0
             self.shards[-1].append(name)
             shard_bytes += size
-        self._written = 0
+        self._order = [name for shard in self.shards for name in shard]
+        self._next = 0  # index into _order of the next tensor to write
+        self._file = None
         self._weight_map: dict[str, str] = {}
-        self._total = 0
 
-    def write_shard(self, tensors: Mapping[str, Tensor]) -> None:
-        """Write the next planned file; `tensors` holds exactly its names (contiguous CPU tensors)."""
-        names = self.shards[self._written]
-        assert list(tensors) == names, "write_shard got tensors out of the planned order"
+    def _nbytes(self, name: str) -> int:
+        shape, dtype = self.specs[name]
+        return int(torch.Size(shape).numel()) * dtype.itemsize
+
+    def _file_name(self, shard: int) -> str:
         count = len(self.shards)
-        file = WEIGHTS_FILE if count == 1 else f"model-{self._written + 1:05d}-of-{count:05d}.safetensors"
-        save_file(dict(tensors), str(self.path / file), metadata={"format": "pt"})
-        self._weight_map.update(dict.fromkeys(names, file))
-        self._total += sum(t.nbytes for t in tensors.values())
-        self._written += 1
+        return WEIGHTS_FILE if count == 1 else f"model-{shard + 1:05d}-of-{count:05d}.safetensors"
+
+    def _open(self, shard: int) -> None:
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name in self.shards[shard]:
+            shape, dtype = self.specs[name]
+            size = self._nbytes(name)
+            header[name] = {
+                "dtype": _SAFETENSORS_NAMES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + size],
+            }
+            offset += size
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        file = self._file_name(shard)
+        self._file = open(self.path / file, "wb")  # noqa: SIM115 - closed when its last tensor is written
+        self._file.write(len(text).to_bytes(8, "little") + text)
+        self._weight_map.update(dict.fromkeys(self.shards[shard], file))
+        self._remaining = list(self.shards[shard])
+
+    def write(self, name: str, tensor: Tensor) -> None:
+        """Write the next planned tensor (a CPU tensor of its planned shape and dtype)."""
+        expected = self._order[self._next]
+        shape, dtype = self.specs[expected]
+        if name != expected or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ValueError(
+                f"HFWriter expected {expected} {shape} {dtype}, got {name} {tuple(tensor.shape)} {tensor.dtype}"
+            )
+        if self._file is None:
+            self._open(next(i for i, shard in enumerate(self.shards) if name in shard))
+        flat = tensor.detach().contiguous().reshape(-1)
+        if flat.numel():
+            self._file.write(flat.view(torch.uint8).numpy().data)  # the tensor's own bytes, no copy
+        self._remaining.remove(name)
+        self._next += 1
+        if not self._remaining:
+            self._file.close()
+            self._file = None
 
     def finish(self, dtype: torch.dtype | None, tokenizer_dir: str | Path | None = None) -> None:
         """Write the index (sharded), config.json (recording `dtype`), generation_config.json and tokenizer."""
-        assert self._written == len(self.shards), "finish before every planned shard was written"
+        assert self._next == len(self._order), "finish before every planned tensor was written"
         if len(self.shards) > 1:
-            index = {
-                "metadata": {"total_size": self._total},
-                "weight_map": dict(sorted(self._weight_map.items())),
-            }
+            total = sum(self._nbytes(name) for name in self._order)
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(self._weight_map.items()))}
             _write_json(self.path / WEIGHTS_INDEX_FILE, index)
         config = self.args.to_hf_config()
         if dtype is not None:
