@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 
+from dockrl.bench.rss import proc_status, rss_reset
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Layout, model and what to compare."""
@@ -31,22 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="of the random checkpoint")
     parser.add_argument("--naive", action="store_true", help="also measure the whole-model load")
     parser.add_argument("--save", action="store_true", help="also measure saving a resumable checkpoint")
-
-
-def rss_reset() -> int:
-    """Reset this process's RSS high-water mark; returns the current RSS in bytes (Linux)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return proc_status("VmRSS")
-
-
-def proc_status(key: str) -> int:
-    """A byte figure of /proc/self/status (VmRSS, VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} not in /proc/self/status")
 
 
 def _naive_load(model_dir: str, mesh):

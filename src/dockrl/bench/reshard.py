@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from dockrl.bench.rss import proc_status, rss_reset
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Layouts and model size."""
@@ -26,20 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
 
 
-def _rss_reset() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS")
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} not in /proc/self/status")
-
-
 def _measure(switch, device: str, naive: bool) -> int:
     import torch
 
@@ -50,9 +38,9 @@ def _measure(switch, device: str, naive: bool) -> int:
         switch.enter(naive=naive)
         peak = torch.cuda.max_memory_allocated()
     else:
-        base = _rss_reset()
+        base = rss_reset()
         switch.enter(naive=naive)
-        peak = _status("VmHWM")
+        peak = proc_status("VmHWM")
     switch.exit()
     return peak - base
 

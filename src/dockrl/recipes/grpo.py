@@ -97,7 +97,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 cluster.kill()
             restarts = summary["restarts"]
             if not isinstance(failure, WorkerFailure) or len(restarts) >= cfg.run.max_restarts:
-                raise _run_failed(failure, run, cfg) from None
+                raise _run_failed(failure, run) from None
             point, fresh = newest(run), True
             restarts.append({"cause": str(failure), "resume_from": str(point.path) if point else None})
             log.warning(
@@ -183,7 +183,7 @@ def _root_cause(exc: Exception, cluster: Cluster | None) -> Exception:
     return exc
 
 
-def _run_failed(exc: Exception, run: RunDir, cfg: TrainConfig) -> RunFailed:
+def _run_failed(exc: Exception, run: RunDir) -> RunFailed:
     """The one-line error a failed run ends with: what failed, and how to resume it."""
     details = getattr(exc, "remote_traceback", None)
     errors = run.path / "errors.log"
