@@ -31,8 +31,7 @@ CONFIG = (
     "  num_processes: 0\n"
     "  model: {weight: 0.5}\n"
     "dock: {num_warehouses: 1, get_timeout_s: 120}\n"
-    "run: {steps: 2, prompts_per_step: 4, save_every: 1, progress: false, worker_timeout_s: 300,"
-    " heartbeat_timeout_s: 5}\n"
+    "run: {steps: 2, prompts_per_step: 4, save_every: 1, progress: false, worker_timeout_s: 300}\n"
 )
 KINDS = ("actor-0", "critic-0", "reward-0", "reward_model-0", "dockrl-warehouse-0", "dockrl-controller")
 STAGES = ("generate", "compute_ref", "compute_old", "compute_values", "update")
@@ -110,7 +109,15 @@ def test_killed_worker_ends_the_run_with_its_name(ppo_args, monkeypatch, capsys,
 
 def test_hung_worker_ends_the_run_after_the_heartbeat_timeout(ppo_args, monkeypatch, capsys):
     fault = "hang:actor-0:compute_ref:1:during"
-    expect = dict(target="actor-0", stage="compute_ref", step=1, cause="hung: no heartbeat")
+    # 10 s, not the default 30: short for the test, long enough that a busy machine never starves a healthy
+    # worker's heartbeat thread that long
+    expect = dict(
+        target="actor-0",
+        stage="compute_ref",
+        step=1,
+        cause="hung: no heartbeat",
+        extra=["run.heartbeat_timeout_s=10"],
+    )
     _fails_named(ppo_args, monkeypatch, capsys, fault, "hang-actor", **expect)
 
 

@@ -26,7 +26,11 @@ from dockrl.bench.rss import proc_status, rss_reset
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Layout, model and what to compare."""
     parser.add_argument("--dp", type=int, default=4)
-    parser.add_argument("--model", default=None, help="a Hugging Face model directory; default: a random one")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a Hugging Face model directory or checkpoint root; default: a random one",
+    )
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=32000)
@@ -175,6 +179,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
     import torch.multiprocessing as mp
 
+    from dockrl.checkpoint.layout import resolve_model_path
     from dockrl.models.config import ModelArgs
     from dockrl.models.decoder import Transformer
     from dockrl.models.hf import read_config, save_model
@@ -183,7 +188,7 @@ def run(args: argparse.Namespace) -> dict:
     # A freed tensor must leave RSS for the peak to mean anything: pin glibc's mmap threshold at 64 KiB.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model
+        model_dir = None if args.model is None else resolve_model_path(args.model)
         if model_dir is None:
             model_args = ModelArgs(
                 family="llama",
