@@ -175,6 +175,12 @@ class WorkerGroup:
             if remaining <= 0:
                 waited = time.monotonic() - started
                 names = ", ".join(self.names[ranks[index[r]]] for r in pending)
+                if self.supervisor is not None:  # alive but stuck: a hang the run may recover from
+                    stuck = self.names[ranks[index[pending[0]]]]
+                    cause = (
+                        f"hung: {method} still running after {waited:.0f} s (run.worker_timeout_s; {names})"
+                    )
+                    raise self.supervisor.failure(stuck, cause)
                 raise WorkerError(
                     f"{self.name}.{method}: no answer from {names} after {waited:.0f} s "
                     f"(run.worker_timeout_s); the worker is hung or far slower than expected"

@@ -92,7 +92,7 @@ class Supervisor:
     def failure(self, name: str, cause: str) -> WorkerFailure:
         """The error for actor `name` (a death seen by the caller's own wait, for instance)."""
         watched = self._watched.get(name)
-        where = watched.where if watched else "not watched"
+        where = watched.where if watched else "starting"
         stage = (watched.in_flight if watched else None) or self.stage
         return WorkerFailure(name, cause, where, self.step, stage)
 
