@@ -8,9 +8,9 @@ loses its CPU part, or if a collective is handed a tensor on some other device.
 """
 
 import torch
-import torch.multiprocessing as mp
 
 from dockrl.parallel.dist import backend_for, free_port, served_devices
+from dockrl.parallel.spawn import spawn_ranks
 
 COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
 
@@ -36,7 +36,7 @@ def _spy(calls: list) -> None:
         setattr(dist, name, spied)
 
 
-def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+def _worker(rank: int, world: int, port: int, model_dir: str, out: str, leave) -> None:
     from dockrl.config import ActorConfig, AlgoConfig
     from dockrl.parallel.dist import data_parallel_mesh, init_distributed
     from dockrl.workers.train.engine import TrainEngine
@@ -70,14 +70,12 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     all_reduce_sum(torch.zeros(6, dtype=torch.float64), engine.dp_group)  # the critic's step statistics
     if rank == 0:
         torch.save(calls, out)
-    torch.distributed.destroy_process_group()
+    leave(rank)
 
 
 def test_update_collectives_use_devices_the_cuda_backend_serves(tmp_path, tiny_model):
     out = tmp_path / "calls.pt"
-    mp.start_processes(
-        _worker, args=(2, free_port(), str(tiny_model), str(out)), nprocs=2, start_method="spawn"
-    )
+    spawn_ranks(_worker, 2, free_port(), str(tiny_model), str(out))
     calls = torch.load(out)
     assert len([c for c in calls if c[0] == "all_reduce"]) >= 4, calls  # tokens, moments, metrics, critic
     served = served_devices(backend_for("cuda"))

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dockrl.config import ActorConfig, AlgoConfig
 from dockrl.parallel.dist import free_port
+from dockrl.parallel.spawn import spawn_ranks
 from helpers import assert_grads_close, full_grads
 
 NUM_ROWS = 8
@@ -48,7 +48,7 @@ def run_update(model_dir: str, idx: list[int], world_size: int, mesh=None, micro
     return metrics, full_grads(engine), engine.full_state_dict()
 
 
-def _dp_worker(rank: int, world_size: int, port: int, model_dir: str, out_path: str) -> None:
+def _dp_worker(rank: int, world_size: int, port: int, model_dir: str, out_path: str, leave) -> None:
     from dockrl.parallel.dist import data_parallel_mesh, init_distributed
 
     torch.set_num_threads(1)
@@ -60,15 +60,13 @@ def _dp_worker(rank: int, world_size: int, port: int, model_dir: str, out_path: 
     )
     if rank == 0:
         torch.save({"metrics": metrics, "grads": grads}, out_path)
-    torch.distributed.destroy_process_group()
+    leave(rank)
 
 
 def test_dp2_equals_dp1(tmp_path, tiny_model):
     ref_metrics, ref_grads, _ = run_update(str(tiny_model), list(range(NUM_ROWS)), world_size=1)
     out = tmp_path / "dp2.pt"
-    mp.start_processes(
-        _dp_worker, args=(2, free_port(), str(tiny_model), str(out)), nprocs=2, start_method="spawn"
-    )
+    spawn_ranks(_dp_worker, 2, free_port(), str(tiny_model), str(out))
     dp2 = torch.load(out)
     for key in ("loss", "pg_loss", "kl", "grad_norm", "clip_frac"):
         # O(1) sums of a few hundred fp32 terms: rounding stays near 1e-5 relative (see helpers.GRAD_RTOL).

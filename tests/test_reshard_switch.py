@@ -9,10 +9,10 @@ the same inference weights.
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dockrl.config import ActorConfig
 from dockrl.parallel.dist import free_port
+from dockrl.parallel.spawn import spawn_ranks
 from test_tp_equivalence import ALGO, NUM_ROWS, make_rows, write_model
 
 PAIRS = [(t, i) for t in (1, 2, 4) for i in (1, 2, 4)]
@@ -100,7 +100,7 @@ def _run_pair(rank: int, world: int, model_dir: str, tp_train: int, tp_infer: in
     }
 
 
-def _worker(rank: int, world: int, port: int, model_dir: str, out_path: str) -> None:
+def _worker(rank: int, world: int, port: int, model_dir: str, out_path: str, leave) -> None:
     from dockrl.parallel.dist import init_distributed
 
     torch.set_num_threads(1)
@@ -110,15 +110,13 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_path: str) -> 
     torch.distributed.all_gather_object(gathered, results)
     if rank == 0:
         torch.save(gathered, out_path)
-    torch.distributed.destroy_process_group()
+    leave(rank)
 
 
 def test_switch_round_trip_and_rollout_trainer_parity(tmp_path):
     model_dir = write_model(tmp_path / "qwen3", "qwen3", seed=3)
     out = tmp_path / "results.pt"
-    mp.start_processes(
-        _worker, args=(4, free_port(), str(model_dir), str(out)), nprocs=4, start_method="spawn"
-    )
+    spawn_ranks(_worker, 4, free_port(), str(model_dir), str(out))
     for rank, results in enumerate(torch.load(out, weights_only=False)):
         for pair, r in results.items():
             assert r["bitwise"] and r["freed"] and r["naive_equal"], (rank, pair, r)

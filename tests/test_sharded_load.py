@@ -4,10 +4,10 @@ dp=3 gives uneven FSDP2 shards (64 rows -> 22, 22, 20) and empty ones (the value
 """
 
 import torch
-import torch.multiprocessing as mp
 
 from dockrl.parallel.dist import free_port
 from dockrl.parallel.load import checkpoint_block, fsdp_rows
+from dockrl.parallel.spawn import spawn_ranks
 
 
 def test_blocks_compose_tensor_parallel_and_fsdp_rows():
@@ -43,7 +43,7 @@ def _step(engine, world: int) -> dict:
     return policy_update(engine, batch, [0, 1], ["advantages"], algo, **args)
 
 
-def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+def _worker(rank: int, world: int, port: int, model_dir: str, out: str, leave) -> None:
     from pathlib import Path
 
     from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
@@ -86,7 +86,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     torch.distributed.all_gather_object(numels, local_numel)
     if rank == 0:
         torch.save({**states, "numels": numels, "metrics": metrics}, out)
-    torch.distributed.destroy_process_group()
+    leave(rank)
 
 
 def test_dp3_shards_reassemble_the_checkpoint_bitwise(tmp_path, tiny_model):
@@ -98,7 +98,7 @@ def test_dp3_shards_reassemble_the_checkpoint_bitwise(tmp_path, tiny_model):
     state = load_state_dict(tiny_model)
     save_model(state, read_config(tiny_model), source, tokenizer_dir=tiny_model, dtype=torch.bfloat16)
     out = tmp_path / "states.pt"
-    mp.start_processes(_worker, args=(3, free_port(), str(source), str(out)), nprocs=3, start_method="spawn")
+    spawn_ranks(_worker, 3, free_port(), str(source), str(out))
     result = torch.load(out)
     expected = load_state_dict(source)
     assert set(result["policy"]) == set(expected)

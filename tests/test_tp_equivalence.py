@@ -7,10 +7,10 @@ and entropy are checked against the single-process functions, values and gradien
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dockrl.config import ActorConfig, AlgoConfig
 from dockrl.parallel.dist import free_port
+from dockrl.parallel.spawn import spawn_ranks
 from helpers import assert_grads_close, full_grads
 
 NUM_ROWS = 8
@@ -115,7 +115,7 @@ def _check_vocab_parallel_functions(rank: int, world: int) -> dict:
     }
 
 
-def _worker(rank: int, world: int, port: int, model_dirs: dict, out_path: str) -> None:
+def _worker(rank: int, world: int, port: int, model_dirs: dict, out_path: str, leave) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from dockrl.parallel.dist import init_distributed
@@ -135,7 +135,7 @@ def _worker(rank: int, world: int, port: int, model_dirs: dict, out_path: str) -
     if rank == 0:
         results["functions"] = all_results
         torch.save(results, out_path)
-    torch.distributed.destroy_process_group()
+    leave(rank)
 
 
 def test_tp_and_dp_layouts_equal_single_process(tmp_path, tiny_model):
@@ -145,7 +145,7 @@ def test_tp_and_dp_layouts_equal_single_process(tmp_path, tiny_model):
         "llama": str(write_model(tmp_path / "llama", "llama", num_kv_heads=4)),
     }
     out = tmp_path / "results.pt"
-    mp.start_processes(_worker, args=(4, free_port(), model_dirs, str(out)), nprocs=4, start_method="spawn")
+    spawn_ranks(_worker, 4, free_port(), model_dirs, str(out))
     results = torch.load(out, weights_only=False)
     for rank_result in results["functions"]:
         assert rank_result["value_error"] < 1e-4 and rank_result["grad_error"] < 1e-4, rank_result

@@ -130,7 +130,9 @@ def _save(model_dir: str, mesh, world: int, out: str) -> dict:
     return result
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, model_dir: str, out: str) -> None:
+def _worker(
+    rank: int, world: int, port: int, args: argparse.Namespace, model_dir: str, out: str, leave
+) -> None:
     import gc
     import time
 
@@ -168,7 +170,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, model_di
     torch.distributed.all_gather_object(results, result)
     if rank == 0:
         torch.save(results, out)
-    torch.distributed.destroy_process_group()
+    leave(rank)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -177,13 +179,13 @@ def run(args: argparse.Namespace) -> dict:
     import tempfile
 
     import torch
-    import torch.multiprocessing as mp
 
     from dockrl.checkpoint.layout import resolve_model_path
     from dockrl.models.config import ModelArgs
     from dockrl.models.decoder import Transformer
     from dockrl.models.hf import read_config, save_model
     from dockrl.parallel.dist import free_port
+    from dockrl.parallel.spawn import spawn_ranks
 
     # A freed tensor must leave RSS for the peak to mean anything: pin glibc's mmap threshold at 64 KiB.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
@@ -207,9 +209,7 @@ def run(args: argparse.Namespace) -> dict:
             model_dir = tmp
         num_params = read_config(model_dir).num_params()
         out = os.path.join(tmp, "results.pt")
-        mp.start_processes(
-            _worker, args=(args.dp, free_port(), args, model_dir, out), nprocs=args.dp, start_method="spawn"
-        )
+        spawn_ranks(_worker, args.dp, free_port(), args, model_dir, out)
         results = torch.load(out, weights_only=False)
     model_bytes = num_params * 4
     peak = max(r["peak_extra"] for r in results)

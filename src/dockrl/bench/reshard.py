@@ -45,7 +45,9 @@ def _measure(switch, device: str, naive: bool) -> int:
     return peak - base
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, model_dir: str, out: str) -> None:
+def _worker(
+    rank: int, world: int, port: int, args: argparse.Namespace, model_dir: str, out: str, leave
+) -> None:
     import os
     import time
 
@@ -111,7 +113,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, model_di
     torch.distributed.all_gather_object(results, result)
     if rank == 0:
         torch.save(results, out)
-    torch.distributed.destroy_process_group()
+    leave(rank)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -120,7 +122,6 @@ def run(args: argparse.Namespace) -> dict:
     import tempfile
 
     import torch
-    import torch.multiprocessing as mp
 
     from dockrl.config.validate import resolve_device
     from dockrl.models.config import ModelArgs
@@ -128,6 +129,7 @@ def run(args: argparse.Namespace) -> dict:
     from dockrl.models.hf import save_model
     from dockrl.parallel.dist import free_port
     from dockrl.parallel.plan import PlanInput, plan
+    from dockrl.parallel.spawn import spawn_ranks
 
     args.device = resolve_device(args.device, "--device")
     world = args.dp * args.tp_train
@@ -149,9 +151,7 @@ def run(args: argparse.Namespace) -> dict:
         save_model(model, model_args, tmp)
         del model
         out = os.path.join(tmp, "results.pt")
-        mp.start_processes(
-            _worker, args=(world, free_port(), args, tmp, out), nprocs=world, start_method="spawn"
-        )
+        spawn_ranks(_worker, world, free_port(), args, tmp, out)
         results = torch.load(out, weights_only=False)
     question = PlanInput(
         model_args, args.dp, args.tp_train, args.tp_infer, infer_bytes=4, bucket_bytes=results[0]["bucket"]
