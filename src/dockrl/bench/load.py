@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from dockrl.bench.rss import proc_status, rss_reset
+from dockrl.bench.steady_state import proc_status, rss_reset, take_one_step
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,29 +83,11 @@ def _save(model_dir: str, mesh, world: int, out: str) -> dict:
     import torch
 
     from dockrl.checkpoint.sharded import export_hf, save_engine
-    from dockrl.config import ActorConfig, AlgoConfig
+    from dockrl.config import ActorConfig
     from dockrl.workers.train.engine import TrainEngine
-    from dockrl.workers.train.policy_update import policy_update
 
     engine = TrainEngine(model_dir, device="cpu", precision="fp32", mesh=mesh, optim=ActorConfig())
-    vocab = engine.args.vocab_size
-    g = torch.Generator().manual_seed(engine.dp_rank)
-    batch = {
-        "prompt_ids": [torch.randint(0, vocab, (8,), generator=g) for _ in range(2)],
-        "response_ids": [torch.randint(0, vocab, (8,), generator=g) for _ in range(2)],
-        "advantages": [torch.ones(8), -torch.ones(8)],
-    }
-    policy_update(
-        engine,
-        batch,
-        [0, 1],
-        ["advantages"],
-        AlgoConfig(kl_coef=0.0),
-        temperature=1.0,
-        micro_batch_size=2,
-        pad_token_id=0,
-        world_size=world,
-    )
+    take_one_step(engine, world, seed=engine.dp_rank)
     root = Path(out).parent / "checkpoint"
     gc.collect()
     torch.distributed.barrier()

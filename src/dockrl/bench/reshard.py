@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from dockrl.bench.rss import proc_status, rss_reset
+from dockrl.bench.steady_state import proc_status, rss_reset, take_one_step
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,35 +53,18 @@ def _worker(
 
     import torch
 
-    from dockrl.config import ActorConfig, AlgoConfig
+    from dockrl.config import ActorConfig
     from dockrl.parallel.dist import inference_mesh, init_distributed, training_mesh
     from dockrl.workers.reshard.switch import OffloadFlags, RolloutSwitch
     from dockrl.workers.train.engine import TrainEngine
-    from dockrl.workers.train.policy_update import policy_update
 
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)  # one GPU per spawned rank
     device = init_distributed(rank, world, "127.0.0.1", port, args.device, timeout_s=600)
     train_mesh = training_mesh(args.device, args.dp, args.tp_train)
     engine = TrainEngine(model_dir, device=device, precision="fp32", mesh=train_mesh, optim=ActorConfig())
-    g = torch.Generator().manual_seed(rank // args.tp_train)
-    batch = {
-        "prompt_ids": [torch.randint(0, args.vocab_size, (8,), generator=g) for _ in range(2)],
-        "response_ids": [torch.randint(0, args.vocab_size, (8,), generator=g) for _ in range(2)],
-        "advantages": [torch.ones(8), -torch.ones(8)],
-    }
     start = time.perf_counter()
-    policy_update(
-        engine,
-        batch,
-        [0, 1],
-        ["advantages"],
-        AlgoConfig(kl_coef=0.0),
-        temperature=1.0,
-        micro_batch_size=2,
-        pad_token_id=0,
-        world_size=args.dp,
-    )
+    take_one_step(engine, args.dp, seed=rank // args.tp_train)
     train_s = time.perf_counter() - start
     group = inference_mesh(args.device, world, args.tp_infer).get_group("tp")
     bucket = None if args.bucket_mb is None else int(args.bucket_mb * 2**20)
