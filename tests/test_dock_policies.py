@@ -198,3 +198,26 @@ def test_random_interleavings_over_two_warehouses_serve_every_row_once(
         assert abs(loads[0] - loads[1]) <= 2 + max(lengths[r % 18] for b in bins for r in b)
     stats = controller.stats()
     assert stats["warehouse_cells"][0] + stats["warehouse_cells"][1] == 3 * num_rows
+
+
+def test_undeclared_columns_are_refused_naming_the_declared_ones(capsys):
+    from pathlib import Path
+
+    from dockrl.cli import main
+    from dockrl.dock.client import DockClient
+    from dockrl.dock.columns import PROMPT_IDS, RESPONSE_IDS, check_columns, reward_component
+    from dockrl.dock.errors import DockError
+
+    client = DockClient(None, [None])  # the check comes before any request
+    with pytest.raises(DockError, match=r"put of undeclared column\(s\) \['respons_ids'\].*'response_ids'"):
+        client.put([0], {"respons_ids": [[1]]})
+    with pytest.raises(DockError, match=r"get of undeclared column\(s\) \['old_logprob'\]"):
+        client.get("update", [PROMPT_IDS, "old_logprob"], 1)
+    with pytest.raises(DockError, match="add_groups of undeclared"):
+        client.add_groups([[1]], ["1"], 1, extra={"weight": [1.0]})
+    check_columns([PROMPT_IDS, RESPONSE_IDS, reward_component("exact_answer/correct")], "get")  # declared
+    main(["columns"])
+    path = Path(__file__).parent.parent / "docs" / "columns.md"
+    assert path.read_text() == capsys.readouterr().out, (
+        "docs/columns.md is stale: dockrl columns > docs/columns.md"
+    )

@@ -7,6 +7,7 @@ dockrl make-tiny OUT_DIR [--reward-model]  tiny random model (or reward model) +
 dockrl data arithmetic OUT_DIR             synthetic task files
 dockrl demo                                make-tiny -> SFT -> eval -> GRPO -> eval
 dockrl config-docs                         every setting, its type, default and meaning
+dockrl columns                             the dock's columns: dtype, producer, readers
 dockrl plan --model NAME --dp N ...        per-rank memory of each phase for a model and layouts
 """
 
@@ -153,6 +154,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_columns(args: argparse.Namespace) -> int:
+    from dockrl.dock.columns import render_table
+
+    print("# The experience table\n")
+    print("Every column of the transfer dock, declared once in `src/dockrl/dock/columns.py` (this page is")
+    print("rendered from it by `dockrl columns`). The dock's clients reject any other column name.\n")
+    print(render_table())
+    return 0
+
+
 def _cmd_config_docs(args: argparse.Namespace) -> int:
     from dockrl.config import SFTConfig, TrainConfig, render_docs
 
@@ -231,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="GRPO overrides, e.g. run.steps=5")
 
     add("config-docs", _cmd_config_docs, "print every setting as a Markdown table")
+    add("columns", _cmd_columns, "print the dock's experience-table columns as a Markdown table")
 
     p = add("plan", _cmd_plan, "per-rank memory of train / switch / rollout for a model and layouts")
     p.add_argument("--model", required=True, help="preset (Qwen2.5-7B, Qwen2.5-32B, Qwen3-8B) or config.json")

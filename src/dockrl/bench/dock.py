@@ -24,6 +24,8 @@ import sys
 import time
 from typing import Any
 
+from dockrl.dock.columns import LABEL, OLD_LOGPROBS, PROMPT_IDS, RESPONSE_IDS, REWARD, ROLLOUT_LOGPROBS
+
 STAGE_NAMES = ("rollout", "reward", "logprob", "update")
 
 
@@ -98,19 +100,19 @@ class BenchConsumer:
         def generate(rows, batch):
             lengths = [response_length(step, row, mean) for row in rows]
             return {
-                "response_ids": [np.full(n, row, dtype=np.int32) for row, n in zip(rows, lengths)],
-                "rollout_logprobs": [np.full(n, -1.0, dtype=np.float32) for n in lengths],
+                RESPONSE_IDS: [np.full(n, row, dtype=np.int32) for row, n in zip(rows, lengths)],
+                ROLLOUT_LOGPROBS: [np.full(n, -1.0, dtype=np.float32) for n in lengths],
             }
 
         g = self.args["samples"]
-        return self._loop(client, "rollout", ["prompt_ids"], 2 * g, generate, whole_groups=True, min_count=g)
+        return self._loop(client, "rollout", [PROMPT_IDS], 2 * g, generate, whole_groups=True, min_count=g)
 
     def _reward(self, client, step: int) -> list[float]:
         def score(rows, batch):
-            return {"reward": [float(len(r) % 2) for r in batch["response_ids"]]}
+            return {REWARD: [float(len(r) % 2) for r in batch[RESPONSE_IDS]]}
 
         g = self.args["samples"]
-        columns = ["prompt_ids", "response_ids", "label"]
+        columns = [PROMPT_IDS, RESPONSE_IDS, LABEL]
         return self._loop(client, "reward", columns, g, score, whole_groups=True)
 
     def _per_rank(self) -> int:
@@ -118,14 +120,14 @@ class BenchConsumer:
 
     def _logprob(self, client, step: int) -> list[float]:
         def logprobs(rows, batch):
-            return {"old_logprobs": [r.astype("float32") * 0 - 1 for r in batch["response_ids"]]}
+            return {OLD_LOGPROBS: [r.astype("float32") * 0 - 1 for r in batch[RESPONSE_IDS]]}
 
-        columns = ["prompt_ids", "response_ids"]
+        columns = [PROMPT_IDS, RESPONSE_IDS]
         n = self._per_rank()
         return self._loop(client, "logprob", columns, n, logprobs, balance_over=self.num_consumers)
 
     def _update(self, client, step: int) -> list[float]:
-        columns = ["response_ids", "old_logprobs", "rollout_logprobs", "reward"]
+        columns = [RESPONSE_IDS, OLD_LOGPROBS, ROLLOUT_LOGPROBS, REWARD]
         n = self._per_rank()
         return self._loop(
             client, "update", columns, n, lambda rows, batch: None, balance_over=self.num_consumers

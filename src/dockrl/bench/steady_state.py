@@ -14,21 +14,22 @@ def take_one_step(engine, dp: int, seed: int) -> None:
     import torch
 
     from dockrl.config import AlgoConfig
+    from dockrl.dock.columns import ADVANTAGES, PROMPT_IDS, RESPONSE_IDS
     from dockrl.workers.train.policy_update import policy_update
 
     vocab = engine.args.vocab_size
     g = torch.Generator().manual_seed(seed)
     batch = {
-        "prompt_ids": [torch.randint(0, vocab, (8,), generator=g) for _ in range(2)],
-        "response_ids": [torch.randint(0, vocab, (8,), generator=g) for _ in range(2)],
-        "advantages": [torch.ones(8), -torch.ones(8)],
+        PROMPT_IDS: [torch.randint(0, vocab, (8,), generator=g) for _ in range(2)],
+        RESPONSE_IDS: [torch.randint(0, vocab, (8,), generator=g) for _ in range(2)],
+        ADVANTAGES: [torch.ones(8), -torch.ones(8)],
     }
     algo = AlgoConfig(kl_coef=0.0)
     policy_update(
         engine,
         batch,
         [0, 1],
-        ["advantages"],
+        [ADVANTAGES],
         algo,
         temperature=1.0,
         micro_batch_size=2,

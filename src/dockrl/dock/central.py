@@ -20,6 +20,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from dockrl.dock.columns import LABEL, PROMPT_IDS, check_columns
 from dockrl.dock.errors import DockError, DockTimeoutError, WarehouseDiedError
 from dockrl.dock.metrics import ClientCounters, batch_nbytes
 from dockrl.dock.shared import SharedController
@@ -146,7 +147,8 @@ class CentralClient(ClientCounters):
         self, prompts: list, labels: list, group_size: int, *, extra: dict[str, list] | None = None
     ) -> list[int]:
         """As DockClient.add_groups (one store, so no round-robin)."""
-        per_prompt = {"prompt_ids": prompts, "label": labels, **(extra or {})}
+        check_columns(extra or {}, "add_groups")
+        per_prompt = {PROMPT_IDS: prompts, LABEL: labels, **(extra or {})}
         for name, values in per_prompt.items():
             if len(values) != len(prompts):
                 raise ValueError(f"add_groups: {name} has {len(values)} values for {len(prompts)} prompts")
@@ -163,6 +165,7 @@ class CentralClient(ClientCounters):
 
     def put(self, rows: list[int], batch: dict[str, list]) -> None:
         """As DockClient.put."""
+        check_columns(batch, "put")
         t0 = time.perf_counter()
         self.transport.call("put", rows, batch)
         self.bytes_put += batch_nbytes(batch)
@@ -172,6 +175,7 @@ class CentralClient(ClientCounters):
         self, consumer: str, columns: list[str], count: int, *, timeout_s: float | None = None, **options
     ) -> tuple[list[int], dict[str, list]] | None:
         """As DockClient.get (options: whole_groups, min_count, balance_over, policy)."""
+        check_columns(columns, "get")
         timeout_s = self.get_timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
         options = {k: v for k, v in options.items() if v is not None}

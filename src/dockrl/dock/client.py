@@ -29,6 +29,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from dockrl.dock.columns import LABEL, PROMPT_IDS, check_columns
 from dockrl.dock.errors import DockError, DockTimeoutError, StaleHandleError, WarehouseDiedError
 from dockrl.dock.metrics import ClientCounters, batch_nbytes
 from dockrl.dock.transport import BadMessage, Lost, NoReply, RayTransport, SocketTransport
@@ -126,13 +127,14 @@ class DockClient(ClientCounters):
         Groups are spread round-robin over the warehouses (the driver is not a producer node).
         """
         extra = extra or {}
+        check_columns(extra, "add_groups")
         for name, values in {"labels": labels, **extra}.items():
             if len(values) != len(prompts):
                 raise ValueError(f"add_groups: {name} has {len(values)} values for {len(prompts)} prompts")
         if not prompts:
             return []
         rows = self._call_controller("add_groups", [group_size] * len(prompts), [len(p) for p in prompts])
-        per_prompt = {"prompt_ids": prompts, "label": labels, **extra}
+        per_prompt = {PROMPT_IDS: prompts, LABEL: labels, **extra}
         puts: dict[int, tuple[list[int], dict[str, list]]] = {}
         for group in range(len(prompts)):
             warehouse = (self._next_warehouse + group) % len(self.warehouses)
@@ -148,6 +150,7 @@ class DockClient(ClientCounters):
     def put(self, rows: list[int], batch: dict[str, list]) -> None:
         """Write `batch[column][i]` for row `rows[i]` to the home warehouse; visible to `get` on return."""
         t0 = time.perf_counter()
+        check_columns(batch, "put")
         check_batch(rows, batch, "the dock")
         self._put_many({self.home: (rows, batch)})
         self.bytes_put += batch_nbytes(batch)
@@ -192,6 +195,7 @@ class DockClient(ClientCounters):
         consumed every row of the table. Raises DockTimeoutError after `timeout_s` (default get_timeout_s),
         WarehouseDiedError as soon as a health check finds a dead warehouse.
         """
+        check_columns(columns, "get")
         timeout_s = self.get_timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
         deadline = start + timeout_s

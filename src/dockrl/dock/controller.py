@@ -35,12 +35,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dockrl.dock.columns import PROMPT_LEN, RESPONSE_LEN
 from dockrl.dock.errors import DockError
 from dockrl.dock.metrics import OpLatency
 from dockrl.dock.policies import Candidates, balanced_partition, checked_order, pack, resolve_policy
-
-PROMPT_LEN = "prompt_len"
-RESPONSE_LEN = "response_len"
 
 
 @dataclass

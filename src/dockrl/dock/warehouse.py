@@ -17,11 +17,12 @@ import time
 import uuid
 from typing import Any, Protocol
 
+from dockrl.dock.columns import LENGTH_OF
 from dockrl.dock.errors import DockError
 from dockrl.dock.metrics import OpLatency, payload_nbytes
 
 # Tensor columns whose per-row length the controller keeps as metadata (column -> length name).
-LENGTH_COLUMNS = {"prompt_ids": "prompt_len", "response_ids": "response_len"}
+LENGTH_COLUMNS = LENGTH_OF  # column -> the per-row length the controller keeps of it
 
 
 def lengths_of(batch: dict[str, list]) -> dict[str, list[int]]:

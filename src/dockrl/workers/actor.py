@@ -25,6 +25,7 @@ from dockrl.checkpoint.layout import ACTOR, HF
 from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
 from dockrl.config.schema import TrainConfig
 from dockrl.dock.client import DockClient
+from dockrl.dock.columns import ADVANTAGES, OLD_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.parallel.dist import inference_mesh, training_mesh
 from dockrl.parallel.replica import ReplicaClient
@@ -188,39 +189,39 @@ class ActorWorker(Worker):
 
     def compute_ref(self) -> dict[str, Any]:
         """Reference-model log-probs of this rank's share of rows -> `ref_logprobs`."""
-        return self._logprob_stage(REF, self.ref, "ref_logprobs")
+        return self._logprob_stage(REF, self.ref, REF_LOGPROBS)
 
     def compute_old(self) -> dict[str, Any]:
         """Current-policy log-probs before the update (needed when the update is off-policy) -> `old_logprobs`."""
-        return self._logprob_stage(OLD, self.policy, "old_logprobs")
+        return self._logprob_stage(OLD, self.policy, OLD_LOGPROBS)
 
     def _logprob_stage(self, consumer: str, engine: TrainEngine, column: str) -> dict[str, Any]:
         # The dp ranks of a stage get near-equal token counts (length balance, dock.policies.balanced_partition).
         rows, batch = self.train_client.get(
-            consumer, ["prompt_ids", "response_ids"], self.rows_per_rank, balance_over=self.dp
+            consumer, [PROMPT_IDS, RESPONSE_IDS], self.rows_per_rank, balance_over=self.dp
         )
         logps, _ = engine.logprobs(
-            batch["prompt_ids"],
-            batch["response_ids"],
+            batch[PROMPT_IDS],
+            batch[RESPONSE_IDS],
             temperature=self.temperature,
             micro_batch_size=self.cfg.actor.micro_batch_size,
             pad_token_id=self.pad_token_id,
         )
         self.train_client.put(rows, {column: logps})
-        return {"rows": len(rows), "tokens": sum(len(r) for r in batch["response_ids"])}
+        return {"rows": len(rows), "tokens": sum(len(r) for r in batch[RESPONSE_IDS])}
 
     # ---- update --------------------------------------------------------------------------------
 
     def update(self) -> dict[str, float]:
         """Train on this rank's share of the step's rows: epochs x mini-batches optimizer steps."""
         actor, use_ref = self.cfg.actor, self.ref is not None
-        columns = ["prompt_ids", "response_ids", "advantages"]
-        columns += ["ref_logprobs"] if use_ref else []
-        columns += [] if self.on_policy else ["old_logprobs"]
+        columns = [PROMPT_IDS, RESPONSE_IDS, ADVANTAGES]
+        columns += [REF_LOGPROBS] if use_ref else []
+        columns += [] if self.on_policy else [OLD_LOGPROBS]
         rows, batch = self.train_client.get(UPDATE, columns, self.rows_per_rank, balance_over=self.dp)
         if needs_batch_whitening(self.cfg.algo.adv_estimator or DEFAULT_ESTIMATOR[self.cfg.algo.name]):
-            batch["advantages"] = whiten_rows(batch["advantages"], self.policy.dp_group)
-        per_token_names = [c for c in columns if c not in ("prompt_ids", "response_ids")]
+            batch[ADVANTAGES] = whiten_rows(batch[ADVANTAGES], self.policy.dp_group)
+        per_token_names = [c for c in columns if c not in (PROMPT_IDS, RESPONSE_IDS)]
         mini_size = self.rows_per_rank // actor.mini_batches
         history: list[dict[str, float]] = []
         for _ in range(actor.epochs):

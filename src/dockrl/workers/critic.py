@@ -37,6 +37,16 @@ from dockrl.checkpoint.layout import CRITIC, HF
 from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
 from dockrl.config.schema import TrainConfig
 from dockrl.dock.client import DockClient
+from dockrl.dock.columns import (
+    ADVANTAGES,
+    OLD_LOGPROBS,
+    PROMPT_IDS,
+    REF_LOGPROBS,
+    RESPONSE_IDS,
+    RETURNS,
+    REWARD,
+    VALUES,
+)
 from dockrl.models.value import value_model_kind
 from dockrl.parallel.dist import data_parallel_mesh
 from dockrl.workers.group import Worker
@@ -44,8 +54,8 @@ from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indic
 from dockrl.workers.train.engine import TrainEngine
 from dockrl.workers.train.policy_update import all_reduce_sum
 
-VALUES = "critic_values"
-UPDATE = "critic_update"
+VALUES_STAGE = "critic_values"  # the dock consumers of this worker's two stages
+UPDATE_STAGE = "critic_update"
 # Right padding never reaches a real token (causal attention) and padded values are dropped: any id will do.
 PAD_TOKEN_ID = 0
 # Summed over micro-batches and ranks; each is already weighted by its share of the mini-batch's tokens.
@@ -100,9 +110,9 @@ class CriticWorker(Worker):
     def compute_values(self) -> dict[str, Any]:
         """Values of this rank's share of rows -> `values` [R] per row."""
         rows, batch = self.client.get(
-            VALUES, ["prompt_ids", "response_ids"], self.rows_per_rank, balance_over=self.world_size
+            VALUES_STAGE, [PROMPT_IDS, RESPONSE_IDS], self.rows_per_rank, balance_over=self.world_size
         )
-        self.client.put(rows, {"values": self._values(batch["prompt_ids"], batch["response_ids"])})
+        self.client.put(rows, {VALUES: self._values(batch[PROMPT_IDS], batch[RESPONSE_IDS])})
         return {"rows": len(rows)}
 
     @torch.no_grad()
@@ -126,23 +136,23 @@ class CriticWorker(Worker):
         reward and the coefficient it was weighted with (then adapted for the next step by the controller).
         """
         algo = self.cfg.algo
-        columns = ["prompt_ids", "response_ids", "reward", "values"]
-        columns += ["ref_logprobs", "old_logprobs"] if algo.kl_in_reward else []
-        rows, batch = self.client.get(UPDATE, columns, self.rows_per_rank, balance_over=self.world_size)
+        columns = [PROMPT_IDS, RESPONSE_IDS, REWARD, VALUES]
+        columns += [REF_LOGPROBS, OLD_LOGPROBS] if algo.kl_in_reward else []
+        rows, batch = self.client.get(UPDATE_STAGE, columns, self.rows_per_rank, balance_over=self.world_size)
         start = time.perf_counter()
-        values, mask = pad_rows(batch["values"])  # [B, R] over this rank's rows
+        values, mask = pad_rows(batch[VALUES])  # [B, R] over this rank's rows
         kl = None
         if algo.kl_in_reward:
-            old, ref = pad_rows(batch["old_logprobs"])[0], pad_rows(batch["ref_logprobs"])[0]
+            old, ref = pad_rows(batch[OLD_LOGPROBS])[0], pad_rows(batch[REF_LOGPROBS])[0]
             kl = kl_penalty(old, ref, algo.kl_estimator)  # [B, R]
-        scores = torch.tensor([float(r) for r in batch["reward"]])
+        scores = torch.tensor([float(r) for r in batch[REWARD]])
         kl_coef = self.kl_ctrl.value
         rewards = token_level_rewards(scores, mask, kl, kl_coef)  # [B, R]
         advantages, returns = gae_advantages(rewards, values, mask, gamma=algo.gamma, lam=algo.lam)
-        lengths = [len(v) for v in batch["values"]]
-        batch["returns"] = [returns[i, :n].clone() for i, n in enumerate(lengths)]
+        lengths = [len(v) for v in batch[VALUES]]
+        batch[RETURNS] = [returns[i, :n].clone() for i, n in enumerate(lengths)]
         row_advantages = [advantages[i, :n].clone() for i, n in enumerate(lengths)]
-        self.client.put(rows, {"advantages": row_advantages, "returns": batch["returns"]})
+        self.client.put(rows, {ADVANTAGES: row_advantages, RETURNS: batch[RETURNS]})
         metrics = self._step_stats(values, returns, advantages, mask, kl, kl_coef)
         if kl is not None:
             self.kl_ctrl.update(metrics["reward/kl_penalty"], self.rows)
@@ -186,22 +196,22 @@ class CriticWorker(Worker):
 
     def _train_mini_batch(self, batch: dict[str, list], idx: list[int]) -> dict[str, float]:
         """One critic optimizer step on rows `idx`: token-mean clipped value loss over the mini-batch (all ranks)."""
-        local_tokens = sum(len(batch["values"][i]) for i in idx)
+        local_tokens = sum(len(batch[VALUES][i]) for i in idx)
         global_tokens = all_reduce_sum(torch.tensor([float(local_tokens)]), self.engine.dp_group)[0].item()
         micro_batches = [
             make_micro_batch(
-                [batch["prompt_ids"][idx[j]] for j in chunk],
-                [batch["response_ids"][idx[j]] for j in chunk],
+                [batch[PROMPT_IDS][idx[j]] for j in chunk],
+                [batch[RESPONSE_IDS][idx[j]] for j in chunk],
                 pad_token_id=PAD_TOKEN_ID,
                 device=self.engine.device,
-                per_token={name: [batch[name][idx[j]] for j in chunk] for name in ("values", "returns")},
+                per_token={name: [batch[name][idx[j]] for j in chunk] for name in (VALUES, RETURNS)},
             )
             for chunk in split_indices(len(idx), self.cfg.critic.micro_batch_size)
         ]
         clip, world = self.cfg.critic.value_clip, self.world_size
 
         def loss_fn(vpred: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-            old, returns, mask = mb.per_token["values"], mb.per_token["returns"], mb.response_mask  # [B, T-1]
+            old, returns, mask = mb.per_token[VALUES], mb.per_token[RETURNS], mb.response_mask  # [B, T-1]
             loss = value_loss(vpred, old, returns, mask, clip=clip, num_tokens=global_tokens)
             share = mask.sum().item() / global_tokens  # weight of this micro-batch's token means
             clipfrac = (

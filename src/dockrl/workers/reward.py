@@ -25,12 +25,20 @@ from dockrl.algos.estimators import (
 )
 from dockrl.config.schema import AlgoConfig, RewardConfig
 from dockrl.dock.client import DockClient
+from dockrl.dock.columns import (
+    ADVANTAGES,
+    LABEL,
+    PROMPT_IDS,
+    RESPONSE_IDS,
+    REWARD,
+    RM_SCORE,
+    reward_component,
+)
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.rewards.runner import RewardRunner, RewardSpec
 from dockrl.workers.group import Worker
-from dockrl.workers.reward_model import RM_SCORE
 
-REWARD = "reward"
+REWARD_STAGE = "reward"  # the dock consumer of score()
 
 
 def reward_specs(cfg: RewardConfig) -> list[RewardSpec]:
@@ -86,10 +94,10 @@ class RewardWorker(Worker):
         rm: list[float] = []
         timeouts = errors = 0
         samples: list[dict[str, Any]] = []
-        columns = ["prompt_ids", "response_ids", "label"] + ([RM_SCORE] if self.rm_weight is not None else [])
+        columns = [PROMPT_IDS, RESPONSE_IDS, LABEL] + ([RM_SCORE] if self.rm_weight is not None else [])
         while True:
             got = self.client.get(
-                REWARD,
+                REWARD_STAGE,
                 columns,
                 self.cfg.groups_per_pull * n,
                 whole_groups=True,
@@ -99,14 +107,14 @@ class RewardWorker(Worker):
                 break
             rows, batch = got
             assert len({r // n for r in rows}) * n == len(rows), "the dock served a partial group"
-            prompts = [self.tokenizer.decode(p.tolist()) for p in batch["prompt_ids"]]
-            responses = [self.tokenizer.decode(r.tolist()) for r in batch["response_ids"]]
-            scores, components, stats = self._rule_rewards(prompts, responses, batch["label"])
+            prompts = [self.tokenizer.decode(p.tolist()) for p in batch[PROMPT_IDS]]
+            responses = [self.tokenizer.decode(r.tolist()) for r in batch[RESPONSE_IDS]]
+            scores, components, stats = self._rule_rewards(prompts, responses, batch[LABEL])
             if self.rm_weight is not None:
                 scores, components = self._add_model_score(scores, components, batch[RM_SCORE])
             if self.algo.overlong_buffer_len > 0:
-                scores, components = self._shape_overlong(scores, components, batch["response_ids"])
-            out: dict[str, list] = {"reward": list(scores)}
+                scores, components = self._shape_overlong(scores, components, batch[RESPONSE_IDS])
+            out: dict[str, list] = {REWARD: list(scores)}
             if self.estimator in GROUP_ESTIMATORS:  # gae (ppo): the critic turns rewards into advantages
                 adv = compute_advantages(
                     self.estimator,
@@ -115,10 +123,8 @@ class RewardWorker(Worker):
                     eps=self.algo.adv_eps,
                     normalize_std=self.algo.norm_adv_by_std,
                 )
-                out["advantages"] = [
-                    torch.full((len(r),), float(a)) for r, a in zip(batch["response_ids"], adv)
-                ]
-            out.update({f"reward/{k}": v for k, v in components.items()})
+                out[ADVANTAGES] = [torch.full((len(r),), float(a)) for r, a in zip(batch[RESPONSE_IDS], adv)]
+            out.update({reward_component(k): v for k, v in components.items()})
             self.client.put(rows, out)
             rewards += scores
             scored_rows += rows
@@ -135,7 +141,7 @@ class RewardWorker(Worker):
                         "row": rows[i],
                         "prompt": prompts[i],
                         "response": responses[i],
-                        "label": _jsonable(batch["label"][i]),
+                        "label": _jsonable(batch[LABEL][i]),
                         "reward": scores[i],
                     }
                 )

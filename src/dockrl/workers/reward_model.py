@@ -32,12 +32,12 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from dockrl.config.schema import RewardModelConfig
 from dockrl.dock.client import DockClient
+from dockrl.dock.columns import PROMPT_IDS, RESPONSE_IDS, RM_SCORE
 from dockrl.models.reward_model import load_reward_model
 from dockrl.models.tokenizer import TOKENIZER_FILE, Tokenizer
 from dockrl.workers.group import Worker
 
 RM_CONSUMER = "reward_model"
-RM_SCORE = "rm_score"
 
 
 def same_vocabulary(policy_dir: str | Path, reward_model_dir: str | Path) -> bool:
@@ -99,7 +99,7 @@ class RewardModelWorker(Worker):
         while True:
             got = self.client.get(
                 RM_CONSUMER,
-                ["prompt_ids", "response_ids"],
+                [PROMPT_IDS, RESPONSE_IDS],
                 self.groups_per_pull * n,
                 whole_groups=True,
                 min_count=n,
@@ -110,7 +110,7 @@ class RewardModelWorker(Worker):
             rows, batch = got
             sequences = [
                 rm_token_ids(p, r, self.policy_tokenizer, self.rm_tokenizer)
-                for p, r in zip(batch["prompt_ids"], batch["response_ids"])
+                for p, r in zip(batch[PROMPT_IDS], batch[RESPONSE_IDS])
             ]
             values = self.model.score_sequences(sequences, self.cfg.micro_batch_size)
             bad = [row for row, value in zip(rows, values) if not math.isfinite(value)]

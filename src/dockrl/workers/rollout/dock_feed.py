@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from dockrl.dock.columns import PROMPT_IDS, RESPONSE_IDS, ROLLOUT_LOGPROBS
 from dockrl.dock.errors import DockTimeoutError
 from dockrl.workers.rollout.engine import Completion, Request, RolloutEngine
 from dockrl.workers.rollout.sampling import SamplingParams
@@ -73,7 +74,7 @@ def _pull(
     try:
         got = client.get(
             consumer,
-            ["prompt_ids"],
+            [PROMPT_IDS],
             count,
             whole_groups=True,
             min_count=group_size,
@@ -96,7 +97,7 @@ def _requests(
     """Consecutive rows with the same prompt (at most group_size) become one Request tagged by its rows."""
     requests: list[Request] = []
     previous: list[int] | None = None
-    for row, prompt_ids in zip(rows, batch["prompt_ids"]):
+    for row, prompt_ids in zip(rows, batch[PROMPT_IDS]):
         prompt = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
         if requests and prompt == previous and len(requests[-1].seeds) < group_size:
             requests[-1].seeds.append(row_seed(row))
@@ -112,7 +113,7 @@ def _put(client: Any, completions: list[Completion]) -> None:
     client.put(
         rows,
         {
-            "response_ids": [c.generation.token_ids for c in completions],
-            "rollout_logprobs": [c.generation.logprobs for c in completions],
+            RESPONSE_IDS: [c.generation.token_ids for c in completions],
+            ROLLOUT_LOGPROBS: [c.generation.logprobs for c in completions],
         },
     )

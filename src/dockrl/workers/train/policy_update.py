@@ -16,6 +16,7 @@ import torch.distributed as dist
 from dockrl.algos.estimators import masked_moments, whiten
 from dockrl.algos.losses import policy_loss
 from dockrl.config.schema import AlgoConfig
+from dockrl.dock.columns import ADVANTAGES, OLD_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS
 from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
 from dockrl.workers.train.engine import TrainEngine
 
@@ -50,13 +51,13 @@ def policy_update(
     if algo.name == "dr_grpo" and max_new_tokens is None:
         raise ValueError("algo.name=dr_grpo normalises the loss by max_new_tokens; pass it to policy_update")
     seq_len_norm = float(max_new_tokens) if algo.name == "dr_grpo" else None
-    local_tokens = sum(len(batch["response_ids"][i]) for i in idx)
+    local_tokens = sum(len(batch[RESPONSE_IDS][i]) for i in idx)
     global_tokens = all_reduce_sum(torch.tensor([float(local_tokens)]), engine.dp_group)[0].item()
     global_seqs = float(len(idx) * world_size)
     micro_batches = [
         make_micro_batch(
-            [batch["prompt_ids"][idx[j]] for j in chunk],
-            [batch["response_ids"][idx[j]] for j in chunk],
+            [batch[PROMPT_IDS][idx[j]] for j in chunk],
+            [batch[RESPONSE_IDS][idx[j]] for j in chunk],
             pad_token_id=pad_token_id,
             device=engine.device,
             per_token={name: [batch[name][idx[j]] for j in chunk] for name in per_token_names},
@@ -87,15 +88,15 @@ def _loss_fn(
         logp = engine.token_logprobs(logits, targets, temperature)  # [B, T-1]
         entropy = engine.token_entropy(logits, temperature) if algo.entropy_coef > 0 else None
         # Exactly on-policy (one mini-batch, one epoch): old log-probs equal the current ones.
-        old = mb.per_token.get("old_logprobs", logp.detach())
+        old = mb.per_token.get(OLD_LOGPROBS, logp.detach())
         out = policy_loss(
             logp,
             old,
-            mb.per_token["advantages"],
+            mb.per_token[ADVANTAGES],
             mb.response_mask,
             clip_low=algo.clip_low,
             clip_high=algo.clip_high,
-            ref_logprobs=mb.per_token.get("ref_logprobs"),
+            ref_logprobs=mb.per_token.get(REF_LOGPROBS),
             kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,  # PPO's KL sits in the token rewards
             kl_estimator=algo.kl_estimator,
             entropy=entropy,
