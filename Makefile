@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test test-faults lint format venv clean
+.PHONY: demo test test-fast test-slow test-faults lint format venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -x --durations=15
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m unit
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -x -m slow
 
 test-faults: $(STAMP)
 	$(BIN)/python -m pytest -q -x -m faults tests/test_faults.py

@@ -50,3 +50,24 @@ def arithmetic_data(tmp_path_factory):
     from dockrl.data.synthetic import write_task
 
     return write_task("arithmetic", tmp_path_factory.mktemp("data"), num_train=256, num_test=32, seed=0)
+
+
+# Test tiers (markers; `make test-fast` runs the unit tier):
+#   unit         one process, no Ray: numbers against hand-computed values, parity, configs, the dock's logic
+#   distributed  real processes: gloo ranks (spawned) or Ray actors (the session's Ray)
+#   e2e          whole runs through the CLI (and the scripts): training, resume, faults
+# A test's tier follows from what it uses, so no test file has to repeat it.
+_SPAWNING = {"test_dp_equivalence", "test_tp_equivalence", "test_reshard_switch", "test_sharded_load"}
+_SPAWNING |= {"test_collective_devices"}
+_END_TO_END = {"test_e2e_grpo", "test_e2e_algos", "test_resume", "test_faults", "test_gpu_check", "test_demo"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2]
+        if module in _END_TO_END or "through_cli" in item.name:
+            item.add_marker(pytest.mark.e2e)
+        elif module in _SPAWNING or "ray_session" in item.fixturenames:
+            item.add_marker(pytest.mark.distributed)
+        else:
+            item.add_marker(pytest.mark.unit)
