@@ -235,8 +235,8 @@ def test_reward_model_worker_scores_whole_groups(tiny_reward_model, tiny_model):
     sequences = [torch.cat([r["prompt_ids"], r["response_ids"]]).tolist() for r in dock.table]
     expected = load_reward_model(tiny_reward_model).score_sequences(sequences, 1)
     assert [r[RM_SCORE] for r in dock.table] == pytest.approx(expected, abs=1e-5)
-    assert out["scores"] == pytest.approx(expected, abs=1e-5)
-    assert len(set(out["scores"])) == 4
+    assert out.scores == pytest.approx(expected, abs=1e-5)
+    assert len(set(out.scores)) == 4
 
 
 def test_reward_model_with_another_vocabulary_reads_the_same_text(tmp_path, tiny_reward_model, tiny_model):
@@ -277,12 +277,12 @@ def test_reward_worker_adds_weighted_model_score(functions, tiny_model, tiny_rew
     total = [r + 0.5 * s for r, s in zip(rule, columns[RM_SCORE])]
     assert [row["reward"] for row in dock.table] == pytest.approx(total)
     assert [row["reward/rm"] for row in dock.table] == columns[RM_SCORE]
-    assert out["rewards"] == pytest.approx(total) and out["rm"] == columns[RM_SCORE]
+    assert out.rewards == pytest.approx(total) and out.rm == columns[RM_SCORE]
     adv = compute_advantages("grpo", torch.tensor(total), 2, eps=algo.adv_eps, normalize_std=True)
     for row, a in zip(dock.table, adv.tolist()):
         assert torch.allclose(row["advantages"], torch.full((len(row["response_ids"]),), a))
     assert ("reward/exact_answer" in dock.table[0]) == bool(functions)
-    assert out["correct"] == ([1.0, 0.0, 0.0, 1.0] if functions else [])
+    assert out.correct == ([1.0, 0.0, 0.0, 1.0] if functions else [])
     worker.close()
 
 

@@ -64,7 +64,7 @@ class CentralDock:
             return None, done
         return allocation.rows, self.warehouse.get(allocation.rows, columns)
 
-    def call(self, method: str, *args) -> Any:
+    def ask(self, method: str, *args) -> Any:
         """A controller method (all_consumed, unready_rows, ...)."""
         return getattr(self.controller, method)(*args)
 
@@ -88,7 +88,7 @@ class HubTransport:
     def __init__(self, address: tuple, authkey: bytes, timeout_s: float = 300.0) -> None:
         self.socket, self.timeout_s = SocketTransport(address, authkey), timeout_s
 
-    def call(self, method: str, *args, extra_wait_s: float = 0.0, **kwargs) -> Any:
+    def request(self, method: str, *args, extra_wait_s: float = 0.0, **kwargs) -> Any:
         """Run `store.method(*args, **kwargs)` where the store lives; re-raise its errors here.
         extra_wait_s: how long the method itself may wait (a long poll), on top of the reply timeout."""
         timeout_s = self.timeout_s + extra_wait_s
@@ -115,9 +115,9 @@ class ActorTransport:
     def __init__(self, actor: Any, timeout_s: float) -> None:
         self.actor, self.timeout_s = actor, timeout_s
 
-    def call(self, method: str, *args, extra_wait_s: float = 0.0, **kwargs) -> Any:
+    def request(self, method: str, *args, extra_wait_s: float = 0.0, **kwargs) -> Any:
         """ray.get(actor.method.remote(...)) with errors that name the replay-buffer actor; extra_wait_s as
-        for HubTransport.call."""
+        for HubTransport.request."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
@@ -159,7 +159,7 @@ class CentralClient(ClientCounters):
             for value in values:
                 batch[column].extend([value] * group_size)
         self.bytes_put += batch_nbytes(batch)
-        return self.transport.call(
+        return self.transport.request(
             "add_groups", [group_size] * len(prompts), [len(p) for p in prompts], dict(batch)
         )
 
@@ -167,7 +167,7 @@ class CentralClient(ClientCounters):
         """As DockClient.put."""
         check_columns(batch, "put")
         t0 = time.perf_counter()
-        self.transport.call("put", rows, batch)
+        self.transport.request("put", rows, batch)
         self.bytes_put += batch_nbytes(batch)
         self.latency.record("put", time.perf_counter() - t0)
 
@@ -181,7 +181,7 @@ class CentralClient(ClientCounters):
         options = {k: v for k, v in options.items() if v is not None}
         while True:
             wait_s = max(0.0, min(WAIT_SLICE_S, start + timeout_s - time.monotonic()))
-            rows, value = self.transport.call(
+            rows, value = self.transport.request(
                 "poll_get", consumer, columns, count, wait_s, extra_wait_s=wait_s, **options
             )
             if rows is not None:
@@ -191,7 +191,7 @@ class CentralClient(ClientCounters):
             if value:
                 return None
             if time.monotonic() - start >= timeout_s:
-                waiting = self.transport.call("call", "unready_rows", columns)
+                waiting = self.transport.request("ask", "unready_rows", columns)
                 raise DockTimeoutError(
                     f"dock get timed out after {timeout_s:g}s ({self.mode} mode): consumer {consumer!r} "
                     f"asked for {count} rows of columns {list(columns)}; rows not ready: {waiting}. Is "
@@ -200,28 +200,28 @@ class CentralClient(ClientCounters):
 
     def drop(self, rows: list[int]) -> int:
         """As DockClient.drop."""
-        return self.transport.call("call", "drop", rows)
+        return self.transport.request("ask", "drop", rows)
 
     def all_consumed(self, consumer: str) -> bool:
         """As DockClient.all_consumed."""
-        return self.transport.call("call", "all_consumed", consumer)
+        return self.transport.request("ask", "all_consumed", consumer)
 
     def stats(self) -> dict:
         """As DockClient.stats; "mode" is single or driver."""
-        stats = self.transport.call("stats")
+        stats = self.transport.request("stats")
         stats["mode"] = self.mode
         stats["client"] = self.client_stats()
         return stats
 
     def reset(self, keep_unfinished: str | None = None) -> list[int]:
         """As DockClient.reset."""
-        kept = self.transport.call("reset", keep_unfinished)
+        kept = self.transport.request("reset", keep_unfinished)
         self.bytes_put = self.bytes_got = 0
         return kept
 
     def check_warehouses(self) -> None:
         """Raise if the store is gone (a cheap call)."""
-        self.transport.call("call", "num_rows")
+        self.transport.request("ask", "num_rows")
 
 
 __all__ = ["ActorTransport", "CentralClient", "CentralDock", "DockError", "HubTransport"]

@@ -12,19 +12,21 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from dockrl.config.plan import step_plan
 from dockrl.config.schema import RunConfig, TrainConfig
 from dockrl.dock.launch import Dock, launch_dock
-from dockrl.workers.actor import ActorWorker
-from dockrl.workers.critic import CriticWorker
+from dockrl.workers.actor import ActorGroup
+from dockrl.workers.critic import CriticGroup
 from dockrl.workers.faults import FaultInjector, process_identity
 from dockrl.workers.group import WorkerError, WorkerGroup
-from dockrl.workers.reward import RewardWorker
-from dockrl.workers.reward_model import RewardModelWorker
+from dockrl.workers.reward import RewardGroup
+from dockrl.workers.reward_model import RewardModelGroup
 from dockrl.workers.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
+G = TypeVar("G", bound=WorkerGroup)
 
 
 @dataclass
@@ -33,10 +35,10 @@ class Cluster:
 
     dock: Any
     client: Any
-    actors: WorkerGroup
-    rewards: WorkerGroup
-    reward_models: WorkerGroup | None
-    critic: WorkerGroup | None
+    actors: ActorGroup
+    rewards: RewardGroup
+    reward_models: RewardModelGroup | None
+    critic: CriticGroup | None
     supervisor: Supervisor
 
     @classmethod
@@ -71,10 +73,10 @@ class Cluster:
                 if isinstance(group, WorkerGroup):
                     group.wait_started()
             supervisor.step, supervisor.stage = None, "setup"
-            setup = started["actors"].call_async("setup", resume_from)
+            setup = started["actors"].setup(resume_from)
             if started["critic"] is not None:
-                started["critic"].call("setup", resume_from, kl_coef)
-            started["actors"].wait(setup, "setup")
+                started["critic"].setup(resume_from, kl_coef).wait()
+            setup.wait()
             supervisor.stage = None
             return cls(client=dock.client(), supervisor=supervisor, **started)
         except BaseException:
@@ -89,7 +91,7 @@ class Cluster:
     def close(self) -> None:
         """The normal end: stop the reward process pools, then every actor and the dock."""
         try:
-            self.rewards.call("close")
+            self.rewards.close().wait()
         except WorkerError as exc:  # a reward worker that fails to close must not fail a finished run
             log.warning("closing reward workers failed: %s", exc)
         self.kill()
@@ -116,14 +118,14 @@ def _watch_dock(supervisor: Supervisor, dock: Any) -> None:
         supervisor.watch(name, actor, where, method=method, pid=ident["pid"])
 
 
-def _start_workers(cfg: TrainConfig, dock, supervisor: Supervisor) -> tuple[WorkerGroup, WorkerGroup]:
+def _start_workers(cfg: TrainConfig, dock, supervisor: Supervisor) -> tuple[ActorGroup, RewardGroup]:
     # PPO's actor does not update during the critic's warm-up steps.
     rl_steps = max(1, cfg.run.steps - cfg.algo.critic_warmup_steps)
     num_actor_ranks = cfg.actor.dp * cfg.actor.tp
     actors = _group(
         cfg.run,
         supervisor,
-        ActorWorker,
+        ActorGroup,
         num_actor_ranks,
         "actor",
         gpu=True,
@@ -136,7 +138,7 @@ def _start_workers(cfg: TrainConfig, dock, supervisor: Supervisor) -> tuple[Work
     rewards = _group(
         cfg.run,
         supervisor,
-        RewardWorker,
+        RewardGroup,
         cfg.reward.num_workers,
         "reward",
         gpu=False,
@@ -151,14 +153,14 @@ def _start_workers(cfg: TrainConfig, dock, supervisor: Supervisor) -> tuple[Work
     return actors, rewards
 
 
-def _start_reward_models(cfg: TrainConfig, dock, supervisor: Supervisor) -> WorkerGroup | None:
+def _start_reward_models(cfg: TrainConfig, dock, supervisor: Supervisor) -> RewardModelGroup | None:
     """RewardModelWorkers when reward.model.path is set (one GPU each on cuda), else None."""
     if cfg.reward.model.path is None:
         return None
     return _group(
         cfg.run,
         supervisor,
-        RewardModelWorker,
+        RewardModelGroup,
         cfg.reward.model.num_workers,
         "reward_model",
         gpu=True,
@@ -172,15 +174,15 @@ def _start_reward_models(cfg: TrainConfig, dock, supervisor: Supervisor) -> Work
     )
 
 
-def _start_critic(cfg: TrainConfig, dock, supervisor: Supervisor) -> WorkerGroup | None:
+def _start_critic(cfg: TrainConfig, dock, supervisor: Supervisor) -> CriticGroup | None:
     """PPO's CriticWorkers (critic.dp ranks in their own process group; one GPU each on cuda), else None."""
-    if cfg.algo.name != "ppo":
+    if not step_plan(cfg).critic:
         return None
     critic = cfg.critic
     return _group(
         cfg.run,
         supervisor,
-        CriticWorker,
+        CriticGroup,
         critic.dp,
         "critic",
         gpu=True,
@@ -195,18 +197,19 @@ def _start_critic(cfg: TrainConfig, dock, supervisor: Supervisor) -> WorkerGroup
 def _group(
     run: RunConfig,
     supervisor: Supervisor,
-    worker: type,
+    group: type[G],
     size: int,
     name: str,
     *,
     gpu: bool,
     distributed: bool = False,
     **init,
-) -> WorkerGroup:
-    """`size` Ray actors of `worker` (constructed with `init`) that reserve no CPU, and one GPU each when
-    `gpu` and run.device=cuda; `distributed` joins them in one process group on run.device."""
-    return WorkerGroup(
-        worker,
+) -> G:
+    """`size` Ray actors of `group.worker` (constructed with `init`) that reserve no CPU, and one GPU each when
+    `gpu` and run.device=cuda; `distributed` joins them in one process group on run.device. They start in the
+    background: `wait_started()` before use."""
+    return group(
+        group.worker,
         size,
         name=name,
         distributed=distributed,

@@ -30,6 +30,7 @@ import torch
 from dockrl.checkpoint import layout
 from dockrl.checkpoint.state import data_fingerprint
 from dockrl.config.loader import to_dict
+from dockrl.config.plan import StepPlan, step_plan
 from dockrl.config.schema import TrainConfig
 from dockrl.dock.errors import DockError
 from dockrl.dock.metrics import bytes_moved, driver_bytes
@@ -47,8 +48,10 @@ from dockrl.recipes.common import (
 from dockrl.recipes.dynamic_sampling import group_rewards, select_groups
 from dockrl.recipes.eval import score_answers
 from dockrl.recipes.resume import newest, plan_resume, restore, trainer_state
+from dockrl.workers.actor import ActorGroup
 from dockrl.workers.faults import FaultInjector
-from dockrl.workers.group import WorkerError, WorkerGroup
+from dockrl.workers.group import WorkerError
+from dockrl.workers.results import GenerateResult, ScoreResult, UpdateResult
 from dockrl.workers.reward import reward_specs
 from dockrl.workers.supervisor import WorkerFailure
 
@@ -133,9 +136,10 @@ def _run_steps(
     """Steps first_step..run.steps: step, evaluate, log, checkpoint."""
     progress = _progress(cfg, first_step - 1)
     restarts = len(summary["restarts"])
+    plan = step_plan(cfg)
     for step in range(first_step, cfg.run.steps + 1):
         cluster.supervisor.step, cluster.supervisor.stage = step, "step"
-        metrics, samples = _step(cfg, step, sampler, cluster)
+        metrics, samples = _step(cfg, plan, step, sampler, cluster)
         metrics["train/epoch"] = sampler.epoch + sampler.position / len(sampler.items)
         if restarts:
             metrics["run/restarts"] = float(restarts)
@@ -161,11 +165,11 @@ def _save(
     into a staging directory, the driver adds trainer_state.json and renames it, then prunes old ones."""
     cluster.supervisor.stage = "save"
     staging = layout.begin(run.checkpoints, step)
-    actor_refs = cluster.actors.call_async("save", str(staging))
-    critic_state = cluster.critic.call("save", str(staging))[0] if cluster.critic is not None else {}
-    cluster.actors.wait(actor_refs, "save")
+    actor_save = cluster.actors.save(str(staging))
+    critic_state = cluster.critic.save(str(staging)).wait()[0] if cluster.critic is not None else None
+    actor_save.wait()
     cluster.supervisor.at("save", "commit")
-    state = trainer_state(cfg, step, sampler, data, critic_state.get("kl_coef"))
+    state = trainer_state(cfg, step, sampler, data, critic_state.kl_coef if critic_state else None)
     final = layout.commit(staging, state)
     layout.prune(run.checkpoints, cfg.run.keep_checkpoints)
     return str(final)
@@ -211,82 +215,73 @@ def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None
     )
 
 
-def _step(cfg: TrainConfig, step: int, sampler: EpochSampler, cluster: Cluster):
+def _step(cfg: TrainConfig, plan: StepPlan, step: int, sampler: EpochSampler, cluster: Cluster):
     """One RL step; returns (metrics, samples)."""
-    client, actors, rewards = cluster.client, cluster.actors, cluster.rewards
-    reward_models, critic = cluster.reward_models, cluster.critic
+    actors, critic = cluster.actors, cluster.critic
     timer = StageTimer()
     with timer("step"):
         batch: list[EncodedPrompt] = sampler.next_batch()
         dapo: dict[str, float] = {}
-        if cfg.algo.dynamic_sampling:
-            batch, gen, scored, dapo = _sample_until_full(
-                cfg, step, batch, sampler, client, actors, rewards, reward_models, timer
-            )
-            value_refs = None  # dynamic sampling is for group-baseline algorithms, never ppo
+        if cfg.algo.dynamic_sampling:  # group-baseline algorithms only: never with a critic
+            batch, gen, scored, dapo = _sample_until_full(cfg, step, batch, sampler, cluster, timer)
+            values = None
         else:
-            gen, scored, value_refs = _round(
-                cfg, step, batch, client, actors, rewards, reward_models, timer, critic
-            )
-        if cfg.algo.kl_coef > 0:
+            gen, scored, values = _round(cfg, step, batch, cluster, timer)
+        if plan.reference:
             with timer("reference"):
-                actors.call("compute_ref")
-        if not (cfg.actor.mini_batches == 1 and cfg.actor.epochs == 1) or cfg.algo.kl_in_reward:
+                actors.compute_ref().wait()
+        if plan.old_logprobs:
             with timer("old_logprobs"):
-                actors.call("compute_old")
-        critic_out: list[dict[str, float]] = []
-        if critic is not None:
+                actors.compute_old().wait()
+        critic_out: list[UpdateResult] = []
+        if values is not None:
             with timer("critic_values"):  # what is left of it: it overlaps the log-prob stages
-                critic.wait(value_refs, "compute_values")
+                values.wait()
         with timer("update"):
             # With ppo the actor's update waits in the dock for the critic's advantages, and the critic never
             # waits for the actor: so wait for the critic first, and its failure is reported at once rather
             # than as the actor's dock timeout.
-            critic_refs = critic.call_async("update") if critic is not None else None
-            train_actor = step > cfg.algo.critic_warmup_steps
-            actor_refs = actors.call_async("update") if train_actor else None
-            if critic is not None:
-                critic_out = critic.wait(critic_refs, "update")
-            updates = actors.wait(actor_refs, "update") if train_actor else []
-        dock_stats = client.stats()
-        client.reset()
-    metrics = _metrics(cfg, step, batch, gen, scored, updates, timer, dock_stats)
+            critic_update = critic.update() if critic is not None else None
+            actor_update = actors.update() if plan.trains_actor(step) else None
+            critic_out = critic_update.wait() if critic_update is not None else []
+            updates = actor_update.wait() if actor_update is not None else []
+        dock_stats = cluster.client.stats()
+        cluster.client.reset()
+    metrics = _metrics(cfg, batch, gen, scored, updates, timer, dock_stats)
     metrics.update(dapo)
-    metrics.update(critic_out[0] if critic_out else {})  # already all-reduced across critic ranks
+    metrics.update(critic_out[0].metrics if critic_out else {})  # already all-reduced across critic ranks
     return metrics, _samples(scored)
 
 
-def _round(cfg, step, batch, client, actors, rewards, reward_models, timer: StageTimer, critic=None):
+def _round(cfg: TrainConfig, step: int, batch: list[EncodedPrompt], cluster: Cluster, timer: StageTimer):
     """Add `batch`'s groups, generate and score them (overlapped through the dock); returns (per-actor
-    generate results, per-reward-worker score results, the critic's compute_values refs or None)."""
+    generate results, per-reward-worker score results, the critic's pending compute_values or None)."""
     n = cfg.rollout.samples_per_prompt
-    client.add_groups([torch.tensor(p.ids) for p in batch], [p.label for p in batch], n)
+    cluster.client.add_groups([torch.tensor(p.ids) for p in batch], [p.label for p in batch], n)
     start = time.perf_counter()
-    gen_refs, reward_refs = actors.call_async("generate", step), rewards.call_async("score")
-    rm_refs = reward_models.call_async("score") if reward_models is not None else None
-    gen = actors.wait(gen_refs, "generate")
+    generating, scoring = cluster.actors.generate(step), cluster.rewards.score()
+    model_scoring = cluster.reward_models.score() if cluster.reward_models is not None else None
+    gen = generating.wait()
     timer.add("rollout", time.perf_counter() - start)
-    value_refs = critic.call_async("compute_values") if critic is not None else None
-    if reward_models is not None:  # the reward workers wait for rm_score, so this ends first
-        reward_models.wait(rm_refs, "score")
+    values = cluster.critic.compute_values() if cluster.critic is not None else None
+    if model_scoring is not None:  # the reward workers wait for rm_score, so this ends first
+        model_scoring.wait()
         timer.add("reward_model", time.perf_counter() - start)  # overlaps rollout too
-    scored = rewards.wait(reward_refs, "score")
+    scored = scoring.wait()
     timer.add("reward", time.perf_counter() - start)  # overlaps rollout; ends when the last group is scored
-    return gen, scored, value_refs
+    return gen, scored, values
 
 
-def _sample_until_full(cfg, step, batch, sampler, client, actors, rewards, reward_models, timer):
+def _sample_until_full(cfg, step, batch, sampler, cluster: Cluster, timer: StageTimer):
     """DAPO dynamic sampling (recipes/dynamic_sampling.py): rounds of generate + score until
     prompts_per_step groups have reward spread; drops the other groups from the dock. Returns (every
     prompt generated this step, generate results, score results, dapo/* metrics)."""
     n, target = cfg.rollout.samples_per_prompt, cfg.run.prompts_per_step
     prompts, gen, scored = list(batch), [], []
     for rounds in range(1, cfg.algo.max_sampling_rounds + 1):
-        round_gen, round_scored, _ = _round(cfg, step, batch, client, actors, rewards, reward_models, timer)
+        round_gen, round_scored, _ = _round(cfg, step, batch, cluster, timer)
         gen, scored = gen + round_gen, scored + round_scored
-        groups = group_rewards(
-            [r for s in scored for r in s["rows"]], [x for s in scored for x in s["rewards"]], n
-        )
+        groups = group_rewards([r for s in scored for r in s.rows], [x for s in scored for x in s.rewards], n)
         missing = target - select_groups(groups, target, fill=False).informative
         if missing <= 0 or rounds == cfg.algo.max_sampling_rounds:
             break
@@ -294,7 +289,7 @@ def _sample_until_full(cfg, step, batch, sampler, client, actors, rewards, rewar
         prompts += batch
     selection = select_groups(groups, target, fill=True)
     if selection.drop:
-        client.drop([first + i for first in selection.drop for i in range(n)])
+        cluster.client.drop([first + i for first in selection.drop for i in range(n)])
     return (
         prompts,
         gen,
@@ -309,32 +304,40 @@ def _sample_until_full(cfg, step, batch, sampler, client, actors, rewards, rewar
     )
 
 
-def _metrics(cfg, step, batch, gen, scored, updates, timer: StageTimer, dock_stats) -> dict[str, float]:
+def _metrics(
+    cfg: TrainConfig,
+    batch: list[EncodedPrompt],
+    gen: list[GenerateResult],
+    scored: list[ScoreResult],
+    updates: list[UpdateResult],
+    timer: StageTimer,
+    dock_stats: dict,
+) -> dict[str, float]:
     n = cfg.rollout.samples_per_prompt
-    lengths = [x for g in gen for x in g["response_lengths"]]
-    rewards = [x for s in scored for x in s["rewards"]]
-    correct = [x for s in scored for x in s["correct"]]
+    lengths = [x for g in gen for x in g.response_lengths]
+    rewards = [x for s in scored for x in s.rewards]
+    correct = [x for s in scored for x in s.correct]
     prompt_tokens = sum(len(p.ids) for p in batch) * n
     response_tokens = sum(lengths)
     m: dict[str, float] = {}
     m.update(describe([float(r) for r in rewards], "reward"))
     m.update(describe([float(x) for x in lengths], "response_length"))
-    m["response_length/truncated_frac"] = sum(g["truncated"] for g in gen) / max(1, len(lengths))
+    m["response_length/truncated_frac"] = sum(g.truncated for g in gen) / max(1, len(lengths))
     if correct:
         m["train/accuracy"] = statistics.fmean(correct)
-    overlong = [x for s in scored for x in s.get("overlong", [])]
-    rm = [x for s in scored for x in s.get("rm", [])]
+    overlong = [x for s in scored for x in s.overlong]
+    rm = [x for s in scored for x in s.rm]
     if rm:  # raw reward-model scores; reward/mean includes reward.model.weight x these
         m["reward/rm"] = statistics.fmean(rm)
     if overlong:  # DAPO overlong shaping: mean penalty (<= 0) and share of rows penalised
         m["reward/overlong_penalty"] = statistics.fmean(overlong)
         m["reward/overlong_frac"] = sum(x < 0 for x in overlong) / len(overlong)
-    m["reward/timeouts"] = float(sum(s["timeouts"] for s in scored))
-    m["reward/errors"] = float(sum(s["errors"] for s in scored))
-    for key in updates[0] if updates else ():  # no actor update during ppo's critic warm-up
-        m[f"actor/{key}"] = updates[0][key]  # already all-reduced across ranks
+    m["reward/timeouts"] = float(sum(s.timeouts for s in scored))
+    m["reward/errors"] = float(sum(s.errors for s in scored))
+    for key, value in updates[0].metrics.items() if updates else ():  # no actor update in ppo's warm-up
+        m[f"actor/{key}"] = value  # already all-reduced across ranks
     m.update(timer.metrics())
-    m["timing/reshard_to_rollout"] = max(g["reshard_s"] for g in gen)  # inside timing/rollout
+    m["timing/reshard_to_rollout"] = max(g.reshard_s for g in gen)  # inside timing/rollout
     t = timer.seconds
     m["throughput/tokens_per_s"] = (prompt_tokens + response_tokens) / t["step"]
     m["throughput/rollout_tokens_per_s"] = response_tokens / max(t["rollout"], 1e-9)
@@ -352,18 +355,18 @@ def _metrics(cfg, step, batch, gen, scored, updates, timer: StageTimer, dock_sta
     return m
 
 
-def _samples(scored: list[dict]) -> list[dict]:
-    return [s for worker in scored for s in worker["samples"]]
+def _samples(scored: list[ScoreResult]) -> list[dict]:
+    return [s for worker in scored for s in worker.samples]
 
 
 def _evaluate(
-    cfg: TrainConfig, actors: WorkerGroup, prompts: list[EncodedPrompt], tokenizer: Tokenizer
+    cfg: TrainConfig, actors: ActorGroup, prompts: list[EncodedPrompt], tokenizer: Tokenizer
 ) -> dict:
     """Greedy answers from the current policy (prompts split over the actor ranks), scored in the driver."""
     # One shard per rollout replica, given to its head rank (tp peers get theirs by broadcast, answer []).
     tp, replicas = cfg.rollout.tp, len(actors) // cfg.rollout.tp
     shards = [prompts[r // tp :: replicas] if r % tp == 0 else [] for r in range(len(actors))]
-    outs = actors.call_ranks("evaluate", [([p.ids for p in s], cfg.rollout.max_new_tokens) for s in shards])
+    outs = actors.evaluate([[p.ids for p in s] for s in shards], cfg.rollout.max_new_tokens).wait()
     ordered_prompts = [p for s in shards for p in s]
     responses = [tokenizer.decode(ids) for o in outs for ids in o]
     scored = score_answers(

@@ -20,17 +20,18 @@ from typing import Any
 
 import torch
 
-from dockrl.algos.estimators import DEFAULT_ESTIMATOR, needs_batch_whitening
 from dockrl.checkpoint.layout import ACTOR, HF
 from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
+from dockrl.config.plan import step_plan
 from dockrl.config.schema import TrainConfig
 from dockrl.dock.client import DockClient
 from dockrl.dock.columns import ADVANTAGES, OLD_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.parallel.dist import inference_mesh, training_mesh
 from dockrl.parallel.replica import ReplicaClient
-from dockrl.workers.group import Worker
+from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.reshard.switch import RolloutSwitch, offload_flags
+from dockrl.workers.results import GenerateResult, LogprobResult, SetupResult, UpdateResult
 from dockrl.workers.rollout.dock_feed import serve_from_dock
 from dockrl.workers.rollout.engine import RolloutEngine
 from dockrl.workers.rollout.sampler import SamplingParams, generate
@@ -69,10 +70,10 @@ class ActorWorker(Worker):
         rows = cfg.run.prompts_per_step * cfg.rollout.samples_per_prompt
         self.dp = world_size // cfg.actor.tp  # tensor-parallel peers train on the same rows
         self.rows_per_rank = rows // self.dp
-        self.on_policy = cfg.actor.mini_batches == 1 and cfg.actor.epochs == 1
+        self.plan = step_plan(cfg)
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
 
-    def setup(self, resume_from: str | None = None) -> dict[str, Any]:
+    def setup(self, resume_from: str | None = None) -> SetupResult:
         """Build the sharded policy (+ optimizer), the reference model and the rollout model; with
         `resume_from` (a checkpoint root) the policy, its optimizer and LR schedule come from there."""
         cfg = self.cfg
@@ -88,18 +89,14 @@ class ActorWorker(Worker):
         if resume_from is not None:
             load_engine(self.policy, Path(resume_from) / ACTOR)
         self.ref = None
-        if cfg.algo.kl_coef > 0:
+        if self.plan.reference:
             self.ref = TrainEngine(cfg.model.ref_path or cfg.model.path, trainable=False, **common)
         self._setup_switch(mesh)
         self.rollout_engine: RolloutEngine | None = None  # built at a generate; see reshard.free_kv_cache
         self.tokenizer = Tokenizer.from_dir(cfg.model.path)
         self.pad_token_id = _first_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
         self.stop_token_ids = _stop_ids(self.tokenizer.eos_token_id, self.policy.args.eos_token_id)
-        return {
-            "num_params": self.policy.args.num_params(),
-            "device": str(self.device),
-            "where": self.where(),
-        }
+        return SetupResult(self.policy.args.num_params(), str(self.device), self.where())
 
     def _setup_switch(self, train_mesh) -> None:
         """The rollout model (tp_infer-parallel, weights only while in rollout) and the dock views per layout."""
@@ -141,7 +138,7 @@ class ActorWorker(Worker):
         if free_kv if free_kv is not None else self.device.type == "cuda":
             self.rollout_engine = None  # its KV cache goes with it; rebuilt at the next generate
 
-    def generate(self, step: int) -> dict[str, Any]:
+    def generate(self, step: int) -> GenerateResult:
         """Serve rollout rows from the dock through the continuous-batching engine until every row has a
         response (see `rollout.dock_feed`)."""
         reshard_start = time.perf_counter()
@@ -178,24 +175,20 @@ class ActorWorker(Worker):
         )
         self.leave_rollout()
         if not self.rollout_client.is_head:  # tp peers served the same rows as their head
-            stats = {**stats, "response_lengths": [], "truncated": 0}
-        return {
-            "response_lengths": stats["response_lengths"],
-            "truncated": stats["truncated"],
-            "reshard_s": reshard_s,
-        }
+            return GenerateResult([], 0, reshard_s)
+        return GenerateResult(stats["response_lengths"], stats["truncated"], reshard_s)
 
     # ---- log-prob stages -----------------------------------------------------------------------
 
-    def compute_ref(self) -> dict[str, Any]:
+    def compute_ref(self) -> LogprobResult:
         """Reference-model log-probs of this rank's share of rows -> `ref_logprobs`."""
         return self._logprob_stage(REF, self.ref, REF_LOGPROBS)
 
-    def compute_old(self) -> dict[str, Any]:
+    def compute_old(self) -> LogprobResult:
         """Current-policy log-probs before the update (needed when the update is off-policy) -> `old_logprobs`."""
         return self._logprob_stage(OLD, self.policy, OLD_LOGPROBS)
 
-    def _logprob_stage(self, consumer: str, engine: TrainEngine, column: str) -> dict[str, Any]:
+    def _logprob_stage(self, consumer: str, engine: TrainEngine, column: str) -> LogprobResult:
         # The dp ranks of a stage get near-equal token counts (length balance, dock.policies.balanced_partition).
         rows, batch = self.train_client.get(
             consumer, [PROMPT_IDS, RESPONSE_IDS], self.rows_per_rank, balance_over=self.dp
@@ -208,18 +201,18 @@ class ActorWorker(Worker):
             pad_token_id=self.pad_token_id,
         )
         self.train_client.put(rows, {column: logps})
-        return {"rows": len(rows), "tokens": sum(len(r) for r in batch[RESPONSE_IDS])}
+        return LogprobResult(len(rows), sum(len(r) for r in batch[RESPONSE_IDS]))
 
     # ---- update --------------------------------------------------------------------------------
 
-    def update(self) -> dict[str, float]:
+    def update(self) -> UpdateResult:
         """Train on this rank's share of the step's rows: epochs x mini-batches optimizer steps."""
         actor, use_ref = self.cfg.actor, self.ref is not None
         columns = [PROMPT_IDS, RESPONSE_IDS, ADVANTAGES]
         columns += [REF_LOGPROBS] if use_ref else []
-        columns += [] if self.on_policy else [OLD_LOGPROBS]
+        columns += [] if self.plan.on_policy else [OLD_LOGPROBS]
         rows, batch = self.train_client.get(UPDATE, columns, self.rows_per_rank, balance_over=self.dp)
-        if needs_batch_whitening(self.cfg.algo.adv_estimator or DEFAULT_ESTIMATOR[self.cfg.algo.name]):
+        if self.plan.whiten:
             batch[ADVANTAGES] = whiten_rows(batch[ADVANTAGES], self.policy.dp_group)
         per_token_names = [c for c in columns if c not in (PROMPT_IDS, RESPONSE_IDS)]
         mini_size = self.rows_per_rank // actor.mini_batches
@@ -242,7 +235,7 @@ class ActorWorker(Worker):
                     )
                 )
         self.rollout_stale = True
-        return {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+        return UpdateResult({k: sum(h[k] for h in history) / len(history) for k in history[0]})
 
     # ---- checkpoints and evaluation ------------------------------------------------------------
 
@@ -290,3 +283,38 @@ def _stop_ids(*ids: Any) -> list[int]:
             if j is not None and int(j) not in out:
                 out.append(int(j))
     return out
+
+
+class ActorGroup(WorkerGroup):
+    """The actor's ranks (ActorWorkers in one process group), with one typed method per stage; each starts
+    the stage on every rank and returns a Pending whose `wait()` gives one result per rank."""
+
+    worker = ActorWorker
+
+    def setup(self, resume_from: str | None = None) -> Pending[SetupResult]:
+        """Build the models on every rank (from checkpoint `resume_from` when given)."""
+        return self.start(ActorWorker.setup, resume_from)
+
+    def generate(self, step: int) -> Pending[GenerateResult]:
+        """Roll out every row of the dock's table."""
+        return self.start(ActorWorker.generate, step)
+
+    def compute_ref(self) -> Pending[LogprobResult]:
+        """Reference log-probs of every row."""
+        return self.start(ActorWorker.compute_ref)
+
+    def compute_old(self) -> Pending[LogprobResult]:
+        """The policy's log-probs of every row before the update."""
+        return self.start(ActorWorker.compute_old)
+
+    def update(self) -> Pending[UpdateResult]:
+        """The step's optimizer steps."""
+        return self.start(ActorWorker.update)
+
+    def save(self, path: str) -> Pending[str]:
+        """Write the actor's part of the checkpoint at `path`."""
+        return self.start(ActorWorker.save, path)
+
+    def evaluate(self, shards: list[list[list[int]]], max_new_tokens: int) -> Pending[list[list[int]]]:
+        """Greedy answers, rank r answering the prompts of `shards[r]`."""
+        return self.start_ranks(ActorWorker.evaluate, [(shard, max_new_tokens) for shard in shards])

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -49,7 +48,8 @@ from dockrl.dock.columns import (
 )
 from dockrl.models.value import value_model_kind
 from dockrl.parallel.dist import data_parallel_mesh
-from dockrl.workers.group import Worker
+from dockrl.workers.group import Pending, Worker, WorkerGroup
+from dockrl.workers.results import CriticState, LogprobResult, SetupResult, UpdateResult
 from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
 from dockrl.workers.train.engine import TrainEngine
 from dockrl.workers.train.policy_update import all_reduce_sum
@@ -87,7 +87,7 @@ class CriticWorker(Worker):
             algo.kl_ctrl, algo.kl_coef, target=algo.kl_target, horizon=algo.kl_horizon
         )
 
-    def setup(self, resume_from: str | None = None, kl_coef: float | None = None) -> dict[str, Any]:
+    def setup(self, resume_from: str | None = None, kl_coef: float | None = None) -> SetupResult:
         """Build the sharded value model and its optimizer; with `resume_from` (a checkpoint root) both come
         from there, and the KL controller continues from `kl_coef`."""
         cfg = self.cfg
@@ -105,15 +105,16 @@ class CriticWorker(Worker):
         )
         if resume_from is not None:
             load_engine(self.engine, Path(resume_from) / CRITIC)
-        return {"num_params": sum(p.numel() for p in self.engine.model.parameters()), "where": self.where()}
+        num_params = sum(p.numel() for p in self.engine.model.parameters())
+        return SetupResult(num_params, str(self.device), self.where())
 
-    def compute_values(self) -> dict[str, Any]:
+    def compute_values(self) -> LogprobResult:
         """Values of this rank's share of rows -> `values` [R] per row."""
         rows, batch = self.client.get(
             VALUES_STAGE, [PROMPT_IDS, RESPONSE_IDS], self.rows_per_rank, balance_over=self.world_size
         )
         self.client.put(rows, {VALUES: self._values(batch[PROMPT_IDS], batch[RESPONSE_IDS])})
-        return {"rows": len(rows)}
+        return LogprobResult(len(rows), sum(len(r) for r in batch[RESPONSE_IDS]))
 
     @torch.no_grad()
     def _values(self, prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -129,7 +130,7 @@ class CriticWorker(Worker):
             values += mb.unpad(self.engine.logits(mb))  # [B, T-1] values on the shifted grid
         return values
 
-    def update(self) -> dict[str, float]:
+    def update(self) -> UpdateResult:
         """GAE advantages and returns of this rank's rows into the dock, then the critic's optimizer steps.
 
         Returns metrics of the whole step (all ranks): `critic/...`, and with algo.kl_in_reward the KL in the
@@ -164,7 +165,7 @@ class CriticWorker(Worker):
         for key in history[0]:
             metrics[f"critic/{key}"] = sum(h[key] for h in history) / len(history)
         metrics["critic/update_s"] = time.perf_counter() - start
-        return metrics
+        return UpdateResult(metrics)
 
     def _step_stats(
         self,
@@ -230,14 +231,36 @@ class CriticWorker(Worker):
         out["grad_norm"], out["lr"] = metrics["grad_norm"], metrics["lr"]
         return out
 
-    def save(self, path: str) -> dict[str, float]:
+    def save(self, path: str) -> CriticState:
         """Write the critic's training state to `path`/critic and its model directory (body + `score` head,
         which `critic.path` loads) to `path`/critic/hf (collective); returns the KL controller's state."""
         save_engine(self.engine, Path(path) / CRITIC)
         export_hf(self.engine, Path(path) / CRITIC / HF, tokenizer_dir=self.cfg.model.path)
-        return {"kl_coef": self.kl_ctrl.value}
+        return CriticState(self.kl_ctrl.value)
 
 
 def _mini_batches(num_rows: int, num_mini_batches: int) -> list[list[int]]:
     size = num_rows // num_mini_batches
     return [list(range(start, start + size)) for start in range(0, num_rows, size)]
+
+
+class CriticGroup(WorkerGroup):
+    """PPO's critic ranks (CriticWorkers in their own process group), one typed method per stage."""
+
+    worker = CriticWorker
+
+    def setup(self, resume_from: str | None = None, kl_coef: float | None = None) -> Pending[SetupResult]:
+        """Build the value model (from checkpoint `resume_from`, KL coefficient `kl_coef`, when given)."""
+        return self.start(CriticWorker.setup, resume_from, kl_coef)
+
+    def compute_values(self) -> Pending[LogprobResult]:
+        """Values of every row."""
+        return self.start(CriticWorker.compute_values)
+
+    def update(self) -> Pending[UpdateResult]:
+        """GAE advantages into the dock, then the critic's optimizer steps."""
+        return self.start(CriticWorker.update)
+
+    def save(self, path: str) -> Pending[CriticState]:
+        """Write the critic's part of the checkpoint at `path`."""
+        return self.start(CriticWorker.save, path)

@@ -1,6 +1,6 @@
 """WorkerGroup: N Ray actors of one worker class that can form one torch.distributed group.
 
-    driver ── group.call("update", ...) ──▶ rank 0 .. rank N-1   (same method on every rank, in parallel)
+    driver ── actors.update() ──▶ rank 0 .. rank N-1   (ActorWorker.update on every rank, in parallel)
            ◀── results, or WorkerError naming the first rank that died / raised / hung
 
 A call waits at most `timeout_s`; a dead actor, an exception in a rank, or a rank still running at the
@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -26,7 +28,9 @@ from dockrl.parallel.dist import free_port, host_ip, init_distributed
 from dockrl.workers.faults import process_identity
 from dockrl.workers.supervisor import HEALTH_GROUP, POLL_S, Supervisor, WorkerError, WorkerFailure
 
-__all__ = ["Worker", "WorkerError", "WorkerFailure", "WorkerGroup"]
+__all__ = ["Pending", "Worker", "WorkerError", "WorkerFailure", "WorkerGroup"]
+
+T = TypeVar("T")
 
 
 class Worker:
@@ -64,8 +68,29 @@ class Worker:
         return time.time()
 
 
+@dataclass
+class Pending(Generic[T]):
+    """A stage started on every rank of a group; `wait()` returns one result per rank, in rank order, or
+    raises a WorkerError naming the first rank that died, raised or hung."""
+
+    group: WorkerGroup
+    method: str
+    refs: list
+
+    def wait(self) -> list[T]:
+        """Block for every rank's result (bounded by the group's timeout and the supervisor)."""
+        return self.group.wait(self.refs, self.method)
+
+
 class WorkerGroup:
-    """Ray actors of `worker_cls`, one per rank, with named, bounded calls."""
+    """Ray actors of `worker_cls`, one per rank, with named, bounded calls (`worker`: the worker class of a
+    typed subclass, e.g. ActorGroup).
+
+    Stages start typed: `group.start(ActorWorker.update)` runs that method on every rank and returns a
+    `Pending[UpdateResult]` (the worker classes' groups wrap this as `actors.update()`); `call`/`call_async`
+    take a method name, for generic tools and tests."""
+
+    worker: type | None = None
 
     def __init__(
         self,
@@ -121,8 +146,8 @@ class WorkerGroup:
                 supervisor.watch(self.names[rank], actor, where, pid=ident["pid"])
         if distributed:
             addr, port = self._wait([self.actors[0].rendezvous.remote()], "rendezvous", [0], deadline)[0]
-            refs = self.call_async("join_group", addr, port, device, self.timeout_s)
-            self.wait(refs, "join_group", deadline)
+            joining = self.start(Worker.join_group, addr, port, device, self.timeout_s)
+            self.wait(joining.refs, joining.method, deadline)
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -144,6 +169,18 @@ class WorkerGroup:
     def _at(self, method: str, when: str) -> None:
         if self.supervisor is not None:
             self.supervisor.at(method, when)
+
+    def start(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> Pending[T]:
+        """Start worker method `method` (a function of the worker class, e.g. ActorWorker.update) on every rank."""
+        return Pending(self, method.__name__, self.call_async(method.__name__, *args, **kwargs))
+
+    def start_ranks(self, method: Callable[..., T], per_rank_args: list[tuple]) -> Pending[T]:
+        """Start `method` with different positional arguments per rank."""
+        name = method.__name__
+        self._running(name)
+        refs = [getattr(a, name).remote(*args) for a, args in zip(self.actors, per_rank_args)]
+        self._at(name, "during")
+        return Pending(self, name, refs)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Run `method` on every rank and return the per-rank results."""

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from dockrl.algos.estimators import (
-    DEFAULT_ESTIMATOR,
     GROUP_ESTIMATORS,
     compute_advantages,
     overlong_penalty,
 )
+from dockrl.config.plan import estimator_of
 from dockrl.config.schema import AlgoConfig, RewardConfig
 from dockrl.dock.client import DockClient
 from dockrl.dock.columns import (
@@ -36,7 +36,8 @@ from dockrl.dock.columns import (
 )
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.rewards.runner import RewardRunner, RewardSpec
-from dockrl.workers.group import Worker
+from dockrl.workers.group import Pending, Worker, WorkerGroup
+from dockrl.workers.results import ScoreResult
 
 REWARD_STAGE = "reward"  # the dock consumer of score()
 
@@ -73,7 +74,7 @@ class RewardWorker(Worker):
         self.log_samples = log_samples
         # The overlong-shaping limit (rollout.max_new_tokens); needed when algo.overlong_buffer_len > 0.
         self.max_new_tokens = max_new_tokens
-        self.estimator = algo.adv_estimator or DEFAULT_ESTIMATOR[algo.name]
+        self.estimator = estimator_of(algo)
         self.tokenizer = Tokenizer.from_dir(tokenizer_path)
         specs = reward_specs(reward)
         self.runner = (
@@ -84,7 +85,7 @@ class RewardWorker(Worker):
         # The weight of the reward model's score, None without a reward model.
         self.rm_weight = reward.model.weight if reward.model.path is not None else None
 
-    def score(self) -> dict[str, Any]:
+    def score(self) -> ScoreResult:
         """Serve the `reward` consumer until every row is scored; returns per-row figures for metrics."""
         n = self.group_size
         rewards: list[float] = []
@@ -145,16 +146,7 @@ class RewardWorker(Worker):
                         "reward": scores[i],
                     }
                 )
-        return {
-            "rewards": rewards,
-            "rows": scored_rows,
-            "correct": correct,
-            "overlong": overlong,
-            "rm": rm,
-            "timeouts": timeouts,
-            "errors": errors,
-            "samples": samples,
-        }
+        return ScoreResult(rewards, scored_rows, correct, overlong, rm, timeouts, errors, samples)
 
     def _rule_rewards(
         self, prompts: list[str], responses: list[str], labels: list
@@ -187,3 +179,17 @@ class RewardWorker(Worker):
 
 def _jsonable(value: Any) -> Any:
     return value if isinstance(value, str | int | float | bool | type(None)) else str(value)
+
+
+class RewardGroup(WorkerGroup):
+    """The RewardWorkers, one typed method per stage."""
+
+    worker = RewardWorker
+
+    def score(self) -> Pending[ScoreResult]:
+        """Score every row of the step as its group is generated."""
+        return self.start(RewardWorker.score)
+
+    def close(self) -> Pending[None]:
+        """Stop the reward process pools."""
+        return self.start(RewardWorker.close)

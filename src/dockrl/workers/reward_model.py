@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from tokenizers import Tokenizer as BackendTokenizer
@@ -35,7 +34,8 @@ from dockrl.dock.client import DockClient
 from dockrl.dock.columns import PROMPT_IDS, RESPONSE_IDS, RM_SCORE
 from dockrl.models.reward_model import load_reward_model
 from dockrl.models.tokenizer import TOKENIZER_FILE, Tokenizer
-from dockrl.workers.group import Worker
+from dockrl.workers.group import Pending, Worker, WorkerGroup
+from dockrl.workers.results import ModelScoreResult
 
 RM_CONSUMER = "reward_model"
 
@@ -91,7 +91,7 @@ class RewardModelWorker(Worker):
             None if same_vocabulary(policy_path, model.path) else Tokenizer.from_dir(model.path)
         )
 
-    def score(self) -> dict[str, Any]:
+    def score(self) -> ModelScoreResult:
         """Score every row of the step once; returns the scores (row order of pulls) and the busy time."""
         n = self.group_size
         scores: list[float] = []
@@ -122,4 +122,14 @@ class RewardModelWorker(Worker):
             self.client.put(rows, {RM_SCORE: values})
             scores += values
             busy_s += time.perf_counter() - start
-        return {"scores": scores, "busy_s": busy_s}
+        return ModelScoreResult(scores, busy_s)
+
+
+class RewardModelGroup(WorkerGroup):
+    """The RewardModelWorkers, one typed method per stage."""
+
+    worker = RewardModelWorker
+
+    def score(self) -> Pending[ModelScoreResult]:
+        """Score every row of the step with the reward model as its group is generated."""
+        return self.start(RewardModelWorker.score)

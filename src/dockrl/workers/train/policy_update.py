@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from dockrl.algos.estimators import masked_moments, whiten
 from dockrl.algos.losses import policy_loss
+from dockrl.config.plan import LossPlan, loss_plan
 from dockrl.config.schema import AlgoConfig
 from dockrl.dock.columns import ADVANTAGES, OLD_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS
 from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
@@ -48,9 +49,7 @@ def policy_update(
     `world_size` is the number of data-parallel ranks; tensor-parallel peers train on the same rows.
     `max_new_tokens` (the generation limit) is Dr. GRPO's constant loss normaliser; required for dr_grpo.
     """
-    if algo.name == "dr_grpo" and max_new_tokens is None:
-        raise ValueError("algo.name=dr_grpo normalises the loss by max_new_tokens; pass it to policy_update")
-    seq_len_norm = float(max_new_tokens) if algo.name == "dr_grpo" else None
+    plan = loss_plan(algo, max_new_tokens)
     local_tokens = sum(len(batch[RESPONSE_IDS][i]) for i in idx)
     global_tokens = all_reduce_sum(torch.tensor([float(local_tokens)]), engine.dp_group)[0].item()
     global_seqs = float(len(idx) * world_size)
@@ -64,7 +63,7 @@ def policy_update(
         )
         for chunk in split_indices(len(idx), micro_batch_size)
     ]
-    loss_fn = _loss_fn(engine, algo, temperature, global_tokens, global_seqs, world_size, seq_len_norm)
+    loss_fn = _loss_fn(engine, plan, temperature, global_tokens, global_seqs, world_size)
     metrics = engine.train_step(micro_batches, loss_fn)
     totals = torch.tensor([metrics[k] for k in SUMMED_METRICS], dtype=torch.float64)
     totals = all_reduce_sum(totals, engine.dp_group)
@@ -75,18 +74,17 @@ def policy_update(
 
 def _loss_fn(
     engine: TrainEngine,
-    algo: AlgoConfig,
+    plan: LossPlan,
     temperature: float,
     global_tokens: float,
     global_seqs: float,
     world_size: int,
-    seq_len_norm: float | None,
 ):
     # engine.token_logprobs / token_entropy are vocab-parallel under tensor parallelism (logits [B, T-1, V/tp]).
     def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         targets = mb.input_ids[:, 1:]  # [B, T-1]
         logp = engine.token_logprobs(logits, targets, temperature)  # [B, T-1]
-        entropy = engine.token_entropy(logits, temperature) if algo.entropy_coef > 0 else None
+        entropy = engine.token_entropy(logits, temperature) if plan.entropy_coef > 0 else None
         # Exactly on-policy (one mini-batch, one epoch): old log-probs equal the current ones.
         old = mb.per_token.get(OLD_LOGPROBS, logp.detach())
         out = policy_loss(
@@ -94,18 +92,18 @@ def _loss_fn(
             old,
             mb.per_token[ADVANTAGES],
             mb.response_mask,
-            clip_low=algo.clip_low,
-            clip_high=algo.clip_high,
+            clip_low=plan.clip_low,
+            clip_high=plan.clip_high,
             ref_logprobs=mb.per_token.get(REF_LOGPROBS),
-            kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,  # PPO's KL sits in the token rewards
-            kl_estimator=algo.kl_estimator,
+            kl_coef=plan.kl_coef,  # 0 with PPO's KL in the token rewards
+            kl_estimator=plan.kl_estimator,
             entropy=entropy,
-            entropy_coef=algo.entropy_coef,
-            agg=algo.loss_agg,
+            entropy_coef=plan.entropy_coef,
+            agg=plan.agg,
             num_tokens=global_tokens,
             num_seqs=global_seqs,
-            seq_len_norm=seq_len_norm,
-            sequence_ratio=algo.name == "gspo",
+            seq_len_norm=plan.seq_len_norm,
+            sequence_ratio=plan.sequence_ratio,
         )
         if entropy is None:
             with torch.no_grad():

@@ -1,0 +1,98 @@
+"""The step plan: what one RL step runs and where each quantity is computed, resolved once from the config.
+
+An algorithm name (`algo.name`) is a preset of orthogonal settings; this module is the only place that reads
+it. The recipe and every worker ask the plan instead of re-deriving conditions from the config:
+
+    reference        the reference model is loaded and `ref_logprobs` computed (algo.kl_coef > 0)
+    old_logprobs     `old_logprobs` computed before the update (off-policy updates, or PPO's KL in the reward)
+    estimator        the advantage estimator (algo.adv_estimator, else the algorithm's own)
+    advantages_by    who computes advantages: the RewardWorker (group estimators) or the critic (GAE)
+    whiten           the actor whitens advantages over every token of the step (REINFORCE++, PPO)
+    critic           PPO's CriticWorkers run
+    loss             the policy loss: aggregation, clip range, where the KL goes, sequence ratio (GSPO),
+                     Dr. GRPO's constant normaliser
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from dockrl.algos.estimators import DEFAULT_ESTIMATOR, GROUP_ESTIMATORS, needs_batch_whitening
+from dockrl.config.schema import AlgoConfig, TrainConfig
+
+
+@dataclass(frozen=True)
+class LossPlan:
+    """How the actor's policy loss is formed (algos.losses.policy_loss)."""
+
+    agg: str
+    clip_low: float
+    clip_high: float
+    kl_coef: float  # of the KL term in the loss; 0 when the KL is in the reward (PPO's kl_in_reward)
+    kl_estimator: str
+    entropy_coef: float
+    sequence_ratio: bool  # GSPO: one importance ratio per sequence
+    seq_len_norm: float | None  # Dr. GRPO: each row's token sum divided by this constant (max_new_tokens)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The stages of one RL step and where each quantity is computed (see the module docstring)."""
+
+    reference: bool
+    old_logprobs: bool
+    on_policy: bool
+    estimator: str
+    advantages_by: Literal["reward", "critic"]
+    whiten: bool
+    critic: bool
+    critic_warmup_steps: int
+    kl_in_reward: bool
+    loss: LossPlan
+
+    def trains_actor(self, step: int) -> bool:
+        """Whether the actor updates at `step` (not during PPO's critic warm-up)."""
+        return step > self.critic_warmup_steps
+
+
+def estimator_of(algo: AlgoConfig) -> str:
+    """The advantage estimator: algo.adv_estimator, else the algorithm's preset."""
+    return algo.adv_estimator or DEFAULT_ESTIMATOR[algo.name]
+
+
+def loss_plan(algo: AlgoConfig, max_new_tokens: int | None) -> LossPlan:
+    """The policy loss of `algo`; `max_new_tokens` is Dr. GRPO's normaliser (required for dr_grpo)."""
+    if algo.name == "dr_grpo" and max_new_tokens is None:
+        raise ValueError(
+            "algo.name=dr_grpo normalises the loss by max_new_tokens; pass rollout.max_new_tokens"
+        )
+    return LossPlan(
+        agg=algo.loss_agg,
+        clip_low=algo.clip_low,
+        clip_high=algo.clip_high,
+        kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,
+        kl_estimator=algo.kl_estimator,
+        entropy_coef=algo.entropy_coef,
+        sequence_ratio=algo.name == "gspo",
+        seq_len_norm=float(max_new_tokens) if algo.name == "dr_grpo" else None,
+    )
+
+
+def step_plan(cfg: TrainConfig) -> StepPlan:
+    """Resolve `cfg` (validated) into its step plan."""
+    algo, actor = cfg.algo, cfg.actor
+    estimator = estimator_of(algo)
+    on_policy = actor.mini_batches == 1 and actor.epochs == 1
+    return StepPlan(
+        reference=algo.kl_coef > 0,
+        old_logprobs=not on_policy or algo.kl_in_reward,
+        on_policy=on_policy,
+        estimator=estimator,
+        advantages_by="reward" if estimator in GROUP_ESTIMATORS else "critic",
+        whiten=needs_batch_whitening(estimator),
+        critic=algo.name == "ppo",
+        critic_warmup_steps=algo.critic_warmup_steps,
+        kl_in_reward=algo.kl_in_reward,
+        loss=loss_plan(algo, cfg.rollout.max_new_tokens),
+    )
