@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dockrl.algos.estimators import gae_advantages, masked_moments, value_clip_frac, value_loss, whiten
+from dockrl.algos.estimators import gae_advantages, masked_moments, whiten
+from dockrl.algos.losses import value_clip_frac, value_loss
 from dockrl.algos.ppo import (
     KLController,
     explained_variance,

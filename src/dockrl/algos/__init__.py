@@ -13,8 +13,6 @@ from dockrl.algos.estimators import (
     needs_batch_whitening,
     overlong_penalty,
     rloo_advantages,
-    value_clip_frac,
-    value_loss,
     whiten,
 )
 from dockrl.algos.logprobs import token_entropy, token_logprobs
@@ -26,6 +24,8 @@ from dockrl.algos.losses import (
     kl_penalty,
     masked_mean,
     policy_loss,
+    value_clip_frac,
+    value_loss,
 )
 from dockrl.algos.ppo import (
     KL_CONTROLLERS,

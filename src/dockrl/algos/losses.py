@@ -1,4 +1,5 @@
-"""Policy-gradient loss terms: clipped surrogate, KL penalty estimators, entropy bonus, aggregation.
+"""Loss terms: the clipped policy surrogate, KL penalty estimators, entropy bonus, aggregation, and PPO's
+clipped value loss (the critic's).
 
 Shape letters: B rows (sequences) in the micro-batch, T response tokens per row (padded).
 
@@ -226,3 +227,43 @@ def policy_loss(
         clip_frac=clip_frac,
         approx_kl=approx_kl,
     )
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    clip: float | None = 0.2,
+    agg: str = "token-mean",
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> Tensor:
+    """PPO clipped value loss: 0.5 * max((V - R)^2, (clip(V, V_old +- clip) - R)^2), aggregated.
+
+    `clip=None` gives the plain squared error. All tensors are [B, T].
+    """
+    err, clipped_err = _value_errors(values, old_values, returns, clip)
+    if clipped_err is not None:
+        err = torch.maximum(err, clipped_err)
+    return aggregate(0.5 * err, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+def value_clip_frac(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float
+) -> Tensor:
+    """Share of valid tokens where `value_loss` takes the clipped branch (its error is the larger); [B, T] in."""
+    err, clipped_err = _value_errors(values.detach(), old_values, returns, clip)
+    return masked_mean((clipped_err > err).float(), mask)
+
+
+def _value_errors(
+    values: Tensor, old_values: Tensor, returns: Tensor, clip: float | None
+) -> tuple[Tensor, Tensor | None]:
+    """Squared errors [B, T] of the values and (with `clip`) of the values clipped to V_old +- clip."""
+    err = (values - returns).square()  # [B, T]
+    if clip is None:
+        return err, None
+    clipped = old_values + (values - old_values).clamp(-clip, clip)  # [B, T]
+    return err, (clipped - returns).square()
