@@ -185,7 +185,7 @@ def _make_rows(vocab: int, seed: int) -> dict[str, list[torch.Tensor]]:
 def _new_engine(ctx: Context, *, load_weights: bool = True):
     """A trainable TrainEngine on the 1-rank mesh (AdamW lr 1e-3, 10-step schedule)."""
     from dockrl.config import ActorConfig
-    from dockrl.workers.train.engine import TrainEngine
+    from dockrl.workers.train.train_engine import TrainEngine
 
     return TrainEngine(
         str(ctx.model_dir()),

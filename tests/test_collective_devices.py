@@ -39,8 +39,8 @@ def _spy(calls: list) -> None:
 def _worker(rank: int, world: int, port: int, model_dir: str, out: str, leave) -> None:
     from dockrl.config import ActorConfig, AlgoConfig
     from dockrl.parallel.dist import data_parallel_mesh, init_distributed
-    from dockrl.workers.train.engine import TrainEngine
     from dockrl.workers.train.policy_update import all_reduce_sum, policy_update, whiten_rows
+    from dockrl.workers.train.train_engine import TrainEngine
 
     torch.set_num_threads(1)
     init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=120)

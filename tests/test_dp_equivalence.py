@@ -28,8 +28,8 @@ def make_rows(vocab: int) -> dict[str, list]:
 
 
 def run_update(model_dir: str, idx: list[int], world_size: int, mesh=None, micro_batch_size: int = 2):
-    from dockrl.workers.train.engine import TrainEngine
     from dockrl.workers.train.policy_update import policy_update
+    from dockrl.workers.train.train_engine import TrainEngine
 
     optim = ActorConfig(lr=OPTIM.lr, grad_clip=OPTIM.grad_clip, micro_batch_size=micro_batch_size)
     engine = TrainEngine(model_dir, device="cpu", precision="fp32", mesh=mesh, optim=optim)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dockrl.parallel.plan import PlanInput, load_args, plan
+from dockrl.parallel.memory_plan import PlanInput, load_args, plan
 
 
 def test_plan_presets_and_offload_effects():

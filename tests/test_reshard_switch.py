@@ -34,8 +34,8 @@ def _run_pair(rank: int, world: int, model_dir: str, tp_train: int, tp_infer: in
 
     from dockrl.workers.reshard.switch import RolloutSwitch
     from dockrl.workers.rollout.sampler import SamplingParams, generate
-    from dockrl.workers.train.engine import TrainEngine
     from dockrl.workers.train.policy_update import policy_update
+    from dockrl.workers.train.train_engine import TrainEngine
 
     dp = world // tp_train
     train_mesh = init_device_mesh("cpu", (dp, tp_train), mesh_dim_names=("dp", "tp"))
@@ -127,7 +127,7 @@ def test_switch_round_trip_and_rollout_trainer_parity(tmp_path):
 
 def test_bucket_smaller_than_largest_tensor_is_an_error(tiny_model):
     from dockrl.workers.reshard.switch import RolloutSwitch
-    from dockrl.workers.train.engine import TrainEngine
+    from dockrl.workers.train.train_engine import TrainEngine
 
     engine = TrainEngine(str(tiny_model), device="cpu", precision="fp32", optim=ActorConfig())
     with pytest.raises(
@@ -140,7 +140,7 @@ def test_bucket_smaller_than_largest_tensor_is_an_error(tiny_model):
 
 def test_single_process_switch_frees_and_restores(tiny_model):
     from dockrl.workers.reshard.switch import RolloutSwitch
-    from dockrl.workers.train.engine import TrainEngine
+    from dockrl.workers.train.train_engine import TrainEngine
 
     engine = TrainEngine(str(tiny_model), device="cpu", precision="fp32", optim=ActorConfig())
     for param in engine.model.parameters():  # own resizable storage (not the safetensors mapping)

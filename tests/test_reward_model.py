@@ -23,14 +23,14 @@ from dockrl.algos.estimators import compute_advantages
 from dockrl.cli import main
 from dockrl.config import ConfigError, TrainConfig, load_config, validate_train
 from dockrl.config.schema import AlgoConfig, RewardConfig, RewardFnConfig, RewardModelConfig
-from dockrl.models.config import ModelArgs
-from dockrl.models.hf import load_state_dict
-from dockrl.models.reward_model import (
+from dockrl.models.classifier import (
     RewardModel,
     check_reward_model_dir,
     load_reward_model,
     save_reward_model,
 )
+from dockrl.models.config import ModelArgs
+from dockrl.models.hf import load_state_dict
 from dockrl.models.tiny import make_tiny
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.workers.reward import RewardWorker

@@ -6,7 +6,7 @@ import torch
 from dockrl.dock.errors import DockTimeoutError
 from dockrl.models import ModelArgs, Transformer
 from dockrl.workers.rollout.dock_feed import serve_from_dock
-from dockrl.workers.rollout.engine import RolloutEngine
+from dockrl.workers.rollout.rollout_engine import RolloutEngine
 from dockrl.workers.rollout.sampler import generate
 from dockrl.workers.rollout.sampling import SamplingParams
 

@@ -10,7 +10,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from dockrl.algos.logprobs import token_logprobs
 from dockrl.models import ModelArgs, Transformer
 from dockrl.models.hf import load_model
-from dockrl.workers.rollout.engine import Request, RolloutEngine
+from dockrl.workers.rollout.rollout_engine import Request, RolloutEngine
 from dockrl.workers.rollout.sampling import RowSettings, SamplingParams, counter_uniforms, filter_logits
 
 VOCAB = 96

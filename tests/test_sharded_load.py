@@ -6,7 +6,7 @@ dp=3 gives uneven FSDP2 shards (64 rows -> 22, 22, 20) and empty ones (the value
 import torch
 
 from dockrl.parallel.dist import free_port
-from dockrl.parallel.load import checkpoint_block, fsdp_rows
+from dockrl.parallel.sharded_load import checkpoint_block, fsdp_rows
 from dockrl.parallel.spawn import spawn_ranks
 
 
@@ -50,7 +50,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, leave) -
     from dockrl.config import ActorConfig, CriticConfig
     from dockrl.models.value import value_model_kind
     from dockrl.parallel.dist import data_parallel_mesh, init_distributed
-    from dockrl.workers.train.engine import TrainEngine
+    from dockrl.workers.train.train_engine import TrainEngine
 
     torch.set_num_threads(1)
     init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=120)

@@ -40,7 +40,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from dockrl.checkpoint.layout import resolve_model_path
+    from dockrl.checkpoint.directory import resolve_model_path
     from dockrl.config.validate import check_dataset, check_model_dir, resolve_device
     from dockrl.recipes.eval import evaluate_model_dir
     from dockrl.rewards.runner import RewardSpec
@@ -132,7 +132,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from dockrl.parallel.plan import PlanInput, load_args, plan, render
+    from dockrl.parallel.memory_plan import PlanInput, load_args, plan, render
 
     offload = set(args.offload.split(",")) if args.offload else set()
     question = PlanInput(

@@ -13,6 +13,6 @@ BENCHMARKS: dict[str, str] = {
     "dock": "dockrl.bench.dock",
     "rollout": "dockrl.bench.rollout",
     "reshard": "dockrl.bench.reshard",
-    "load": "dockrl.bench.load",
-    "faults": "dockrl.bench.faults",
+    "load": "dockrl.bench.load_memory",
+    "faults": "dockrl.bench.fault_timing",
 }

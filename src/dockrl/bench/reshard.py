@@ -56,7 +56,7 @@ def _worker(
     from dockrl.config import ActorConfig
     from dockrl.parallel.dist import inference_mesh, init_distributed, training_mesh
     from dockrl.workers.reshard.switch import OffloadFlags, RolloutSwitch
-    from dockrl.workers.train.engine import TrainEngine
+    from dockrl.workers.train.train_engine import TrainEngine
 
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)  # one GPU per spawned rank
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> dict:
     from dockrl.models.decoder import Transformer
     from dockrl.models.hf import save_model
     from dockrl.parallel.dist import free_port
-    from dockrl.parallel.plan import PlanInput, plan
+    from dockrl.parallel.memory_plan import PlanInput, plan
     from dockrl.parallel.spawn import spawn_ranks
 
     args.device = resolve_device(args.device, "--device")

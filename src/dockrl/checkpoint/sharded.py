@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from dockrl.models.hf import LM_HEAD_KEY, HFWriter
-from dockrl.models.tp import shard_dim
+from dockrl.models.tp_plan import shard_dim
 
 _GROUP_SKIP = ("params",)
 GATHER_BLOCK_BYTES = 8 * 2**20  # per rank and gather step of a Hugging Face export

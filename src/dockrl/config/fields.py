@@ -19,11 +19,13 @@ def required(doc: str) -> Any:
     return dataclasses.field(metadata={"doc": doc})
 
 
-def setting(default: Any, doc: str) -> Any:
-    """A setting with a default (mutable defaults are copied per instance)."""
+def setting(default: Any, doc: str, noun: str = "value") -> Any:
+    """A setting with a default (mutable defaults are copied per instance); `noun` names what a closed
+    choice (`Literal[...]`) is in its error: "algo.kl_estimator='k7': unknown estimator; use one of ..."."""
+    metadata = {"doc": doc, "noun": noun}
     if isinstance(default, list | dict):
-        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
-    return dataclasses.field(default=default, metadata={"doc": doc})
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def config_error(key: str, value: Any, problem: str, fix: str) -> ConfigError:

@@ -3,7 +3,8 @@
     cfg = load_config(TrainConfig, "examples/grpo_tiny.yaml", ["run.steps=2", "actor.lr=1e-5"])
 
 Unknown keys are errors that suggest the nearest valid key; values are checked against the field types
-(`int`, `float`, `str`, `bool`, `X | None`, `list[Dataclass]`, `dict`). No interpolation, no exec.
+(`int`, `float`, `str`, `bool`, `Literal[...]` (closed choices: the error lists them), `X | None`,
+`list[Dataclass]`, `dict`). No interpolation, no exec.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def from_dict(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
     for name, f in fields.items():
         key = prefix + name
         if name in raw:
-            kwargs[name] = _coerce(hints[name], raw[name], key)
+            kwargs[name] = _coerce(hints[name], raw[name], key, f.metadata.get("noun", "value"))
         elif dataclasses.is_dataclass(hints[name]) and f.default_factory is dataclasses.MISSING:
             kwargs[name] = from_dict(hints[name], {}, key + ".")  # names the missing leaf, e.g. model.path
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -89,8 +90,13 @@ def _unknown_key_message(key: str, valid: list[str], prefix: str) -> str:
     return f"unknown config key {key!r}; {hint}"
 
 
-def _coerce(tp: Any, value: Any, key: str) -> Any:
+def _coerce(tp: Any, value: Any, key: str, noun: str = "value") -> Any:
     origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r}: unknown {noun}; use one of {', '.join(map(str, choices))}")
+        return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -100,7 +106,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _coerce(arg, value, key)
+                return _coerce(arg, value, key, noun)
             except ConfigError as exc:
                 errors.append(exc)
         raise errors[0]

@@ -8,8 +8,20 @@ Load one from YAML with dotted overrides via `dockrl.config.load_config`; valida
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from dockrl.config.fields import required, setting
+
+# Closed choices: a value outside them is an error listing them (config.loader).
+Algorithm = Literal["grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo", "gspo", "ppo"]
+AdvEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
+KLControl = Literal["fixed", "adaptive"]
+KLEstimator = Literal["k1", "k2", "k3"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+DockMode = Literal["dock", "single", "driver"]
+DockTransport = Literal["socket", "ray"]
+Device = Literal["auto", "cpu", "cuda"]
+Precision = Literal["auto", "fp32", "bf16"]
 
 
 @dataclass
@@ -105,21 +117,13 @@ class ReshardConfig:
 
 
 @dataclass
-class ActorConfig:
-    """Training of the policy (and the colocated reference model)."""
+class OptimConfig:
+    """AdamW, its learning-rate schedule and the batching of one trained model (the actor's and the critic's
+    settings inherit these; YAML keys stay flat: actor.lr, critic.lr, ...)."""
 
-    dp: int = setting(
-        1,
-        "Data-parallel degree of the actor; FSDP2 shards over it. The actor has dp x tp ranks (Ray actors).",
-    )
-    tp: int = setting(
-        1,
-        "Tensor-parallel degree of training (column/row-parallel linears, vocab-parallel embedding and LM "
-        "head); must divide the model's num_heads, num_kv_heads (split, never replicated), vocab and MLP width.",
-    )
     lr: float = setting(1e-6, "Peak learning rate of AdamW.")
     min_lr_ratio: float = setting(1.0, "Cosine schedule floor as a fraction of `lr` (1.0: constant).")
-    warmup_steps: int = setting(0, "Linear warm-up optimizer steps.")
+    warmup_steps: int = setting(0, "Linear learning-rate warm-up optimizer steps.")
     weight_decay: float = setting(0.0, "AdamW weight decay.")
     adam_beta1: float = setting(0.9, "AdamW beta1.")
     adam_beta2: float = setting(0.999, "AdamW beta2.")
@@ -133,18 +137,35 @@ class ActorConfig:
 
 
 @dataclass
+class ActorConfig(OptimConfig):
+    """Training of the policy (and the colocated reference model)."""
+
+    dp: int = setting(
+        1,
+        "Data-parallel degree of the actor; FSDP2 shards over it. The actor has dp x tp ranks (Ray actors).",
+    )
+    tp: int = setting(
+        1,
+        "Tensor-parallel degree of training (column/row-parallel linears, vocab-parallel embedding and LM "
+        "head); must divide the model's num_heads, num_kv_heads (split, never replicated), vocab and MLP width.",
+    )
+
+
+@dataclass
 class AlgoConfig:
     """The RL objective."""
 
-    name: str = setting(
+    name: Algorithm = setting(
         "grpo",
         "Algorithm: grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, dr_grpo, gspo, or ppo (with a critic, "
-        "see `critic`) (README, Algorithms).",
+        "see `critic`) (README, Algorithms). A preset of the settings below (config/plan.py).",
+        noun="algorithm",
     )
-    adv_estimator: str | None = setting(
+    adv_estimator: AdvEstimator | None = setting(
         None,
         "Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, or gae (ppo's; needs "
         "the critic); None uses the algorithm's own (dapo and gspo use grpo's).",
+        noun="estimator",
     )
     overlong_buffer_len: int = setting(
         0,
@@ -166,10 +187,11 @@ class AlgoConfig:
         "PPO: subtract kl_coef x the per-token KL of the sampling policy to the reference from the token "
         "rewards, instead of adding a KL term to the loss.",
     )
-    kl_ctrl: str = setting(
+    kl_ctrl: KLControl = setting(
         "fixed",
         "KL coefficient controller for kl_in_reward: fixed, or adaptive (moves the coefficient towards "
         "kl_target, Ziegler et al. 2019).",
+        noun="KL controller",
     )
     kl_target: float = setting(0.1, "Adaptive KL controller: target mean per-token KL of a step.")
     kl_horizon: int = setting(
@@ -180,10 +202,14 @@ class AlgoConfig:
     critic_warmup_steps: int = setting(
         0, "PPO: the first this-many RL steps train only the critic; the actor does not update."
     )
-    kl_estimator: str = setting("k3", "KL estimator: k1, k2 or k3 (low-variance, non-negative).")
+    kl_estimator: KLEstimator = setting(
+        "k3", "KL estimator: k1, k2 or k3 (low-variance, non-negative).", noun="estimator"
+    )
     entropy_coef: float = setting(0.0, "Weight of the entropy bonus (subtracted from the loss).")
-    loss_agg: str = setting(
-        "token-mean", "Loss aggregation: token-mean, seq-mean-token-mean or seq-mean-token-sum."
+    loss_agg: LossAgg = setting(
+        "token-mean",
+        "Loss aggregation: token-mean, seq-mean-token-mean or seq-mean-token-sum.",
+        noun="aggregation",
     )
     adv_eps: float = setting(1e-6, "Added to the group std when normalising advantages.")
     norm_adv_by_std: bool = setting(True, "Divide group-centred rewards by the group std (GRPO).")
@@ -200,9 +226,12 @@ class AlgoConfig:
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(OptimConfig):
     """PPO's critic: a value model on its own ranks (CriticWorkers), trained with the clipped value loss."""
 
+    lr: float = setting(
+        1e-5, "Peak learning rate of AdamW (the critic's default is higher than the actor's)."
+    )
     path: str | None = setting(
         None,
         "Initial critic weights: a causal-LM directory (its body, plus a fresh value head), a saved critic "
@@ -214,19 +243,6 @@ class CriticConfig:
         "Data-parallel ranks of the critic (its own Ray actors and process group, FSDP2 over them; one GPU "
         "each on run.device=cuda, besides the actor's).",
     )
-    lr: float = setting(1e-5, "Peak learning rate of the critic's AdamW.")
-    min_lr_ratio: float = setting(1.0, "Cosine schedule floor as a fraction of `lr` (1.0: constant).")
-    warmup_steps: int = setting(0, "Linear learning-rate warm-up optimizer steps.")
-    weight_decay: float = setting(0.0, "AdamW weight decay.")
-    adam_beta1: float = setting(0.9, "AdamW beta1.")
-    adam_beta2: float = setting(0.999, "AdamW beta2.")
-    adam_eps: float = setting(1e-8, "AdamW epsilon.")
-    grad_clip: float = setting(1.0, "Clip the critic's gradient norm to this value; 0 turns clipping off.")
-    micro_batch_size: int = setting(8, "Rows per forward/backward pass on one critic rank.")
-    mini_batches: int = setting(
-        1, "Critic optimizer steps per RL step (the step's rows split this many ways)."
-    )
-    epochs: int = setting(1, "Passes of the critic over the step's rows.")
     value_clip: float | None = setting(
         0.2,
         "Clip of the value loss: a new value counts at most this far from the value that produced the "
@@ -295,15 +311,17 @@ class DockConfig:
     get_timeout_s: float = setting(
         600.0, "A dock read waiting longer raises an error naming the consumer and the ready counts."
     )
-    mode: str = setting(
+    mode: DockMode = setting(
         "dock",
         "dock (controller + warehouses, payload worker to worker), single (one replay-buffer actor holds "
         "data and metadata) or driver (all payload through the driver); the last two are baselines.",
+        noun="dock mode",
     )
-    transport: str = setting(
+    transport: DockTransport = setting(
         "socket",
         "How dock mode's clients reach the controller and warehouses: socket (a direct connection to each "
         "actor, the fast path) or ray (Ray actor calls; payload through Ray's object store).",
+        noun="transport",
     )
     policy: str = setting(
         "first",
@@ -359,10 +377,11 @@ class RunConfig:
     )
     eval_every: int = setting(0, "Evaluate on `data.eval_path` every this many steps (0: only at the end).")
     log_samples: int = setting(4, "Prompt/response/reward triples written to samples.jsonl per step.")
-    device: str = setting("auto", "cpu, cuda or auto (cuda when available).")
-    precision: str = setting(
+    device: Device = setting("auto", "cpu, cuda or auto (cuda when available).", noun="device")
+    precision: Precision = setting(
         "auto",
         "fp32, or bf16 (bf16 compute, fp32 master weights and reductions); auto: bf16 on cuda, fp32 on cpu.",
+        noun="precision",
     )
     ray_address: str | None = setting(None, "Address of a Ray cluster to join; None starts a local one.")
     worker_timeout_s: float = setting(
@@ -397,8 +416,8 @@ class SFTRunConfig:
     output_dir: str = setting("runs", "Parent directory of run directories.")
     name: str | None = setting(None, "Run directory name; None uses a timestamp.")
     max_len: int = setting(512, "Examples longer than this many tokens (prompt + answer) are skipped.")
-    device: str = setting("auto", "cpu, cuda or auto.")
-    precision: str = setting("auto", "fp32, bf16 or auto.")
+    device: Device = setting("auto", "cpu, cuda or auto.", noun="device")
+    precision: Precision = setting("auto", "fp32, bf16 or auto.", noun="precision")
     progress: bool = setting(True, "Show a progress bar on the console.")
 
 

@@ -7,15 +7,24 @@ warning. `resolve_device` and `resolve_precision` turn `auto` into a concrete ch
 from __future__ import annotations
 
 import math
+import typing
 import warnings
 from pathlib import Path
 
 from dockrl.config.fields import ConfigError, config_error
-from dockrl.config.schema import CriticConfig, RewardModelConfig, SFTConfig, TrainConfig
+from dockrl.config.schema import (
+    Algorithm,
+    CriticConfig,
+    KLEstimator,
+    LossAgg,
+    RewardModelConfig,
+    SFTConfig,
+    TrainConfig,
+)
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-ALGORITHMS = ("grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo", "gspo", "ppo")
+KL_ESTIMATORS = typing.get_args(KLEstimator)
+LOSS_AGGS = typing.get_args(LossAgg)
+ALGORITHMS = typing.get_args(Algorithm)
 
 
 def resolve_device(device: str, key: str = "run.device") -> str:
@@ -183,7 +192,7 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
 
 def _check_resume(cfg: TrainConfig) -> None:
     """run.resume and the checkpoint settings; a resume path must be a complete checkpoint."""
-    from dockrl.checkpoint.layout import is_checkpoint
+    from dockrl.checkpoint.directory import is_checkpoint
 
     run = cfg.run
     if run.keep_checkpoints is not None:
@@ -211,7 +220,7 @@ def _check_resume(cfg: TrainConfig) -> None:
 def _resolve_checkpoint_paths(cfg: TrainConfig) -> None:
     """model.path / critic.path may name a checkpoint root: load its Hugging Face exports, and keep the KL
     reference of the run that wrote it (model.ref_path unset) instead of silently moving it to the checkpoint."""
-    from dockrl.checkpoint.layout import (
+    from dockrl.checkpoint.directory import (
         is_checkpoint,
         read_trainer_state,
         resolve_critic_path,
@@ -413,7 +422,7 @@ def _check_ppo(cfg: TrainConfig) -> None:
 def _check_layouts(cfg: TrainConfig) -> None:
     """Training (dp, tp) and rollout tp layouts against each other and the model; reshard settings."""
     from dockrl.models.hf import read_config
-    from dockrl.models.tp import tp_problem
+    from dockrl.models.tp_plan import tp_problem
 
     actor, roll, reshard = cfg.actor, cfg.rollout, cfg.reshard
     _positive("actor.tp", actor.tp)
@@ -477,7 +486,7 @@ def _check_rewards(cfg: TrainConfig) -> None:
 
 def _check_reward_model(cfg: TrainConfig) -> None:
     """reward.model: a one-output *ForSequenceClassification checkpoint with its tokenizer; GPUs to hold it."""
-    from dockrl.models.reward_model import check_reward_model_dir
+    from dockrl.models.classifier import check_reward_model_dir
 
     rm = cfg.reward.model
     if rm.path is None:

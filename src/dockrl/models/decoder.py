@@ -305,7 +305,7 @@ class Transformer(nn.Module):
 
         A tensor-parallel model holds a vocab slice of the head: training keeps the slice's logits
         [..., V/tp] (`gather_logits` unset); an inference model sets `gather_logits` (a callable that
-        all-gathers the slices, see `dockrl.parallel.tp`) so samplers see the full vocabulary.
+        all-gathers the slices, see `dockrl.parallel.tensor_parallel`) so samplers see the full vocabulary.
         """
         logits = F.linear(hidden, self.output_weight())
         gather = getattr(self, "gather_logits", None)

@@ -17,10 +17,10 @@ from pathlib import Path
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
 
+from dockrl.models.classifier import RewardModel, save_reward_model
 from dockrl.models.config import ModelArgs
 from dockrl.models.decoder import Transformer
 from dockrl.models.hf import save_model
-from dockrl.models.reward_model import RewardModel, save_reward_model
 from dockrl.models.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
 PAD_TOKEN = "<|endoftext|>"

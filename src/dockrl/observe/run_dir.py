@@ -5,7 +5,7 @@ run/
   metrics.jsonl     one JSON object per step (flat `section/name` keys)
   samples.jsonl     a few prompt/response/reward triples per step
   summary.json      final figures
-  checkpoints/      step_000010/ ... resumable checkpoints (dockrl.checkpoint.layout)
+  checkpoints/      step_000010/ ... resumable checkpoints (dockrl.checkpoint.directory)
 
 A resumed run keeps writing the same metrics.jsonl and samples.jsonl: `keep_history(step)` first drops the
 rows of steps after the checkpoint it resumes from, so no step appears twice.

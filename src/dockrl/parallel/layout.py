@@ -1,7 +1,7 @@
 """Layouts of the actor's weights: which slice of which parameter a rank holds, in training and inference.
 
 Training layout (dp, tp_train): rank r is (dp_rank, tp_rank) = (r // tp_train, r % tp_train); a split
-parameter (`dockrl.models.tp.shard_dim`) is cut in tp_train slices, and FSDP2 shards each slice over dp.
+parameter (`dockrl.models.tp_plan.shard_dim`) is cut in tp_train slices, and FSDP2 shards each slice over dp.
 Inference layout (replicas, tp_infer): rank r serves replica r // tp_infer as tp rank r % tp_infer and holds
 slice r % tp_infer of every split parameter, whole replicated ones.
 """
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dockrl.models.tp import shard_dim, shard_range
+from dockrl.models.tp_plan import shard_dim, shard_range
 
 
 @dataclass(frozen=True)

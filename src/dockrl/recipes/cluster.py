@@ -14,12 +14,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from dockrl.config.plan import step_plan
 from dockrl.config.schema import RunConfig, TrainConfig
+from dockrl.config.step_plan import step_plan
 from dockrl.dock.launch import Dock, launch_dock
 from dockrl.workers.actor import ActorGroup
 from dockrl.workers.critic import CriticGroup
-from dockrl.workers.faults import FaultInjector, process_identity
+from dockrl.workers.fault_injection import FaultInjector, process_identity
 from dockrl.workers.group import WorkerError, WorkerGroup
 from dockrl.workers.reward import RewardGroup
 from dockrl.workers.reward_model import RewardModelGroup

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dockrl.checkpoint.layout import resolve_model_path
+from dockrl.checkpoint.directory import resolve_model_path
 from dockrl.models.hf import load_model
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.recipes.common import EncodedPrompt, encode_prompts

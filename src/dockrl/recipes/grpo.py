@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from dockrl.checkpoint import layout
+from dockrl.checkpoint import directory
 from dockrl.checkpoint.state import data_fingerprint
 from dockrl.config.loader import to_dict
-from dockrl.config.plan import StepPlan, step_plan
 from dockrl.config.schema import TrainConfig
+from dockrl.config.step_plan import StepPlan, step_plan
 from dockrl.dock.errors import DockError
 from dockrl.dock.metrics import bytes_moved, driver_bytes
 from dockrl.models.tokenizer import Tokenizer
@@ -49,7 +49,7 @@ from dockrl.recipes.dynamic_sampling import group_rewards, select_groups
 from dockrl.recipes.eval import score_answers
 from dockrl.recipes.resume import newest, plan_resume, restore, trainer_state
 from dockrl.workers.actor import ActorGroup
-from dockrl.workers.faults import FaultInjector
+from dockrl.workers.fault_injection import FaultInjector
 from dockrl.workers.group import WorkerError
 from dockrl.workers.results import GenerateResult, ScoreResult, UpdateResult
 from dockrl.workers.reward import reward_specs
@@ -164,14 +164,14 @@ def _save(
     """A resumable checkpoint of `step` (checkpoint/layout.py): the workers write their shards and exports
     into a staging directory, the driver adds trainer_state.json and renames it, then prunes old ones."""
     cluster.supervisor.stage = "save"
-    staging = layout.begin(run.checkpoints, step)
+    staging = directory.begin(run.checkpoints, step)
     actor_save = cluster.actors.save(str(staging))
     critic_state = cluster.critic.save(str(staging)).wait()[0] if cluster.critic is not None else None
     actor_save.wait()
     cluster.supervisor.at("save", "commit")
     state = trainer_state(cfg, step, sampler, data, critic_state.kl_coef if critic_state else None)
-    final = layout.commit(staging, state)
-    layout.prune(run.checkpoints, cfg.run.keep_checkpoints)
+    final = directory.commit(staging, state)
+    directory.prune(run.checkpoints, cfg.run.keep_checkpoints)
     return str(final)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dockrl.checkpoint import layout
+from dockrl.checkpoint import directory
 from dockrl.checkpoint.state import (
     computation_config,
     config_changes,
@@ -56,18 +56,18 @@ class ResumePoint:
 def plan_resume(cfg: TrainConfig, run: RunDir, data_fingerprint: str) -> ResumePoint | None:
     """The checkpoint `run.resume` asks for (None: start fresh). Raises ConfigError when its computation
     config or training data differ from this run's (unless run.resume_force)."""
-    layout.clean_staging(run.checkpoints)
+    directory.clean_staging(run.checkpoints)
     mode = cfg.run.resume
     if mode == "never":
         return None
     if mode == "auto":
-        path = layout.newest_checkpoint(run.checkpoints)
+        path = directory.newest_checkpoint(run.checkpoints)
         if path is None:
             log.info("run.resume=auto: no complete checkpoint in %s; starting fresh", run.checkpoints)
             return None
     else:
         path = Path(mode)
-    point = ResumePoint(path, layout.read_trainer_state(path))
+    point = ResumePoint(path, directory.read_trainer_state(path))
     check_compatible(cfg, point, data_fingerprint)
     return point
 
@@ -125,5 +125,5 @@ def restore(point: ResumePoint | None, run: RunDir, sampler: EpochSampler, *, fr
 
 def newest(run: RunDir) -> ResumePoint | None:
     """The newest complete checkpoint of this run directory, or None."""
-    path = layout.newest_checkpoint(run.checkpoints)
-    return None if path is None else ResumePoint(path, layout.read_trainer_state(path))
+    path = directory.newest_checkpoint(run.checkpoints)
+    return None if path is None else ResumePoint(path, directory.read_trainer_state(path))

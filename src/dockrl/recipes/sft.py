@@ -23,7 +23,7 @@ from dockrl.models.hf import save_model
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.observe.run_dir import RunDir
 from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
-from dockrl.workers.train.engine import TrainEngine
+from dockrl.workers.train.train_engine import TrainEngine
 
 log = logging.getLogger(__name__)
 

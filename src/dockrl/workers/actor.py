@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from dockrl.checkpoint.layout import ACTOR, HF
+from dockrl.checkpoint.directory import ACTOR, HF
 from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
-from dockrl.config.plan import step_plan
 from dockrl.config.schema import TrainConfig
+from dockrl.config.step_plan import step_plan
 from dockrl.dock.client import DockClient
 from dockrl.dock.columns import ADVANTAGES, OLD_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS
 from dockrl.models.tokenizer import Tokenizer
@@ -33,10 +33,10 @@ from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.reshard.switch import RolloutSwitch, offload_flags
 from dockrl.workers.results import GenerateResult, LogprobResult, SetupResult, UpdateResult
 from dockrl.workers.rollout.dock_feed import serve_from_dock
-from dockrl.workers.rollout.engine import RolloutEngine
+from dockrl.workers.rollout.rollout_engine import RolloutEngine
 from dockrl.workers.rollout.sampler import SamplingParams, generate
-from dockrl.workers.train.engine import TrainEngine
 from dockrl.workers.train.policy_update import policy_update, whiten_rows
+from dockrl.workers.train.train_engine import TrainEngine
 
 ROLLOUT = "rollout"
 REF = "ref"

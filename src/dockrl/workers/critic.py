@@ -32,7 +32,7 @@ from dockrl.algos.ppo import (
     pad_rows,
     token_level_rewards,
 )
-from dockrl.checkpoint.layout import CRITIC, HF
+from dockrl.checkpoint.directory import CRITIC, HF
 from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
 from dockrl.config.schema import TrainConfig
 from dockrl.dock.client import DockClient
@@ -51,8 +51,8 @@ from dockrl.parallel.dist import data_parallel_mesh
 from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.results import CriticState, LogprobResult, SetupResult, UpdateResult
 from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
-from dockrl.workers.train.engine import TrainEngine
 from dockrl.workers.train.policy_update import all_reduce_sum
+from dockrl.workers.train.train_engine import TrainEngine
 
 VALUES_STAGE = "critic_values"  # the dock consumers of this worker's two stages
 UPDATE_STAGE = "critic_update"

@@ -25,7 +25,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from dockrl.parallel.dist import free_port, host_ip, init_distributed
-from dockrl.workers.faults import process_identity
+from dockrl.workers.fault_injection import process_identity
 from dockrl.workers.supervisor import HEALTH_GROUP, POLL_S, Supervisor, WorkerError, WorkerFailure
 
 __all__ = ["Pending", "Worker", "WorkerError", "WorkerFailure", "WorkerGroup"]

@@ -22,8 +22,8 @@ from dockrl.algos.estimators import (
     compute_advantages,
     overlong_penalty,
 )
-from dockrl.config.plan import estimator_of
 from dockrl.config.schema import AlgoConfig, RewardConfig
+from dockrl.config.step_plan import estimator_of
 from dockrl.dock.client import DockClient
 from dockrl.dock.columns import (
     ADVANTAGES,

@@ -32,7 +32,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from dockrl.config.schema import RewardModelConfig
 from dockrl.dock.client import DockClient
 from dockrl.dock.columns import PROMPT_IDS, RESPONSE_IDS, RM_SCORE
-from dockrl.models.reward_model import load_reward_model
+from dockrl.models.classifier import load_reward_model
 from dockrl.models.tokenizer import TOKENIZER_FILE, Tokenizer
 from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.results import ModelScoreResult

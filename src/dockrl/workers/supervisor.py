@@ -21,7 +21,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from dockrl.workers.faults import FaultInjector
+from dockrl.workers.fault_injection import FaultInjector
 
 POLL_S = 1.0  # how often a waiting driver checks heartbeats, and the longest a death goes unnoticed
 HEALTH_GROUP = "health"

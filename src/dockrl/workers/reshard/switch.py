@@ -31,11 +31,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dockrl.models.decoder import Transformer
-from dockrl.models.tp import local_args, shard_dim
+from dockrl.models.tp_plan import local_args, shard_dim
 from dockrl.parallel.layout import Layout
-from dockrl.parallel.tp import parallelize
+from dockrl.parallel.tensor_parallel import parallelize
 from dockrl.workers.reshard.offload import HostSwap
-from dockrl.workers.train.engine import TrainEngine
+from dockrl.workers.train.train_engine import TrainEngine
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
 the per-row sampler and seeds; `dock_feed.py` serves rollout rows from the dock through an engine.
 """
 
-from dockrl.workers.rollout.engine import Completion, Generation, Request, RolloutEngine
+from dockrl.workers.rollout.rollout_engine import Completion, Generation, Request, RolloutEngine
 from dockrl.workers.rollout.sampler import generate
 from dockrl.workers.rollout.sampling import SamplingParams
 

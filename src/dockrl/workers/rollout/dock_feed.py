@@ -22,7 +22,7 @@ from typing import Any
 
 from dockrl.dock.columns import PROMPT_IDS, RESPONSE_IDS, ROLLOUT_LOGPROBS
 from dockrl.dock.errors import DockTimeoutError
-from dockrl.workers.rollout.engine import Completion, Request, RolloutEngine
+from dockrl.workers.rollout.rollout_engine import Completion, Request, RolloutEngine
 from dockrl.workers.rollout.sampling import SamplingParams
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from dockrl.models.decoder import Transformer
-from dockrl.workers.rollout.engine import Generation, Request, RolloutEngine
+from dockrl.workers.rollout.rollout_engine import Generation, Request, RolloutEngine
 from dockrl.workers.rollout.sampling import SamplingParams
 
 __all__ = ["Generation", "SamplingParams", "generate"]

@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 from dockrl.algos.estimators import masked_moments, whiten
 from dockrl.algos.losses import policy_loss
-from dockrl.config.plan import LossPlan, loss_plan
 from dockrl.config.schema import AlgoConfig
+from dockrl.config.step_plan import LossPlan, loss_plan
 from dockrl.dock.columns import ADVANTAGES, OLD_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS
 from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
-from dockrl.workers.train.engine import TrainEngine
+from dockrl.workers.train.train_engine import TrainEngine
 
 SUMMED_METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "approx_kl")
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dockrl.checkpoint import layout
+from dockrl.checkpoint import directory
 from dockrl.checkpoint.state import (
     NEUTRAL_KEYS,
     computation_config,
@@ -21,35 +21,35 @@ from dockrl.config import TrainConfig, from_dict, to_dict
 
 
 def _save(checkpoints, step: int, **state):
-    staging = layout.begin(checkpoints, step)
+    staging = directory.begin(checkpoints, step)
     (staging / "actor").mkdir()
-    return layout.commit(staging, {"step": step, **state})
+    return directory.commit(staging, {"step": step, **state})
 
 
 def test_a_checkpoint_is_complete_only_after_its_rename(tmp_path):
     checkpoints = tmp_path / "checkpoints"
-    staging = layout.begin(checkpoints, 3)
+    staging = directory.begin(checkpoints, 3)
     (staging / "actor").mkdir()
-    assert staging.name == "step_000003.tmp" and layout.complete_checkpoints(checkpoints) == []
-    assert layout.newest_checkpoint(checkpoints) is None  # a torn save is never picked
-    final = layout.commit(staging, {"step": 3})
-    assert final.name == "step_000003" and not staging.exists() and layout.is_checkpoint(final)
-    assert layout.read_trainer_state(final) == {"step": 3}
-    assert layout.newest_checkpoint(checkpoints) == final
+    assert staging.name == "step_000003.tmp" and directory.complete_checkpoints(checkpoints) == []
+    assert directory.newest_checkpoint(checkpoints) is None  # a torn save is never picked
+    final = directory.commit(staging, {"step": 3})
+    assert final.name == "step_000003" and not staging.exists() and directory.is_checkpoint(final)
+    assert directory.read_trainer_state(final) == {"step": 3}
+    assert directory.newest_checkpoint(checkpoints) == final
 
 
 def test_prune_keeps_the_newest_and_staging_is_cleaned(tmp_path):
     checkpoints = tmp_path / "checkpoints"
     for step in (2, 4, 6, 8):
         _save(checkpoints, step)
-    assert [s for s, _ in layout.complete_checkpoints(checkpoints)] == [2, 4, 6, 8]
-    removed = layout.prune(checkpoints, keep=2)
+    assert [s for s, _ in directory.complete_checkpoints(checkpoints)] == [2, 4, 6, 8]
+    removed = directory.prune(checkpoints, keep=2)
     assert [p.name for p in removed] == ["step_000002", "step_000004"]
-    assert [s for s, _ in layout.complete_checkpoints(checkpoints)] == [6, 8]
-    assert layout.prune(checkpoints, keep=None) == []
-    layout.begin(checkpoints, 10)  # a save killed halfway
+    assert [s for s, _ in directory.complete_checkpoints(checkpoints)] == [6, 8]
+    assert directory.prune(checkpoints, keep=None) == []
+    directory.begin(checkpoints, 10)  # a save killed halfway
     (checkpoints / "step_000006.deleting").mkdir()  # a delete killed halfway
-    layout.clean_staging(checkpoints)
+    directory.clean_staging(checkpoints)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000006", "step_000008"]
 
 
@@ -57,20 +57,20 @@ def test_saving_a_step_again_keeps_the_abandoned_one(tmp_path):
     checkpoints = tmp_path / "checkpoints"
     _save(checkpoints, 4, timeline="first")
     final = _save(checkpoints, 4, timeline="second")
-    assert layout.read_trainer_state(final)["timeline"] == "second"
+    assert directory.read_trainer_state(final)["timeline"] == "second"
     abandoned = checkpoints / "step_000004.abandoned"
-    assert json.loads((abandoned / layout.TRAINER_STATE).read_text())["timeline"] == "first"
-    assert [s for s, _ in layout.complete_checkpoints(checkpoints)] == [4]
+    assert json.loads((abandoned / directory.TRAINER_STATE).read_text())["timeline"] == "first"
+    assert [s for s, _ in directory.complete_checkpoints(checkpoints)] == [4]
 
 
 def test_paths_resolve_a_checkpoint_root_to_its_exports(tmp_path):
     final = _save(tmp_path, 2)
-    assert layout.resolve_model_path(str(final)) == str(final / "hf")
-    assert layout.resolve_model_path(str(tmp_path / "plain")) == str(tmp_path / "plain")
+    assert directory.resolve_model_path(str(final)) == str(final / "hf")
+    assert directory.resolve_model_path(str(tmp_path / "plain")) == str(tmp_path / "plain")
     with pytest.raises(FileNotFoundError, match="not from an algo.name=ppo run"):
-        layout.resolve_critic_path(str(final))
+        directory.resolve_critic_path(str(final))
     (final / "critic" / "hf").mkdir(parents=True)
-    assert layout.resolve_critic_path(str(final)) == str(final / "critic" / "hf")
+    assert directory.resolve_critic_path(str(final)) == str(final / "critic" / "hf")
 
 
 def _config(**run) -> TrainConfig:

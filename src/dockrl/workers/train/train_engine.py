@@ -3,12 +3,12 @@
 Shapes: B rows, T tokens, V vocab (Vl = V / tp on one rank).
 
 Layout: `mesh` is a 1-D ("dp",) mesh or a 2-D ("dp", "tp") mesh (possibly a sub-mesh of a bigger one).
-Tensor parallelism (`dockrl.parallel.tp`) splits the model first; FSDP2 then shards each rank's local
+Tensor parallelism (`dockrl.parallel.tensor_parallel`) splits the model first; FSDP2 then shards each rank's local
 tensors over the dp group. Logits stay vocab-parallel and log-probs use the vocab-parallel functions.
 
 Lifecycle: built once per worker: the model is built on the meta device, split and sharded there, and each
 rank reads only its own blocks of the Hugging Face checkpoint into fp32 shards on its device
-(`dockrl.parallel.load`: no rank ever holds the whole model); then `logprobs` (no grad) and `train_step` (one optimizer step over a list of micro-batches)
+(`dockrl.parallel.sharded_load`: no rank ever holds the whole model); then `logprobs` (no grad) and `train_step` (one optimizer step over a list of micro-batches)
 as often as the recipe asks. Gradient sync: FSDP2 averages gradients over dp ranks, so a loss that must be a
 global mean is scaled by the caller (see `ActorWorker.update`) to sum to the right value.
 Without a mesh (`dockrl sft`, tests) the same code runs on one process with autocast for bf16.
@@ -30,9 +30,9 @@ from dockrl.algos.logprobs import (
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
 )
-from dockrl.config.schema import ActorConfig, CriticConfig
+from dockrl.config.schema import OptimConfig
 from dockrl.models.hf import CAUSAL_LM, CheckpointReader, ModelKind, read_config
-from dockrl.parallel.load import load_sharded
+from dockrl.parallel.sharded_load import load_sharded
 from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
 
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -48,7 +48,7 @@ class TrainEngine:
         device: torch.device | str,
         precision: str,
         mesh: DeviceMesh | None = None,
-        optim: ActorConfig | CriticConfig | None = None,
+        optim: OptimConfig | None = None,
         total_optimizer_steps: int = 1,
         trainable: bool = True,
         kind: ModelKind = CAUSAL_LM,
@@ -69,7 +69,7 @@ class TrainEngine:
             model.requires_grad_(False)
         self._init_layout(mesh)
         if self.tp_size > 1:
-            from dockrl.parallel.tp import parallelize, replicated_names
+            from dockrl.parallel.tensor_parallel import parallelize, replicated_names
 
             parallelize(model, self.tp_rank, self.tp_size, self.tp_group)
             self.replicated = replicated_names(model)

@@ -1,6 +1,6 @@
 """Tensor parallelism on dockrl's decoder (Megatron-style, explicit collectives, plain local tensors).
 
-`parallelize(model, tp_rank, tp_size, group)` replaces every split parameter (see `dockrl.models.tp`) by
+`parallelize(model, tp_rank, tp_size, group)` replaces every split parameter (see `dockrl.models.tp_plan`) by
 this rank's slice and wires the collectives:
 
     norm output ──copy_to_tp──▶ column-parallel q/k/v, gate/up (local heads / columns, no communication)
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dockrl.models.decoder import RMSNorm, Transformer
-from dockrl.models.tp import shard_range, tp_problem
+from dockrl.models.tp_plan import shard_range, tp_problem
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -165,6 +165,6 @@ def parallelize(
 
 def replicated_names(model: nn.Module) -> set[str]:
     """Parameters held whole on every tp rank (their gradient norm is counted once, not tp times)."""
-    from dockrl.models.tp import shard_dim
+    from dockrl.models.tp_plan import shard_dim
 
     return {name for name, _ in model.named_parameters() if shard_dim(name) is None}

@@ -44,7 +44,7 @@ def _naive_load(model_dir: str, mesh):
     import torch
 
     from dockrl.models.hf import load_model
-    from dockrl.workers.train.engine import _shard
+    from dockrl.workers.train.train_engine import _shard
 
     model = load_model(model_dir, dtype=torch.float32)
     _shard(model, mesh, "fp32")
@@ -60,7 +60,7 @@ def _warm_up(model_dir: str, mesh) -> None:
     from dockrl.config import ActorConfig
     from dockrl.models.decoder import Transformer
     from dockrl.models.hf import read_config, save_model
-    from dockrl.workers.train.engine import TrainEngine
+    from dockrl.workers.train.train_engine import TrainEngine
 
     args = dataclasses.replace(
         read_config(model_dir), num_layers=1, vocab_size=64, hidden_size=64, head_dim=8
@@ -84,7 +84,7 @@ def _save(model_dir: str, mesh, world: int, out: str) -> dict:
 
     from dockrl.checkpoint.sharded import export_hf, save_engine
     from dockrl.config import ActorConfig
-    from dockrl.workers.train.engine import TrainEngine
+    from dockrl.workers.train.train_engine import TrainEngine
 
     engine = TrainEngine(model_dir, device="cpu", precision="fp32", mesh=mesh, optim=ActorConfig())
     take_one_step(engine, world, seed=engine.dp_rank)
@@ -122,7 +122,7 @@ def _worker(
 
     from dockrl.config import ActorConfig
     from dockrl.parallel.dist import data_parallel_mesh, init_distributed
-    from dockrl.workers.train.engine import TrainEngine
+    from dockrl.workers.train.train_engine import TrainEngine
 
     torch.set_num_threads(1)
     init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=600)
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> dict:
 
     import torch
 
-    from dockrl.checkpoint.layout import resolve_model_path
+    from dockrl.checkpoint.directory import resolve_model_path
     from dockrl.models.config import ModelArgs
     from dockrl.models.decoder import Transformer
     from dockrl.models.hf import read_config, save_model

@@ -10,7 +10,7 @@ One plan serves the three families (they differ only in which biases and norms e
 
 Rank r of a tp group holds the r-th of tp equal contiguous slices of each split parameter. Key/value heads
 are split, never replicated: tp must divide num_kv_heads (and num_heads, vocab_size, intermediate_size).
-Pure data and shape arithmetic; the modules that run it live in `dockrl.parallel.tp`.
+Pure data and shape arithmetic; the modules that run it live in `dockrl.parallel.tensor_parallel`.
 """
 
 from __future__ import annotations

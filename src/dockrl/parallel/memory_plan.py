@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dockrl.models.config import ModelArgs
-from dockrl.models.tp import shard_dim, tp_problem
+from dockrl.models.tp_plan import shard_dim, tp_problem
 
 PRESETS: dict[str, dict] = {
     "Qwen2.5-7B": dict(

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dockrl.models.hf import CheckpointReader, check_shapes
-from dockrl.models.tp import shard_dim, shard_range
+from dockrl.models.tp_plan import shard_dim, shard_range
 
 
 def fsdp_rows(num_rows: int, dp_rank: int, dp: int) -> tuple[int, int]:
