@@ -51,7 +51,7 @@ class RewardModel(nn.Module):
         """
         batch, seq = input_ids.shape
         position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
-        hidden = self.model(input_ids, position_ids, key_mask, None, 0)  # [B, T, H]
+        hidden = self.model(input_ids, position_ids, key_mask)  # [B, T, H]
         pooled = hidden[
             torch.arange(batch, device=hidden.device), pooled_index(input_ids, key_mask, self.args)
         ]

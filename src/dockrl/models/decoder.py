@@ -10,15 +10,21 @@ cache), H hidden size, V vocabulary, N query heads, K key/value heads, D head di
 Attention mask: causal by slot index (a query in slot s sees key slots <= s) and `key_mask` (False = padding).
 A query always sees its own slot, so left-padding queries, which see no valid key, stay finite.
 
-Per-row cache offsets (the rollout engine's hook): `cache_offset` may be an int64 tensor [B]; row b then
-writes its T new keys at slots [cache_offset[b], cache_offset[b] + T) and attends key slots [0, S) with
-S = key_mask.shape[1] (key_mask is required), causally from its own offset. Rows of one batch can so sit at
-different lengths of a slot-indexed cache (continuous batching).
+Three explicit paths, one per entry point of `Transformer`:
+- `forward` / `hidden_states` without a cache: plain causal attention over the T tokens (training, scoring);
+- with `kv_cache` and an int `cache_offset`: every row writes its T new keys at slots [offset, offset + T)
+  and attends slots [0, offset + T) (prefill, lockstep decode);
+- `hidden_states_per_row` (the rollout engine's continuous batching): row b writes at its own slots
+  [row_offsets[b], row_offsets[b] + T) and attends key slots [0, S) with S = key_mask.shape[1], causally from
+  its own offset, so rows of one batch sit at different lengths of a slot-indexed cache.
+Inside, a `CacheWrite` carries which path a call takes down to the attention layers.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +82,16 @@ class KVCache:
         if self.rows_index is None:
             return self.k[index], self.v[index]
         return self.k[index], self.v[index], self.rows_index
+
+
+@dataclass(frozen=True)
+class CacheWrite:
+    """Where one forward pass puts its new keys/values in a KVCache (see the module docstring): slots
+    [offset, offset + T) of every row, or, with `row_offsets` [B] (int64), each row from its own offset."""
+
+    cache: KVCache
+    offset: int = 0
+    row_offsets: torch.Tensor | None = None
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -150,10 +166,11 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
-        cache: tuple[torch.Tensor, torch.Tensor] | None,
-        cache_offset: int | torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        write: CacheWrite | None = None,
     ) -> torch.Tensor:
-        """x [B, T, H] -> [B, T, H]. mask bool [B, 1, T, S] or None for plain causal without cache."""
+        """x [B, T, H] -> [B, T, H]. mask bool [B, 1, T, S] or None for plain causal without cache; `cache`
+        this layer's (keys, values) of `write.cache`."""
         batch, seq = x.shape[:2]
         # -1 heads: under tensor parallelism the projections hold only this rank's heads.
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim)  # [B, T, N, D]
@@ -163,15 +180,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = _apply_rope(q.transpose(1, 2), *rope)  # [B, N, T, D]
         k = _apply_rope(k.transpose(1, 2), *rope)  # [B, K, T, D]
-        if cache is not None and isinstance(cache_offset, torch.Tensor):
-            k, v = _write_rows(cache, k, v, cache_offset, mask.shape[-1])
+        if write is not None and write.row_offsets is not None:  # continuous batching
+            k, v = _write_rows(cache, k, v, write.row_offsets, mask.shape[-1])
             out = _grouped_attention(q, k, v, mask)  # [B, N, T, D]
             return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-        if cache is not None:
+        if write is not None:  # every row at the same offset
             cache_k, cache_v = cache
-            end = cache_offset + seq
-            cache_k[:, :, cache_offset:end] = k
-            cache_v[:, :, cache_offset:end] = v
+            end = write.offset + seq
+            cache_k[:, :, write.offset : end] = k
+            cache_v[:, :, write.offset : end] = v
             k, v = cache_k[:, :, :end], cache_v[:, :, :end]  # [B, K, S, D]
         num_groups = q.shape[1] // k.shape[1]
         if num_groups > 1:
@@ -211,10 +228,10 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache_offset: int | torch.Tensor = 0,
+        write: CacheWrite | None = None,
     ) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, cache_offset)
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, write)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -239,20 +256,20 @@ class DecoderModel(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         key_mask: torch.Tensor | None,
-        kv_cache: KVCache | None,
-        cache_offset: int | torch.Tensor,
+        write: CacheWrite | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [B, T, H]; arguments as in `Transformer.hidden_states`."""
         batch, seq = input_ids.shape
         x = self.embed_tokens(input_ids)  # [B, T, H]
         rope = self._rope(position_ids, x.dtype)
-        if isinstance(cache_offset, torch.Tensor):
-            mask = _row_offset_mask(key_mask, cache_offset, seq)
+        if write is not None and write.row_offsets is not None:
+            mask = _row_offset_mask(key_mask, write.row_offsets, seq)
         else:
-            mask = _attention_mask(key_mask, batch, seq, cache_offset, kv_cache is not None, input_ids.device)
+            offset = 0 if write is None else write.offset
+            mask = _attention_mask(key_mask, batch, seq, offset, write is not None, input_ids.device)
         for index, layer in enumerate(self.layers):
-            cache = None if kv_cache is None else kv_cache.layer(index)
-            x = layer(x, rope, mask, cache, cache_offset)
+            cache = None if write is None else write.cache.layer(index)
+            x = layer(x, rope, mask, cache, write)
         return self.norm(x)
 
     def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,6 +298,9 @@ class Transformer(nn.Module):
         self.model = DecoderModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        # An inference model under tensor parallelism all-gathers its vocab slice of the logits (set by
+        # dockrl.parallel.tensor_parallel.parallelize(gather_logits=True)); None: logits as computed.
+        self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def output_weight(self) -> torch.Tensor:
         """The [V, H] LM head weight (the embedding weight when tied)."""
@@ -304,12 +324,11 @@ class Transformer(nn.Module):
         """LM-head logits [..., V] of final hidden states [..., H].
 
         A tensor-parallel model holds a vocab slice of the head: training keeps the slice's logits
-        [..., V/tp] (`gather_logits` unset); an inference model sets `gather_logits` (a callable that
-        all-gathers the slices, see `dockrl.parallel.tensor_parallel`) so samplers see the full vocabulary.
+        [..., V/tp]; an inference model's `gather_logits` all-gathers the slices so samplers see the full
+        vocabulary.
         """
         logits = F.linear(hidden, self.output_weight())
-        gather = getattr(self, "gather_logits", None)
-        return logits if gather is None else gather(logits)
+        return logits if self.gather_logits is None else self.gather_logits(logits)
 
     def hidden_states(
         self,
@@ -317,24 +336,17 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
-        cache_offset: int | torch.Tensor = 0,
+        cache_offset: int = 0,
     ) -> torch.Tensor:
-        """Final-normed hidden states [B, T, H].
+        """Final-normed hidden states [B, T, H], without a cache or with every row at `cache_offset`.
 
         input_ids [B, T] int64. position_ids [B, T], default arange(cache_offset, cache_offset + T) per row.
         key_mask bool [B, S] (True = real token; S = T without cache, cache_offset + T with one; None = all
         real). With kv_cache, the new keys/values go to slots [cache_offset, cache_offset + T).
-        cache_offset may also be an int64 tensor [B] of per-row offsets (see the module docstring); then
-        kv_cache and key_mask [B, S] are required and the caller keeps every offset + T <= S <= max_len
-        (not checked here: it would cost a device sync per decode step).
         """
         batch, seq = input_ids.shape
-        if isinstance(cache_offset, torch.Tensor):
-            if kv_cache is None or key_mask is None:
-                raise ValueError("a per-row cache_offset tensor needs kv_cache and key_mask [B, S]")
-            if position_ids is None:
-                position_ids = cache_offset[:, None] + torch.arange(seq, device=input_ids.device)
-            return self.model(input_ids, position_ids, key_mask, kv_cache, cache_offset)
+        if not isinstance(cache_offset, int):
+            raise TypeError("cache_offset is an int here; per-row offsets go to hidden_states_per_row")
         if kv_cache is None and cache_offset != 0:
             raise ValueError(f"cache_offset={cache_offset} needs a kv_cache; pass kv_cache or cache_offset=0")
         if kv_cache is not None and cache_offset + seq > kv_cache.max_len:
@@ -345,7 +357,27 @@ class Transformer(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(cache_offset, cache_offset + seq, device=input_ids.device)
             position_ids = position_ids.expand(batch, seq)
-        return self.model(input_ids, position_ids, key_mask, kv_cache, cache_offset)
+        write = None if kv_cache is None else CacheWrite(kv_cache, offset=cache_offset)
+        return self.model(input_ids, position_ids, key_mask, write)
+
+    def hidden_states_per_row(
+        self,
+        input_ids: torch.Tensor,
+        kv_cache: KVCache,
+        row_offsets: torch.Tensor,
+        key_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [B, T, H] of rows at their own cache offsets (continuous batching).
+
+        row_offsets int64 [B]: row b writes its new keys/values at slots [row_offsets[b], row_offsets[b] + T)
+        and attends key slots [0, S), S = key_mask.shape[1], causally from its offset. position_ids default
+        row_offsets[b] + arange(T). The caller keeps every offset + T <= S <= max_len (not checked here: it
+        would cost a device sync per decode step).
+        """
+        if position_ids is None:
+            position_ids = row_offsets[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self.model(input_ids, position_ids, key_mask, CacheWrite(kv_cache, row_offsets=row_offsets))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None, std: float = 0.02) -> None:

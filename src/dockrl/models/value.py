@@ -38,7 +38,7 @@ class ValueModel(nn.Module):
         """Values [B, T] (fp32) of every prefix; right padding is harmless (causal attention)."""
         batch, seq = input_ids.shape
         position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
-        hidden = self.model(input_ids, position_ids, None, None, 0)  # [B, T, H]
+        hidden = self.model(input_ids, position_ids, None)  # [B, T, H]
         # A copy, not a view of the head's [B, T, 1] output: FSDP2 hooks the root module's output for backward.
         return self.score(hidden).squeeze(-1).float().clone()  # [B, T]
 

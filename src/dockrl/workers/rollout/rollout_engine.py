@@ -269,7 +269,12 @@ class RolloutEngine:
         last=None takes the final token. Only these rows go through the LM head (the prefill's other
         positions never need logits). A tensor-parallel model plugs in here.
         """
-        hidden = self.model.hidden_states(input_ids, position_ids, key_mask, cache, cache_offset)  # [B, T, H]
+        if isinstance(cache_offset, torch.Tensor):  # decode: each row at its own length (continuous batching)
+            hidden = self.model.hidden_states_per_row(input_ids, cache, cache_offset, key_mask, position_ids)
+        else:  # prefill: the rows of one prompt's samples at the same offset
+            hidden = self.model.hidden_states(
+                input_ids, position_ids, key_mask, cache, cache_offset
+            )  # [B, T, H]
         if last is None:
             picked = hidden[:, -1]
         else:
