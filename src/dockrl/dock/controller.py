@@ -19,7 +19,7 @@ Lifecycle of one training step's table:
   reset() -> add_groups(...) (driver, may be repeated) -> mark_ready(...) as producers put columns ->
   allocate(...) by each consumer until all_consumed(consumer) -> reset() for the next step.
 Row ids start at 0 after every reset and are contiguous within a group. Partial rollout:
-reset(keep_unfinished="response_ids") keeps every group with a row lacking that column (its other cells,
+reset(keep_unfinished=RESPONSE_IDS) keeps every group with a row lacking that column (its other cells,
 lengths and locations too), renumbers the kept rows to 0..m-1 (oldest first), adds 1 to their age and
 clears every consumer's marks, so the next step's prompts are added beside them (up to max_rows).
 
