@@ -168,6 +168,27 @@ def test_gspo_sequence_ratio_and_per_sequence_clip_by_hand():
     close(policy_loss(logp, old, adv, mask, clip_high=0.05).pg_loss, -1.025)
 
 
+def test_clip_higher_acts_on_ratios_away_from_one_and_the_counts_say_which_bound():
+    # Six tokens, ratios e^x: 1.35 and 1.22 (> 1 + 0.2, < 1 + 0.28), 1.0, 0.74 (< 1 - 0.2), 0.90, 1.40.
+    x = torch.tensor([[0.3, 0.2, 0.0, -0.3, -0.1, 0.3364722]])  # e^0.3364722 = 1.40
+    old = torch.zeros(1, 6)
+    adv = torch.tensor([[1.0, 1.0, 1.0, -1.0, -1.0, -1.0]])
+    mask = torch.ones(1, 6)
+    symmetric = policy_loss(x, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    # A > 0: 1.35 and 1.22 exceed 1.2 (clipped high); A < 0: 0.74 is below 0.8 (clipped low); 1.40 with A < 0
+    # is the pessimistic unclipped branch (-A * 1.40 > -A * 1.2), so not counted as clipped
+    close(symmetric.clip_frac_high, 2 / 6)
+    close(symmetric.clip_frac_low, 1 / 6)
+    close(symmetric.clip_frac, 3 / 6)
+    higher = policy_loss(x, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    # clip-higher (DAPO): 1.22 now passes unclipped, 1.35 still clips; the lower bound is unchanged
+    close(higher.clip_frac_high, 1 / 6)
+    close(higher.clip_frac_low, 1 / 6)
+    # the surrogate: mean of -A * min(r, clip(r)) for A > 0 and -A * max(r, clip(r)) for A < 0
+    expected = (-1.28 - 1.2214028 - 1.0 + 0.8 + 0.9048374 + 1.4) / 6
+    close(higher.pg_loss, expected)
+
+
 # ---------------------------------------------------------------- micro-batch invariance
 
 

@@ -68,14 +68,58 @@ def test_conflicting_algorithm_settings_are_errors(overrides, expected, tiny_mod
             ["algo.name=dapo", "algo.kl_coef=0", "algo.clip_high=0.28", "algo.loss_agg=seq-mean-token-mean"],
             "loss_agg=token-mean",
         ),
-        (["algo.name=dapo", "algo.kl_coef=0"], "no clip-higher"),
+        (["algo.name=dapo", "algo.kl_coef=0", "algo.clip_high=0.2"], "no clip-higher"),
         (["algo.name=rloo", "algo.norm_adv_by_std=false"], "norm_adv_by_std=False has no effect"),
+        # a single on-policy update: every importance ratio is exactly 1, no clip ever acts
+        (["algo.clip_high=0.28"], r"the ratio clip \(algo.clip_low=0.2, algo.clip_high=0.28\) never acts"),
+        (["algo.name=dapo", "algo.kl_coef=0"], "never acts: with actor.mini_batches=1 and actor.epochs=1"),
+        (
+            [
+                "algo.name=gspo",
+                "algo.kl_coef=0",
+                "actor.mini_batches=2",
+                "algo.clip_low=0.2",
+                "algo.clip_high=0.2",
+            ],
+            r"clips the sequence ratio at 1 - 0.0003 / 1 \+ 0.0004 \(the GSPO paper\)",
+        ),
+        (
+            ["algo.name=gspo", "algo.kl_coef=0", "actor.mini_batches=2", "algo.loss_agg=token-mean"],
+            "seq-mean-token-mean",
+        ),
+        (["algo.kl_estimator=k1"], "k1 in the loss has zero expected gradient"),
     ],
 )
 def test_settings_without_effect_warn(overrides, expected, tiny_model, arithmetic_data):
     cfg = load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + overrides)
     with pytest.warns(UserWarning, match=expected):
         validate_train(cfg)
+
+
+def test_unset_loss_settings_are_the_algorithms_own(tiny_model, arithmetic_data):
+    from dockrl.config.step_plan import step_plan
+
+    def loss(*overrides):
+        return step_plan(
+            validate_train(
+                load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + list(overrides))
+            )
+        ).loss
+
+    two = "actor.mini_batches=2"
+    assert (loss().clip_low, loss().clip_high, loss().agg) == (0.2, 0.2, "token-mean")
+    dapo = loss("algo.name=dapo", "algo.kl_coef=0", two)
+    assert (dapo.clip_low, dapo.clip_high, dapo.agg) == (0.2, 0.28, "token-mean")
+    gspo = loss("algo.name=gspo", "algo.kl_coef=0", two)
+    assert (gspo.clip_low, gspo.clip_high, gspo.agg, gspo.sequence_ratio) == (
+        3e-4,
+        4e-4,
+        "seq-mean-token-mean",
+        True,
+    )
+    dr = loss("algo.name=dr_grpo", "rollout.max_new_tokens=8")
+    assert (dr.agg, dr.seq_len_norm) == ("seq-mean-token-sum", 8.0)
+    assert loss("algo.clip_low=0.1", "algo.clip_high=0.3", two).clip_high == 0.3  # explicit values win
 
 
 def test_groups_of_one_warn_only_where_a_group_baseline_is_used(tiny_model, arithmetic_data):
@@ -147,6 +191,13 @@ def test_two_steps_through_cli(algo, ray_session, tmp_path, tiny_model, arithmet
         assert ("reward/overlong_penalty" in row) == (algo == "dapo")
         if algo == "dapo":
             assert row["reward/overlong_penalty"] <= 0 and 0 <= row["reward/overlong_frac"] <= 1
+        if algo in ("dapo", "gspo"):  # two mini-batches: the second is off-policy, its ratios leave 1
+            assert row["actor/approx_kl"] != 0
+            assert row["actor/clip_frac"] == pytest.approx(
+                row["actor/clip_frac_high"] + row["actor/clip_frac_low"]
+            )
+    if algo == "gspo":  # the sequence clip of 1 +- 3e-4 / 4e-4 acts on ratios that moved, in both directions
+        assert rows[0]["actor/clip_frac_high"] > 0 and rows[0]["actor/clip_frac_low"] > 0
     if algo == "dapo":
         assert sum(row["dapo/dropped_groups"] for row in rows) > 0 and max(r["dapo/rounds"] for r in rows) > 1
     summary = json.loads((run / "summary.json").read_text())

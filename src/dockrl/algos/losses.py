@@ -122,7 +122,9 @@ class PolicyLossOutput:
         kl: aggregated KL penalty vs the reference (0 when no ref_logprobs are given), logged even
             when kl_coef is 0.
         entropy: aggregated entropy (0 when no entropy is given).
-        clip_frac: fraction of valid tokens where the clipped branch of the surrogate is active.
+        clip_frac: fraction of valid tokens where the clipped branch of the surrogate is active;
+            clip_frac_high + clip_frac_low: at the upper bound (A > 0, ratio > 1 + clip_high: DAPO's
+            clip-higher acts there) and at the lower one (A < 0, ratio < 1 - clip_low).
         approx_kl: mean over valid tokens of (old_logprobs - logprobs), the k1 estimate of
             KL(old || current) under samples from old; same definition as verl/MindSpeed ``ppo_kl``.
     """
@@ -133,6 +135,8 @@ class PolicyLossOutput:
     entropy: Tensor
     clip_frac: Tensor
     approx_kl: Tensor
+    clip_frac_high: Tensor
+    clip_frac_low: Tensor
 
 
 def policy_loss(
@@ -217,7 +221,10 @@ def policy_loss(
             loss = loss - entropy_coef * entropy_agg
 
     with torch.no_grad():
-        clip_frac = masked_mean((clipped > unclipped).to(logprobs.dtype), mask)
+        active = clipped > unclipped  # [B, T]
+        clip_frac = masked_mean(active.to(logprobs.dtype), mask)
+        clip_frac_high = masked_mean((active & (advantages > 0)).to(logprobs.dtype), mask)
+        clip_frac_low = masked_mean((active & (advantages < 0)).to(logprobs.dtype), mask)
         approx_kl = masked_mean(-log_ratio, mask)
     return PolicyLossOutput(
         loss=loss,
@@ -226,6 +233,8 @@ def policy_loss(
         entropy=entropy_agg.detach(),
         clip_frac=clip_frac,
         approx_kl=approx_kl,
+        clip_frac_high=clip_frac_high,
+        clip_frac_low=clip_frac_low,
     )
 
 

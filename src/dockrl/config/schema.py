@@ -175,8 +175,15 @@ class AlgoConfig:
     overlong_penalty: float = setting(
         1.0, "Penalty at (and beyond) rollout.max_new_tokens when overlong_buffer_len > 0."
     )
-    clip_low: float = setting(0.2, "Lower clip of the importance ratio: 1 - clip_low.")
-    clip_high: float = setting(0.2, "Upper clip of the importance ratio: 1 + clip_high (DAPO uses 0.28).")
+    clip_low: float | None = setting(
+        None,
+        "Lower clip of the importance ratio: 1 - clip_low. None: the algorithm's own (0.2; GSPO 3e-4). Clipping "
+        "acts only off-policy: with actor.mini_batches=1 and actor.epochs=1 every ratio is exactly 1.",
+    )
+    clip_high: float | None = setting(
+        None,
+        "Upper clip of the importance ratio: 1 + clip_high. None: the algorithm's own (0.2; DAPO 0.28; GSPO 4e-4).",
+    )
     kl_coef: float = setting(
         0.001,
         "Weight of the KL-to-reference term in the loss (with kl_in_reward: the initial coefficient of the KL "
@@ -203,12 +210,16 @@ class AlgoConfig:
         0, "PPO: the first this-many RL steps train only the critic; the actor does not update."
     )
     kl_estimator: KLEstimator = setting(
-        "k3", "KL estimator: k1, k2 or k3 (low-variance, non-negative).", noun="estimator"
+        "k3",
+        "KL estimator: k3 (unbiased, non-negative, low variance; the default), k2, or k1 (log-ratio: meant "
+        "for the KL penalty in the reward; as a loss term its expected gradient is zero, which warns).",
+        noun="estimator",
     )
     entropy_coef: float = setting(0.0, "Weight of the entropy bonus (subtracted from the loss).")
-    loss_agg: LossAgg = setting(
-        "token-mean",
-        "Loss aggregation: token-mean, seq-mean-token-mean or seq-mean-token-sum.",
+    loss_agg: LossAgg | None = setting(
+        None,
+        "Loss aggregation: token-mean, seq-mean-token-mean or seq-mean-token-sum. None: the algorithm's own "
+        "(token-mean; GSPO seq-mean-token-mean; Dr. GRPO seq-mean-token-sum).",
         noun="aggregation",
     )
     adv_eps: float = setting(1e-6, "Added to the group std when normalising advantages.")

@@ -56,6 +56,40 @@ class StepPlan:
         return step > self.critic_warmup_steps
 
 
+@dataclass(frozen=True)
+class Preset:
+    """An algorithm's own loss settings: what algo.clip_low / clip_high / loss_agg mean when left unset."""
+
+    clip_low: float
+    clip_high: float
+    loss_agg: str
+
+
+_PPO_LIKE = Preset(0.2, 0.2, "token-mean")
+PRESETS = {
+    "grpo": _PPO_LIKE,
+    "rloo": _PPO_LIKE,
+    "reinforce_pp": _PPO_LIKE,
+    "reinforce_pp_baseline": _PPO_LIKE,
+    "ppo": _PPO_LIKE,
+    "dapo": Preset(0.2, 0.28, "token-mean"),  # clip-higher (Yu et al. 2025)
+    "gspo": Preset(3e-4, 4e-4, "seq-mean-token-mean"),  # sequence-level ratios (Zheng et al. 2025)
+    "dr_grpo": Preset(0.2, 0.2, "seq-mean-token-sum"),  # a constant normaliser (Liu et al. 2025)
+}
+
+
+def resolved_clip(algo: AlgoConfig) -> tuple[float, float]:
+    """(clip_low, clip_high): the explicit values, else the algorithm's own."""
+    preset = PRESETS[algo.name]
+    low = preset.clip_low if algo.clip_low is None else algo.clip_low
+    return low, preset.clip_high if algo.clip_high is None else algo.clip_high
+
+
+def resolved_loss_agg(algo: AlgoConfig) -> str:
+    """algo.loss_agg, else the algorithm's own."""
+    return PRESETS[algo.name].loss_agg if algo.loss_agg is None else algo.loss_agg
+
+
 def estimator_of(algo: AlgoConfig) -> str:
     """The advantage estimator: algo.adv_estimator, else the algorithm's preset."""
     return algo.adv_estimator or DEFAULT_ESTIMATOR[algo.name]
@@ -67,10 +101,11 @@ def loss_plan(algo: AlgoConfig, max_new_tokens: int | None) -> LossPlan:
         raise ValueError(
             "algo.name=dr_grpo normalises the loss by max_new_tokens; pass rollout.max_new_tokens"
         )
+    clip_low, clip_high = resolved_clip(algo)
     return LossPlan(
-        agg=algo.loss_agg,
-        clip_low=algo.clip_low,
-        clip_high=algo.clip_high,
+        agg=resolved_loss_agg(algo),
+        clip_low=clip_low,
+        clip_high=clip_high,
         kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,
         kl_estimator=algo.kl_estimator,
         entropy_coef=algo.entropy_coef,

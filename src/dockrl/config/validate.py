@@ -21,6 +21,7 @@ from dockrl.config.schema import (
     SFTConfig,
     TrainConfig,
 )
+from dockrl.config.step_plan import PRESETS, resolved_clip, resolved_loss_agg
 
 KL_ESTIMATORS = typing.get_args(KLEstimator)
 LOSS_AGGS = typing.get_args(LossAgg)
@@ -147,16 +148,17 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
         raise config_error(
             "algo.kl_estimator", algo.kl_estimator, "unknown estimator", f"use one of {KL_ESTIMATORS}"
         )
-    if algo.loss_agg not in LOSS_AGGS:
+    if algo.loss_agg is not None and algo.loss_agg not in LOSS_AGGS:
         raise config_error("algo.loss_agg", algo.loss_agg, "unknown aggregation", f"use one of {LOSS_AGGS}")
     if algo.kl_coef < 0:
         raise config_error(
             "algo.kl_coef", algo.kl_coef, "must be >= 0", "use 0 to train without a reference model"
         )
-    if algo.clip_low < 0 or algo.clip_high < 0 or algo.clip_low >= 1:
+    clip_low, clip_high = resolved_clip(algo)
+    if clip_low < 0 or clip_high < 0 or clip_low >= 1:
         raise config_error(
             "algo.clip_low",
-            (algo.clip_low, algo.clip_high),
+            (clip_low, clip_high),
             "clip ranges must be >= 0 and clip_low < 1",
             "use e.g. clip_low=0.2 clip_high=0.28",
         )
@@ -312,18 +314,7 @@ def _check_algorithm(cfg: TrainConfig) -> None:
             "DAPO trains without a reference model",
             "set algo.kl_coef=0 (or use algo.name=grpo for a KL term)",
         )
-    if algo.name == "dapo" and algo.clip_high <= algo.clip_low:
-        warnings.warn(
-            f"algo.name=dapo with algo.clip_high={algo.clip_high} <= algo.clip_low={algo.clip_low}: no clip-higher; "
-            "DAPO uses clip_low=0.2 clip_high=0.28",
-            stacklevel=3,
-        )
-    wanted_agg = {"dapo": "token-mean", "dr_grpo": "seq-mean-token-sum"}.get(algo.name)
-    if wanted_agg is not None and algo.loss_agg != wanted_agg:
-        warnings.warn(
-            f"algo.name={algo.name} is defined with algo.loss_agg={wanted_agg}; got {algo.loss_agg}",
-            stacklevel=3,
-        )
+    _check_loss_settings(cfg)
     if not algo.norm_adv_by_std and (algo.adv_estimator or algo.name) not in ("grpo", "dapo", "gspo"):
         warnings.warn(
             f"algo.norm_adv_by_std=False has no effect with algo.name={algo.name} "
@@ -338,6 +329,50 @@ def _check_algorithm(cfg: TrainConfig) -> None:
             "use 0 (off) or a buffer shorter than the generation limit",
         )
     _positive("algo.overlong_penalty", algo.overlong_penalty, allow_zero=True)
+
+
+def _check_loss_settings(cfg: TrainConfig) -> None:
+    """Warn where the loss settings say something the step will not do, or depart from the paper."""
+    algo, actor = cfg.algo, cfg.actor
+    clip_low, clip_high = resolved_clip(algo)
+    if algo.name == "dapo" and clip_high <= clip_low:
+        warnings.warn(
+            f"algo.name=dapo with algo.clip_high={clip_high} <= algo.clip_low={clip_low}: no clip-higher; "
+            "DAPO uses clip_low=0.2 clip_high=0.28",
+            stacklevel=4,
+        )
+    if algo.name == "gspo" and (algo.clip_low, algo.clip_high) != (None, None):
+        preset = PRESETS["gspo"]
+        if (clip_low, clip_high) != (preset.clip_low, preset.clip_high):
+            warnings.warn(
+                f"algo.name=gspo clips the sequence ratio at 1 - {preset.clip_low:g} / 1 + {preset.clip_high:g} "
+                f"(the GSPO paper); algo.clip_low={clip_low:g} algo.clip_high={clip_high:g} is off the paper "
+                "(a token-level range such as 0.2 lets almost every sequence through unclipped)",
+                stacklevel=4,
+            )
+    wanted_agg = {"dapo": "token-mean", "dr_grpo": "seq-mean-token-sum", "gspo": "seq-mean-token-mean"}
+    if algo.name in wanted_agg and resolved_loss_agg(algo) != wanted_agg[algo.name]:
+        warnings.warn(
+            f"algo.name={algo.name} is defined with algo.loss_agg={wanted_agg[algo.name]}; got {algo.loss_agg}",
+            stacklevel=4,
+        )
+    on_policy = actor.mini_batches == 1 and actor.epochs == 1
+    clip_set = algo.clip_low is not None or algo.clip_high is not None or algo.name in ("dapo", "gspo")
+    if on_policy and clip_set:
+        warnings.warn(
+            f"the ratio clip (algo.clip_low={clip_low:g}, algo.clip_high={clip_high:g}) never acts: with "
+            "actor.mini_batches=1 and actor.epochs=1 the update is exactly on-policy and every importance ratio "
+            "is 1; use actor.mini_batches > 1 or actor.epochs > 1 (DAPO and GSPO update in several mini-batches "
+            "per step)",
+            stacklevel=4,
+        )
+    if algo.kl_estimator == "k1" and algo.kl_coef > 0 and not algo.kl_in_reward:
+        warnings.warn(
+            "algo.kl_estimator=k1 in the loss has zero expected gradient (its gradient is pure noise around 0): "
+            "use k3 (or k2) for a KL term in the loss; k1 is meant for a KL penalty in the reward "
+            "(algo.kl_in_reward)",
+            stacklevel=4,
+        )
 
 
 def _check_ppo(cfg: TrainConfig) -> None:

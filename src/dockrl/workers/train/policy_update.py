@@ -21,7 +21,16 @@ from dockrl.dock.columns import ADVANTAGES, OLD_LOGPROBS, PROMPT_IDS, REF_LOGPRO
 from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
 from dockrl.workers.train.train_engine import TrainEngine
 
-SUMMED_METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "approx_kl")
+SUMMED_METRICS = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "entropy",
+    "clip_frac",
+    "clip_frac_high",
+    "clip_frac_low",
+    "approx_kl",
+)
 
 
 def all_reduce_sum(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -118,6 +127,8 @@ def _loss_fn(
             "kl": out.kl.item(),
             "entropy": entropy_value,
             "clip_frac": out.clip_frac.item() * share,
+            "clip_frac_high": out.clip_frac_high.item() * share,
+            "clip_frac_low": out.clip_frac_low.item() * share,
             "approx_kl": out.approx_kl.item() * share,
         }
         return out.loss * world_size, metrics
