@@ -254,3 +254,12 @@ def test_trainer_whitens_rows_of_uneven_length_over_the_step():
     rows = whiten_rows([torch.full((2,), 1.0), torch.full((1,), -2.0)])
     assert [len(r) for r in rows] == [2, 1]
     close(torch.cat(rows), [0.7071068, 0.7071068, -1.4142136])
+
+
+def test_reinforce_pp_kl_in_the_reward_is_summed_to_go():
+    from dockrl.algos.estimators import kl_shaped_returns
+
+    # a row with advantage 1.0 on its 3 tokens and per-token KL 0.5, 0.25, 1.0; kl_coef 0.1:
+    # A_t = 1 - 0.1 * (KL to go) = 1 - 0.1 * [1.75, 1.25, 1.0]
+    out = kl_shaped_returns(torch.ones(3), torch.tensor([0.5, 0.25, 1.0]), 0.1)
+    close(out, [0.825, 0.875, 0.9])

@@ -53,6 +53,11 @@ def test_tiny_example_validates_without_warnings(algo, tiny_model, arithmetic_da
             "algo.dynamic_sampling=True: drops groups without reward spread",
         ),
         (["algo.dynamic_sampling=true", "algo.max_sampling_rounds=0"], "algo.max_sampling_rounds=0"),
+        (["algo.kl_in_reward=true"], "only PPO's GAE and REINFORCE\\+\\+'s returns use"),
+        (
+            ["algo.name=reinforce_pp", "algo.kl_in_reward=true", "algo.kl_ctrl=adaptive"],
+            "the adaptive KL controller lives in PPO's critic",
+        ),
     ],
 )
 def test_conflicting_algorithm_settings_are_errors(overrides, expected, tiny_model, arithmetic_data):
@@ -187,6 +192,9 @@ def test_two_steps_through_cli(algo, ray_session, tmp_path, tiny_model, arithmet
             assert row["dock/rows"] == 16
         # only the reinforce_pp examples keep a KL term: the others run no reference stage
         assert ("timing/reference" in row) == algo.startswith("reinforce_pp")
+        if algo.startswith("reinforce_pp"):  # the KL sits in the reward (summed to go), not in the loss
+            assert row["reward/kl_coef"] == 0.001 and row["reward/kl_penalty"] >= 0 and row["actor/kl"] >= 0
+            assert "timing/old_logprobs" in row  # the sampling policy's log-probs feed the KL
         # only the dapo example shapes overlong responses
         assert ("reward/overlong_penalty" in row) == (algo == "dapo")
         if algo == "dapo":

@@ -115,6 +115,13 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer_len: int, penalty: fl
     return -(over / buffer_len).clamp(max=1.0) * penalty
 
 
+def kl_shaped_returns(advantages: Tensor, kl: Tensor, kl_coef: float) -> Tensor:
+    """REINFORCE++ with the KL in the reward: token rewards -kl_coef * kl_t plus the row's (baselined) reward
+    at its last token, summed to go (gamma = 1): A_t = A - kl_coef * sum_{t' >= t} kl_t'. One row, [R] in/out."""
+    to_go = kl.flip(-1).cumsum(-1).flip(-1)  # [R]
+    return advantages - kl_coef * to_go
+
+
 def masked_moments(values: Tensor, mask: Tensor) -> Tensor:
     """[sum, sum of squares, count] (fp64) of `values` where `mask` is set; sum these over ranks."""
     mask_d = mask.to(torch.float64)

@@ -191,8 +191,8 @@ class AlgoConfig:
     )
     kl_in_reward: bool = setting(
         False,
-        "PPO: subtract kl_coef x the per-token KL of the sampling policy to the reference from the token "
-        "rewards, instead of adding a KL term to the loss.",
+        "PPO and REINFORCE++: subtract kl_coef x the per-token KL of the sampling policy to the reference from "
+        "the token rewards (before GAE / the returns and the step's whitening), instead of a KL term in the loss.",
     )
     kl_ctrl: KLControl = setting(
         "fixed",

@@ -51,6 +51,12 @@ class StepPlan:
     kl_in_reward: bool
     loss: LossPlan
 
+    @property
+    def actor_shapes_kl(self) -> bool:
+        """REINFORCE++ with the KL in the reward: the actor subtracts the KL to go from the advantages before
+        whitening (PPO's critic puts the KL in its own token rewards instead)."""
+        return self.kl_in_reward and self.advantages_by == "reward"
+
     def trains_actor(self, step: int) -> bool:
         """Whether the actor updates at `step` (not during PPO's critic warm-up)."""
         return step > self.critic_warmup_steps
@@ -76,6 +82,11 @@ PRESETS = {
     "gspo": Preset(3e-4, 4e-4, "seq-mean-token-mean"),  # sequence-level ratios (Zheng et al. 2025)
     "dr_grpo": Preset(0.2, 0.2, "seq-mean-token-sum"),  # a constant normaliser (Liu et al. 2025)
 }
+
+
+# Estimators whose returns take a per-token KL penalty in the reward (algo.kl_in_reward): PPO's GAE (in the
+# critic) and REINFORCE++'s returns-to-go (in the actor, before the step's whitening).
+KL_REWARD_ESTIMATORS = ("gae", "reinforce_pp", "reinforce_pp_baseline")
 
 
 def resolved_clip(algo: AlgoConfig) -> tuple[float, float]:

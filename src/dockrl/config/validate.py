@@ -21,7 +21,13 @@ from dockrl.config.schema import (
     SFTConfig,
     TrainConfig,
 )
-from dockrl.config.step_plan import PRESETS, resolved_clip, resolved_loss_agg
+from dockrl.config.step_plan import (
+    KL_REWARD_ESTIMATORS,
+    PRESETS,
+    estimator_of,
+    resolved_clip,
+    resolved_loss_agg,
+)
 
 KL_ESTIMATORS = typing.get_args(KLEstimator)
 LOSS_AGGS = typing.get_args(LossAgg)
@@ -384,12 +390,21 @@ def _check_ppo(cfg: TrainConfig) -> None:
         raise config_error(
             "algo.kl_ctrl", algo.kl_ctrl, "unknown KL controller", f"use one of {KL_CONTROLLERS}"
         )
-    if algo.kl_in_reward and algo.name != "ppo":
+    if algo.kl_in_reward and estimator_of(algo) not in KL_REWARD_ESTIMATORS:
         raise config_error(
             "algo.kl_in_reward",
             True,
-            f"the KL penalty goes into per-token rewards, which only PPO's GAE uses (algo.name={algo.name})",
-            "set algo.name=ppo, or algo.kl_in_reward=false for the KL term in the loss",
+            "the KL penalty goes into per-token rewards, which only PPO's GAE and REINFORCE++'s returns use "
+            f"(algo.name={algo.name}, estimator {estimator_of(algo)})",
+            "set algo.name=ppo, reinforce_pp or reinforce_pp_baseline, or algo.kl_in_reward=false for the KL "
+            "term in the loss",
+        )
+    if algo.kl_ctrl == "adaptive" and algo.name != "ppo":
+        raise config_error(
+            "algo.kl_ctrl",
+            "adaptive",
+            f"the adaptive KL controller lives in PPO's critic; algo.name={algo.name} has none",
+            "use algo.kl_ctrl=fixed, or algo.name=ppo",
         )
     if algo.kl_ctrl == "adaptive" and not algo.kl_in_reward:
         raise config_error(

@@ -335,7 +335,7 @@ def _metrics(
     m["reward/timeouts"] = float(sum(s.timeouts for s in scored))
     m["reward/errors"] = float(sum(s.errors for s in scored))
     for key, value in updates[0].metrics.items() if updates else ():  # no actor update in ppo's warm-up
-        m[f"actor/{key}"] = value  # already all-reduced across ranks
+        m[key if "/" in key else f"actor/{key}"] = value  # already all-reduced across ranks
     m.update(timer.metrics())
     m["timing/reshard_to_rollout"] = max(g.reshard_s for g in gen)  # inside timing/rollout
     t = timer.seconds

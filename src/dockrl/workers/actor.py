@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from dockrl.algos.estimators import kl_shaped_returns
+from dockrl.algos.losses import kl_penalty
 from dockrl.checkpoint.directory import ACTOR, HF
 from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
 from dockrl.config.schema import TrainConfig
@@ -35,7 +37,7 @@ from dockrl.workers.results import GenerateResult, LogprobResult, SetupResult, U
 from dockrl.workers.rollout.dock_feed import serve_from_dock
 from dockrl.workers.rollout.rollout_engine import RolloutEngine
 from dockrl.workers.rollout.sampler import SamplingParams, generate
-from dockrl.workers.train.policy_update import policy_update, whiten_rows
+from dockrl.workers.train.policy_update import all_reduce_sum, policy_update, whiten_rows
 from dockrl.workers.train.train_engine import TrainEngine
 
 ROLLOUT = "rollout"
@@ -211,7 +213,13 @@ class ActorWorker(Worker):
         columns = [PROMPT_IDS, RESPONSE_IDS, ADVANTAGES]
         columns += [REF_LOGPROBS] if use_ref else []
         columns += [] if self.plan.on_policy else [OLD_LOGPROBS]
-        rows, batch = self.train_client.get(UPDATE, columns, self.rows_per_rank, balance_over=self.dp)
+        # REINFORCE++'s KL in the reward reads the sampling policy's log-probs even when the update is
+        # on-policy (the loss then keeps ratio 1 exactly: it does not read them).
+        extra = [OLD_LOGPROBS] if self.plan.actor_shapes_kl and OLD_LOGPROBS not in columns else []
+        rows, batch = self.train_client.get(UPDATE, columns + extra, self.rows_per_rank, balance_over=self.dp)
+        reward_kl: dict[str, float] = {}
+        if self.plan.actor_shapes_kl:
+            batch[ADVANTAGES], reward_kl = self._kl_shaped_advantages(batch)
         if self.plan.whiten:
             batch[ADVANTAGES] = whiten_rows(batch[ADVANTAGES], self.policy.dp_group)
         per_token_names = [c for c in columns if c not in (PROMPT_IDS, RESPONSE_IDS)]
@@ -235,7 +243,26 @@ class ActorWorker(Worker):
                     )
                 )
         self.rollout_stale = True
-        return UpdateResult({k: sum(h[k] for h in history) / len(history) for k in history[0]})
+        metrics = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+        return UpdateResult({**metrics, **reward_kl})
+
+    def _kl_shaped_advantages(self, batch: dict[str, list]) -> tuple[list[torch.Tensor], dict[str, float]]:
+        """REINFORCE++ with algo.kl_in_reward: each row's advantage minus kl_coef x the KL to go (sampling
+        policy vs reference, algo.kl_estimator); returns the new advantages and the step's mean per-token KL
+        in the reward (summed over the dp ranks) as reward/kl_penalty, with reward/kl_coef."""
+        algo = self.cfg.algo
+        shaped, kl_sum, tokens = [], 0.0, 0
+        for adv, old, ref in zip(batch[ADVANTAGES], batch[OLD_LOGPROBS], batch[REF_LOGPROBS]):
+            kl = kl_penalty(old.float(), ref.float(), algo.kl_estimator)  # [R]
+            shaped.append(kl_shaped_returns(adv.float(), kl, algo.kl_coef))
+            kl_sum, tokens = kl_sum + float(kl.sum()), tokens + len(kl)
+        totals = all_reduce_sum(
+            torch.tensor([kl_sum, float(tokens)], dtype=torch.float64), self.policy.dp_group
+        )
+        return shaped, {
+            "reward/kl_penalty": totals[0].item() / max(totals[1].item(), 1.0),
+            "reward/kl_coef": algo.kl_coef,
+        }
 
     # ---- checkpoints and evaluation ------------------------------------------------------------
 
