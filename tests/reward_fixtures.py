@@ -46,3 +46,10 @@ def sparse_reward(prompt, response, label):
     import zlib
 
     return 1.0 if zlib.crc32(response.encode()) % 8 == 0 else 0.0
+
+
+def fails_on_three(prompt, response, label):
+    """Raises when the response holds a 3, else 1: one failed call in a group (reward.on_error tests)."""
+    if "3" in response:
+        raise RuntimeError("verifier crashed on a 3")
+    return 1.0

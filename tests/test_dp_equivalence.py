@@ -87,3 +87,25 @@ def test_update_changes_parameters_and_is_micro_batch_invariant(tiny_model):
     assert len(moved) == len(s8), "every parameter receives a gradient and moves"
     # One micro-batch of 8 and eight of 1 accumulate the same gradient (compared before Adam, see helpers).
     assert_grads_close(g1, g8)
+
+
+def test_rows_of_weight_zero_leave_no_trace_in_the_update(tiny_model):
+    """reward.on_error=drop_group: a row of update_weight 0 changes neither the loss nor the gradient."""
+    from dockrl.workers.train.policy_update import policy_update
+    from dockrl.workers.train.train_engine import TrainEngine
+
+    def grads(idx: list[int], weights: list[float] | None):
+        engine = TrainEngine(str(tiny_model), device="cpu", precision="fp32", optim=OPTIM)
+        batch = make_rows(engine.args.vocab_size)
+        if weights is not None:
+            batch["update_weight"] = weights
+        names = ["advantages", "ref_logprobs", "old_logprobs"]
+        args = dict(temperature=1.0, micro_batch_size=2, pad_token_id=0, world_size=1)
+        return policy_update(engine, batch, idx, names, ALGO, **args), full_grads(engine)
+
+    weights = [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    m_dropped, g_dropped = grads(list(range(NUM_ROWS)), weights)
+    m_without, g_without = grads([i for i in range(NUM_ROWS) if weights[i]], None)
+    for key in ("loss", "pg_loss", "kl", "clip_frac"):
+        assert m_dropped[key] == pytest.approx(m_without[key], rel=1e-4, abs=1e-6), key
+    assert_grads_close(g_dropped, g_without)

@@ -415,3 +415,27 @@ def test_two_steps_with_reward_model_through_cli(
     summary = json.loads((run / "summary.json").read_text())
     trained, initial = load_state_dict(f"{summary['checkpoint']}/hf"), load_state_dict(tiny_model)
     assert any(not torch.equal(trained[k], initial[k]) for k in initial), "the update moved the weights"
+
+
+@pytest.mark.parametrize("on_error, weights", [("drop_group", [1.0, 1.0, 0.0, 0.0]), ("zero", [1.0] * 4)])
+def test_a_failed_reward_call_leaves_its_group_out_of_the_update(on_error, weights, tiny_model):
+    # rows 0-1 answer 3+4, rows 2-3 answer 9-5; the call on row 2 ("3") raises
+    dock = FakeDock(_group_rows(Tokenizer.from_dir(tiny_model)), group_size=2)
+    reward = RewardConfig(
+        functions=[RewardFnConfig(name="reward_fixtures:fails_on_three")], num_processes=0, on_error=on_error
+    )
+    worker = RewardWorker(
+        "reward-0",
+        0,
+        1,
+        reward=reward,
+        algo=AlgoConfig(),
+        tokenizer_path=str(tiny_model),
+        client=dock,
+        group_size=2,
+    )
+    out = worker.score()
+    assert [row["update_weight"] for row in dock.table] == weights
+    assert out.errors == 1 and out.dropped_groups == (1 if on_error == "drop_group" else 0)
+    assert out.rewards == [1.0, 1.0, 0.0, 1.0]  # the failed call scores 0 in the reward either way
+    worker.close()

@@ -124,7 +124,7 @@ def _check_weighted(runner):
         "exact_answer/correct": [1.0, 1.0, 0.0],
         "format": [1.0, 0.0, 1.0],
     }
-    assert stats == {"timeouts": 0, "errors": 0}
+    assert stats == {"timeouts": 0, "errors": 0, "failed": []}
 
 
 def test_runner_weights_combine_inline():
@@ -153,7 +153,7 @@ def test_worker_warmup_does_not_count_against_the_timeout():
     with RewardRunner([RewardSpec("math_verify")], timeout_s=0.5, num_processes=1) as runner:
         totals, _, stats = runner.score(["p"] * 2, ["$\\frac{1}{2}$", "3"], ["0.5", "2"])
     assert totals == [1.0, 0.0]
-    assert stats == {"timeouts": 0, "errors": 0}
+    assert stats == {"timeouts": 0, "errors": 0, "failed": []}
 
 
 def test_hung_call_times_out_and_next_calls_work():
@@ -162,10 +162,10 @@ def test_hung_call_times_out_and_next_calls_work():
         totals, components, stats = runner.score(["p"] * 3, ["ok", "hang", "ok"], [None] * 3)
         elapsed = time.monotonic() - begin
         assert totals == [1.0, 0.0, 1.0]
-        assert stats == {"timeouts": 1, "errors": 0}
+        assert stats == {"timeouts": 1, "errors": 0, "failed": [1]}  # the failed sample, by index
         assert elapsed < 10.0  # far below the 30 s sleep
         totals, _, stats = runner.score(["p"], ["ok"], [None])
-        assert totals == [1.0] and stats == {"timeouts": 0, "errors": 0}
+        assert totals == [1.0] and stats == {"timeouts": 0, "errors": 0, "failed": []}
 
 
 def test_errors_score_zero_and_log_once(caplog):
@@ -173,14 +173,18 @@ def test_errors_score_zero_and_log_once(caplog):
         with RewardRunner([RewardSpec("reward_fixtures:failing_reward")], num_processes=1) as runner:
             totals, _, stats = runner.score(["p"] * 3, ["boom", "fine", "boom"], [None] * 3)
     assert totals == [0.0, 1.0, 0.0]
-    assert stats == {"timeouts": 0, "errors": 2}
+    assert stats == {"timeouts": 0, "errors": 2, "failed": [0, 2]}
     logged = [r for r in caplog.records if "failing_reward" in r.getMessage()]
     assert len(logged) == 1 and "verifier exploded" in logged[0].getMessage()
 
 
 def test_inline_errors_and_bad_return_types_count_as_errors():
     runner = RewardRunner([RewardSpec("reward_fixtures:failing_reward")], num_processes=0)
-    assert runner.score(["p", "p"], ["boom", "ok"], [None, None])[2] == {"timeouts": 0, "errors": 1}
+    assert runner.score(["p", "p"], ["boom", "ok"], [None, None])[2] == {
+        "timeouts": 0,
+        "errors": 1,
+        "failed": [0],
+    }
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="posix process semantics")
@@ -188,7 +192,7 @@ def test_worker_that_dies_is_replaced():
     with RewardRunner([RewardSpec("reward_fixtures:dying_reward")], num_processes=1) as runner:
         totals, _, stats = runner.score(["p"] * 3, ["ok", "die", "ok"], [None] * 3)
         assert totals == [1.0, 0.0, 1.0]
-        assert stats == {"timeouts": 0, "errors": 1}
+        assert stats == {"timeouts": 0, "errors": 1, "failed": [1]}
         assert runner.score(["p"], ["ok"], [None])[0] == [1.0]
 
 

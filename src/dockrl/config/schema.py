@@ -307,7 +307,17 @@ class RewardConfig:
         1, "Processes per RewardWorker that run reward calls; 0 runs them inline (no timeout)."
     )
     timeout_s: float = setting(
-        5.0, "A reward call running longer scores 0 and is counted in `reward/timeouts`."
+        5.0,
+        "A reward call running longer is stopped and counted in `reward/timeouts`; reward.on_error says what "
+        "its row then counts as. A timeout depends on wall time: a run is repeatable bit for bit only while "
+        "reward/timeouts stays 0.",
+    )
+    on_error: Literal["zero", "drop_group"] = setting(
+        "drop_group",
+        "A reward call that timed out or raised: drop_group leaves the row's whole group out of the update "
+        "(its tokens are masked out of the loss; counted in reward/dropped_groups), so a failure never counts "
+        "as a wrong answer in its group's statistics; zero scores the call 0 and keeps the group.",
+        noun="policy",
     )
     groups_per_pull: int = setting(
         4, "Groups a RewardWorker (and a RewardModelWorker) pulls from the dock at a time."

@@ -90,6 +90,15 @@ OLD_LOGPROBS = _declare(
     ("update", "critic_update"),
     "the policy's log-probs before the update (off-policy updates, PPO's KL in the reward)",
 )
+UPDATE_WEIGHT = _declare(
+    "update_weight",
+    "float32",
+    "row",
+    "reward",
+    ("update",),
+    "1, or 0 for the rows of a group the update leaves out (a reward call of the group failed, "
+    "reward.on_error=drop_group): their tokens are masked out of the loss and its normalisers",
+)
 VALUES = _declare("values", "float32", "token", "critic_values", ("critic_update",), "the critic's values")
 ADVANTAGES = _declare(
     "advantages",

@@ -334,6 +334,7 @@ def _metrics(
         m["reward/overlong_frac"] = sum(x < 0 for x in overlong) / len(overlong)
     m["reward/timeouts"] = float(sum(s.timeouts for s in scored))
     m["reward/errors"] = float(sum(s.errors for s in scored))
+    m["reward/dropped_groups"] = float(sum(s.dropped_groups for s in scored))  # reward.on_error=drop_group
     for key, value in updates[0].metrics.items() if updates else ():  # no actor update in ppo's warm-up
         m[key if "/" in key else f"actor/{key}"] = value  # already all-reduced across ranks
     m.update(timer.metrics())

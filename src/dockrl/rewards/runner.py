@@ -207,7 +207,8 @@ class RewardRunner:
             totals: weighted score per sample.
             components: per-sample lists keyed ``"<fn name>"`` (that function's score) and
                 ``"<fn name>/<component>"``; a sample where the function failed or timed out has 0 there.
-            stats: ``{"timeouts": n, "errors": n}`` over the calls of this batch.
+            stats: ``{"timeouts": n, "errors": n, "failed": [sample index, ...]}`` over the calls of this
+                batch; a sample is failed when any of its calls timed out or raised.
         """
         if not len(prompts) == len(responses) == len(labels):
             raise ValueError(
@@ -306,7 +307,8 @@ class RewardRunner:
     ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
         totals = [0.0] * num_samples
         components = {spec.name: [0.0] * num_samples for spec in self.specs}
-        stats = {"timeouts": 0, "errors": 0}
+        stats: dict = {"timeouts": 0, "errors": 0, "failed": []}
+        failed: set[int] = set()
         for (i, j), outcome in zip(calls, outcomes):
             spec = self.specs[j]
             if outcome[0] == "ok":
@@ -317,12 +319,15 @@ class RewardRunner:
                     components.setdefault(f"{spec.name}/{key}", [0.0] * num_samples)[i] = value
             elif outcome[0] == "timeout":
                 stats["timeouts"] += 1
+                failed.add(i)
                 self._log_once(
                     spec.name, "timeout", f"reward function {spec.name!r} exceeded timeout_s={self.timeout_s}"
                 )
             else:
                 stats["errors"] += 1
+                failed.add(i)
                 self._log_once(spec.name, "error", f"reward function {spec.name!r} failed:\n{outcome[1]}")
+        stats["failed"] = sorted(failed)
         return totals, components, stats
 
     def _log_once(self, name: str, kind: str, message: str) -> None:

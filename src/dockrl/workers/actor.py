@@ -27,7 +27,14 @@ from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
 from dockrl.config.schema import TrainConfig
 from dockrl.config.step_plan import step_plan
 from dockrl.dock.client import DockClient
-from dockrl.dock.columns import ADVANTAGES, OLD_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS
+from dockrl.dock.columns import (
+    ADVANTAGES,
+    OLD_LOGPROBS,
+    PROMPT_IDS,
+    REF_LOGPROBS,
+    RESPONSE_IDS,
+    UPDATE_WEIGHT,
+)
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.parallel.dist import inference_mesh, training_mesh
 from dockrl.parallel.replica import ReplicaClient
@@ -210,7 +217,7 @@ class ActorWorker(Worker):
     def update(self) -> UpdateResult:
         """Train on this rank's share of the step's rows: epochs x mini-batches optimizer steps."""
         actor, use_ref = self.cfg.actor, self.ref is not None
-        columns = [PROMPT_IDS, RESPONSE_IDS, ADVANTAGES]
+        columns = [PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, ADVANTAGES]
         columns += [REF_LOGPROBS] if use_ref else []
         columns += [] if self.plan.on_policy else [OLD_LOGPROBS]
         # REINFORCE++'s KL in the reward reads the sampling policy's log-probs even when the update is
@@ -221,8 +228,8 @@ class ActorWorker(Worker):
         if self.plan.actor_shapes_kl:
             batch[ADVANTAGES], reward_kl = self._kl_shaped_advantages(batch)
         if self.plan.whiten:
-            batch[ADVANTAGES] = whiten_rows(batch[ADVANTAGES], self.policy.dp_group)
-        per_token_names = [c for c in columns if c not in (PROMPT_IDS, RESPONSE_IDS)]
+            batch[ADVANTAGES] = whiten_rows(batch[ADVANTAGES], self.policy.dp_group, batch[UPDATE_WEIGHT])
+        per_token_names = [c for c in columns if c not in (PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT)]
         mini_size = self.rows_per_rank // actor.mini_batches
         history: list[dict[str, float]] = []
         for _ in range(actor.epochs):

@@ -66,6 +66,7 @@ class ScoreResult:
     timeouts: int = 0
     errors: int = 0
     samples: list[dict[str, Any]] = field(default_factory=list)  # a few rows for samples.jsonl
+    dropped_groups: int = 0  # groups left out of the update for a failed reward call (reward.on_error)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from dockrl.dock.columns import (
     RESPONSE_IDS,
     REWARD,
     RM_SCORE,
+    UPDATE_WEIGHT,
     reward_component,
 )
 from dockrl.models.tokenizer import Tokenizer
@@ -93,7 +94,7 @@ class RewardWorker(Worker):
         correct: list[float] = []
         overlong: list[float] = []
         rm: list[float] = []
-        timeouts = errors = 0
+        timeouts = errors = dropped_groups = 0
         samples: list[dict[str, Any]] = []
         columns = [PROMPT_IDS, RESPONSE_IDS, LABEL] + ([RM_SCORE] if self.rm_weight is not None else [])
         while True:
@@ -115,7 +116,9 @@ class RewardWorker(Worker):
                 scores, components = self._add_model_score(scores, components, batch[RM_SCORE])
             if self.algo.overlong_buffer_len > 0:
                 scores, components = self._shape_overlong(scores, components, batch[RESPONSE_IDS])
-            out: dict[str, list] = {REWARD: list(scores)}
+            weights = self._update_weights(len(rows), stats.get("failed", []))
+            dropped_groups += weights[::n].count(0.0)
+            out: dict[str, list] = {REWARD: list(scores), UPDATE_WEIGHT: weights}
             if self.estimator in GROUP_ESTIMATORS:  # gae (ppo): the critic turns rewards into advantages
                 adv = compute_advantages(
                     self.estimator,
@@ -146,7 +149,19 @@ class RewardWorker(Worker):
                         "reward": scores[i],
                     }
                 )
-        return ScoreResult(rewards, scored_rows, correct, overlong, rm, timeouts, errors, samples)
+        return ScoreResult(
+            rewards, scored_rows, correct, overlong, rm, timeouts, errors, samples, dropped_groups
+        )
+
+    def _update_weights(self, num_rows: int, failed: list[int]) -> list[float]:
+        """1 per row, or 0 for every row of a group with a failed reward call under reward.on_error=drop_group
+        (rows come in whole groups of group_size)."""
+        weights = [1.0] * num_rows
+        if self.cfg.on_error == "drop_group":
+            for i in failed:
+                first = i - i % self.group_size
+                weights[first : first + self.group_size] = [0.0] * self.group_size
+        return weights
 
     def _rule_rewards(
         self, prompts: list[str], responses: list[str], labels: list

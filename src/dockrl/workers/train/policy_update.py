@@ -17,7 +17,14 @@ from dockrl.algos.estimators import masked_moments, whiten
 from dockrl.algos.losses import policy_loss
 from dockrl.config.schema import AlgoConfig
 from dockrl.config.step_plan import LossPlan, loss_plan
-from dockrl.dock.columns import ADVANTAGES, OLD_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS
+from dockrl.dock.columns import (
+    ADVANTAGES,
+    OLD_LOGPROBS,
+    PROMPT_IDS,
+    REF_LOGPROBS,
+    RESPONSE_IDS,
+    UPDATE_WEIGHT,
+)
 from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
 from dockrl.workers.train.train_engine import TrainEngine
 
@@ -59,9 +66,15 @@ def policy_update(
     `max_new_tokens` (the generation limit) is Dr. GRPO's constant loss normaliser; required for dr_grpo.
     """
     plan = loss_plan(algo, max_new_tokens)
-    local_tokens = sum(len(batch[RESPONSE_IDS][i]) for i in idx)
-    global_tokens = all_reduce_sum(torch.tensor([float(local_tokens)]), engine.dp_group)[0].item()
-    global_seqs = float(len(idx) * world_size)
+    # Rows a failed reward call left out (reward.on_error=drop_group) weigh 0: masked out of the loss and
+    # of its token and sequence counts.
+    weights = [float(batch[UPDATE_WEIGHT][i]) for i in idx] if UPDATE_WEIGHT in batch else [1.0] * len(idx)
+    local = [sum(len(batch[RESPONSE_IDS][i]) * w for i, w in zip(idx, weights)), sum(weights)]
+    global_tokens, global_seqs = all_reduce_sum(torch.tensor(local), engine.dp_group).tolist()
+    global_tokens, global_seqs = max(global_tokens, 1.0), max(global_seqs, 1.0)  # all left out: a zero loss
+    masks = None
+    if any(w != 1.0 for w in weights):
+        masks = [torch.full((len(batch[RESPONSE_IDS][i]),), w) for i, w in zip(idx, weights)]
     micro_batches = [
         make_micro_batch(
             [batch[PROMPT_IDS][idx[j]] for j in chunk],
@@ -69,6 +82,7 @@ def policy_update(
             pad_token_id=pad_token_id,
             device=engine.device,
             per_token={name: [batch[name][idx[j]] for j in chunk] for name in per_token_names},
+            response_masks=None if masks is None else [masks[j] for j in chunk],
         )
         for chunk in split_indices(len(idx), micro_batch_size)
     ]
@@ -136,12 +150,17 @@ def _loss_fn(
     return loss_fn
 
 
-def whiten_rows(advantages: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+def whiten_rows(
+    advantages: list[torch.Tensor], group: dist.ProcessGroup | None = None, weights: list[float] | None = None
+) -> list[torch.Tensor]:
     """Whiten per-token advantages [len_i] of rows over every token of the step, all-reduced over `group`.
 
     REINFORCE++ normalises over the whole batch; the dp ranks each hold a share, so they sum their moments.
+    Rows of weight 0 (left out of the update) do not count in the moments.
     """
     flat = torch.cat([a.float() for a in advantages])  # [sum len_i]
     valid = torch.ones_like(flat, dtype=torch.bool)
+    if weights is not None:
+        valid = torch.cat([torch.full((len(a),), w > 0) for a, w in zip(advantages, weights)])
     moments = all_reduce_sum(masked_moments(flat, valid), group)
     return list(whiten(flat, valid, moments=moments).split([len(a) for a in advantages]))
