@@ -292,3 +292,17 @@ def test_two_micro_batches_with_global_count_equal_one_batch(agg, count_kw):
             for r in (slice(0, 2), slice(2, 4))
         )
         assert not math.isclose(float(naive.detach()) / 2, float(full_loss.detach()), rel_tol=1e-4)
+
+
+def test_truncated_importance_weights_scale_each_tokens_surrogate():
+    # two tokens, on-policy for the trainer (ratio 1), advantages 1 and -1; the rollout engine's log-probs
+    # differ: weights exp(old - rollout) = e^0.5 = 1.6487 and e^1.0 = 2.718 -> capped at 2
+    logp = torch.zeros(1, 2, requires_grad=True)
+    old = torch.zeros(1, 2)
+    rollout = torch.tensor([[-0.5, -1.0]])
+    weights = (old - rollout).exp().clamp(max=2.0)
+    out = policy_loss(logp, old, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), is_weights=weights)
+    # token-mean of -A * ratio * w = (-1 * 1.6487 + 1 * 2) / 2
+    close(out.pg_loss, (-1.6487213 + 2.0) / 2)
+    out.loss.backward()
+    close(logp.grad, [[-1.6487213 / 2, 2.0 / 2]])  # d(-A r w)/dlogp = -A w r / 2 tokens

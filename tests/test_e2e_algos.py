@@ -53,6 +53,7 @@ def test_tiny_example_validates_without_warnings(algo, tiny_model, arithmetic_da
             "algo.dynamic_sampling=True: drops groups without reward spread",
         ),
         (["algo.dynamic_sampling=true", "algo.max_sampling_rounds=0"], "algo.max_sampling_rounds=0"),
+        (["algo.rollout_is=tis", "algo.rollout_is_cap=0.5"], "algo.rollout_is_cap=0.5: must be >= 1"),
         (["algo.kl_in_reward=true"], "only PPO's GAE and REINFORCE\\+\\+'s returns use"),
         (
             ["algo.name=reinforce_pp", "algo.kl_in_reward=true", "algo.kl_ctrl=adaptive"],
@@ -93,6 +94,7 @@ def test_conflicting_algorithm_settings_are_errors(overrides, expected, tiny_mod
             "seq-mean-token-mean",
         ),
         (["algo.kl_estimator=k1"], "k1 in the loss has zero expected gradient"),
+        (["rollout.top_p=0.9"], "rollout.top_p=0.9: the rollout samples from a truncated distribution"),
     ],
 )
 def test_settings_without_effect_warn(overrides, expected, tiny_model, arithmetic_data):
@@ -167,6 +169,8 @@ def test_two_steps_through_cli(algo, ray_session, tmp_path, tiny_model, arithmet
             "reward.functions=[{name: exact_answer}, {name: 'reward_fixtures:"
             + ("sparse_reward'}]" if algo == "dapo" else "length_reward', weight: 0.1}]"),
             "reward.num_processes=0",
+            # rloo also runs the truncated importance-sampling correction against the rollout's log-probs
+            *(["algo.rollout_is=tis"] if algo == "rloo" else []),
             "run.save_every=2",
             "run.progress=false",
             "run.worker_timeout_s=300",
@@ -204,6 +208,10 @@ def test_two_steps_through_cli(algo, ray_session, tmp_path, tiny_model, arithmet
             assert row["actor/clip_frac"] == pytest.approx(
                 row["actor/clip_frac_high"] + row["actor/clip_frac_low"]
             )
+    if algo == "rloo":  # fp32 rollout and trainer agree to rounding: every weight is 1, none capped
+        for row in rows:
+            assert row["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+            assert row["rollout/is_capped_frac"] == 0
     if algo == "gspo":  # the sequence clip of 1 +- 3e-4 / 4e-4 acts on ratios that moved, in both directions
         assert rows[0]["actor/clip_frac_high"] > 0 and rows[0]["actor/clip_frac_low"] > 0
     if algo == "dapo":

@@ -157,6 +157,7 @@ def policy_loss(
     num_seqs: float | None = None,
     seq_len_norm: float | None = None,
     sequence_ratio: bool = False,
+    is_weights: Tensor | None = None,
 ) -> PolicyLossOutput:
     """PPO/GRPO clipped policy loss with optional KL-to-reference penalty and entropy bonus.
 
@@ -179,6 +180,8 @@ def policy_loss(
         entropy_coef: weight of the entropy bonus.
         agg, num_tokens, num_seqs, seq_len_norm: reduction, see ``aggregate``; the same for every term.
         sequence_ratio: GSPO's sequence-level importance ratio instead of per-token ratios.
+        is_weights: [B, T] importance weights of the rollout-vs-trainer correction (truncated importance
+            sampling: min(exp(old - rollout), cap), no grad), multiplied into each token's surrogate.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)
@@ -205,7 +208,8 @@ def policy_loss(
     ratio = log_ratio.exp()  # [B, T]
     unclipped = -advantages * ratio  # [B, T]
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
-    pg_loss = reduce(torch.maximum(unclipped, clipped))
+    surrogate = torch.maximum(unclipped, clipped)  # [B, T]
+    pg_loss = reduce(surrogate if is_weights is None else surrogate * is_weights)
     loss = pg_loss
 
     zero = pg_loss.new_zeros(())

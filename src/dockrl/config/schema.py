@@ -209,6 +209,16 @@ class AlgoConfig:
     critic_warmup_steps: int = setting(
         0, "PPO: the first this-many RL steps train only the critic; the actor does not update."
     )
+    rollout_is: Literal["none", "tis", "decoupled"] = setting(
+        "none",
+        "Correct for the rollout engine's sampling distribution differing from the trainer's: tis weighs each "
+        "token's surrogate by min(exp(old - rollout log-prob), rollout_is_cap) (truncated importance sampling); "
+        "decoupled is the decoupled-PPO objective (clip against the proximal policy, computed by the old "
+        "log-prob stage, times the same truncated weight; the same numbers as tis while rollout and update "
+        "alternate, it matters once rollout runs ahead of the update); none uses no correction.",
+        noun="correction",
+    )
+    rollout_is_cap: float = setting(2.0, "Cap of the importance weight of algo.rollout_is (>= 1).")
     kl_estimator: KLEstimator = setting(
         "k3",
         "KL estimator: k3 (unbiased, non-negative, low variance; the default), k2, or k1 (log-ratio: meant "

@@ -34,6 +34,8 @@ class LossPlan:
     entropy_coef: float
     sequence_ratio: bool  # GSPO: one importance ratio per sequence
     seq_len_norm: float | None  # Dr. GRPO: each row's token sum divided by this constant (max_new_tokens)
+    rollout_is: str = "none"  # truncated importance weights against the rollout's log-probs (tis, decoupled)
+    rollout_is_cap: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,8 @@ def loss_plan(algo: AlgoConfig, max_new_tokens: int | None) -> LossPlan:
         entropy_coef=algo.entropy_coef,
         sequence_ratio=algo.name == "gspo",
         seq_len_norm=float(max_new_tokens) if algo.name == "dr_grpo" else None,
+        rollout_is=algo.rollout_is,
+        rollout_is_cap=algo.rollout_is_cap,
     )
 
 
@@ -132,7 +136,7 @@ def step_plan(cfg: TrainConfig) -> StepPlan:
     on_policy = actor.mini_batches == 1 and actor.epochs == 1
     return StepPlan(
         reference=algo.kl_coef > 0,
-        old_logprobs=not on_policy or algo.kl_in_reward,
+        old_logprobs=not on_policy or algo.kl_in_reward or algo.rollout_is == "decoupled",
         on_policy=on_policy,
         estimator=estimator,
         advantages_by="reward" if estimator in GROUP_ESTIMATORS else "critic",

@@ -372,6 +372,23 @@ def _check_loss_settings(cfg: TrainConfig) -> None:
             "per step)",
             stacklevel=4,
         )
+    if algo.rollout_is_cap < 1:
+        raise config_error(
+            "algo.rollout_is_cap",
+            algo.rollout_is_cap,
+            "must be >= 1 (it caps a weight around 1)",
+            "use e.g. 2.0",
+        )
+    roll = cfg.rollout
+    settings = (("top_p", roll.top_p, 1.0), ("top_k", roll.top_k, 0), ("min_p", roll.min_p, 0.0))
+    truncating = [f"rollout.{key}={value}" for key, value, off in settings if value != off]
+    if truncating:
+        warnings.warn(
+            f"{', '.join(truncating)}: the rollout samples from a truncated distribution while log-probs (the "
+            "trainer's and the rollout's) are over the full vocabulary, so the update's importance ratio is "
+            "biased; algo.rollout_is=tis corrects part of it, or sample untruncated",
+            stacklevel=4,
+        )
     if algo.kl_estimator == "k1" and algo.kl_coef > 0 and not algo.kl_in_reward:
         warnings.warn(
             "algo.kl_estimator=k1 in the loss has zero expected gradient (its gradient is pure noise around 0): "

@@ -62,8 +62,8 @@ ROLLOUT_LOGPROBS = _declare(
     "float32",
     "token",
     "rollout",
-    (),
-    "log-probs of the sampled tokens under the rollout model",
+    ("update",),
+    "log-probs of the sampled tokens under the rollout model (the rollout/trainer mismatch, algo.rollout_is)",
 )
 RM_SCORE = _declare("rm_score", "float32", "row", "reward_model", ("reward",), "the reward model's raw score")
 REWARD = _declare(

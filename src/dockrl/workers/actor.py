@@ -33,6 +33,7 @@ from dockrl.dock.columns import (
     PROMPT_IDS,
     REF_LOGPROBS,
     RESPONSE_IDS,
+    ROLLOUT_LOGPROBS,
     UPDATE_WEIGHT,
 )
 from dockrl.models.tokenizer import Tokenizer
@@ -46,6 +47,9 @@ from dockrl.workers.rollout.rollout_engine import RolloutEngine
 from dockrl.workers.rollout.sampler import SamplingParams, generate
 from dockrl.workers.train.policy_update import all_reduce_sum, policy_update, whiten_rows
 from dockrl.workers.train.train_engine import TrainEngine
+
+# Measured on the first mini-batch of an update (see ActorWorker.update).
+MISMATCH_METRICS = ("rollout/logprob_abs_diff", "rollout/kl")
 
 ROLLOUT = "rollout"
 REF = "ref"
@@ -217,7 +221,7 @@ class ActorWorker(Worker):
     def update(self) -> UpdateResult:
         """Train on this rank's share of the step's rows: epochs x mini-batches optimizer steps."""
         actor, use_ref = self.cfg.actor, self.ref is not None
-        columns = [PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, ADVANTAGES]
+        columns = [PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, ADVANTAGES, ROLLOUT_LOGPROBS]
         columns += [REF_LOGPROBS] if use_ref else []
         columns += [] if self.plan.on_policy else [OLD_LOGPROBS]
         # REINFORCE++'s KL in the reward reads the sampling policy's log-probs even when the update is
@@ -251,6 +255,8 @@ class ActorWorker(Worker):
                 )
         self.rollout_stale = True
         metrics = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+        # The trainer-vs-rollout mismatch is the sampling policy's only before the first optimizer step.
+        metrics.update({k: history[0][k] for k in MISMATCH_METRICS})
         return UpdateResult({**metrics, **reward_kl})
 
     def _kl_shaped_advantages(self, batch: dict[str, list]) -> tuple[list[torch.Tensor], dict[str, float]]:

@@ -23,6 +23,7 @@ from dockrl.dock.columns import (
     PROMPT_IDS,
     REF_LOGPROBS,
     RESPONSE_IDS,
+    ROLLOUT_LOGPROBS,
     UPDATE_WEIGHT,
 )
 from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
@@ -37,6 +38,14 @@ SUMMED_METRICS = (
     "clip_frac_high",
     "clip_frac_low",
     "approx_kl",
+)
+# With the rollout's log-probs in the batch: the trainer-vs-rollout mismatch on the sampled tokens (mean
+# |log-prob difference| and KL(rollout || trainer), k3), and the importance weights of algo.rollout_is.
+ROLLOUT_METRICS = (
+    "rollout/logprob_abs_diff",
+    "rollout/kl",
+    "rollout/is_weight_mean",
+    "rollout/is_capped_frac",
 )
 
 
@@ -88,9 +97,9 @@ def policy_update(
     ]
     loss_fn = _loss_fn(engine, plan, temperature, global_tokens, global_seqs, world_size)
     metrics = engine.train_step(micro_batches, loss_fn)
-    totals = torch.tensor([metrics[k] for k in SUMMED_METRICS], dtype=torch.float64)
-    totals = all_reduce_sum(totals, engine.dp_group)
-    out = dict(zip(SUMMED_METRICS, totals.tolist()))
+    keys = [k for k in (*SUMMED_METRICS, *ROLLOUT_METRICS) if k in metrics]  # the same on every rank
+    totals = all_reduce_sum(torch.tensor([metrics[k] for k in keys], dtype=torch.float64), engine.dp_group)
+    out = dict(zip(keys, totals.tolist()))
     out["grad_norm"], out["lr"] = metrics["grad_norm"], metrics["lr"]
     return out
 
@@ -110,6 +119,9 @@ def _loss_fn(
         entropy = engine.token_entropy(logits, temperature) if plan.entropy_coef > 0 else None
         # Exactly on-policy (one mini-batch, one epoch): old log-probs equal the current ones.
         old = mb.per_token.get(OLD_LOGPROBS, logp.detach())
+        rollout = mb.per_token.get(ROLLOUT_LOGPROBS)  # [B, T-1], the sampling engine's
+        raw_weights = None if rollout is None or plan.rollout_is == "none" else (old - rollout).exp()
+        is_weights = None if raw_weights is None else raw_weights.clamp(max=plan.rollout_is_cap)
         out = policy_loss(
             logp,
             old,
@@ -127,6 +139,7 @@ def _loss_fn(
             num_seqs=global_seqs,
             seq_len_norm=plan.seq_len_norm,
             sequence_ratio=plan.sequence_ratio,
+            is_weights=is_weights,
         )
         if entropy is None:
             with torch.no_grad():
@@ -145,9 +158,35 @@ def _loss_fn(
             "clip_frac_low": out.clip_frac_low.item() * share,
             "approx_kl": out.approx_kl.item() * share,
         }
+        if rollout is not None:
+            mask = mb.response_mask
+            metrics.update(_rollout_metrics(logp.detach(), rollout, raw_weights, plan, mask, global_tokens))
         return out.loss * world_size, metrics
 
     return loss_fn
+
+
+def _rollout_metrics(
+    logp: torch.Tensor,
+    rollout: torch.Tensor,
+    raw_weights: torch.Tensor | None,
+    plan: LossPlan,
+    mask: torch.Tensor,
+    global_tokens: float,
+) -> dict[str, float]:
+    """This micro-batch's share of the ROLLOUT_METRICS (token sums over the mini-batch's global count)."""
+    diff = (logp.double() - rollout.double()) * mask  # [B, T-1]; fp64: exp(d) - d - 1 of a tiny d
+    out = {
+        "rollout/logprob_abs_diff": diff.abs().sum().item() / global_tokens,
+        "rollout/kl": ((diff.exp() - diff - 1) * mask).sum().item() / global_tokens,
+    }
+    if raw_weights is not None:
+        capped = raw_weights.clamp(max=plan.rollout_is_cap)
+        out["rollout/is_weight_mean"] = (capped * mask).sum().item() / global_tokens
+        out["rollout/is_capped_frac"] = (
+            (raw_weights > plan.rollout_is_cap) * mask
+        ).sum().item() / global_tokens
+    return out
 
 
 def whiten_rows(
