@@ -262,9 +262,12 @@ def test_relaunched_dock_makes_old_handles_stale(ray_session):
         new.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["single", "driver"])
-def test_comparison_modes_serve_the_same_interface(ray_session, mode):
-    central = launch_dock(mode=mode, name_prefix=f"test-{mode}", get_timeout_s=10.0)
+@pytest.mark.parametrize("mode, transport", [("single", "socket"), ("single", "ray"), ("driver", "socket")])
+def test_comparison_modes_serve_the_same_interface(ray_session, mode, transport):
+    # single mode takes either transport, as dock mode does; driver mode's hub is always a socket
+    central = launch_dock(
+        mode=mode, name_prefix=f"test-{mode}-{transport}", get_timeout_s=10.0, transport=transport
+    )
     try:
         client = central.client()
         rows = add_prompts(client, num_groups=2)

@@ -44,9 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=300.0, help="bound on every step")
     parser.add_argument(
         "--transport",
-        default="socket",
-        choices=("socket", "ray"),
-        help="dock mode's requests (dock.transport)",
+        default="socket,ray",
+        help="comma list of socket, ray (dock.transport) for the dock and single modes; driver mode is socket",
     )
 
 
@@ -199,20 +198,22 @@ def _run_on_cluster(args: argparse.Namespace, nodes: int) -> list[dict[str, Any]
     ]
     ray.get([c.node_id.remote() for c in consumers], timeout=args.timeout_s)
     configs = []
+    transports = args.transport.split(",")
     for mode in args.modes.split(","):
         counts = [int(w) for w in args.warehouses.split(",")] if mode == "dock" else [1]
-        configs += [(mode, w) for w in counts]
+        for transport in ["socket"] if mode == "driver" else transports:  # the driver's hub is a socket
+            configs += [(mode, w, transport) for w in counts]
     results = []
-    for mode, num_warehouses in configs:
+    for mode, num_warehouses, transport in configs:
         dock = launch_dock(
             mode=mode,
             num_warehouses=num_warehouses,
-            name_prefix=f"bench-{mode}-{num_warehouses}",
+            name_prefix=f"bench-{mode}-{num_warehouses}-{transport}",
             get_timeout_s=args.timeout_s,
-            transport=args.transport,
+            transport=transport,
         )
         try:
-            results.append(_measure(args, dock, consumers, nodes, mode, num_warehouses))
+            results.append(_measure(args, dock, consumers, nodes, mode, num_warehouses, transport))
         finally:
             dock.shutdown()
     for consumer in consumers:
@@ -220,7 +221,9 @@ def _run_on_cluster(args: argparse.Namespace, nodes: int) -> list[dict[str, Any]
     return results
 
 
-def _measure(args, dock, consumers, nodes: int, mode: str, num_warehouses: int) -> dict[str, Any]:
+def _measure(
+    args, dock, consumers, nodes: int, mode: str, num_warehouses: int, transport: str
+) -> dict[str, Any]:
     import numpy as np
     import ray
 
@@ -257,7 +260,8 @@ def _measure(args, dock, consumers, nodes: int, mode: str, num_warehouses: int) 
             latencies += step_latencies
     ms = np.asarray(latencies) * 1e3
     return {
-        "mode": mode if mode != "dock" or args.transport == "socket" else "dock-ray",
+        "mode": mode,
+        "transport": transport,
         "nodes": nodes,
         "warehouses": num_warehouses,
         "consumers": len(consumers),

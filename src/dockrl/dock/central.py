@@ -64,6 +64,15 @@ class CentralDock:
             return None, done
         return allocation.rows, self.warehouse.get(allocation.rows, columns)
 
+    def serve(self, host: str | None = None) -> tuple[tuple, bytes]:
+        """Start (once) a socket hub for this store in this process (single mode's socket transport; host None:
+        this Ray node's address); returns (address, authkey)."""
+        from dockrl.dock.transport import ServiceHub
+
+        if getattr(self, "_hub", None) is None:
+            self._hub = ServiceHub(self, host)
+        return self._hub.address, self._hub.authkey
+
     def ask(self, method: str, *args) -> Any:
         """A controller method (all_consumed, unready_rows, ...)."""
         return getattr(self.controller, method)(*args)
@@ -83,10 +92,13 @@ class CentralDock:
 
 
 class HubTransport:
-    """Calls a CentralDock served by a ServiceHub in the driver (directly when the caller is the driver)."""
+    """Calls a CentralDock served by a ServiceHub: in the driver (driver mode) or in the replay-buffer actor
+    (single mode with the socket transport); `owner` names it in errors."""
 
-    def __init__(self, address: tuple, authkey: bytes, timeout_s: float = 300.0) -> None:
-        self.socket, self.timeout_s = SocketTransport(address, authkey), timeout_s
+    def __init__(
+        self, address: tuple, authkey: bytes, timeout_s: float = 300.0, owner: str = "the driver's dock hub"
+    ) -> None:
+        self.socket, self.timeout_s, self.owner = SocketTransport(address, authkey), timeout_s, owner
 
     def request(self, method: str, *args, extra_wait_s: float = 0.0, **kwargs) -> Any:
         """Run `store.method(*args, **kwargs)` where the store lives; re-raise its errors here.
@@ -95,18 +107,14 @@ class HubTransport:
         try:
             return self.socket.call(method, *args, timeout_s=timeout_s, **kwargs)
         except BadMessage as error:
-            raise DockError(
-                f"the driver's dock hub's reply to {method} could not be unpickled: {error}"
-            ) from error
+            raise DockError(f"{self.owner}'s reply to {method} could not be unpickled: {error}") from error
         except Lost as error:
             raise WarehouseDiedError(
-                f"the driver's dock hub at {self.socket.address} is gone during {method} (driver mode: the "
-                f"driver holds every row); restart the run. Cause: {error}"
+                f"{self.owner} at {self.socket.address} is gone during {method} (it holds every row of the "
+                f"step); restart the run. Cause: {error}"
             ) from error
         except NoReply as error:
-            raise DockTimeoutError(
-                f"the driver's dock hub did not answer {method} within {timeout_s:g}s"
-            ) from error
+            raise DockTimeoutError(f"{self.owner} did not answer {method} within {timeout_s:g}s") from error
 
 
 class ActorTransport:

@@ -2,7 +2,7 @@
 
 ```
  mode=dock   : controller (driver's node) + warehouse i on node i mod num_nodes   -> Dock, DockClient
- mode=single : one replay-buffer actor (controller + warehouse)                  -> CentralDockHandle
+ mode=single : one replay-buffer actor (controller + warehouse), socket or Ray calls -> CentralDockHandle
  mode=driver : controller + warehouse inside the driver process, socket hub       -> CentralDockHandle
 ```
 
@@ -140,6 +140,11 @@ def launch_dock(
             .remote(policy=policy, max_rows=max_rows)
         )
         ray.get(actor.stats.remote(), timeout=STARTUP_TIMEOUT_S)
+        if transport == "socket":  # the same direct connections as dock mode, to the one actor
+            address, authkey = ray.get(actor.serve.remote(None), timeout=STARTUP_TIMEOUT_S)
+            owner = "the dock's single replay-buffer actor"
+            hub_transport = HubTransport(address, authkey, get_timeout_s, owner=owner)
+            return CentralDockHandle(mode, hub_transport, get_timeout_s, actor=actor)
         return CentralDockHandle(mode, ActorTransport(actor, get_timeout_s), get_timeout_s, actor=actor)
     driver_node = ray.get_runtime_context().get_node_id()
     nodes = sorted((n["NodeID"] for n in ray.nodes() if n["Alive"]), key=lambda node: node != driver_node)
