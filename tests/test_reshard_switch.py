@@ -80,6 +80,9 @@ def _run_pair(rank: int, world: int, model_dir: str, tp_train: int, tp_infer: in
     switch.enter(naive=True)
     naive_equal = all(torch.equal(bucketed[n], p) for n, p in switch.model.named_parameters())
     switch.exit()
+    switch.enter(baseline="streaming")  # the benchmark's other baseline builds the same inference weights
+    naive_equal &= all(torch.equal(bucketed[n], p) for n, p in switch.model.named_parameters())
+    switch.exit()
     after = _snapshot(engine)
     bitwise = all(torch.equal(before[k], after[k]) and torch.equal(before[k], after_first[k]) for k in before)
     # The trainer scores every replica's sequence (tp peers of the training layout need the same inputs).

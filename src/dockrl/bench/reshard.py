@@ -1,9 +1,11 @@
-"""`dockrl bench reshard`: peak memory of the training -> inference switch, bucketed vs naive.
+"""`dockrl bench reshard`: peak memory of the training -> inference switch, bucketed vs two baselines.
 
 Spawns dp x tp_train processes (gloo on CPU, NCCL on CUDA) holding a random >= 50M-parameter llama-shaped
 model after one optimizer step (params, grads, Adam state: the steady state), then on every rank measures
-the extra peak over that steady state of (1) dockrl's bucketed allgather-swap `RolloutSwitch.enter()` and
-(2) the naive switch that first gathers the full state dict on every rank. CPU: process RSS high-water mark
+the extra peak over that steady state of (1) dockrl's bucketed allgather-swap `RolloutSwitch.enter()`,
+(2) the streaming switch of verl-style weight sync (one whole tensor at a time through a flat staging bucket
+of the same size, handed over when full) and (3) the full-state-dict switch that gathers every parameter on
+every rank first. CPU: process RSS high-water mark
 (reset through /proc/self/clear_refs; glibc's mmap threshold is pinned so freed tensors leave RSS); CUDA:
 the caching allocator's peak. Offload moves nothing on CPU, so the inference buffers count in full. Also
 reports `dockrl plan`'s prediction of the bucketed extra peak and its error.
@@ -28,18 +30,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
 
 
-def _measure(switch, device: str, naive: bool) -> int:
+def _measure(switch, device: str, naive: bool = False, baseline: str | None = None) -> int:
     import torch
 
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        switch.enter(naive=naive)
+        switch.enter(naive=naive, baseline=baseline)
         peak = torch.cuda.max_memory_allocated()
     else:
         base = rss_reset()
-        switch.enter(naive=naive)
+        switch.enter(naive=naive, baseline=baseline)
         peak = proc_status("VmHWM")
     switch.exit()
     return peak - base
@@ -83,10 +85,12 @@ def _worker(
     start = time.perf_counter()
     bucketed = _measure(switch, args.device, naive=False)
     switch_s = time.perf_counter() - start
+    streaming = _measure(switch, args.device, baseline="streaming")
     naive = _measure(switch, args.device, naive=True)
     result = {
         "bucketed": bucketed,
         "naive": naive,
+        "streaming": streaming,
         "bucket": switch.bucket_bytes,
         "shard": switch.inference_shard_bytes,
         "train_s": train_s,
@@ -142,11 +146,15 @@ def run(args: argparse.Namespace) -> dict:
     predicted = plan(question)
     bucketed = max(r["bucketed"] for r in results)
     naive = max(r["naive"] for r in results)
+    streaming = max(r["streaming"] for r in results)
     target = max(r["bucket"] + r["shard"] for r in results)
     return {
         "peak_bytes_bucketed": bucketed,
         "peak_bytes_naive": naive,
         "naive_over_bucketed": naive / max(bucketed, 1),
+        "peak_bytes_streaming": streaming,
+        "streaming_over_bucketed": streaming / max(bucketed, 1),
+        "bucketed_within_streaming": bucketed <= streaming,
         "bucket_bytes": results[0]["bucket"],
         "model_bytes": model_args.num_params() * 4,
         "inference_shard_bytes": max(r["shard"] for r in results),

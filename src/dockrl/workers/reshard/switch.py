@@ -13,8 +13,12 @@ Buffers are sized from the inference layout, so no rank ever holds bytes it will
 parameter is ever built: a gathered chunk is at most a quarter of `reshard.bucket_mb` (outputs plus gloo's
 flat staging copies of two stages stay within one bucket), so the switch's extra peak over the steady state
 stays within one bucket plus the inference shard. `reshard.bucket_mb` must hold the largest tensor (checked;
-the default is exactly that, rounded up to MiB). `enter(naive=True)` is the baseline of peers: gather the
-whole state dict on every rank, then cut the inference shard out of it.
+the default is exactly that, rounded up to MiB).
+
+Two baselines for `dockrl bench reshard`: `enter(baseline="streaming")` is what verl-style weight sync does:
+gather one whole tensor at a time on every rank, stream it into a flat staging bucket of `reshard.bucket_mb`,
+and hand the full bucket over to the inference model, which keeps its shard; `enter(naive=True)` gathers the
+whole state dict on every rank first, then cuts the inference shard out of it.
 
 Lifecycle: built once in `ActorWorker.setup`; enter / exit alternate (rollout between them).
 """
@@ -137,8 +141,9 @@ class RolloutSwitch:
     # ---- enter / exit ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def enter(self, *, naive: bool = False) -> dict[str, float]:
-        """Training -> inference layout (a collective: every actor rank calls it)."""
+    def enter(self, *, naive: bool = False, baseline: str | None = None) -> dict[str, float]:
+        """Training -> inference layout (a collective: every actor rank calls it). `naive` and
+        baseline="streaming" run the benchmark's baselines (module docstring) instead of the bucketed gather."""
         assert not self.active, "enter() twice without exit()"
         start = time.perf_counter()
         engine = self.engine
@@ -151,6 +156,9 @@ class RolloutSwitch:
             if isinstance(module, FSDPModule):
                 module.reshard()
         train_params = dict(engine.model.named_parameters())
+        if baseline == "streaming":
+            self._enter_streaming(train_params)
+            return self._finish_enter(train_params, offloaded, start)
         full = {n: self._full(n, p) for n, p in train_params.items()} if naive else None
         for bucket in self.buckets:
             buffer = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
@@ -163,12 +171,45 @@ class RolloutSwitch:
                 _set_param(self.model, spec.name, view)
             self.buffers.append(buffer)
         del full
+        return self._finish_enter(train_params, offloaded, start)
+
+    def _finish_enter(self, train_params: dict, offloaded: int, start: float) -> dict[str, float]:
         if self.flags.params:
             params = [p for p in train_params.values()]
             params += [p for module in self.extra_offload for p in module.parameters()]
             offloaded += self.param_swap.offload(params)
         self.active = True
         return {"seconds": time.perf_counter() - start, "offloaded_bytes": float(offloaded)}
+
+    def _enter_streaming(self, train_params: dict[str, torch.Tensor]) -> None:
+        """The streaming baseline: whole tensors, one at a time, through a flat staging bucket of bucket_bytes
+        (the size the bucketed switch uses); each full bucket is handed over (the inference shards cut out)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        stage = torch.empty(self.bucket_bytes // size, dtype=self.dtype, device=self.device)
+        staged: list[tuple[_ParamSpec, int, torch.Tensor]] = []
+        fill = 0
+
+        def hand_over() -> None:
+            for spec, offset, view in staged:
+                numel = int(torch.Size(spec.full_shape).numel())
+                self._cut_into(spec, stage[offset : offset + numel].view(spec.full_shape), view)
+            staged.clear()
+
+        for bucket in self.buckets:
+            buffer = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+            for spec in bucket.specs:
+                view = buffer[spec.offset : spec.offset + spec.numel].view(spec.shape)
+                full = self._full(spec.name, train_params[spec.name])
+                if fill + full.numel() > stage.numel():
+                    hand_over()
+                    fill = 0
+                stage[fill : fill + full.numel()].copy_(full.reshape(-1))
+                staged.append((spec, fill, view))
+                fill += full.numel()
+                del full
+                _set_param(self.model, spec.name, view)
+            self.buffers.append(buffer)
+        hand_over()
 
     @torch.no_grad()
     def exit(self) -> dict[str, float]:
