@@ -76,6 +76,16 @@ def test_conflicting_algorithm_settings_are_errors(overrides, expected, tiny_mod
         ),
         (["algo.name=dapo", "algo.kl_coef=0", "algo.clip_high=0.2"], "no clip-higher"),
         (["algo.name=rloo", "algo.norm_adv_by_std=false"], "norm_adv_by_std=False has no effect"),
+        (
+            ["algo.name=rloo", "algo.adv_eps=0.01"],
+            r"algo.adv_eps=0.01 has no effect with algo.name=rloo \(estimator rloo\)",
+        ),
+        (["algo.name=ppo", "algo.adv_eps=0.01"], "algo.adv_eps=0.01 has no effect with algo.name=ppo"),
+        (
+            ["dock.mode=driver", "dock.transport=ray"],
+            "dock.transport=ray has no effect with dock.mode=driver",
+        ),
+        (["data.eval_limit=4"], "data.eval_limit=4 has no effect without data.eval_path"),
         # a single on-policy update: every importance ratio is exactly 1, no clip ever acts
         (["algo.clip_high=0.28"], r"the ratio clip \(algo.clip_low=0.2, algo.clip_high=0.28\) never acts"),
         (["algo.name=dapo", "algo.kl_coef=0"], "never acts: with actor.mini_batches=1 and actor.epochs=1"),

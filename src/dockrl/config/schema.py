@@ -50,7 +50,11 @@ class DataConfig:
     label_field: str = setting(
         "answer", "Field holding the ground truth passed to reward functions as `label`."
     )
-    eval_path: str | None = setting(None, "Held-out prompts scored with greedy decoding (optional).")
+    eval_path: str | None = setting(
+        None,
+        "Held-out prompts (optional): `dockrl train` scores greedy answers, `dockrl sft` reports the teacher-"
+        "forced answer loss and token accuracy at the end.",
+    )
     eval_limit: int | None = setting(None, "Score at most this many held-out prompts.")
     system_prompt: str | None = setting(None, "System message prepended to every prompt.")
     use_chat_template: bool = setting(

@@ -13,8 +13,10 @@ from pathlib import Path
 
 from dockrl.config.fields import ConfigError, config_error
 from dockrl.config.schema import (
+    AlgoConfig,
     Algorithm,
     CriticConfig,
+    DataConfig,
     KLEstimator,
     LossAgg,
     RewardModelConfig,
@@ -187,9 +189,7 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
     check_model_dir(cfg.model.path, "model.path")
     if cfg.model.ref_path is not None:
         check_model_dir(cfg.model.ref_path, "model.ref_path")
-    check_dataset(cfg.data.train_path, cfg.data.prompt_field, cfg.data.label_field, "data.train_path")
-    if cfg.data.eval_path is not None:
-        check_dataset(cfg.data.eval_path, cfg.data.prompt_field, cfg.data.label_field, "data.eval_path")
+    _check_data(cfg.data)
     run.device = resolve_device(run.device)
     run.precision = resolve_precision(run.precision, run.device)
     _check_devices(run.device, actor.dp * actor.tp + (cfg.critic.dp if algo.name == "ppo" else 0))
@@ -321,12 +321,16 @@ def _check_algorithm(cfg: TrainConfig) -> None:
             "set algo.kl_coef=0 (or use algo.name=grpo for a KL term)",
         )
     _check_loss_settings(cfg)
-    if not algo.norm_adv_by_std and (algo.adv_estimator or algo.name) not in ("grpo", "dapo", "gspo"):
-        warnings.warn(
-            f"algo.norm_adv_by_std=False has no effect with algo.name={algo.name} "
-            f"(adv_estimator={algo.adv_estimator}); it applies to the grpo estimator",
-            stacklevel=3,
-        )
+    if estimator_of(algo) != "grpo":  # the std normalisation and its epsilon belong to the grpo estimator
+        default_eps = AlgoConfig.__dataclass_fields__["adv_eps"].default
+        unused = [f"algo.norm_adv_by_std={algo.norm_adv_by_std}"] if not algo.norm_adv_by_std else []
+        unused += [f"algo.adv_eps={algo.adv_eps}"] if algo.adv_eps != default_eps else []
+        for setting_text in unused:
+            warnings.warn(
+                f"{setting_text} has no effect with algo.name={algo.name} (estimator "
+                f"{estimator_of(algo)}); it applies to the grpo estimator",
+                stacklevel=3,
+            )
     if algo.overlong_buffer_len < 0 or algo.overlong_buffer_len > roll.max_new_tokens:
         raise config_error(
             "algo.overlong_buffer_len",
@@ -614,13 +618,39 @@ def validate_sft(cfg: SFTConfig) -> SFTConfig:
         raise config_error("actor.dp", cfg.actor.dp, "dockrl sft runs in one process", "use actor.dp=1")
     if cfg.actor.tp != 1:
         raise config_error("actor.tp", cfg.actor.tp, "dockrl sft runs in one process", "use actor.tp=1")
+    for key, value in (("actor.mini_batches", cfg.actor.mini_batches), ("actor.epochs", cfg.actor.epochs)):
+        if value != 1:
+            raise config_error(
+                key,
+                value,
+                "dockrl sft takes one optimizer step per batch",
+                "use run.batch_size and run.epochs",
+            )
+    if cfg.model.ref_path is not None:
+        raise config_error(
+            "model.ref_path", cfg.model.ref_path, "SFT has no reference model", "remove model.ref_path"
+        )
     if cfg.data.label_field is None:
         raise config_error("data.label_field", None, "SFT needs the answer text", "name the answer field")
     check_model_dir(cfg.model.path, "model.path")
-    check_dataset(cfg.data.train_path, cfg.data.prompt_field, cfg.data.label_field, "data.train_path")
+    _check_data(cfg.data)
     cfg.run.device = resolve_device(cfg.run.device)
     cfg.run.precision = resolve_precision(cfg.run.precision, cfg.run.device)
     return cfg
+
+
+def _check_data(data: DataConfig) -> None:
+    """The data section, shared by dockrl train and dockrl sft (both read every setting of it)."""
+    _positive("data.max_prompt_len", data.max_prompt_len)
+    if data.eval_limit is not None:
+        _positive("data.eval_limit", data.eval_limit)
+        if data.eval_path is None:
+            warnings.warn(
+                f"data.eval_limit={data.eval_limit} has no effect without data.eval_path", stacklevel=4
+            )
+    check_dataset(data.train_path, data.prompt_field, data.label_field, "data.train_path")
+    if data.eval_path is not None:
+        check_dataset(data.eval_path, data.prompt_field, data.label_field, "data.eval_path")
 
 
 def _check_dock(cfg: TrainConfig) -> None:
@@ -640,6 +670,12 @@ def _check_dock(cfg: TrainConfig) -> None:
             raise config_error("dock.max_rows", dock.max_rows, f"cannot hold {what}", f"use >= {rows}")
     if dock.num_warehouses is not None and dock.mode != "dock":
         warnings.warn(f"dock.num_warehouses has no effect with dock.mode={dock.mode}", stacklevel=3)
+    if dock.transport != "socket" and dock.mode == "driver":  # the driver's own hub moves every byte
+        warnings.warn(
+            f"dock.transport={dock.transport} has no effect with dock.mode=driver (payload goes through the "
+            "driver's socket hub); it applies to dock.mode=dock and single",
+            stacklevel=3,
+        )
     if dock.policy not in ("first", "oldest"):  # the built-ins of dockrl/dock/policies.py
         import importlib
 

@@ -28,12 +28,15 @@ from dockrl.workers.train.train_engine import TrainEngine
 log = logging.getLogger(__name__)
 
 
-def build_examples(cfg: SFTConfig, tokenizer: Tokenizer) -> tuple[list[tuple[list[int], list[int]]], int]:
-    """(prompt ids, answer ids + eos) per row; rows longer than run.max_len are skipped and counted."""
+def build_examples(
+    cfg: SFTConfig, tokenizer: Tokenizer, path: str, *, limit: int | None = None
+) -> tuple[list[tuple[list[int], list[int]]], dict[str, int]]:
+    """(prompt ids, answer ids + eos) per row of `path` (at most `limit` rows); rows whose prompt is longer
+    than data.max_prompt_len or whose prompt + answer is longer than run.max_len are skipped and counted."""
     d = cfg.data
-    records = load_prompts(d.train_path, prompt_field=d.prompt_field, label_field=d.label_field)
+    records = load_prompts(path, prompt_field=d.prompt_field, label_field=d.label_field, limit=limit)
     eos = tokenizer.eos_token_id
-    examples, skipped = [], 0
+    examples, skipped = [], {"prompt_len": 0, "max_len": 0}
     for rec in records:
         prompt = tokenizer.encode(
             render_prompt(
@@ -41,22 +44,37 @@ def build_examples(cfg: SFTConfig, tokenizer: Tokenizer) -> tuple[list[tuple[lis
             )
         )
         answer = tokenizer.encode(str(rec.label)) + ([eos] if eos is not None else [])
-        if len(prompt) + len(answer) > cfg.run.max_len:
-            skipped += 1
-            continue
-        examples.append((prompt, answer))
+        if len(prompt) > d.max_prompt_len:
+            skipped["prompt_len"] += 1
+        elif len(prompt) + len(answer) > cfg.run.max_len:
+            skipped["max_len"] += 1
+        else:
+            examples.append((prompt, answer))
     if not examples:
-        raise ValueError(f"{d.train_path}: no example fits run.max_len={cfg.run.max_len}; raise it")
+        raise ValueError(
+            f"{path}: no example fits data.max_prompt_len={d.max_prompt_len} and run.max_len={cfg.run.max_len}"
+            f" ({skipped['prompt_len']} prompts too long, {skipped['max_len']} examples too long); raise them"
+        )
+    for key, what in (
+        ("prompt_len", "prompts longer than data.max_prompt_len"),
+        ("max_len", "examples longer than run.max_len"),
+    ):
+        if skipped[key]:
+            log.warning("%s: skipped %d %s", path, skipped[key], what)
     return examples, skipped
 
 
 def sft(cfg: SFTConfig) -> dict[str, Any]:
-    """Run a validated SFT config; returns the summary with the checkpoint path."""
+    """Run a validated SFT config; returns the summary with the checkpoint path (and held-out loss and token
+    accuracy when data.eval_path is set)."""
     torch.manual_seed(cfg.run.seed)
     run = RunDir(cfg.run.output_dir, cfg.run.name)
     run.write_config(to_dict(cfg))
     tokenizer = Tokenizer.from_dir(cfg.model.path)
-    examples, skipped = build_examples(cfg, tokenizer)
+    examples, skipped = build_examples(cfg, tokenizer, cfg.data.train_path)
+    held_out = []
+    if cfg.data.eval_path is not None:
+        held_out, _ = build_examples(cfg, tokenizer, cfg.data.eval_path, limit=cfg.data.eval_limit)
     steps_per_epoch = math.ceil(len(examples) / cfg.run.batch_size)
     total_steps = max(1, round(cfg.run.epochs * steps_per_epoch))
     engine = TrainEngine(
@@ -71,13 +89,16 @@ def sft(cfg: SFTConfig) -> dict[str, Any]:
     order: list[int] = []
     progress = _progress(cfg, total_steps)
     for step in range(1, total_steps + 1):
-        if len(order) < cfg.run.batch_size:
+        if len(order) < cfg.run.batch_size:  # the next pass over the file (data.shuffle: in a seeded order)
             fresh = list(range(len(examples)))
-            rng.shuffle(fresh)
+            if cfg.data.shuffle:
+                rng.shuffle(fresh)
             order += fresh
         batch = [examples[i] for i in order[: cfg.run.batch_size]]
         del order[: cfg.run.batch_size]
         metrics = _train_batch(engine, batch, pad, cfg.actor.micro_batch_size)
+        if step == total_steps and held_out:
+            metrics |= _evaluate(engine, held_out, pad, cfg.actor.micro_batch_size)
         run.log_metrics(step, metrics)
         progress.update(1)
         progress.set_postfix(loss=f"{metrics['sft/loss']:.3f}")
@@ -88,17 +109,21 @@ def sft(cfg: SFTConfig) -> dict[str, Any]:
         "checkpoint": str(out),
         "steps": total_steps,
         "examples": len(examples),
-        "skipped": skipped,
+        "skipped": sum(skipped.values()),
         "final_loss": metrics["sft/loss"],
         "run_dir": str(run.path),
     }
+    if held_out:
+        summary |= {
+            "eval_examples": len(held_out),
+            **{k: metrics[k] for k in ("eval/loss", "eval/token_accuracy")},
+        }
     run.write_summary(summary)
     return summary
 
 
-def _train_batch(engine: TrainEngine, batch, pad: int, micro_batch_size: int) -> dict[str, float]:
-    num_tokens = float(sum(len(a) for _, a in batch))
-    micro = [
+def _micro_batches(engine: TrainEngine, batch, pad: int, micro_batch_size: int) -> list[MicroBatch]:
+    return [
         make_micro_batch(
             [torch.tensor(batch[i][0]) for i in idx],
             [torch.tensor(batch[i][1]) for i in idx],
@@ -108,13 +133,37 @@ def _train_batch(engine: TrainEngine, batch, pad: int, micro_batch_size: int) ->
         for idx in split_indices(len(batch), micro_batch_size)
     ]
 
-    def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        nll = -token_logprobs(logits, mb.input_ids[:, 1:])  # [B, T-1]
-        loss = (nll * mb.response_mask).sum() / num_tokens
-        correct = ((logits.argmax(-1) == mb.input_ids[:, 1:]).float() * mb.response_mask).sum() / num_tokens
-        return loss, {"sft/loss": loss.item(), "sft/token_accuracy": correct.item()}
 
-    return engine.train_step(micro, loss_fn)
+def _answer_nll_and_hits(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed answer-token NLL and count of answer tokens predicted exactly (argmax) in one micro-batch."""
+    targets = mb.input_ids[:, 1:]
+    nll = (-token_logprobs(logits, targets) * mb.response_mask).sum()
+    hits = ((logits.argmax(-1) == targets).float() * mb.response_mask).sum()
+    return nll, hits
+
+
+def _train_batch(engine: TrainEngine, batch, pad: int, micro_batch_size: int) -> dict[str, float]:
+    num_tokens = float(sum(len(a) for _, a in batch))
+
+    def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        nll, hits = _answer_nll_and_hits(logits, mb)
+        loss = nll / num_tokens
+        return loss, {"sft/loss": loss.item(), "sft/token_accuracy": (hits / num_tokens).item()}
+
+    return engine.train_step(_micro_batches(engine, batch, pad, micro_batch_size), loss_fn)
+
+
+@torch.no_grad()
+def _evaluate(engine: TrainEngine, examples, pad: int, micro_batch_size: int) -> dict[str, float]:
+    """Mean answer-token NLL and token accuracy (teacher forcing) over the held-out examples."""
+    engine.model.eval()
+    num_tokens = float(sum(len(a) for _, a in examples))
+    nll = hits = 0.0
+    for mb in _micro_batches(engine, examples, pad, micro_batch_size):
+        mb_nll, mb_hits = _answer_nll_and_hits(engine.logits(mb).float(), mb)
+        nll, hits = nll + mb_nll.item(), hits + mb_hits.item()
+    engine.model.train()
+    return {"eval/loss": nll / num_tokens, "eval/token_accuracy": hits / num_tokens}
 
 
 def _progress(cfg: SFTConfig, total: int):
