@@ -4,7 +4,7 @@ Spawns `--dp` gloo processes. Each builds the actor's TrainEngine (FSDP2 over dp
 checkpoint and measures the host RSS the load added: the high-water mark (VmHWM, reset through
 /proc/self/clear_refs just before) minus the RSS before. dockrl's loader builds the model on the meta device
 and reads only this rank's rows of each tensor from the safetensors files; `--naive` also measures the
-whole-model load peers do (every rank reads the whole checkpoint, then shards). Without `--model` a random
+whole-model load (every rank reads the whole checkpoint, then shards: `from_pretrained` on each rank). Without `--model` a random
 llama-shaped checkpoint of ~60M parameters (`--dtype`, fp32 by default) is written to a temporary directory first.
 
 With `--save`, each rank then takes one optimizer step (so AdamW state exists) and writes a resumable
