@@ -139,6 +139,27 @@ def test_unset_loss_settings_are_the_algorithms_own(tiny_model, arithmetic_data)
     assert loss("algo.clip_low=0.1", "algo.clip_high=0.3", two).clip_high == 0.3  # explicit values win
 
 
+def test_unset_kl_coef_is_the_algorithms_own(tiny_model, arithmetic_data):
+    """DAPO, GSPO and Dr. GRPO train without a reference model; the rest keep a small KL term (0.001)."""
+    from dockrl.config.step_plan import step_plan
+
+    def resolved(*overrides):
+        cfg = validate_train(
+            load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + list(overrides))
+        )
+        plan = step_plan(cfg)
+        return cfg.algo.kl_coef, plan.reference, plan.loss.kl_coef
+
+    two = "actor.mini_batches=2"
+    assert resolved() == (0.001, True, 0.001)
+    assert resolved("algo.name=dapo", two) == (0.0, False, 0.0)  # no "set kl_coef=0" error for DAPO's own
+    assert resolved("algo.name=gspo", two) == (0.0, False, 0.0)
+    assert resolved("algo.name=dr_grpo") == (0.0, False, 0.0)
+    assert resolved("algo.name=gspo", "algo.kl_coef=0.01", two) == (0.01, True, 0.01)  # explicit values win
+    with pytest.raises(ConfigError, match="algo.kl_coef=0.01: DAPO trains without a reference model"):
+        resolved("algo.name=dapo", "algo.kl_coef=0.01", two)
+
+
 def test_groups_of_one_warn_only_where_a_group_baseline_is_used(tiny_model, arithmetic_data):
     ones = _base(tiny_model, arithmetic_data) + ["rollout.samples_per_prompt=1", "rollout.max_batch_size=4"]
     with pytest.warns(UserWarning, match="all zero with groups of one"):

@@ -105,7 +105,7 @@ def _cmd_data(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dockrl.recipes.demo import run_demo
 
-    summary = run_demo(args.out, overrides=args.overrides)
+    summary = run_demo(args.out, overrides=args.overrides, seed=args.seed)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -239,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("demo", _cmd_demo, "make-tiny -> SFT warm start -> eval -> GRPO -> eval, prints both accuracies")
     p.add_argument("--out", default="runs/demo")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seeds the model's initialisation, the SFT order and the GRPO run"
+    )
     p.add_argument("overrides", nargs="*", help="GRPO overrides, e.g. run.steps=5")
 
     add("config-docs", _cmd_config_docs, "print every setting as a Markdown table")

@@ -188,10 +188,11 @@ class AlgoConfig:
         None,
         "Upper clip of the importance ratio: 1 + clip_high. None: the algorithm's own (0.2; DAPO 0.28; GSPO 4e-4).",
     )
-    kl_coef: float = setting(
-        0.001,
+    kl_coef: float | None = setting(
+        None,
         "Weight of the KL-to-reference term in the loss (with kl_in_reward: the initial coefficient of the KL "
-        "penalty in the token rewards); 0 skips the reference model.",
+        "penalty in the token rewards); 0 skips the reference model. None: the algorithm's own (0.001; DAPO, "
+        "GSPO and Dr. GRPO 0, as their papers train without a reference model).",
     )
     kl_in_reward: bool = setting(
         False,

@@ -3,7 +3,7 @@
 An algorithm name (`algo.name`) is a preset of orthogonal settings; this module is the only place that reads
 it. The recipe and every worker ask the plan instead of re-deriving conditions from the config:
 
-    reference        the reference model is loaded and `ref_logprobs` computed (algo.kl_coef > 0)
+    reference        the reference model is loaded and `ref_logprobs` computed (algo.kl_coef > 0; None: the algorithm's own)
     old_logprobs     `old_logprobs` computed before the update (off-policy updates, or PPO's KL in the reward)
     estimator        the advantage estimator (algo.adv_estimator, else the algorithm's own)
     advantages_by    who computes advantages: the RewardWorker (group estimators) or the critic (GAE)
@@ -71,18 +71,19 @@ class Preset:
     clip_low: float
     clip_high: float
     loss_agg: str
+    kl_coef: float
 
 
-_PPO_LIKE = Preset(0.2, 0.2, "token-mean")
+_PPO_LIKE = Preset(0.2, 0.2, "token-mean", 0.001)
 PRESETS = {
     "grpo": _PPO_LIKE,
     "rloo": _PPO_LIKE,
     "reinforce_pp": _PPO_LIKE,
     "reinforce_pp_baseline": _PPO_LIKE,
     "ppo": _PPO_LIKE,
-    "dapo": Preset(0.2, 0.28, "token-mean"),  # clip-higher (Yu et al. 2025)
-    "gspo": Preset(3e-4, 4e-4, "seq-mean-token-mean"),  # sequence-level ratios (Zheng et al. 2025)
-    "dr_grpo": Preset(0.2, 0.2, "seq-mean-token-sum"),  # a constant normaliser (Liu et al. 2025)
+    "dapo": Preset(0.2, 0.28, "token-mean", 0.0),  # clip-higher, no reference model (Yu et al. 2025)
+    "gspo": Preset(3e-4, 4e-4, "seq-mean-token-mean", 0.0),  # sequence-level ratios (Zheng et al. 2025)
+    "dr_grpo": Preset(0.2, 0.2, "seq-mean-token-sum", 0.0),  # a constant normaliser, no KL (Liu et al. 2025)
 }
 
 
@@ -96,6 +97,11 @@ def resolved_clip(algo: AlgoConfig) -> tuple[float, float]:
     preset = PRESETS[algo.name]
     low = preset.clip_low if algo.clip_low is None else algo.clip_low
     return low, preset.clip_high if algo.clip_high is None else algo.clip_high
+
+
+def resolved_kl_coef(algo: AlgoConfig) -> float:
+    """algo.kl_coef, else the algorithm's own (validate_train writes it into the config)."""
+    return PRESETS[algo.name].kl_coef if algo.kl_coef is None else algo.kl_coef
 
 
 def resolved_loss_agg(algo: AlgoConfig) -> str:
@@ -119,7 +125,7 @@ def loss_plan(algo: AlgoConfig, max_new_tokens: int | None) -> LossPlan:
         agg=resolved_loss_agg(algo),
         clip_low=clip_low,
         clip_high=clip_high,
-        kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,
+        kl_coef=0.0 if algo.kl_in_reward else resolved_kl_coef(algo),
         kl_estimator=algo.kl_estimator,
         entropy_coef=algo.entropy_coef,
         sequence_ratio=algo.name == "gspo",
@@ -135,7 +141,7 @@ def step_plan(cfg: TrainConfig) -> StepPlan:
     estimator = estimator_of(algo)
     on_policy = actor.mini_batches == 1 and actor.epochs == 1
     return StepPlan(
-        reference=algo.kl_coef > 0,
+        reference=resolved_kl_coef(algo) > 0,
         old_logprobs=not on_policy or algo.kl_in_reward or algo.rollout_is == "decoupled",
         on_policy=on_policy,
         estimator=estimator,

@@ -28,6 +28,7 @@ from dockrl.config.step_plan import (
     PRESETS,
     estimator_of,
     resolved_clip,
+    resolved_kl_coef,
     resolved_loss_agg,
 )
 
@@ -90,8 +91,9 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
 
 
 def validate_train(cfg: TrainConfig) -> TrainConfig:
-    """Check a GRPO config; resolves run.device and run.precision in place and returns cfg."""
+    """Check a GRPO config; resolves run.device, run.precision and algo.kl_coef in place and returns cfg."""
     run, roll, actor, algo = cfg.run, cfg.rollout, cfg.actor, cfg.algo
+    algo.kl_coef = resolved_kl_coef(algo)  # the algorithm's own when unset; the run's config.yaml shows it
     _resolve_checkpoint_paths(cfg)
     for key, value in [
         ("run.steps", run.steps),
@@ -313,7 +315,7 @@ def _check_algorithm(cfg: TrainConfig) -> None:
             f"algo.name={algo.name} compares the samples of a group and needs at least 2",
             "set rollout.samples_per_prompt >= 2 (or use reinforce_pp, which needs no group)",
         )
-    if algo.name == "dapo" and algo.kl_coef > 0:
+    if algo.name == "dapo" and algo.kl_coef > 0:  # set explicitly: DAPO's own is 0
         raise config_error(
             "algo.kl_coef",
             algo.kl_coef,
