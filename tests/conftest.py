@@ -58,7 +58,7 @@ def arithmetic_data(tmp_path_factory):
 #   e2e          whole runs through the CLI (and the scripts): training, resume, faults
 # A test's tier follows from what it uses, so no test file has to repeat it.
 _SPAWNING = {"test_dp_equivalence", "test_tp_equivalence", "test_reshard_switch", "test_sharded_load"}
-_SPAWNING |= {"test_collective_devices"}
+_SPAWNING |= {"test_collective_devices", "test_netem"}
 _END_TO_END = {"test_e2e_grpo", "test_e2e_algos", "test_resume", "test_faults", "test_gpu_check", "test_demo"}
 
 

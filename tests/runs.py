@@ -8,8 +8,10 @@ import time
 import uuid
 from pathlib import Path
 
-# Metrics that measure wall time (or count restarts) differ between runs that compute the same numbers.
-_TIMED = ("timing/", "throughput/", "run/")
+# Metrics that measure wall time (or count restarts) differ between runs that compute the same numbers. So do
+# the rollout-vs-trainer figures, to rounding (~1e-7): the rollout engine computes its log-probs in decode
+# batches whose composition depends on arrival order (the sampled tokens and everything trained on do not).
+_TIMED = ("timing/", "throughput/", "run/", "rollout/kl", "rollout/logprob_abs_diff")
 
 
 def write_config(path: Path, body: str) -> Path:
@@ -18,12 +20,23 @@ def write_config(path: Path, body: str) -> Path:
 
 
 def computed_metrics(run_dir: Path) -> list[dict]:
-    """metrics.jsonl without the wall-time figures (what an exact resume must reproduce bit for bit)."""
+    """metrics.jsonl without the wall-time (and batch-composition) figures: what an exact resume must reproduce
+    bit for bit."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [
         {k: v for k, v in row.items() if not k.startswith(_TIMED) and not k.endswith("_p99_ms")}
         for row in rows
     ]
+
+
+def metric_differences(actual: list[dict], expected: list[dict]) -> list[str]:
+    """`step N key: actual != expected` for every computed figure that differs (for assertion messages)."""
+    out = [f"{len(actual)} rows != {len(expected)} rows"] if len(actual) != len(expected) else []
+    for a, e in zip(actual, expected):
+        for key in sorted(set(a) | set(e)):
+            if a.get(key) != e.get(key):
+                out.append(f"step {e.get('step')} {key}: {a.get(key)!r} != {e.get(key)!r}")
+    return out
 
 
 def run_cli(

@@ -16,7 +16,7 @@ import torch
 
 from dockrl.cli import main
 from dockrl.models.hf import load_state_dict
-from runs import computed_metrics, run_cli, wait_gone, write_config
+from runs import computed_metrics, metric_differences, run_cli, wait_gone, write_config
 
 STEPS = 4
 CONFIG = (
@@ -57,7 +57,8 @@ def _final_weights(run_dir: Path) -> dict:
 def test_runs_repeat_bitwise(setup, reference):
     root, args = setup
     assert main([*args, "run.name=again"]) == 0
-    assert computed_metrics(root / "again") == computed_metrics(reference)
+    again_metrics, reference_metrics = computed_metrics(root / "again"), computed_metrics(reference)
+    assert again_metrics == reference_metrics, metric_differences(again_metrics, reference_metrics)
     again, ref = _final_weights(root / "again"), _final_weights(reference)
     assert all(torch.equal(again[k], ref[k]) for k in ref)
     # checkpoints hold the sharded state and a Hugging Face export; nothing is left half-written
@@ -83,7 +84,7 @@ def test_driver_killed_mid_save_resumes_exactly(setup, reference):
     assert not (run / "checkpoints" / f"step_{STEPS:06d}.tmp").exists()
     resumed, expected = computed_metrics(run), computed_metrics(reference)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))  # steps 3-4 replaced, not duplicated
-    assert resumed == expected
+    assert resumed == expected, metric_differences(resumed, expected)
     final, ref = _final_weights(run), _final_weights(reference)
     assert all(torch.equal(final[k], ref[k]) for k in ref)
 
@@ -112,7 +113,8 @@ def test_restart_after_an_actor_kill_ends_with_identical_metrics(setup, referenc
     monkeypatch.setenv("DOCKRL_FAULTS", "kill:actor-1:update:3:during")
     assert main([*args, "run.name=restarted", "run.max_restarts=1"]) == 0
     run = root / "restarted"
-    assert computed_metrics(run) == computed_metrics(reference)
+    restarted, expected = computed_metrics(run), computed_metrics(reference)
+    assert restarted == expected, metric_differences(restarted, expected)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("run/restarts", 0) for r in rows] == [0, 0, 1, 1]  # logged from the replayed step on
     summary = json.loads((run / "summary.json").read_text())

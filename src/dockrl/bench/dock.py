@@ -32,9 +32,37 @@ STAGE_NAMES = ("rollout", "reward", "logprob", "update")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `dockrl bench dock` (the defaults finish in a few minutes on 2 cores)."""
     parser.add_argument("--modes", default="dock,single,driver", help="comma list of dock, single, driver")
-    parser.add_argument("--warehouses", default="1,2,4", help="warehouse counts tried in dock mode")
-    parser.add_argument("--nodes", default="1,2", help="node counts (2 = a 2-node Cluster on this machine)")
-    parser.add_argument("--consumers", type=int, default=4, help="consumer actors (data-parallel ranks)")
+    parser.add_argument(
+        "--warehouses",
+        default=None,
+        help="warehouse counts tried in dock mode (default 1,2,4; one per node on a multi-node cluster)",
+    )
+    parser.add_argument(
+        "--nodes",
+        default=None,
+        help="node counts (default 1,2; 2 = a 2-node Cluster sharing this machine's loopback)",
+    )
+    parser.add_argument(
+        "--emulate-nodes",
+        default=None,
+        help="comma list of node counts, each an emulated cluster: one network namespace per node behind a "
+        "rate-limited link (--link-mbit, --delay-ms), the driver in the head's namespace (needs root, ip, tc)",
+    )
+    parser.add_argument("--link-mbit", type=float, default=200.0, help="each emulated node's link, both ways")
+    parser.add_argument(
+        "--delay-ms", type=float, default=0.0, help="one-way delay added to each emulated link"
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="run on this existing Ray cluster (e.g. auto) with every alive node; consumers one per node",
+    )
+    parser.add_argument(
+        "--consumers",
+        type=int,
+        default=4,
+        help="consumer actors (data-parallel ranks); at least one per node",
+    )
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--samples", type=int, default=4, help="samples per prompt (group size)")
     parser.add_argument("--tokens-per-row", type=int, default=16384, help="mean prompt+response tokens")
@@ -44,8 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=300.0, help="bound on every step")
     parser.add_argument(
         "--transport",
-        default="socket,ray",
-        help="comma list of socket, ray (dock.transport) for the dock and single modes; driver mode is socket",
+        default=None,
+        help="comma list of socket, ray (dock.transport) for the dock and single modes (default socket,ray on one "
+        "machine, socket on a multi-node cluster); driver mode has its own socket hub",
     )
 
 
@@ -144,11 +173,18 @@ def response_length(step: int, row: int, mean: int) -> int:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every configuration; one dict per (nodes, mode, warehouses)."""
+    """Every configuration; one dict per (nodes, mode, warehouses, transport)."""
     import ray
 
+    if args.emulate_nodes is not None or args.ray_address is not None:
+        if args.nodes is not None:
+            given = "--emulate-nodes" if args.emulate_nodes is not None else "--ray-address"
+            raise SystemExit(f"dockrl bench dock: --nodes={args.nodes} conflicts with {given}; drop --nodes")
+        if args.emulate_nodes is not None:
+            return _run_emulated(args)
+        return _run_on_address(args)
     results = []
-    for nodes in [int(n) for n in args.nodes.split(",")]:
+    for nodes in [int(n) for n in (args.nodes or "1,2").split(",")]:
         cluster = _start_ray(nodes)
         try:
             results += _run_on_cluster(args, nodes)
@@ -157,6 +193,60 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             if cluster is not None:
                 cluster.shutdown()
     return results
+
+
+def _run_on_address(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Join the cluster at --ray-address and run every configuration on all of its alive nodes."""
+    import os
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address=args.ray_address, log_to_driver=False, configure_logging=False)
+    try:
+        nodes = sum(1 for n in ray.nodes() if n["Alive"])
+        args.consumers = max(args.consumers, nodes)  # every node hosts a producer and a consumer
+        args.warehouses = args.warehouses or str(nodes)  # one per node: rows stay where they were produced
+        args.transport = args.transport or "socket"
+        return _run_on_cluster(args, nodes)
+    finally:
+        ray.shutdown()
+
+
+def _run_emulated(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """For each node count, build an emulated cluster and run this benchmark (--ray-address) in the head
+    node's namespace, so the driver sits behind a rate-limited link like every other node."""
+    import json
+
+    from dockrl.bench.netem import EmulatedCluster, unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        raise SystemExit(f"dockrl bench dock --emulate-nodes: {reason}")
+    names = ("modes", "warehouses", "consumers", "prompts", "samples", "tokens_per_row", "prompt_tokens")
+    names += ("steps", "warmup", "timeout_s", "transport")
+    passed = [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in names if getattr(args, n) is not None]
+    results = []
+    for nodes in [int(n) for n in args.emulate_nodes.split(",")]:
+        with EmulatedCluster(nodes=nodes, link_mbit=args.link_mbit, delay_ms=args.delay_ms) as cluster:
+            argv = [sys.executable, "-m", "dockrl.cli", "bench", "dock", "--json", *passed]
+            done = cluster.run_in(
+                0, [*argv, f"--ray-address={cluster.head_address}"], timeout=_budget_s(args)
+            )
+            if done.returncode != 0:
+                raise RuntimeError(
+                    f"bench dock on {nodes} emulated nodes failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
+                )
+            rows = json.loads(done.stdout.strip().splitlines()[-1])
+        results += [{**row, "link_mbit": args.link_mbit, "delay_ms": args.delay_ms} for row in rows]
+    return results
+
+
+def _budget_s(args: argparse.Namespace) -> float:
+    """A bound on one cluster's whole run: start-up, then every configuration's steps at --timeout-s each."""
+    warehouse_counts = len((args.warehouses or "1").split(","))
+    configs = len(args.modes.split(",")) * warehouse_counts * len((args.transport or "socket").split(","))
+    return 120.0 + configs * (args.warmup + args.steps) * args.timeout_s
 
 
 def _start_ray(nodes: int):
@@ -198,9 +288,9 @@ def _run_on_cluster(args: argparse.Namespace, nodes: int) -> list[dict[str, Any]
     ]
     ray.get([c.node_id.remote() for c in consumers], timeout=args.timeout_s)
     configs = []
-    transports = args.transport.split(",")
+    transports = (args.transport or "socket,ray").split(",")
     for mode in args.modes.split(","):
-        counts = [int(w) for w in args.warehouses.split(",")] if mode == "dock" else [1]
+        counts = [int(w) for w in (args.warehouses or "1,2,4").split(",")] if mode == "dock" else [1]
         for transport in ["socket"] if mode == "driver" else transports:  # the driver's hub is a socket
             configs += [(mode, w, transport) for w in counts]
     results = []

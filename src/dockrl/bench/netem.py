@@ -1,27 +1,28 @@
 """A multi-node Ray cluster on one machine, each node in its own network namespace behind a slow link.
 
 ```
- root namespace (no address in the cluster subnet)
- +-------------------------------------------------------------------------+
- |                       bridge  <prefix><pid>br  (no IP)                  |
- |          +-------------------+-------------------+---------- ...        |
- |   veth <prefix><pid>p0  <prefix><pid>p1   <prefix><pid>p2               |
- |     tc: tbf (+netem)    tc: tbf (+netem)  tc: tbf (+netem)  <- egress to the node
- +----------|-------------------|-------------------|----------------------+
-            |                   |                   |
- +----------|--------+ +--------|----------+ +------|------------+
- | netns n0 |        | | netns n1|          | | netns n2|          |
- | veth <..>v0       | | veth <..>v1        | | veth <..>v2        |
- |  10.77.X.1/24     | |  10.77.X.2/24      | |  10.77.X.3/24      |
- |  tc: tbf (+netem) | |  tc: tbf (+netem)  | |  tc: tbf (+netem)  |  <- egress from the node
- |  Ray head :6379   | |  raylet            | |  raylet            |
- |  (+ the driver)   | |                    | |                    |
- +-------------------+ +--------------------+ +--------------------+
+ root namespace: no address in the cluster subnet
+ +--------------------------------------------------------------------------+
+ |                  bridge <prefix><pid>br (no IP)                          |
+ |        +-------------------------+-------------------------+---- ...    |
+ |   veth <prefix><pid>p0      veth <prefix><pid>p1      veth <..>p2        |
+ |   tc: [netem] + tbf         tc: [netem] + tbf         tc: ...   egress -> node
+ +--------|-------------------------|-------------------------|-------------+
+          |                         |                         |
+ +--------|----------------+ +------|------------------+ +----|------------+
+ | netns <prefix><pid>n0   | | netns <prefix><pid>n1   | | netns ..n2      |
+ | veth <prefix><pid>v0    | | veth <prefix><pid>v1    | | veth ..v2       |
+ |   10.77.X.1/24          | |   10.77.X.2/24          | |   10.77.X.3/24  |
+ |   tc: [netem] + tbf     | |   tc: [netem] + tbf     | |   tc: ...       |  egress <- node
+ | Ray head :6379, node0   | | raylet, node1           | | raylet, node2   |
+ | (+ the benchmark driver)| |                         | |                 |
+ +-------------------------+ +-------------------------+ +-----------------+
 ```
 
 Every byte between two nodes leaves one node through its own shaped egress and enters the other through
 the shaped egress of the bridge-side veth, so each node has a `link_mbit` uplink and a `link_mbit`
-downlink (and `delay_ms` one-way delay each way, when the kernel has netem). Node i gets the Ray custom
+downlink. Each of the two egresses adds `delay_ms` (netem, when the kernel has it): node to node is
+2 x delay_ms one way, 4 x delay_ms round trip. Node i gets the Ray custom
 resource `node<i>` so tasks and actors can be pinned to it. A benchmark runs its own driver inside the
 head's namespace (`popen_in(0, [...])` with `ray.init(address=cluster.head_address)`), so the driver sits
 behind the head's link like every other process of the node.
@@ -47,7 +48,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -57,7 +58,7 @@ logger = logging.getLogger(__name__)
 IFNAMSIZ = 15  # longest interface name Linux accepts
 HEAD_PORT = 6379
 _CMD_TIMEOUT_S = 20.0  # one `ip` / `tc` call
-_TERM_GRACE_S = 5.0  # SIGTERM -> SIGKILL
+_TERM_GRACE_S = 1.0  # SIGTERM -> SIGKILL (raylet and gcs_server take > 5 s to heed SIGTERM; nothing to save)
 _KILL_GRACE_S = 3.0  # SIGKILL -> give up (logged)
 _KILL_ROUNDS = 3  # collect-and-kill passes (processes forked while the first pass ran)
 _SUFFIX = r"(?:[nvpx]\d{1,3}|br)"
@@ -160,7 +161,7 @@ def _pids_with_cmdline(fragment: str) -> set[int]:
     return found
 
 
-def _kill_all(collect: Any, what: str) -> None:
+def _kill_all(collect: Callable[[], set[int]], what: str) -> None:
     """SIGTERM what collect() returns, wait, SIGKILL the rest; bounded rounds and time, never raises."""
     me = os.getpid()
     for _ in range(_KILL_ROUNDS):
@@ -264,7 +265,9 @@ def _shape(dev: str, mbit: float, delay_ms: float, netns: str | None) -> None:
     """Egress shaping on dev: netem delay at the root with tbf under it, or tbf alone when delay_ms == 0."""
     if delay_ms > 0:
         prefix = ["tc"] if netns is None else ["tc", "-n", netns]
-        _run([*prefix, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{delay_ms:g}ms"])
+        _run(
+            [*prefix, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{delay_ms:g}ms"]
+        )
         _run(_tc_tbf(dev, mbit, parent="1:", netns=netns))
     else:
         _run(_tc_tbf(dev, mbit, parent=None, netns=netns))
@@ -436,8 +439,8 @@ class EmulatedCluster:
     def close(self) -> None:
         """Kill every process of the cluster and delete what it created; idempotent, never raises."""
         with self._lock:
-            if self._torn_down:
-                return
+            if self._torn_down or not self._entered:
+                return  # not entered: the names may belong to another instance of this process
             self._tearing_down = True
             try:
                 for proc in self._popens:

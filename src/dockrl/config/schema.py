@@ -220,7 +220,9 @@ class AlgoConfig:
         "token's surrogate by min(exp(old - rollout log-prob), rollout_is_cap) (truncated importance sampling); "
         "decoupled is the decoupled-PPO objective (clip against the proximal policy, computed by the old "
         "log-prob stage, times the same truncated weight; the same numbers as tis while rollout and update "
-        "alternate, it matters once rollout runs ahead of the update); none uses no correction.",
+        "alternate, it matters once rollout runs ahead of the update); none uses no correction. The rollout's "
+        "log-probs depend on its batch composition at rounding level, so with tis or decoupled runs repeat to "
+        "rounding, not bit for bit.",
         noun="correction",
     )
     rollout_is_cap: float = setting(2.0, "Cap of the importance weight of algo.rollout_is (>= 1).")
