@@ -25,6 +25,7 @@ def ray_session():
         ray.init(
             address="local",  # never join a cluster some other process left running on this machine
             num_cpus=4,
+            resources={"test_pool": 1.0},  # a custom node resource, as placement.* names them
             include_dashboard=False,
             log_to_driver=False,
             configure_logging=False,

@@ -97,3 +97,36 @@ def test_supervisor_names_a_frozen_worker_of_another_group_from_its_heartbeats(r
         late.supervisor.kill_all()
     finally:
         supervisor.kill_all()
+
+
+def test_ranks_take_a_share_of_the_named_node_resource(ray_session):
+    """placement.*: each rank asks for PLACEMENT_SHARE of its node resource, so it runs only on a node offering
+    it, and any number of ranks fit there."""
+    from dockrl.workers.group import PLACEMENT_SHARE
+
+    before = ray.available_resources()["test_pool"]
+    g = WorkerGroup(
+        EchoWorker, 3, name=f"placed{time.monotonic_ns()}", timeout_s=30.0, node_resources=["test_pool"]
+    )
+    try:
+        assert g.call("rank_times", 2) == [0, 2, 4]
+        held = before - ray.available_resources().get("test_pool", 0.0)
+        assert held == pytest.approx(3 * PLACEMENT_SHARE, abs=1e-9)  # Ray counts resources in 1e-4 units
+    finally:
+        g.shutdown()
+
+
+def test_placement_naming_a_resource_no_node_offers_is_a_config_error(
+    ray_session, tiny_model, arithmetic_data
+):
+    from dockrl.config import ConfigError, TrainConfig, load_config
+    from dockrl.recipes.cluster import check_placement
+
+    base = [f"model.path={tiny_model}", f"data.train_path={arithmetic_data['train']}"]
+    base += ["run.steps=1", "run.prompts_per_step=2"]
+    check_placement(load_config(TrainConfig, None, [*base, "placement.actor=[test_pool]"]))
+    cfg = load_config(TrainConfig, None, [*base, "placement.actor=[test_pool]", "placement.reward=[node7]"])
+    with pytest.raises(
+        ConfigError, match=r"placement.reward=\['node7'\]: no node of the Ray cluster offers the "
+    ):
+        check_placement(cfg)

@@ -15,4 +15,5 @@ BENCHMARKS: dict[str, str] = {
     "reshard": "dockrl.bench.reshard",
     "load": "dockrl.bench.load_memory",
     "faults": "dockrl.bench.fault_timing",
+    "train": "dockrl.bench.cluster_train",
 }

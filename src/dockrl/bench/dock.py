@@ -48,7 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma list of node counts, each an emulated cluster: one network namespace per node behind a "
         "rate-limited link (--link-mbit, --delay-ms), the driver in the head's namespace (needs root, ip, tc)",
     )
-    parser.add_argument("--link-mbit", type=float, default=200.0, help="each emulated node's link, both ways")
+    parser.add_argument(
+        "--link-mbit",
+        default="200",
+        help="comma list of link speeds of the emulated nodes (each way), mbit/s",
+    )
     parser.add_argument(
         "--delay-ms", type=float, default=0.0, help="one-way delay added to each emulated link"
     )
@@ -227,8 +231,9 @@ def _run_emulated(args: argparse.Namespace) -> list[dict[str, Any]]:
     names += ("steps", "warmup", "timeout_s", "transport")
     passed = [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in names if getattr(args, n) is not None]
     results = []
-    for nodes in [int(n) for n in args.emulate_nodes.split(",")]:
-        with EmulatedCluster(nodes=nodes, link_mbit=args.link_mbit, delay_ms=args.delay_ms) as cluster:
+    shapes = [(int(n), float(b)) for b in args.link_mbit.split(",") for n in args.emulate_nodes.split(",")]
+    for nodes, link_mbit in shapes:
+        with EmulatedCluster(nodes=nodes, link_mbit=link_mbit, delay_ms=args.delay_ms) as cluster:
             argv = [sys.executable, "-m", "dockrl.cli", "bench", "dock", "--json", *passed]
             done = cluster.run_in(
                 0, [*argv, f"--ray-address={cluster.head_address}"], timeout=_budget_s(args)
@@ -238,7 +243,7 @@ def _run_emulated(args: argparse.Namespace) -> list[dict[str, Any]]:
                     f"bench dock on {nodes} emulated nodes failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
                 )
             rows = json.loads(done.stdout.strip().splitlines()[-1])
-        results += [{**row, "link_mbit": args.link_mbit, "delay_ms": args.delay_ms} for row in rows]
+        results += [{**row, "link_mbit": link_mbit, "delay_ms": args.delay_ms} for row in rows]
     return results
 
 

@@ -557,7 +557,9 @@ class EmulatedCluster:
         for i in range(1, self.nodes):
             node = self.run_in(i, self._ray_start_argv(i), timeout=left())
             if node.returncode != 0:
-                raise RuntimeError(f"ray node {i} failed to start: {(node.stdout + node.stderr).strip()[-1500:]}")
+                raise RuntimeError(
+                    f"ray node {i} failed to start: {(node.stdout + node.stderr).strip()[-1500:]}"
+                )
         budget = left()
         check = self.run_in(
             0,

@@ -429,6 +429,19 @@ class RunConfig:
 
 
 @dataclass
+class PlacementConfig:
+    """Which Ray nodes run each worker group, by the custom resources the nodes offer (`ray start
+    --resources='{"rollout_pool": 8}'`; an emulated cluster's node i offers `node<i>`). Each list gives one
+    resource per rank, cycled (rank i takes entry i mod length); a rank takes 0.001 of it, so any number of
+    ranks fit a node. Empty lists leave placement to Ray. The dock's warehouses are one per node already."""
+
+    actor: list[str] = setting([], "Custom resource per actor rank (dp x tp ranks), e.g. [node1, node2].")
+    reward: list[str] = setting([], "Custom resource per RewardWorker.")
+    reward_model: list[str] = setting([], "Custom resource per RewardModelWorker.")
+    critic: list[str] = setting([], "Custom resource per critic rank (PPO).")
+
+
+@dataclass
 class TrainConfig:
     """`dockrl train`: a GRPO job."""
 
@@ -442,6 +455,7 @@ class TrainConfig:
     dock: DockConfig = field(default_factory=DockConfig)
     reshard: ReshardConfig = field(default_factory=ReshardConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)  # used only with algo.name=ppo
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
 
 @dataclass

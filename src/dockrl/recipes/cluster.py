@@ -88,6 +88,16 @@ class Cluster:
                     part.shutdown()  # groups not yet named to the supervisor
             raise
 
+    def worker_nodes(self) -> dict[str, str]:
+        """The node address each worker runs on (`actor-0` -> `10.0.0.5`), for the run's summary."""
+        groups = [self.actors, self.rewards, self.reward_models, self.critic]
+        return {
+            name: ident["node_ip"]
+            for group in groups
+            if group is not None
+            for name, ident in zip(group.names, group.identities)
+        }
+
     def close(self) -> None:
         """The normal end: stop the reward process pools, then every actor and the dock."""
         try:
@@ -100,6 +110,31 @@ class Cluster:
         """Kill every actor of this attempt at once (after a failure: nothing is asked politely)."""
         self.supervisor.kill_all()
         self.dock.shutdown()
+
+
+def check_placement(cfg: TrainConfig) -> None:
+    """Every resource placement.* names is offered by some node of the Ray cluster (else no rank could ever
+    start there: a ConfigError naming the setting, before any worker starts)."""
+    import ray
+
+    from dockrl.config.fields import config_error
+
+    offered = ray.cluster_resources()
+    for group in ("actor", "reward", "reward_model", "critic"):
+        for resource in getattr(cfg.placement, group):
+            if offered.get(resource, 0) <= 0:
+                custom = sorted(
+                    k for k in offered if k not in _BUILTIN_RESOURCES and not k.startswith("node:")
+                )
+                raise config_error(
+                    f"placement.{group}",
+                    getattr(cfg.placement, group),
+                    f"no node of the Ray cluster offers the resource {resource!r} (custom resources: {custom})",
+                    "start the nodes with `ray start --resources=...`, or name one of those",
+                )
+
+
+_BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory", "accelerator_type"}
 
 
 def _watch_dock(supervisor: Supervisor, dock: Any) -> None:
@@ -128,6 +163,7 @@ def _start_workers(cfg: TrainConfig, dock, supervisor: Supervisor) -> tuple[Acto
         ActorGroup,
         num_actor_ranks,
         "actor",
+        place=cfg.placement.actor,
         gpu=True,
         distributed=True,
         cfg=cfg,
@@ -141,6 +177,7 @@ def _start_workers(cfg: TrainConfig, dock, supervisor: Supervisor) -> tuple[Acto
         RewardGroup,
         cfg.reward.num_workers,
         "reward",
+        place=cfg.placement.reward,
         gpu=False,
         reward=cfg.reward,
         algo=cfg.algo,
@@ -163,6 +200,7 @@ def _start_reward_models(cfg: TrainConfig, dock, supervisor: Supervisor) -> Rewa
         RewardModelGroup,
         cfg.reward.model.num_workers,
         "reward_model",
+        place=cfg.placement.reward_model,
         gpu=True,
         model=cfg.reward.model,
         policy_path=cfg.model.path,
@@ -185,6 +223,7 @@ def _start_critic(cfg: TrainConfig, dock, supervisor: Supervisor) -> CriticGroup
         CriticGroup,
         critic.dp,
         "critic",
+        place=cfg.placement.critic,
         gpu=True,
         distributed=True,
         cfg=cfg,
@@ -201,13 +240,15 @@ def _group(
     size: int,
     name: str,
     *,
+    place: list[str],
     gpu: bool,
     distributed: bool = False,
     **init,
 ) -> G:
     """`size` Ray actors of `group.worker` (constructed with `init`) that reserve no CPU, and one GPU each when
-    `gpu` and run.device=cuda; `distributed` joins them in one process group on run.device. They start in the
-    background: `wait_started()` before use."""
+    `gpu` and run.device=cuda, on the nodes offering the resources `place` names (placement.<group>);
+    `distributed` joins them in one process group on run.device. They start in the background:
+    `wait_started()` before use."""
     return group(
         group.worker,
         size,
@@ -218,6 +259,7 @@ def _group(
         num_cpus=0,
         timeout_s=run.worker_timeout_s,
         init_kwargs=init,
+        node_resources=place,
         supervisor=supervisor,
         wait=False,
     )

@@ -36,7 +36,7 @@ from dockrl.dock.errors import DockError
 from dockrl.dock.metrics import bytes_moved, driver_bytes
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.observe.run_dir import RunDir, StageTimer
-from dockrl.recipes.cluster import Cluster
+from dockrl.recipes.cluster import Cluster, check_placement
 from dockrl.recipes.common import (
     EncodedPrompt,
     EpochSampler,
@@ -77,6 +77,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         cfg.model.ref_path = point.state["reference_path"]  # the KL reference of the run being resumed
     run.write_config(to_dict(cfg))
     init_ray(cfg.run.ray_address)
+    check_placement(cfg)  # placement.* against the nodes' resources, before any worker starts
     faults = FaultInjector()
     summary: dict[str, Any] = {"run_dir": str(run.path), "skipped_prompts": skipped, "restarts": []}
     fresh = cfg.run.resume == "auto"
@@ -93,6 +94,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 kl_coef=None if point is None else point.kl_coef,
                 faults=faults,
             )
+            summary["worker_nodes"] = cluster.worker_nodes()
             _run_steps(cfg, run, cluster, sampler, first_step, eval_prompts, tokenizer, summary, data)
         except (WorkerError, DockError) as exc:
             failure = _root_cause(exc, cluster)

@@ -31,6 +31,7 @@ from dockrl.workers.supervisor import HEALTH_GROUP, POLL_S, Supervisor, WorkerEr
 __all__ = ["Pending", "Worker", "WorkerError", "WorkerFailure", "WorkerGroup"]
 
 T = TypeVar("T")
+PLACEMENT_SHARE = 0.001  # of a node's custom placement resource one rank takes: any number of ranks fit
 
 
 class Worker:
@@ -107,14 +108,19 @@ class WorkerGroup:
         startup_timeout_s: float = 300.0,
         supervisor: Supervisor | None = None,
         wait: bool = True,
+        node_resources: list[str] | None = None,
     ):
         self.name, self.timeout_s, self.supervisor = name, timeout_s, supervisor
         remote_cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(worker_cls)
         self.names = [f"{name}-{rank}" for rank in range(num_workers)]
+
+        def placed(rank: int) -> dict[str, float]:  # rank i on a node offering node_resources[i mod len]
+            return {node_resources[rank % len(node_resources)]: PLACEMENT_SHARE} if node_resources else {}
+
         self.actors = [
-            remote_cls.options(name=actor_name, num_cpus=num_cpus, num_gpus=num_gpus).remote(
-                actor_name, rank, num_workers, **(init_kwargs or {})
-            )
+            remote_cls.options(
+                name=actor_name, num_cpus=num_cpus, num_gpus=num_gpus, resources=placed(rank)
+            ).remote(actor_name, rank, num_workers, **(init_kwargs or {}))
             for rank, actor_name in enumerate(self.names)
         ]
         # Starting a worker process (imports, model code) can take far longer than a call on a busy host.
