@@ -61,6 +61,7 @@ def arithmetic_data(tmp_path_factory):
 _SPAWNING = {"test_dp_equivalence", "test_tp_equivalence", "test_reshard_switch", "test_sharded_load"}
 _SPAWNING |= {"test_collective_devices", "test_netem"}
 _END_TO_END = {"test_e2e_grpo", "test_e2e_algos", "test_resume", "test_faults", "test_gpu_check", "test_demo"}
+_END_TO_END |= {"test_emulated_train"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -81,3 +81,12 @@ def test_update_collectives_use_devices_the_cuda_backend_serves(tmp_path, tiny_m
     served = served_devices(backend_for("cuda"))
     for name, devices in calls:
         assert set(devices) <= served, f"{name} handed tensors on {devices}; a CUDA group serves {served}"
+
+
+def test_gloo_interface_is_the_one_holding_the_node_address():
+    """Ranks on several nodes: gloo must bind to the interface of the node's cluster address, not to what the
+    host name resolves to (often loopback, always so in a network namespace)."""
+    from dockrl.parallel.dist import interface_with_address
+
+    assert interface_with_address("127.0.0.1") == "lo"
+    assert interface_with_address("198.51.100.77") is None  # TEST-NET-2: no interface of this host holds it

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         f"dockrl train (dock.mode={mode}) on {args.emulate_nodes} emulated nodes failed "
                         f"(exit {done.returncode}):\n{done.stderr[-3000:]}"
                     )
-                rows.append(_row(root / "runs" / mode, mode, args))
+                rows.append({**_row(root / "runs" / mode, mode, args), "node_ips": list(cluster.node_ips)})
     return rows
 
 

@@ -63,6 +63,7 @@ def init_distributed(
     else:
         dev = torch.device("cpu")
     if not dist.is_initialized():
+        _pin_gloo_interface()
         dist.init_process_group(
             backend=backend_for(device),
             init_method=f"tcp://{master_addr}:{master_port}",
@@ -71,6 +72,35 @@ def init_distributed(
             timeout=timedelta(seconds=timeout_s),
         )
     return dev
+
+
+def _pin_gloo_interface() -> None:
+    """Make gloo use the interface of this node's cluster address. Left alone, gloo binds to whatever the host
+    name resolves to, which on many machines (and in a network namespace) is loopback: ranks on other nodes
+    then cannot connect. GLOO_SOCKET_IFNAME set by the user wins; on one machine (loopback) nothing changes."""
+    ip = host_ip()
+    if "GLOO_SOCKET_IFNAME" in os.environ or ip.startswith("127."):
+        return
+    name = interface_with_address(ip)
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
+def interface_with_address(ip: str) -> str | None:
+    """The network interface holding IPv4 address `ip` on this host (Linux), or None."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                answer = fcntl.ioctl(probe.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+            if socket.inet_ntoa(answer[20:24]) == ip:
+                return name
+    return None
 
 
 def data_parallel_mesh(device: str, dp: int) -> DeviceMesh:
