@@ -322,13 +322,14 @@ def _measure(
     import numpy as np
     import ray
 
-    from dockrl.dock.metrics import bytes_moved, driver_bytes
+    from dockrl.dock.metrics import busy_totals, bytes_moved, driver_bytes
 
     client = dock.client()
     client.reset()
     ray.get([c.set_client.remote(dock.client()) for c in consumers], timeout=args.timeout_s)
     rows_per_step = args.prompts * args.samples
     seconds, moved, through_driver, prompt_bytes, latencies = 0.0, 0, 0, 0, []
+    served = [0, 0.0]  # calls and seconds of the controller's (other modes: the store's) own service
     for step in range(args.warmup + args.steps):
         prompts = [np.arange(args.prompt_tokens, dtype=np.int32) + p for p in range(args.prompts)]
         start = time.perf_counter()
@@ -343,6 +344,7 @@ def _measure(
                 f"--timeout-s={args.timeout_s:g}: ready {stats['ready']}, consumed {stats['consumed']}"
             ) from None
         elapsed = time.perf_counter() - start
+        before = busy_totals(stats.get("latency_ms", {})) if step else (0, 0.0)
         stats = client.stats()
         client.reset()
         if step >= args.warmup:
@@ -353,6 +355,8 @@ def _measure(
                 sys.getsizeof(f"answer-{p}") for p in range(len(prompts))
             )
             latencies += step_latencies
+            after = busy_totals(stats.get("latency_ms", {}))
+            served = [served[0] + after[0] - before[0], served[1] + after[1] - before[1]]
     ms = np.asarray(latencies) * 1e3
     return {
         "mode": mode,
@@ -367,4 +371,8 @@ def _measure(
         "driver_bytes": through_driver // args.steps,
         "prompt_bytes": prompt_bytes // args.steps,
         "mb_per_step": moved / args.steps / 1e6,
+        # the metadata path: ops the controller served per second, and the share of wall time it was busy
+        # (near 1, the controller is the limit); single/driver mode: the one store's
+        "controller_ops_per_s": served[0] / seconds,
+        "controller_busy": served[1] / seconds,
     }

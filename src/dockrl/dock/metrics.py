@@ -31,26 +31,42 @@ def batch_nbytes(batch: dict[str, list]) -> int:
 
 
 class OpLatency:
-    """Durations of the latest LATENCY_WINDOW calls per op name; `summary()` gives p50/p99 in ms."""
+    """Durations of the latest LATENCY_WINDOW calls per op name, and running totals; `summary()` gives p50/p99
+    in ms over the window, and the calls and seconds since start (how busy the actor is)."""
 
     def __init__(self) -> None:
         self._seconds: dict[str, deque] = {}
+        self._totals: dict[str, list] = {}  # op -> [calls, seconds]
 
     def record(self, op: str, seconds: float) -> None:
         """Add one duration of `op`."""
         self._seconds.setdefault(op, deque(maxlen=LATENCY_WINDOW)).append(seconds)
+        total = self._totals.setdefault(op, [0, 0.0])
+        total[0] += 1
+        total[1] += seconds
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """op -> {"p50_ms", "p99_ms", "count"} over the window."""
+        """op -> {"p50_ms", "p99_ms", "count"} over the window, plus "total_calls" and "total_s" since start."""
         out = {}
         for op, window in self._seconds.items():
             ms = np.asarray(window) * 1e3
+            calls, seconds = self._totals[op]
             out[op] = {
                 "p50_ms": float(np.percentile(ms, 50)),
                 "p99_ms": float(np.percentile(ms, 99)),
                 "count": len(ms),
+                "total_calls": calls,
+                "total_s": seconds,
             }
         return out
+
+
+def busy_totals(latency_ms: dict[str, dict[str, float]]) -> tuple[int, float]:
+    """(calls, seconds) an actor has served, summed over its ops, from an `OpLatency.summary()`."""
+    return (
+        int(sum(op.get("total_calls", 0) for op in latency_ms.values())),
+        float(sum(op.get("total_s", 0.0) for op in latency_ms.values())),
+    )
 
 
 def driver_bytes(stats: dict) -> int:
