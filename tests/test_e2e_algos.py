@@ -54,6 +54,12 @@ def test_tiny_example_validates_without_warnings(algo, tiny_model, arithmetic_da
         ),
         (["algo.dynamic_sampling=true", "algo.max_sampling_rounds=0"], "algo.max_sampling_rounds=0"),
         (["algo.rollout_is=tis", "algo.rollout_is_cap=0.5"], "algo.rollout_is_cap=0.5: must be >= 1"),
+        (["rollout.replicas=2"], "rollout.replicas=2: colocated rollout runs on the actor's ranks"),
+        (
+            ["rollout.placement=separate", "rollout.tp=2"],
+            "rollout.tp=2: rollout.placement=separate sends full",
+        ),
+        (["rollout.placement=separate", "rollout.replicas=0"], "rollout.replicas=0: must be >= 1"),
         (["algo.kl_in_reward=true"], "only PPO's GAE and REINFORCE\\+\\+'s returns use"),
         (
             ["algo.name=reinforce_pp", "algo.kl_in_reward=true", "algo.kl_ctrl=adaptive"],
@@ -86,6 +92,10 @@ def test_conflicting_algorithm_settings_are_errors(overrides, expected, tiny_mod
             "dock.transport=ray has no effect with dock.mode=driver",
         ),
         (["data.eval_limit=4"], "data.eval_limit=4 has no effect without data.eval_path"),
+        (
+            ["placement.rollout=[test_pool]"],
+            "placement.rollout=\\['test_pool'\\] has no effect with rollout.placement",
+        ),
         # a single on-policy update: every importance ratio is exactly 1, no clip ever acts
         (["algo.clip_high=0.28"], r"the ratio clip \(algo.clip_low=0.2, algo.clip_high=0.28\) never acts"),
         (["algo.name=dapo", "algo.kl_coef=0"], "never acts: with actor.mini_batches=1 and actor.epochs=1"),

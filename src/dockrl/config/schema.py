@@ -92,6 +92,14 @@ class RolloutConfig:
         "Tensor-parallel degree of the rollout: actor.dp x actor.tp / rollout.tp replicas, each serving its "
         "own rows (its first rank talks to the dock). Must divide the actor's ranks and the model's heads.",
     )
+    placement: Literal["colocated", "separate"] = setting(
+        "colocated",
+        "colocated: the actor's ranks switch between training and rollout (allgather-swap); separate: "
+        "rollout.replicas rollout ranks of their own (Ray actors; one GPU each on cuda) generate, and receive "
+        "the trainer's weights after each update, broadcast bucket by bucket (rollout.tp=1 so far).",
+        noun="placement",
+    )
+    replicas: int = setting(1, "Rollout replicas with rollout.placement=separate (each its own Ray actor).")
 
 
 @dataclass
@@ -436,6 +444,7 @@ class PlacementConfig:
     ranks fit a node. Empty lists leave placement to Ray. The dock's warehouses are one per node already."""
 
     actor: list[str] = setting([], "Custom resource per actor rank (dp x tp ranks), e.g. [node1, node2].")
+    rollout: list[str] = setting([], "Custom resource per rollout rank (rollout.placement=separate).")
     reward: list[str] = setting([], "Custom resource per RewardWorker.")
     reward_model: list[str] = setting([], "Custom resource per RewardModelWorker.")
     critic: list[str] = setting([], "Custom resource per critic rank (PPO).")

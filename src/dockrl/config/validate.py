@@ -501,6 +501,28 @@ def _check_layouts(cfg: TrainConfig) -> None:
     _positive("actor.tp", actor.tp)
     _positive("rollout.tp", roll.tp)
     world = actor.dp * actor.tp
+    _positive("rollout.replicas", roll.replicas)
+    if roll.placement == "colocated" and roll.replicas != 1:
+        raise config_error(
+            "rollout.replicas",
+            roll.replicas,
+            "colocated rollout runs on the actor's ranks (actor.dp x actor.tp / rollout.tp replicas)",
+            "set rollout.placement=separate for replicas of their own, or leave rollout.replicas=1",
+        )
+    if roll.placement == "separate" and roll.tp != 1:
+        raise config_error(
+            "rollout.tp",
+            roll.tp,
+            "rollout.placement=separate sends full weights to single-rank replicas (tensor-parallel separate "
+            "replicas are not built yet)",
+            "use rollout.tp=1 with several rollout.replicas, or rollout.placement=colocated",
+        )
+    if roll.placement == "colocated" and cfg.placement.rollout:
+        warnings.warn(
+            f"placement.rollout={cfg.placement.rollout} has no effect with rollout.placement=colocated (rollout "
+            "runs on the actor's ranks, placed by placement.actor)",
+            stacklevel=3,
+        )
     if world % roll.tp:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         raise config_error(

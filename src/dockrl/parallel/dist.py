@@ -74,6 +74,18 @@ def init_distributed(
     return dev
 
 
+def side_group(
+    addr: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0
+) -> dist.ProcessGroup:
+    """A gloo group of its own between processes of different worker groups (the trainer's rank 0 and the
+    rollout replicas of separate placement), beside each process's default group. Rank 0 hosts the store at
+    addr:port; the others connect to it."""
+    _pin_gloo_interface()
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout)
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
 def _pin_gloo_interface() -> None:
     """Make gloo use the interface of this node's cluster address. Left alone, gloo binds to whatever the host
     name resolves to, which on many machines (and in a network namespace) is loopback: ranks on other nodes

@@ -23,6 +23,7 @@ from dockrl.workers.fault_injection import FaultInjector, process_identity
 from dockrl.workers.group import WorkerError, WorkerGroup
 from dockrl.workers.reward import RewardGroup
 from dockrl.workers.reward_model import RewardModelGroup
+from dockrl.workers.rollout.worker import RolloutGroup
 from dockrl.workers.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class Cluster:
     reward_models: RewardModelGroup | None
     critic: CriticGroup | None
     supervisor: Supervisor
+    rollouts: RolloutGroup | None = None  # rollout.placement=separate
+    rollout_version: int = -1  # actor updates behind the rollouts' weights; -1: none sent yet
 
     @classmethod
     def start(
@@ -69,6 +72,7 @@ class Cluster:
             started["actors"], started["rewards"] = _start_workers(cfg, dock, supervisor)
             started["reward_models"] = _start_reward_models(cfg, dock, supervisor)
             started["critic"] = _start_critic(cfg, dock, supervisor)
+            started["rollouts"] = _start_rollouts(cfg, dock, supervisor)
             for group in started.values():
                 if isinstance(group, WorkerGroup):
                     group.wait_started()
@@ -76,7 +80,11 @@ class Cluster:
             setup = started["actors"].setup(resume_from)
             if started["critic"] is not None:
                 started["critic"].setup(resume_from, kl_coef).wait()
+            if started["rollouts"] is not None:
+                started["rollouts"].setup().wait()
             setup.wait()
+            if started["rollouts"] is not None:
+                _connect_weight_sync(started["actors"], started["rollouts"])
             supervisor.stage = None
             return cls(client=dock.client(), supervisor=supervisor, **started)
         except BaseException:
@@ -90,7 +98,7 @@ class Cluster:
 
     def worker_nodes(self) -> dict[str, str]:
         """The node address each worker runs on (`actor-0` -> `10.0.0.5`), for the run's summary."""
-        groups = [self.actors, self.rewards, self.reward_models, self.critic]
+        groups = [self.actors, self.rewards, self.reward_models, self.critic, self.rollouts]
         return {
             name: ident["node_ip"]
             for group in groups
@@ -231,6 +239,47 @@ def _start_critic(cfg: TrainConfig, dock, supervisor: Supervisor) -> CriticGroup
         total_optimizer_steps=cfg.run.steps * critic.mini_batches * critic.epochs,
         num_threads=_threads_per_rank(cfg, critic.dp),
     )
+
+
+def _start_rollouts(cfg: TrainConfig, dock, supervisor: Supervisor) -> RolloutGroup | None:
+    """rollout.placement=separate: rollout.replicas RolloutWorkers (one GPU each on cuda), else None."""
+    if cfg.rollout.placement != "separate":
+        return None
+    return _group(
+        cfg.run,
+        supervisor,
+        RolloutGroup,
+        cfg.rollout.replicas,
+        "rollout",
+        place=cfg.placement.rollout,
+        gpu=True,
+        cfg=cfg,
+        client=dock.client(),
+    )
+
+
+def _connect_weight_sync(actors: ActorGroup, rollouts: RolloutGroup) -> None:
+    """The gloo group of the actor's rank 0 and every rollout replica (weights go through it each update)."""
+    addr, port = actors.weight_sync_address()
+    world = 1 + len(rollouts)
+    joining = actors.join_weight_sync(addr, port, world)
+    rollouts.join_weight_sync(addr, port, world).wait()
+    joining.wait()
+
+
+def sync_rollout_weights(cluster: Cluster, version: int) -> float:
+    """Send the policy after `version` updates to the separate rollout replicas, unless they hold it; returns
+    the seconds it took (0 when nothing was sent)."""
+    import time
+
+    if cluster.rollouts is None or cluster.rollout_version == version:
+        return 0.0
+    start = time.perf_counter()
+    sending = cluster.actors.send_weights()
+    cluster.rollouts.receive_weights(version).wait()
+    sending.wait()
+    cluster.rollout_version = version
+    return time.perf_counter() - start
 
 
 def _group(

@@ -36,7 +36,7 @@ from dockrl.dock.errors import DockError
 from dockrl.dock.metrics import bytes_moved, driver_bytes
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.observe.run_dir import RunDir, StageTimer
-from dockrl.recipes.cluster import Cluster, check_placement
+from dockrl.recipes.cluster import Cluster, check_placement, sync_rollout_weights
 from dockrl.recipes.common import (
     EncodedPrompt,
     EpochSampler,
@@ -260,8 +260,12 @@ def _round(cfg: TrainConfig, step: int, batch: list[EncodedPrompt], cluster: Clu
     generate results, per-reward-worker score results, the critic's pending compute_values or None)."""
     n = cfg.rollout.samples_per_prompt
     cluster.client.add_groups([torch.tensor(p.ids) for p in batch], [p.label for p in batch], n)
+    synced_s = sync_rollout_weights(cluster, version=step - 1)  # separate placement: the step's policy
+    if synced_s:
+        timer.add("weight_sync", synced_s)
     start = time.perf_counter()
-    generating, scoring = cluster.actors.generate(step), cluster.rewards.score()
+    generator = cluster.rollouts if cluster.rollouts is not None else cluster.actors
+    generating, scoring = generator.generate(step), cluster.rewards.score()
     model_scoring = cluster.reward_models.score() if cluster.reward_models is not None else None
     gen = generating.wait()
     timer.add("rollout", time.perf_counter() - start)

@@ -37,7 +37,7 @@ from dockrl.dock.columns import (
     UPDATE_WEIGHT,
 )
 from dockrl.models.tokenizer import Tokenizer
-from dockrl.parallel.dist import inference_mesh, training_mesh
+from dockrl.parallel.dist import free_port, host_ip, inference_mesh, side_group, training_mesh
 from dockrl.parallel.replica import ReplicaClient
 from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.reshard.switch import RolloutSwitch, offload_flags
@@ -141,6 +141,21 @@ class ActorWorker(Worker):
         self.switch.enter()
         self.rollout_stale = False
         return self.switch.inference_shard_bytes
+
+    def weight_sync_address(self) -> tuple[str, int]:
+        """(address, port) where this rank (rank 0) hosts the weight-sync group of separate placement."""
+        return host_ip(), free_port()
+
+    def join_weight_sync(self, addr: str, port: int, world: int) -> None:
+        """Rank 0 joins the weight-sync group with the rollout replicas as its member 0; the other ranks only
+        take part in the gathers of broadcast_weights."""
+        if self.rank == 0:
+            self.sync_group = side_group(addr, port, 0, world, timeout_s=self.cfg.run.worker_timeout_s)
+
+    def send_weights(self) -> int:
+        """Separate placement: gather the policy bucket by bucket and broadcast it to the rollout replicas
+        (collective over the actor's ranks); returns the bytes rank 0 sent."""
+        return self.switch.broadcast_weights(getattr(self, "sync_group", None))
 
     def leave_rollout(self) -> None:
         """Back to the training layout: free the rollout buffers, bring training state back."""
@@ -338,6 +353,18 @@ class ActorGroup(WorkerGroup):
     def generate(self, step: int) -> Pending[GenerateResult]:
         """Roll out every row of the dock's table."""
         return self.start(ActorWorker.generate, step)
+
+    def weight_sync_address(self) -> tuple[str, int]:
+        """Where rank 0 hosts the weight-sync group (separate rollout placement)."""
+        return self.start(ActorWorker.weight_sync_address).wait()[0]
+
+    def join_weight_sync(self, addr: str, port: int, world: int) -> Pending[None]:
+        """Rank 0 joins the weight-sync group (the others return at once)."""
+        return self.start(ActorWorker.join_weight_sync, addr, port, world)
+
+    def send_weights(self) -> Pending[int]:
+        """Broadcast the policy to the rollout replicas (with RolloutGroup.receive_weights)."""
+        return self.start(ActorWorker.send_weights)
 
     def compute_ref(self) -> Pending[LogprobResult]:
         """Reference log-probs of every row."""

@@ -109,29 +109,33 @@ class RolloutSwitch:
         self, full_shapes: dict[str, tuple[int, ...]], bucket_bytes: int | None
     ) -> list[_Bucket]:
         """Consecutive parameters whose inference shards fit `bucket_bytes` (None: the largest tensor)."""
-        size = torch.empty((), dtype=self.dtype).element_size()
-        name, shape = max(full_shapes.items(), key=lambda kv: torch.Size(kv[1]).numel())
-        # A tensor never spans two buckets, and the chunked gathers of one tensor stay within a bucket: the
-        # bucket must hold the largest tensor (fp32, the training dtype).
-        workspace = 4 * torch.Size(shape).numel()
-        if bucket_bytes is None:
-            bucket_bytes = -(-workspace // 2**20) * 2**20
-        self.bucket_bytes = bucket_bytes
-        if bucket_bytes < workspace:
-            raise ValueError(
-                f"reshard.bucket_mb={bucket_bytes / 2**20:.1f} is smaller than the largest tensor {name} "
-                f"({workspace / 2**20:.1f} MiB in fp32); use reshard.bucket_mb >= {-(-workspace // 2**20)} or None"
-            )
-        buckets = [_Bucket()]
+        shards = []
         for name, param in self.model.named_parameters():
             shape = self.infer_layout.shard_shape(name, full_shapes[name], self.rank)
             assert shape == tuple(param.shape), (name, shape, tuple(param.shape))
-            numel = int(torch.Size(shape).numel())
-            if buckets[-1].specs and (buckets[-1].numel + numel) * size > bucket_bytes:
-                buckets.append(_Bucket())
-            buckets[-1].specs.append(_ParamSpec(name, full_shapes[name], shape, buckets[-1].numel))
-            buckets[-1].numel += numel
+            shards.append((name, full_shapes[name], shape))
+        buckets, self.bucket_bytes = plan_buckets(shards, bucket_bytes, self.dtype)
         return buckets
+
+    @torch.no_grad()
+    def broadcast_weights(self, group: dist.ProcessGroup | None) -> int:
+        """Separate rollout placement: gather the full weights bucket by bucket (a collective over the actor's
+        ranks, chunked as in `enter`) and broadcast each bucket from this group's rank 0 (actor rank 0) to the
+        rollout replicas in `group` (None on the other actor ranks). Never more than one bucket at a time;
+        returns the bytes sent. Needs rollout.tp=1 (full tensors in every bucket)."""
+        assert self.infer_layout.tp == 1, "broadcast_weights sends full tensors (rollout.tp=1)"
+        train_params = dict(self.engine.model.named_parameters())
+        sent = 0
+        for bucket in self.buckets:
+            buffer = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+            for spec in bucket.specs:
+                view = buffer[spec.offset : spec.offset + spec.numel].view(spec.shape)
+                self._gather_into(spec, train_params[spec.name], view)
+            if group is not None:
+                broadcast_bucket(group, buffer)
+                sent += buffer.numel() * buffer.element_size()
+            del buffer
+        return sent
 
     @property
     def inference_shard_bytes(self) -> int:
@@ -286,6 +290,47 @@ class RolloutSwitch:
                     col0 = t * slice_shape[1] if train_dim == 1 else 0
                     _copy_overlap(part, row0, col0, out, dim, start, end)
             del block, piece
+
+
+def plan_buckets(
+    shards: list[tuple[str, tuple[int, ...], tuple[int, ...]]], bucket_bytes: int | None, dtype: torch.dtype
+) -> tuple[list[_Bucket], int]:
+    """Buckets of consecutive (name, full shape, shard shape) parameters whose shards fit `bucket_bytes`, and
+    the bucket size (None: the largest tensor in fp32, rounded up to MiB). The trainer and a separate rollout
+    replica plan from the same model and settings, so their buckets line up."""
+    size = torch.empty((), dtype=dtype).element_size()
+    name, full_shape, _ = max(shards, key=lambda s: torch.Size(s[1]).numel())
+    # A tensor never spans two buckets, and the chunked gathers of one tensor stay within a bucket: the
+    # bucket must hold the largest tensor (fp32, the training dtype).
+    workspace = 4 * torch.Size(full_shape).numel()
+    if bucket_bytes is None:
+        bucket_bytes = -(-workspace // 2**20) * 2**20
+    if bucket_bytes < workspace:
+        raise ValueError(
+            f"reshard.bucket_mb={bucket_bytes / 2**20:.1f} is smaller than the largest tensor {name} "
+            f"({workspace / 2**20:.1f} MiB in fp32); use reshard.bucket_mb >= {-(-workspace // 2**20)} or None"
+        )
+    buckets = [_Bucket()]
+    for name, full, shape in shards:
+        numel = int(torch.Size(shape).numel())
+        if buckets[-1].specs and (buckets[-1].numel + numel) * size > bucket_bytes:
+            buckets.append(_Bucket())
+        buckets[-1].specs.append(_ParamSpec(name, full, shape, buckets[-1].numel))
+        buckets[-1].numel += numel
+    return buckets, bucket_bytes
+
+
+def full_model_buckets(model: nn.Module, bucket_bytes: int | None, dtype: torch.dtype) -> list[_Bucket]:
+    """The buckets `broadcast_weights` sends, planned on the receiving side from an unsharded model."""
+    shards = [(n, tuple(p.shape), tuple(p.shape)) for n, p in model.named_parameters()]
+    return plan_buckets(shards, bucket_bytes, dtype)[0]
+
+
+def broadcast_bucket(group: dist.ProcessGroup, buffer: torch.Tensor) -> None:
+    """Broadcast `buffer` from rank 0 of `group` (a standalone gloo group: see parallel.dist.side_group)."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([buffer], options).wait()
 
 
 def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
