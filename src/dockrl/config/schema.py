@@ -100,6 +100,13 @@ class RolloutConfig:
         noun="placement",
     )
     replicas: int = setting(1, "Rollout replicas with rollout.placement=separate (each its own Ray actor).")
+    max_staleness: int = setting(
+        0,
+        "Policy versions the rollout may run behind the update (0: synchronous, on-policy). 1 (with "
+        "rollout.placement=separate): step t+1 is generated with the weights after update t-1 while step t "
+        "trains, so rollout and training overlap; which weights generate which step is fixed by the step "
+        "number, never by timing, so runs repeat bit for bit.",
+    )
 
 
 @dataclass

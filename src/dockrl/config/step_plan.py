@@ -139,7 +139,8 @@ def step_plan(cfg: TrainConfig) -> StepPlan:
     """Resolve `cfg` (validated) into its step plan."""
     algo, actor = cfg.algo, cfg.actor
     estimator = estimator_of(algo)
-    on_policy = actor.mini_batches == 1 and actor.epochs == 1
+    # one update per step on rows of the current policy: the sampling policy is the one being updated
+    on_policy = actor.mini_batches == 1 and actor.epochs == 1 and cfg.rollout.max_staleness == 0
     return StepPlan(
         reference=resolved_kl_coef(algo) > 0,
         old_logprobs=not on_policy or algo.kl_in_reward or algo.rollout_is == "decoupled",

@@ -517,6 +517,29 @@ def _check_layouts(cfg: TrainConfig) -> None:
             "replicas are not built yet)",
             "use rollout.tp=1 with several rollout.replicas, or rollout.placement=colocated",
         )
+    _positive("rollout.max_staleness", roll.max_staleness, allow_zero=True)
+    if roll.max_staleness > 1:
+        raise config_error(
+            "rollout.max_staleness",
+            roll.max_staleness,
+            "rollout runs at most one policy version ahead so far (staleness 2 and more are not built yet)",
+            "use rollout.max_staleness=1 or 0",
+        )
+    if roll.max_staleness and roll.placement != "separate":
+        raise config_error(
+            "rollout.max_staleness",
+            roll.max_staleness,
+            "colocated rollout shares the actor's ranks, so it cannot run while they train",
+            "set rollout.placement=separate (rollout replicas of their own), or rollout.max_staleness=0",
+        )
+    if roll.max_staleness and (cfg.algo.name == "ppo" or cfg.algo.dynamic_sampling):
+        what = "algo.name=ppo" if cfg.algo.name == "ppo" else "algo.dynamic_sampling"
+        raise config_error(
+            "rollout.max_staleness",
+            roll.max_staleness,
+            f"asynchronous rollout with {what} is not built yet",
+            "use rollout.max_staleness=0",
+        )
     if roll.placement == "colocated" and cfg.placement.rollout:
         warnings.warn(
             f"placement.rollout={cfg.placement.rollout} has no effect with rollout.placement=colocated (rollout "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from datetime import timedelta
 
 import torch
@@ -26,14 +27,11 @@ def free_port() -> int:
 
 
 def host_ip() -> str:
-    """An address of this host that other nodes of the cluster can reach (loopback on one machine)."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:  # pragma: no cover - ray is a dependency
-        pass
+    """An address of this host that other nodes of the cluster can reach: Ray's node address in a Ray worker,
+    else loopback (one machine). Never imports Ray itself (single-process tools run where Ray is absent)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.util.get_node_ip_address()
     return "127.0.0.1"
 
 

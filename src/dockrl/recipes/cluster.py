@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from dockrl.config.schema import RunConfig, TrainConfig
 from dockrl.config.step_plan import step_plan
+from dockrl.dock.choice import DockChoice
 from dockrl.dock.launch import Dock, launch_dock
 from dockrl.workers.actor import ActorGroup
 from dockrl.workers.critic import CriticGroup
@@ -31,10 +32,27 @@ G = TypeVar("G", bound=WorkerGroup)
 
 
 @dataclass
+class Docks:
+    """The run's dock (two with rollout.max_staleness=1); `client()` gives a worker its client of them."""
+
+    docks: list[Any]
+
+    def client(self) -> Any:
+        """The dock's client, or a DockChoice over both docks' clients (dock/choice.py)."""
+        if len(self.docks) == 1:
+            return self.docks[0].client()
+        return DockChoice([d.client() for d in self.docks])
+
+    def shutdown(self) -> None:
+        for dock in self.docks:
+            dock.shutdown()
+
+
+@dataclass
 class Cluster:
     """The dock, the worker groups and their supervisor of one run attempt."""
 
-    dock: Any
+    dock: Docks
     client: Any
     actors: ActorGroup
     rewards: RewardGroup
@@ -58,16 +76,22 @@ class Cluster:
         supervisor = Supervisor(cfg.run.heartbeat_timeout_s, faults=faults)
         started: dict[str, Any] = {}
         try:
-            dock = launch_dock(
-                mode=cfg.dock.mode,
-                num_warehouses=cfg.dock.num_warehouses,
-                get_timeout_s=cfg.dock.get_timeout_s,
-                policy=cfg.dock.policy,
-                max_rows=cfg.dock.max_rows,
-                transport=cfg.dock.transport,
-            )
+            # Asynchronous runs keep a second dock: step t trains in one while step t+1 is generated in the other.
+            dock = Docks([])
             started["dock"] = dock
-            _watch_dock(supervisor, dock)
+            for prefix in ("dockrl", "dockrl-next")[: 1 + (cfg.rollout.max_staleness > 0)]:
+                dock.docks.append(
+                    launch_dock(
+                        mode=cfg.dock.mode,
+                        num_warehouses=cfg.dock.num_warehouses,
+                        get_timeout_s=cfg.dock.get_timeout_s,
+                        policy=cfg.dock.policy,
+                        max_rows=cfg.dock.max_rows,
+                        transport=cfg.dock.transport,
+                        name_prefix=prefix,
+                    )
+                )
+                _watch_dock(supervisor, dock.docks[-1])
             # Every group's processes start side by side (imports dominate), then each is waited for.
             started["actors"], started["rewards"] = _start_workers(cfg, dock, supervisor)
             started["reward_models"] = _start_reward_models(cfg, dock, supervisor)

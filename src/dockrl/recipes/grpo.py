@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -139,9 +140,20 @@ def _run_steps(
     progress = _progress(cfg, first_step - 1)
     restarts = len(summary["restarts"])
     plan = step_plan(cfg)
+    ahead: Generation | None = None  # rollout.max_staleness=1: the next step's generation, already running
+    if cfg.rollout.max_staleness and first_step > 1:
+        log.warning(
+            "resuming an asynchronous run at step %d: its rows are generated with the checkpoint's weights "
+            "(staleness 0 for this step), so the run continues but does not repeat the uninterrupted one bit "
+            "for bit (in-flight rows are not checkpointed yet)",
+            first_step,
+        )
     for step in range(first_step, cfg.run.steps + 1):
         cluster.supervisor.step, cluster.supervisor.stage = step, "step"
-        metrics, samples = _step(cfg, plan, step, sampler, cluster)
+        if cfg.rollout.max_staleness:
+            metrics, samples, ahead = _async_step(cfg, plan, step, sampler, cluster, ahead)
+        else:
+            metrics, samples = _step(cfg, plan, step, sampler, cluster)
         metrics["train/epoch"] = sampler.epoch + sampler.position / len(sampler.items)
         if restarts:
             metrics["run/restarts"] = float(restarts)
@@ -253,6 +265,92 @@ def _step(cfg: TrainConfig, plan: StepPlan, step: int, sampler: EpochSampler, cl
     metrics.update(dapo)
     metrics.update(critic_out[0].metrics if critic_out else {})  # already all-reduced across critic ranks
     return metrics, _samples(scored)
+
+
+@dataclass
+class Generation:
+    """One step's rollout and scoring, started in its dock (asynchronous runs)."""
+
+    step: int
+    batch: list[EncodedPrompt]
+    generating: Any
+    scoring: Any
+    model_scoring: Any
+    started: float
+    weight_sync_s: float
+
+
+def _start_generation(cfg: TrainConfig, step: int, sampler: EpochSampler, cluster: Cluster) -> Generation:
+    """Draw step `step`'s prompts into dock step % 2 and start its rollout (on the separate replicas, with the
+    weights after update step - 2: fixed by the step number, so repeatable) and its scoring."""
+    assert cluster.rollouts is not None
+    dock = step % 2
+    batch = sampler.next_batch()
+    cluster.client.select(dock)
+    cluster.client.add_groups(
+        [torch.tensor(p.ids) for p in batch], [p.label for p in batch], cfg.rollout.samples_per_prompt
+    )
+    synced_s = sync_rollout_weights(cluster, version=max(0, step - 1 - cfg.rollout.max_staleness))
+    for group in (cluster.rollouts, cluster.rewards, cluster.reward_models):
+        if group is not None:
+            group.call("select_dock", dock)
+    started = time.perf_counter()
+    model_scoring = cluster.reward_models.score() if cluster.reward_models is not None else None
+    return Generation(
+        step,
+        batch,
+        cluster.rollouts.generate(step),
+        cluster.rewards.score(),
+        model_scoring,
+        started,
+        synced_s,
+    )
+
+
+def _async_step(
+    cfg: TrainConfig,
+    plan: StepPlan,
+    step: int,
+    sampler: EpochSampler,
+    cluster: Cluster,
+    ahead: Generation | None,
+) -> tuple[dict[str, float], list[dict], Generation | None]:
+    """One step of an asynchronous run (rollout.max_staleness=1): wait for this step's generation (started
+    during the previous step's training), start the next step's with the weights of now (after update
+    step - 1), then train on this step's rows while it runs. Returns (metrics, samples, the next generation)."""
+    actors = cluster.actors
+    timer = StageTimer()
+    with timer("step"):
+        current = ahead if ahead is not None else _start_generation(cfg, step, sampler, cluster)
+        assert current.step == step
+        gen = current.generating.wait()
+        if current.model_scoring is not None:
+            current.model_scoring.wait()
+        scored = current.scoring.wait()
+        timer.add("rollout", time.perf_counter() - current.started)  # most of it overlapped the last update
+        timer.add("weight_sync", current.weight_sync_s)
+        wait_start = time.perf_counter()
+        following = _start_generation(cfg, step + 1, sampler, cluster) if step < cfg.run.steps else None
+        timer.add("start_next", time.perf_counter() - wait_start)
+        dock = step % 2
+        actors.call("select_dock", dock)
+        if plan.reference:
+            with timer("reference"):
+                actors.compute_ref().wait()
+        if plan.old_logprobs:
+            with timer("old_logprobs"):
+                actors.compute_old().wait()
+        with timer("update"):
+            updates = actors.update().wait()
+        cluster.client.select(dock)
+        dock_stats = cluster.client.stats()
+        cluster.client.reset()
+    metrics = _metrics(cfg, current.batch, gen, scored, updates, timer, dock_stats)
+    # Staleness: updates the trained policy (after step - 1 updates) is ahead of the weights that generated.
+    behind = [float(step - 1 - g.policy_version) for g in gen for _ in g.response_lengths]
+    metrics["async/staleness_mean"] = statistics.fmean(behind)
+    metrics["async/staleness_max"] = max(behind)
+    return metrics, _samples(scored), following
 
 
 def _round(cfg: TrainConfig, step: int, batch: list[EncodedPrompt], cluster: Cluster, timer: StageTimer):

@@ -44,6 +44,10 @@ class Worker:
         if num_threads:
             torch.set_num_threads(num_threads)
 
+    def select_dock(self, index: int) -> None:
+        """Asynchronous runs: point this worker's dock client at dock `index` (see dock/choice.py)."""
+        self.client.select(index)
+
     def rendezvous(self) -> tuple[str, int]:
         """Address and a free port on this worker's host (called on rank 0)."""
         return host_ip(), free_port()

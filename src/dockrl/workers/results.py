@@ -33,6 +33,7 @@ class GenerateResult:
     response_lengths: list[int]
     truncated: int  # responses cut at rollout.max_new_tokens
     reshard_s: float  # the switch into the rollout layout, inside the rollout's time
+    policy_version: int = -1  # separate placement: the trainer updates behind the weights that generated
 
 
 @dataclass

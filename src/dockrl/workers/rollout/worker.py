@@ -119,7 +119,7 @@ class RolloutWorker(Worker):
             groups_per_pull=roll.groups_per_pull,
             row_seed=lambda row: row_seed(self.cfg.run.seed, step, row),
         )
-        return GenerateResult(stats["response_lengths"], stats["truncated"], 0.0)
+        return GenerateResult(stats["response_lengths"], stats["truncated"], 0.0, self.version)
 
 
 class RolloutGroup(WorkerGroup):
