@@ -16,4 +16,5 @@ BENCHMARKS: dict[str, str] = {
     "load": "dockrl.bench.load_memory",
     "faults": "dockrl.bench.fault_timing",
     "train": "dockrl.bench.cluster_train",
+    "async": "dockrl.bench.async_train",
 }

@@ -443,6 +443,8 @@ def _metrics(
         m[key if "/" in key else f"actor/{key}"] = value  # already all-reduced across ranks
     m.update(timer.metrics())
     m["timing/reshard_to_rollout"] = max(g.reshard_s for g in gen)  # inside timing/rollout
+    if any(g.busy_s for g in gen):  # separate replicas: their own generating time (the rest they idle)
+        m["timing/rollout_busy"] = max(g.busy_s for g in gen)
     t = timer.seconds
     m["throughput/tokens_per_s"] = (prompt_tokens + response_tokens) / t["step"]
     m["throughput/rollout_tokens_per_s"] = response_tokens / max(t["rollout"], 1e-9)

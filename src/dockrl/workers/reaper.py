@@ -3,8 +3,8 @@
     driver ── os.environ[RUN_ID_ENV] = id ──▶ ray.init(local): daemons and workers inherit the id
        │
        └── pipe ──▶ reaper process (blocks reading the pipe)
-                      driver gone (EOF) ─▶ SIGKILL every process whose environment carries the id, a few
-                                           sweeps over at most SWEEP_S, then exit
+                      driver gone (EOF) ─▶ SIGKILL every process whose environment carries the id, sweeping
+                                           until none is seen for QUIET_S (at most SWEEP_S), then exit
 
 Ray's fate-sharing takes most of a local cluster down with its driver, but not all of it: with another Ray
 instance on the machine, the dashboard and runtime-env agents were seen to outlive a killed driver
@@ -24,7 +24,8 @@ import uuid
 from pathlib import Path
 
 RUN_ID_ENV = "DOCKRL_RUN_ID"
-SWEEP_S = 5.0
+SWEEP_S = 10.0  # the longest the reaper keeps sweeping
+QUIET_S = 1.0  # it stops once no process of the run has been seen for this long
 
 
 def start_reaper() -> str:
@@ -64,14 +65,20 @@ def processes_with(run_id: str) -> list[int]:
     return found
 
 
-def reap(run_id: str, sweep_s: float = SWEEP_S) -> int:
-    """SIGKILL the run's processes until none is left (at most `sweep_s`); returns how many were signalled."""
+def reap(run_id: str, sweep_s: float = SWEEP_S, quiet_s: float = QUIET_S) -> int:
+    """SIGKILL the run's processes until none has been seen for `quiet_s` (at most `sweep_s`): a daemon that a
+    dying raylet was still starting shows up after the first sweep. Returns how many were signalled."""
     signalled: set[int] = set()
-    deadline = time.monotonic() + sweep_s
+    deadline = last_seen = time.monotonic()
+    deadline += sweep_s
     while time.monotonic() < deadline:
         pids = [p for p in processes_with(run_id) if p not in signalled or _alive(p)]
         if not pids:
-            break
+            if time.monotonic() - last_seen >= quiet_s:
+                break
+            time.sleep(0.1)
+            continue
+        last_seen = time.monotonic()
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)

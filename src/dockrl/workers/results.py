@@ -34,6 +34,9 @@ class GenerateResult:
     truncated: int  # responses cut at rollout.max_new_tokens
     reshard_s: float  # the switch into the rollout layout, inside the rollout's time
     policy_version: int = -1  # separate placement: the trainer updates behind the weights that generated
+    busy_s: float = (
+        0.0  # separate placement: seconds this replica spent generating (its idle time is the rest)
+    )
 
 
 @dataclass

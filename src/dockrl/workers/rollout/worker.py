@@ -89,6 +89,7 @@ class RolloutWorker(Worker):
         from dockrl.workers.actor import row_seed
 
         assert self.version >= 0, "generate before any weights were received"
+        start = time.perf_counter()
         roll = self.cfg.rollout
         params = SamplingParams(
             max_new_tokens=roll.max_new_tokens,
@@ -119,7 +120,8 @@ class RolloutWorker(Worker):
             groups_per_pull=roll.groups_per_pull,
             row_seed=lambda row: row_seed(self.cfg.run.seed, step, row),
         )
-        return GenerateResult(stats["response_lengths"], stats["truncated"], 0.0, self.version)
+        busy_s = time.perf_counter() - start
+        return GenerateResult(stats["response_lengths"], stats["truncated"], 0.0, self.version, busy_s)
 
 
 class RolloutGroup(WorkerGroup):

@@ -1,0 +1,105 @@
+"""`dockrl bench async`: synchronous vs asynchronous GRPO on the same workload, what each side waits for.
+
+    sync   rollout.placement=colocated, max_staleness=0: the actor's ranks generate, then train
+    sep    rollout.placement=separate,  max_staleness=0: replicas generate while the trainer waits, and back
+    async  rollout.placement=separate,  max_staleness=1: step t+1 generates while step t trains
+
+Each runs `dockrl train` (the tests' tiny Qwen2 model unless --model, the arithmetic task, long-tailed response
+lengths: a random policy stops at a random token, up to --max-new-tokens) for --steps steps in its own local
+Ray. Reported per mode over the steps after the first: step time, and the idle fractions
+  trainer idle = 1 - (reference + old log-probs + update) / step
+  rollout idle = 1 - generating / step   (generating: the replicas' own busy time; colocated: the rollout stage)
+and the last step's reward. On a machine with fewer cores than processes the overlap is bounded by the cores:
+rollout and training then share them, so the async row shows the schedule, not the speed-up disaggregated
+GPUs give (there the step time tends to max(rollout, train) instead of their sum).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+MODES = {
+    "sync": ["rollout.placement=colocated", "rollout.max_staleness=0"],
+    "sep": ["rollout.placement=separate", "rollout.max_staleness=0"],
+    "async": ["rollout.placement=separate", "rollout.max_staleness=1"],
+}
+
+BASE_CONFIG = (
+    "rollout: {samples_per_prompt: 4, groups_per_pull: 2, max_batch_size: 16}\n"
+    "actor: {dp: 1, lr: 1.0e-3, micro_batch_size: 8}\n"
+    "algo: {kl_coef: 0.0}\n"
+    "reward: {functions: [{name: exact_answer}]}\n"
+    "run: {prompts_per_step: 8, progress: false, worker_timeout_s: 600, log_samples: 0}\n"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `dockrl bench async`."""
+    parser.add_argument("--modes", default="sync,sep,async", help=f"comma list of {', '.join(MODES)}")
+    parser.add_argument("--steps", type=int, default=6, help="GRPO steps per run (the first is not timed)")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="response length limit")
+    parser.add_argument("--model", default=None, help="a model directory instead of the tests' tiny model")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="bound on each run")
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per mode."""
+    from dockrl.data.synthetic import write_task
+    from dockrl.models.tiny import make_tiny
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="dockrl-bench-async-") as tmp:
+        root = Path(tmp)
+        config = root / "grpo.yaml"
+        config.write_text(BASE_CONFIG)
+        model = args.model or make_tiny(root / "model", family="qwen2", hidden_size=64, num_layers=2, seed=0)
+        data = write_task("arithmetic", root / "data", num_train=256, num_test=32, seed=0)
+        for mode in args.modes.split(","):
+            argv = [
+                *(sys.executable, "-m", "dockrl.cli", "train", str(config)),
+                f"model.path={model}",
+                f"data.train_path={data['train']}",
+                f"run.output_dir={root / 'runs'}",
+                f"run.name={mode}",
+                f"run.steps={args.steps}",
+                f"rollout.max_new_tokens={args.max_new_tokens}",
+                *MODES[mode],
+            ]
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout_s)
+            if done.returncode != 0:
+                raise RuntimeError(
+                    f"dockrl train ({mode}) failed (exit {done.returncode}):\n{done.stderr[-3000:]}"
+                )
+            rows.append(_row(root / "runs" / mode, mode))
+    return rows
+
+
+def _row(run_dir: Path, mode: str) -> dict[str, Any]:
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = metrics[1:] or metrics  # the first step pays start-up
+
+    def mean(key: str) -> float:
+        return statistics.fmean(m.get(key, 0.0) for m in timed)
+
+    step = mean("timing/step")
+    train = mean("timing/reference") + mean("timing/old_logprobs") + mean("timing/update")
+    generating = mean("timing/rollout_busy") if "timing/rollout_busy" in timed[0] else mean("timing/rollout")
+    return {
+        "mode": mode,
+        "steps": len(metrics),
+        "step_s": step,
+        "rollout_busy_s": generating,
+        "train_busy_s": train,
+        "rollout_idle": max(0.0, 1 - generating / step),
+        "trainer_idle": max(0.0, 1 - train / step),
+        "staleness_max": max(m.get("async/staleness_max", 0.0) for m in metrics),
+        "response_length_mean": mean("response_length/mean"),
+        "reward_mean": metrics[-1]["reward/mean"],
+    }

@@ -1,0 +1,61 @@
+"""The reaper kills every process of a dead driver's run, including one that appears after its first sweep
+(a daemon a dying raylet was still starting), and nothing else."""
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+from dockrl.workers.reaper import RUN_ID_ENV, reap
+
+SLEEPER = "import time; time.sleep(120)"
+
+
+def _gone(proc: subprocess.Popen, within_s: float = 10.0) -> bool:
+    try:
+        proc.wait(timeout=within_s)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def test_reap_kills_late_processes_of_the_run_and_spares_others(tmp_path):
+    run_id = uuid.uuid4().hex
+    ours = {**os.environ, RUN_ID_ENV: run_id}
+    theirs = {k: v for k, v in os.environ.items() if k != RUN_ID_ENV}
+    pid_file = tmp_path / "late.pid"
+    early = subprocess.Popen([sys.executable, "-c", SLEEPER], env=ours)
+    # Not the run's: starts one of the run's processes half a second after the reaper begins.
+    starter = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, subprocess, sys, time; time.sleep(0.5); "
+            f"p = subprocess.Popen([sys.executable, '-c', {SLEEPER!r}], env={{**os.environ, {RUN_ID_ENV!r}: {run_id!r}}}); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)",
+        ],
+        env=theirs,
+    )
+    try:
+        # quiet_s well above the starter's delay: the sweep outlives it however loaded the machine is
+        signalled = reap(run_id, sweep_s=30.0, quiet_s=5.0)
+        assert _gone(early)
+        late_pid = int(pid_file.read_text())
+        assert signalled == 2
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the late one is the starter's child: a zombie until reaped
+            state = (
+                open(f"/proc/{late_pid}/stat").read().split()[2]
+                if os.path.exists(f"/proc/{late_pid}")
+                else "X"
+            )
+            if state in ("Z", "X"):
+                break
+            time.sleep(0.1)
+        assert state in ("Z", "X")
+        assert starter.poll() is None  # not the run's: untouched
+    finally:
+        starter.kill()
+        starter.wait(timeout=10)
+        early.kill()
