@@ -241,12 +241,7 @@ def _step(cfg: TrainConfig, plan: StepPlan, step: int, sampler: EpochSampler, cl
             values = None
         else:
             gen, scored, values = _round(cfg, step, batch, cluster, timer)
-        if plan.reference:
-            with timer("reference"):
-                actors.compute_ref().wait()
-        if plan.old_logprobs:
-            with timer("old_logprobs"):
-                actors.compute_old().wait()
+        _logprob_stages(plan, actors, timer)
         critic_out: list[UpdateResult] = []
         if values is not None:
             with timer("critic_values"):  # what is left of it: it overlaps the log-prob stages
@@ -334,12 +329,7 @@ def _async_step(
         timer.add("start_next", time.perf_counter() - wait_start)
         dock = step % 2
         actors.call("select_dock", dock)
-        if plan.reference:
-            with timer("reference"):
-                actors.compute_ref().wait()
-        if plan.old_logprobs:
-            with timer("old_logprobs"):
-                actors.compute_old().wait()
+        _logprob_stages(plan, actors, timer)
         with timer("update"):
             updates = actors.update().wait()
         cluster.client.select(dock)
@@ -351,6 +341,16 @@ def _async_step(
     metrics["async/staleness_mean"] = statistics.fmean(behind)
     metrics["async/staleness_max"] = max(behind)
     return metrics, _samples(scored), following
+
+
+def _logprob_stages(plan: StepPlan, actors: ActorGroup, timer: StageTimer) -> None:
+    """The reference and old log-prob stages the plan asks for, each timed."""
+    if plan.reference:
+        with timer("reference"):
+            actors.compute_ref().wait()
+    if plan.old_logprobs:
+        with timer("old_logprobs"):
+            actors.compute_old().wait()
 
 
 def _round(cfg: TrainConfig, step: int, batch: list[EncodedPrompt], cluster: Cluster, timer: StageTimer):

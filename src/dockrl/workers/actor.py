@@ -42,7 +42,7 @@ from dockrl.parallel.replica import ReplicaClient
 from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.reshard.switch import RolloutSwitch, offload_flags
 from dockrl.workers.results import GenerateResult, LogprobResult, SetupResult, UpdateResult
-from dockrl.workers.rollout.dock_feed import serve_from_dock
+from dockrl.workers.rollout.dock_feed import serve_step, step_engine
 from dockrl.workers.rollout.rollout_engine import RolloutEngine
 from dockrl.workers.rollout.sampler import SamplingParams, generate
 from dockrl.workers.train.policy_update import all_reduce_sum, policy_update, whiten_rows
@@ -51,15 +51,9 @@ from dockrl.workers.train.train_engine import TrainEngine
 # Measured on the first mini-batch of an update (see ActorWorker.update).
 MISMATCH_METRICS = ("rollout/logprob_abs_diff", "rollout/kl")
 
-ROLLOUT = "rollout"
 REF = "ref"
 OLD = "old"
 UPDATE = "update"
-
-
-def row_seed(run_seed: int, step: int, row: int) -> int:
-    """Per-row sampling seed: independent of which rank serves the row or what else is in its batch."""
-    return (run_seed * 1_000_003 + step * 100_003 + row * 7919) % (2**63 - 1)
 
 
 class ActorWorker(Worker):
@@ -173,34 +167,11 @@ class ActorWorker(Worker):
         if self.rollout_stale:
             self.sync_rollout_weights()
         reshard_s = time.perf_counter() - reshard_start
-        roll = self.cfg.rollout
-        params = SamplingParams(
-            max_new_tokens=roll.max_new_tokens,
-            temperature=roll.temperature,
-            top_p=roll.top_p,
-            top_k=roll.top_k,
-            min_p=roll.min_p,
-            stop_token_ids=self.stop_token_ids,
-            stop_strings=list(roll.stop_strings),
-        )
         if self.rollout_engine is None:
-            max_positions = self.policy.args.max_position_embeddings
-            self.rollout_engine = RolloutEngine(
-                self.rollout_model,
-                num_slots=roll.max_batch_size,
-                max_seq_len=min(max_positions, self.cfg.data.max_prompt_len + roll.max_new_tokens),
-                pad_token_id=self.pad_token_id,
-                detokenize=self.tokenizer.decode,
+            self.rollout_engine = step_engine(
+                self.rollout_model, self.cfg, self.pad_token_id, self.tokenizer.decode
             )
-        stats = serve_from_dock(
-            self.rollout_engine,
-            self.rollout_client,
-            consumer=ROLLOUT,
-            params=params,
-            group_size=roll.samples_per_prompt,
-            groups_per_pull=roll.groups_per_pull,
-            row_seed=lambda row: row_seed(self.cfg.run.seed, step, row),
-        )
+        stats = serve_step(self.rollout_engine, self.rollout_client, self.cfg, step, self.stop_token_ids)
         self.leave_rollout()
         if not self.rollout_client.is_head:  # tp peers served the same rows as their head
             return GenerateResult([], 0, reshard_s)

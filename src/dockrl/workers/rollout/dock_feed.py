@@ -25,6 +25,50 @@ from dockrl.dock.errors import DockTimeoutError
 from dockrl.workers.rollout.rollout_engine import Completion, Request, RolloutEngine
 from dockrl.workers.rollout.sampling import SamplingParams
 
+ROLLOUT = "rollout"  # the dock consumer name of the rollout stage
+
+
+def row_seed(run_seed: int, step: int, row: int) -> int:
+    """Per-row sampling seed: independent of which rank serves the row or what else is in its batch."""
+    return (run_seed * 1_000_003 + step * 100_003 + row * 7919) % (2**63 - 1)
+
+
+def step_engine(model: Any, cfg: Any, pad_token_id: int, detokenize: Callable) -> RolloutEngine:
+    """The continuous-batching engine of a run's rollout (cfg: a TrainConfig): rollout.max_batch_size slots,
+    a KV cache for data.max_prompt_len + rollout.max_new_tokens positions."""
+    roll = cfg.rollout
+    return RolloutEngine(
+        model,
+        num_slots=roll.max_batch_size,
+        max_seq_len=min(model.args.max_position_embeddings, cfg.data.max_prompt_len + roll.max_new_tokens),
+        pad_token_id=pad_token_id,
+        detokenize=detokenize,
+    )
+
+
+def serve_step(engine: RolloutEngine, client: Any, cfg: Any, step: int, stop_token_ids: list[int]) -> dict:
+    """Roll out every row of step `step` from the dock with the run's sampling settings (cfg: a TrainConfig)
+    and its per-row seeds; what colocated actor ranks and separate rollout replicas both run."""
+    roll = cfg.rollout
+    params = SamplingParams(
+        max_new_tokens=roll.max_new_tokens,
+        temperature=roll.temperature,
+        top_p=roll.top_p,
+        top_k=roll.top_k,
+        min_p=roll.min_p,
+        stop_token_ids=stop_token_ids,
+        stop_strings=list(roll.stop_strings),
+    )
+    return serve_from_dock(
+        engine,
+        client,
+        consumer=ROLLOUT,
+        params=params,
+        group_size=roll.samples_per_prompt,
+        groups_per_pull=roll.groups_per_pull,
+        row_seed=lambda row: row_seed(cfg.run.seed, step, row),
+    )
+
 
 def serve_from_dock(
     engine: RolloutEngine,

@@ -8,7 +8,7 @@
 The weights live in flat buffers laid out like the trainer's buckets (`switch.full_model_buckets`, planned from
 the same model config and `reshard.bucket_mb`), so a sync is one gloo broadcast per bucket straight into
 them: no state dict, no copy. The trainer's rank 0 and the replicas share a gloo group of their own
-(`parallel.dist.side_group`). A row's tokens depend only on its seed and the weights (`actor.row_seed`), so
+(`parallel.dist.side_group`). A row's tokens depend only on its seed and the weights (`dock_feed.row_seed`), so
 which replica serves a row changes nothing.
 """
 
@@ -28,11 +28,8 @@ from dockrl.parallel.replica import ReplicaClient
 from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.reshard.switch import _set_param, broadcast_bucket, full_model_buckets
 from dockrl.workers.results import GenerateResult, SetupResult
-from dockrl.workers.rollout.dock_feed import serve_from_dock
+from dockrl.workers.rollout.dock_feed import serve_step, step_engine
 from dockrl.workers.rollout.rollout_engine import RolloutEngine
-from dockrl.workers.rollout.sampler import SamplingParams
-
-ROLLOUT = "rollout"
 
 
 class RolloutWorker(Worker):
@@ -86,40 +83,11 @@ class RolloutWorker(Worker):
 
     def generate(self, step: int) -> GenerateResult:
         """Serve rollout rows from the dock until every row has a response (as the colocated actor does)."""
-        from dockrl.workers.actor import row_seed
-
         assert self.version >= 0, "generate before any weights were received"
         start = time.perf_counter()
-        roll = self.cfg.rollout
-        params = SamplingParams(
-            max_new_tokens=roll.max_new_tokens,
-            temperature=roll.temperature,
-            top_p=roll.top_p,
-            top_k=roll.top_k,
-            min_p=roll.min_p,
-            stop_token_ids=self.stop_token_ids,
-            stop_strings=list(roll.stop_strings),
-        )
         if self.engine is None:
-            self.engine = RolloutEngine(
-                self.model,
-                num_slots=roll.max_batch_size,
-                max_seq_len=min(
-                    self.model.args.max_position_embeddings,
-                    self.cfg.data.max_prompt_len + roll.max_new_tokens,
-                ),
-                pad_token_id=self.pad_token_id,
-                detokenize=self.tokenizer.decode,
-            )
-        stats = serve_from_dock(
-            self.engine,
-            self.replica_client,
-            consumer=ROLLOUT,
-            params=params,
-            group_size=roll.samples_per_prompt,
-            groups_per_pull=roll.groups_per_pull,
-            row_seed=lambda row: row_seed(self.cfg.run.seed, step, row),
-        )
+            self.engine = step_engine(self.model, self.cfg, self.pad_token_id, self.tokenizer.decode)
+        stats = serve_step(self.engine, self.replica_client, self.cfg, step, self.stop_token_ids)
         busy_s = time.perf_counter() - start
         return GenerateResult(stats["response_lengths"], stats["truncated"], 0.0, self.version, busy_s)
 
