@@ -56,6 +56,10 @@ def test_tiny_example_validates_without_warnings(algo, tiny_model, arithmetic_da
         (["algo.rollout_is=tis", "algo.rollout_is_cap=0.5"], "algo.rollout_is_cap=0.5: must be >= 1"),
         (["rollout.replicas=2"], "rollout.replicas=2: colocated rollout runs on the actor's ranks"),
         (
+            ["algo.old_logprobs=rollout", "algo.rollout_is=decoupled", "actor.mini_batches=2"],
+            "algo.old_logprobs='rollout': algo.rollout_is=decoupled needs the policy's own log-probs",
+        ),
+        (
             ["rollout.placement=separate", "rollout.tp=2"],
             "rollout.tp=2: rollout.placement=separate sends full",
         ),
@@ -92,6 +96,7 @@ def test_conflicting_algorithm_settings_are_errors(overrides, expected, tiny_mod
             "dock.transport=ray has no effect with dock.mode=driver",
         ),
         (["data.eval_limit=4"], "data.eval_limit=4 has no effect without data.eval_path"),
+        (["algo.old_logprobs=rollout"], "algo.old_logprobs=rollout has no effect with one on-policy update"),
         (
             ["placement.rollout=[test_pool]"],
             "placement.rollout=\\['test_pool'\\] has no effect with rollout.placement",

@@ -56,3 +56,37 @@ def test_one_step_off_policy_is_bounded_and_repeats_bit_for_bit(
     assert main([*base[:-2], "rollout.placement=separate", "run.name=sync", "run.steps=1"]) == 0
     sync = computed_metrics(tmp_path / "sync")
     assert first[0]["reward/mean"] == sync[0]["reward/mean"]
+
+
+def test_old_logprobs_from_the_rollout_skip_the_old_stage(ray_session, tmp_path, tiny_model, arithmetic_data):
+    """algo.old_logprobs=rollout: an off-policy update (2 mini-batches) takes the rollout engine's log-probs
+    as its old ones and the old log-prob stage does not run. In fp32 they differ from the recomputed ones by
+    rounding only, measured as rollout/logprob_abs_diff (d, ~1e-7 here). Figures first-order in the old
+    log-probs move by at most their coefficient times d: approx_kl (a mean of old - new) by d, the surrogate
+    losses by max|advantage| (sqrt(G - 1) for G-sample groups) times d; the bounds below allow 2x that. The
+    rest (KL to the reference, grad norm) moves only through the second mini-batch: 1e-4 relative."""
+    import pytest
+
+    config = tmp_path / "grpo.yaml"
+    config.write_text(CONFIG.replace("micro_batch_size: 4}", "micro_batch_size: 4, mini_batches: 2}"))
+    base = ["train", str(config), f"model.path={tiny_model}", f"data.train_path={arithmetic_data['train']}"]
+    base += [f"run.output_dir={tmp_path}", "run.steps=1"]
+    assert main([*base, "run.name=recompute"]) == 0
+    assert main([*base, "run.name=rollout", "algo.old_logprobs=rollout"]) == 0
+    rows = {}
+    for name in ("recompute", "rollout"):
+        rows[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+    assert "timing/old_logprobs" in rows["recompute"] and "timing/old_logprobs" not in rows["rollout"]
+    d = rows["rollout"]["rollout/logprob_abs_diff"]
+    assert 0 < d < 1e-5
+    max_advantage = (4 - 1) ** 0.5  # groups of 4 samples, group-normalised
+    bounds = {
+        "actor/approx_kl": 2 * d,
+        "actor/pg_loss": 2 * max_advantage * d,
+        "actor/loss": 2 * max_advantage * d,
+    }
+    for key, bound in bounds.items():
+        assert abs(rows["rollout"][key] - rows["recompute"][key]) <= bound, key
+    for key in ("actor/kl", "actor/grad_norm"):
+        assert rows["rollout"][key] == pytest.approx(rows["recompute"][key], rel=1e-4), key
+    assert rows["rollout"]["reward/mean"] == rows["recompute"]["reward/mean"]  # the same rollout

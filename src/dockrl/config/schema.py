@@ -241,6 +241,14 @@ class AlgoConfig:
         noun="correction",
     )
     rollout_is_cap: float = setting(2.0, "Cap of the importance weight of algo.rollout_is (>= 1).")
+    old_logprobs: Literal["recompute", "rollout"] = setting(
+        "recompute",
+        "Where an off-policy update (several mini-batches or epochs, or rollout.max_staleness > 0) takes its old "
+        "log-probs from: recompute (a forward pass of the policy before the update) or rollout (the log-probs "
+        "the rollout engine computed while sampling: no extra pass; equal up to rounding in fp32, up to bf16 "
+        "rounding otherwise, and for stale rows the behaviour policy itself).",
+        noun="source",
+    )
     kl_estimator: KLEstimator = setting(
         "k3",
         "KL estimator: k3 (unbiased, non-negative, low variance; the default), k2, or k1 (log-ratio: meant "

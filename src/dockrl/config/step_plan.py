@@ -43,7 +43,10 @@ class StepPlan:
     """The stages of one RL step and where each quantity is computed (see the module docstring)."""
 
     reference: bool
-    old_logprobs: bool
+    old_logprobs: bool  # the old log-prob stage runs (a forward pass before the update)
+    old_from_rollout: (
+        bool  # an off-policy update takes its old log-probs from the rollout (algo.old_logprobs)
+    )
     on_policy: bool
     estimator: str
     advantages_by: Literal["reward", "critic"]
@@ -141,9 +144,13 @@ def step_plan(cfg: TrainConfig) -> StepPlan:
     estimator = estimator_of(algo)
     # one update per step on rows of the current policy: the sampling policy is the one being updated
     on_policy = actor.mini_batches == 1 and actor.epochs == 1 and cfg.rollout.max_staleness == 0
+    from_rollout = not on_policy and algo.old_logprobs == "rollout"
     return StepPlan(
         reference=resolved_kl_coef(algo) > 0,
-        old_logprobs=not on_policy or algo.kl_in_reward or algo.rollout_is == "decoupled",
+        old_logprobs=(not on_policy and not from_rollout)
+        or algo.kl_in_reward
+        or algo.rollout_is == "decoupled",
+        old_from_rollout=from_rollout,
         on_policy=on_policy,
         estimator=estimator,
         advantages_by="reward" if estimator in GROUP_ESTIMATORS else "critic",

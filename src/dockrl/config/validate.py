@@ -532,6 +532,22 @@ def _check_layouts(cfg: TrainConfig) -> None:
             "colocated rollout shares the actor's ranks, so it cannot run while they train",
             "set rollout.placement=separate (rollout replicas of their own), or rollout.max_staleness=0",
         )
+    algo = cfg.algo
+    if algo.old_logprobs == "rollout":
+        if algo.kl_in_reward or algo.rollout_is == "decoupled":
+            what = "algo.kl_in_reward" if algo.kl_in_reward else "algo.rollout_is=decoupled"
+            raise config_error(
+                "algo.old_logprobs",
+                "rollout",
+                f"{what} needs the policy's own log-probs before the update (the old log-prob stage)",
+                "use algo.old_logprobs=recompute",
+            )
+        if cfg.actor.mini_batches == 1 and cfg.actor.epochs == 1 and roll.max_staleness == 0:
+            warnings.warn(
+                "algo.old_logprobs=rollout has no effect with one on-policy update (actor.mini_batches=1, "
+                "actor.epochs=1, rollout.max_staleness=0): the update's old log-probs are its current ones",
+                stacklevel=3,
+            )
     if roll.max_staleness and (cfg.algo.name == "ppo" or cfg.algo.dynamic_sampling):
         what = "algo.name=ppo" if cfg.algo.name == "ppo" else "algo.dynamic_sampling"
         raise config_error(

@@ -209,7 +209,7 @@ class ActorWorker(Worker):
         actor, use_ref = self.cfg.actor, self.ref is not None
         columns = [PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, ADVANTAGES, ROLLOUT_LOGPROBS]
         columns += [REF_LOGPROBS] if use_ref else []
-        columns += [] if self.plan.on_policy else [OLD_LOGPROBS]
+        columns += [] if self.plan.on_policy or self.plan.old_from_rollout else [OLD_LOGPROBS]
         # REINFORCE++'s KL in the reward reads the sampling policy's log-probs even when the update is
         # on-policy (the loss then keeps ratio 1 exactly: it does not read them).
         extra = [OLD_LOGPROBS] if self.plan.actor_shapes_kl and OLD_LOGPROBS not in columns else []
@@ -220,6 +220,9 @@ class ActorWorker(Worker):
         if self.plan.whiten:
             batch[ADVANTAGES] = whiten_rows(batch[ADVANTAGES], self.policy.dp_group, batch[UPDATE_WEIGHT])
         per_token_names = [c for c in columns if c not in (PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT)]
+        if self.plan.old_from_rollout:  # algo.old_logprobs=rollout: the sampling engine's are the old ones
+            batch[OLD_LOGPROBS] = batch[ROLLOUT_LOGPROBS]
+            per_token_names.append(OLD_LOGPROBS)
         mini_size = self.rows_per_rank // actor.mini_batches
         history: list[dict[str, float]] = []
         for _ in range(actor.epochs):
