@@ -17,10 +17,7 @@ GPUs give (there the step time tends to max(rollout, train) instead of their sum
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -51,27 +48,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per mode."""
-    from dockrl.data.synthetic import write_task
-    from dockrl.models.tiny import make_tiny
+    from dockrl.bench.train_runs import tiny_workspace, train_argv
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="dockrl-bench-async-") as tmp:
         root = Path(tmp)
         config = root / "grpo.yaml"
         config.write_text(BASE_CONFIG)
-        model = args.model or make_tiny(root / "model", family="qwen2", hidden_size=64, num_layers=2, seed=0)
-        data = write_task("arithmetic", root / "data", num_train=256, num_test=32, seed=0)
+        model, data = tiny_workspace(root)
+        model = args.model or model
         for mode in args.modes.split(","):
-            argv = [
-                *(sys.executable, "-m", "dockrl.cli", "train", str(config)),
-                f"model.path={model}",
-                f"data.train_path={data['train']}",
-                f"run.output_dir={root / 'runs'}",
-                f"run.name={mode}",
-                f"run.steps={args.steps}",
-                f"rollout.max_new_tokens={args.max_new_tokens}",
-                *MODES[mode],
-            ]
+            steps = (f"run.steps={args.steps}", f"rollout.max_new_tokens={args.max_new_tokens}")
+            argv = train_argv(config, model, data, root, mode, *steps, *MODES[mode])
             done = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout_s)
             if done.returncode != 0:
                 raise RuntimeError(
@@ -82,15 +70,18 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _row(run_dir: Path, mode: str) -> dict[str, Any]:
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = metrics[1:] or metrics  # the first step pays start-up
+    from dockrl.bench.train_runs import mean_after_first, read_run
+
+    metrics, _ = read_run(run_dir)
 
     def mean(key: str) -> float:
-        return statistics.fmean(m.get(key, 0.0) for m in timed)
+        return mean_after_first(metrics, key)
 
     step = mean("timing/step")
     train = mean("timing/reference") + mean("timing/old_logprobs") + mean("timing/update")
-    generating = mean("timing/rollout_busy") if "timing/rollout_busy" in timed[0] else mean("timing/rollout")
+    generating = (
+        mean("timing/rollout_busy") if "timing/rollout_busy" in metrics[-1] else mean("timing/rollout")
+    )
     return {
         "mode": mode,
         "steps": len(metrics),

@@ -18,9 +18,6 @@ each worker ran on (the run summary's `worker_nodes`).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -56,8 +53,7 @@ def placement(nodes: int) -> dict[str, list[str]]:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per mode."""
     from dockrl.bench.netem import EmulatedCluster, unavailable
-    from dockrl.data.synthetic import write_task
-    from dockrl.models.tiny import make_tiny
+    from dockrl.bench.train_runs import tiny_workspace, train_argv
 
     reason = unavailable()
     if reason is not None:
@@ -69,23 +65,22 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         config = Path(args.config) if args.config else root / "grpo.yaml"
         if not args.config:
             config.write_text(BASE_CONFIG)
-        model = make_tiny(root / "model", family="qwen2", hidden_size=64, num_layers=2, seed=0)
-        data = write_task("arithmetic", root / "data", num_train=256, num_test=32, seed=0)
+        model, data = tiny_workspace(root)
         with EmulatedCluster(nodes=args.emulate_nodes, link_mbit=args.link_mbit) as cluster:
             for mode in args.modes.split(","):
-                argv = [
-                    *(sys.executable, "-m", "dockrl.cli", "train", str(config)),
-                    f"model.path={model}",
-                    f"data.train_path={data['train']}",
+                argv = train_argv(
+                    config,
+                    model,
+                    data,
+                    root,
+                    mode,
                     f"run.ray_address={cluster.head_address}",
-                    f"run.output_dir={root / 'runs'}",
-                    f"run.name={mode}",
                     f"run.steps={args.steps}",
                     f"dock.mode={mode}",
                     f"placement.actor=[{','.join(place['actor'])}]",
                     f"placement.reward=[{','.join(place['reward'])}]",
                     *args.overrides,
-                ]
+                )
                 done = cluster.run_in(0, argv, timeout=args.timeout_s)
                 if done.returncode != 0:
                     raise RuntimeError(
@@ -97,12 +92,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _row(run_dir: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    timed = metrics[1:] or metrics  # the first step pays start-up and first touches
+    from dockrl.bench.train_runs import mean_after_first, read_run
+
+    metrics, summary = read_run(run_dir)
 
     def mean(key: str) -> float:
-        return statistics.fmean(m[key] for m in timed)
+        return mean_after_first(metrics, key)
 
     return {
         "mode": mode,
