@@ -3,6 +3,7 @@
     sync   rollout.placement=colocated, max_staleness=0: the actor's ranks generate, then train
     sep    rollout.placement=separate,  max_staleness=0: replicas generate while the trainer waits, and back
     async  rollout.placement=separate,  max_staleness=1: step t+1 generates while step t trains
+    async2 rollout.placement=separate,  max_staleness=2: steps t+1 and t+2 generate while step t trains
 
 Each runs `dockrl train` (the tests' tiny Qwen2 model unless --model, the arithmetic task, long-tailed response
 lengths: a random policy stops at a random token, up to --max-new-tokens) for --steps steps in its own local
@@ -26,6 +27,7 @@ MODES = {
     "sync": ["rollout.placement=colocated", "rollout.max_staleness=0"],
     "sep": ["rollout.placement=separate", "rollout.max_staleness=0"],
     "async": ["rollout.placement=separate", "rollout.max_staleness=1"],
+    "async2": ["rollout.placement=separate", "rollout.max_staleness=2"],
 }
 
 BASE_CONFIG = (
@@ -39,7 +41,7 @@ BASE_CONFIG = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `dockrl bench async`."""
-    parser.add_argument("--modes", default="sync,sep,async", help=f"comma list of {', '.join(MODES)}")
+    parser.add_argument("--modes", default="sync,sep,async,async2", help=f"comma list of {', '.join(MODES)}")
     parser.add_argument("--steps", type=int, default=6, help="GRPO steps per run (the first is not timed)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="response length limit")
     parser.add_argument("--model", default=None, help="a model directory instead of the tests' tiny model")

@@ -102,10 +102,12 @@ class RolloutConfig:
     replicas: int = setting(1, "Rollout replicas with rollout.placement=separate (each its own Ray actor).")
     max_staleness: int = setting(
         0,
-        "Policy versions the rollout may run behind the update (0: synchronous, on-policy). 1 (with "
-        "rollout.placement=separate): step t+1 is generated with the weights after update t-1 while step t "
-        "trains, so rollout and training overlap; which weights generate which step is fixed by the step "
-        "number, never by timing, so runs repeat bit for bit.",
+        "Policy versions the rollout may run behind the update (0: synchronous, on-policy). k >= 1 (with "
+        "rollout.placement=separate): steps t+1..t+k generate (with the weights after update t-1 for step t+k, "
+        "in k docks of their own) while step t trains, so rollout and training overlap; which weights "
+        "generate which step is fixed by the step number, never by timing, so runs repeat bit for bit. Every "
+        "token's version is in the dock's policy_version column; k >= 2 keeps up to k staged copies of the "
+        "weights on each rollout replica.",
     )
 
 

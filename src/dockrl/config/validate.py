@@ -518,12 +518,13 @@ def _check_layouts(cfg: TrainConfig) -> None:
             "use rollout.tp=1 with several rollout.replicas, or rollout.placement=colocated",
         )
     _positive("rollout.max_staleness", roll.max_staleness, allow_zero=True)
-    if roll.max_staleness > 1:
+    if roll.max_staleness > 8:
         raise config_error(
             "rollout.max_staleness",
             roll.max_staleness,
-            "rollout runs at most one policy version ahead so far (staleness 2 and more are not built yet)",
-            "use rollout.max_staleness=1 or 0",
+            "each step ahead keeps a dock of rows and a staged copy of the weights on every rollout replica, "
+            "and off-policy corrections degrade past a few versions",
+            "use a rollout.max_staleness of 0 to 8 (1 or 2 is typical)",
         )
     if roll.max_staleness and roll.placement != "separate":
         raise config_error(

@@ -83,10 +83,10 @@ class CentralDock:
         stats["warehouses"] = [self.warehouse.stats()]
         return stats
 
-    def reset(self, keep_unfinished: str | None = None) -> list[int]:
+    def reset(self, keep_unfinished: str | None = None, served_by: str | None = None) -> list[int]:
         """Controller reset and warehouse clear, keeping unfinished rows if asked."""
         with self._lock:
-            kept = self.controller.reset(keep_unfinished)
+            kept = self.controller.reset(keep_unfinished, served_by)
             self.warehouse.clear(kept)
         return kept
 
@@ -214,6 +214,10 @@ class CentralClient(ClientCounters):
         """As DockClient.all_consumed."""
         return self.transport.request("ask", "all_consumed", consumer)
 
+    def ages(self) -> list[int]:
+        """As DockClient.ages."""
+        return self.transport.request("ask", "ages")
+
     def stats(self) -> dict:
         """As DockClient.stats; "mode" is single or driver."""
         stats = self.transport.request("stats")
@@ -221,9 +225,9 @@ class CentralClient(ClientCounters):
         stats["client"] = self.client_stats()
         return stats
 
-    def reset(self, keep_unfinished: str | None = None) -> list[int]:
+    def reset(self, keep_unfinished: str | None = None, served_by: str | None = None) -> list[int]:
         """As DockClient.reset."""
-        kept = self.transport.request("reset", keep_unfinished)
+        kept = self.transport.request("reset", keep_unfinished, served_by)
         self.bytes_put = self.bytes_got = 0
         return kept
 

@@ -274,6 +274,10 @@ class DockClient(ClientCounters):
 
     # ---------------------------------------------------------------- driver
 
+    def ages(self) -> list[int]:
+        """Each row's age (resets survived; partial rollout's carried groups), in row order."""
+        return self._call_controller("ages")
+
     def stats(self) -> dict:
         """Controller stats plus "warehouses" (the stats of every warehouse, by index), "mode": "dock" and
         "client" (this client's bytes_put, bytes_got and latency_ms; the driver's = bytes through the driver).
@@ -286,14 +290,15 @@ class DockClient(ClientCounters):
         stats["client"] = self.client_stats()
         return stats
 
-    def reset(self, keep_unfinished: str | None = None) -> list[int]:
+    def reset(self, keep_unfinished: str | None = None, served_by: str | None = None) -> list[int]:
         """Start the next step's table: controller reset, then every warehouse cleared. Call between steps.
 
         keep_unfinished: a column name; groups with a row lacking it survive, renumbered (partial rollout,
-        see DockController.reset). Returns the kept old row ids (new id = index). Checks for stale handles.
+        see DockController.reset; `served_by`: the consumer their rows with it count as served to). Returns
+        the kept old row ids (new id = index). Checks for stale handles.
         """
         self.check_handles()
-        kept = self._call_controller("reset", keep_unfinished)
+        kept = self._call_controller("reset", keep_unfinished, served_by)
         refs = {w: self._request(w, "clear", kept) for w in range(len(self.warehouses))}
         self._gather(refs, {w: [] for w in refs}, "clear")
         self.bytes_put = self.bytes_got = 0

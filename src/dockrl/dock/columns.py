@@ -65,6 +65,15 @@ ROLLOUT_LOGPROBS = _declare(
     ("update",),
     "log-probs of the sampled tokens under the rollout model (the rollout/trainer mismatch, algo.rollout_is)",
 )
+POLICY_VERSION = _declare(
+    "policy_version",
+    "int64",
+    "token",
+    "rollout",
+    (),
+    "the trainer updates behind the weights that sampled each token (0: the initial weights); the row's "
+    "staleness at update t is t - 1 - its oldest version, at most rollout.max_staleness",
+)
 RM_SCORE = _declare("rm_score", "float32", "row", "reward_model", ("reward",), "the reward model's raw score")
 REWARD = _declare(
     "reward",

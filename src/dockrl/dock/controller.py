@@ -21,7 +21,9 @@ Lifecycle of one training step's table:
 Row ids start at 0 after every reset and are contiguous within a group. Partial rollout:
 reset(keep_unfinished=RESPONSE_IDS) keeps every group with a row lacking that column (its other cells,
 lengths and locations too), renumbers the kept rows to 0..m-1 (oldest first), adds 1 to their age and
-clears every consumer's marks, so the next step's prompts are added beside them (up to max_rows).
+clears every consumer's marks, so the next step's prompts are added beside them (up to max_rows); with
+served_by="rollout", kept rows that have the column count as already served to that consumer (the producer
+of the column does not serve a finished row again).
 
 The state is kept in flat numpy arrays (one entry per row) so that `allocate` costs a few vector operations
 even for tables of 10^5 rows.
@@ -83,11 +85,12 @@ class DockController:
 
     # ---------------------------------------------------------------- lifecycle
 
-    def reset(self, keep_unfinished: str | None = None) -> list[int]:
+    def reset(self, keep_unfinished: str | None = None, served_by: str | None = None) -> list[int]:
         """Start the next step's table; returns the kept old row ids in their new order (new id = index).
 
         keep_unfinished=None forgets every row, group, column and consumer. A column name keeps each group
-        that has a row without that column ready (partial rollout), see the module docstring. Call it
+        that has a row without that column ready (partial rollout), see the module docstring; `served_by`
+        names the consumer that has then already taken the kept rows that have it. Call it
         between steps, when no producer or consumer is still working on the old table; the warehouses must
         then be cleared with the returned list (DockClient.reset does both).
         """
@@ -131,6 +134,8 @@ class DockController:
             self._append_group(row, size)
             row += size
         self._num_rows = m
+        if served_by is not None:
+            self._consumed_of(served_by)[:m] = self._ready[keep_unfinished][:m]
         return kept
 
     def _clear(self) -> None:
@@ -448,6 +453,10 @@ class DockController:
     def num_rows(self) -> int:
         """Number of rows added since the last reset."""
         return self._num_rows
+
+    def ages(self) -> list[int]:
+        """Each row's age: the resets it has survived (partial rollout's carried groups), in row order."""
+        return self._age[: self._num_rows].tolist()
 
     def group_sizes(self) -> list[int]:
         """Size of every group, in row order."""

@@ -23,6 +23,7 @@ _READING = (
     "all_consumed",
     "num_rows",
     "group_sizes",
+    "ages",
     "ready_counts",
     "consumed_count",
     "lengths",

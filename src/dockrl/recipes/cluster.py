@@ -33,7 +33,8 @@ G = TypeVar("G", bound=WorkerGroup)
 
 @dataclass
 class Docks:
-    """The run's dock (two with rollout.max_staleness=1); `client()` gives a worker its client of them."""
+    """The run's docks (rollout.max_staleness + 1 of them: step t trains in dock t mod (k+1) while the next k
+    steps generate in the others); `client()` gives a worker its client of them."""
 
     docks: list[Any]
 
@@ -76,10 +77,11 @@ class Cluster:
         supervisor = Supervisor(cfg.run.heartbeat_timeout_s, faults=faults)
         started: dict[str, Any] = {}
         try:
-            # Asynchronous runs keep a second dock: step t trains in one while step t+1 is generated in the other.
+            # Asynchronous runs keep k+1 docks: step t trains in one while steps t+1..t+k generate in the others.
             dock = Docks([])
             started["dock"] = dock
-            for prefix in ("dockrl", "dockrl-next")[: 1 + (cfg.rollout.max_staleness > 0)]:
+            for index in range(1 + cfg.rollout.max_staleness):
+                prefix = "dockrl" if index == 0 else f"dockrl-ahead{index}"
                 dock.docks.append(
                     launch_dock(
                         mode=cfg.dock.mode,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +47,7 @@ from dockrl.recipes.common import (
 )
 from dockrl.recipes.dynamic_sampling import group_rewards, select_groups
 from dockrl.recipes.eval import score_answers
+from dockrl.recipes.inflight import Generation, load_inflight, save_inflight
 from dockrl.recipes.resume import newest, plan_resume, restore, trainer_state
 from dockrl.workers.actor import ActorGroup
 from dockrl.workers.fault_injection import FaultInjector
@@ -96,7 +96,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 faults=faults,
             )
             summary["worker_nodes"] = cluster.worker_nodes()
-            _run_steps(cfg, run, cluster, sampler, first_step, eval_prompts, tokenizer, summary, data)
+            ahead = {}  # an asynchronous run's generations in flight at the checkpoint, back in their docks
+            if point is not None and cfg.rollout.max_staleness:
+                ahead = load_inflight(point.path, cluster.client, cfg.rollout.samples_per_prompt)
+            args = (sampler, first_step, eval_prompts, tokenizer, summary, data, ahead)
+            _run_steps(cfg, run, cluster, *args)
         except (WorkerError, DockError) as exc:
             failure = _root_cause(exc, cluster)
             if cluster is not None:
@@ -135,23 +139,17 @@ def _run_steps(
     tokenizer: Tokenizer,
     summary: dict[str, Any],
     data: str,
+    ahead: dict[int, Generation],
 ) -> None:
-    """Steps first_step..run.steps: step, evaluate, log, checkpoint."""
+    """Steps first_step..run.steps: step, evaluate, log, checkpoint. `ahead`: an asynchronous run's started
+    generations (step -> Generation; those of the checkpoint resumed from, at first)."""
     progress = _progress(cfg, first_step - 1)
     restarts = len(summary["restarts"])
     plan = step_plan(cfg)
-    ahead: Generation | None = None  # rollout.max_staleness=1: the next step's generation, already running
-    if cfg.rollout.max_staleness and first_step > 1:
-        log.warning(
-            "resuming an asynchronous run at step %d: its rows are generated with the checkpoint's weights "
-            "(staleness 0 for this step), so the run continues but does not repeat the uninterrupted one bit "
-            "for bit (in-flight rows are not checkpointed yet)",
-            first_step,
-        )
     for step in range(first_step, cfg.run.steps + 1):
         cluster.supervisor.step, cluster.supervisor.stage = step, "step"
         if cfg.rollout.max_staleness:
-            metrics, samples, ahead = _async_step(cfg, plan, step, sampler, cluster, ahead)
+            metrics, samples = _async_step(cfg, plan, step, sampler, cluster, ahead)
         else:
             metrics, samples = _step(cfg, plan, step, sampler, cluster)
         metrics["train/epoch"] = sampler.epoch + sampler.position / len(sampler.items)
@@ -163,7 +161,7 @@ def _run_steps(
         run.log_metrics(step, metrics)
         run.log_samples(step, samples)
         if _due(step, cfg.run.save_every, cfg.run.steps):
-            summary["checkpoint"] = _save(cfg, run, cluster, step, sampler, data)
+            summary["checkpoint"] = _save(cfg, run, cluster, step, sampler, data, list(ahead.values()))
         progress.update(1)
         progress.set_postfix(
             reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics.get('train/accuracy', 0):.2f}"
@@ -173,14 +171,23 @@ def _run_steps(
 
 
 def _save(
-    cfg: TrainConfig, run: RunDir, cluster: Cluster, step: int, sampler: EpochSampler, data: str
+    cfg: TrainConfig,
+    run: RunDir,
+    cluster: Cluster,
+    step: int,
+    sampler: EpochSampler,
+    data: str,
+    inflight: list[Generation],
 ) -> str:
     """A resumable checkpoint of `step` (checkpoint/layout.py): the workers write their shards and exports
-    into a staging directory, the driver adds trainer_state.json and renames it, then prunes old ones."""
+    into a staging directory (an asynchronous run's driver adds the generations in flight, recipes/inflight.py),
+    the driver adds trainer_state.json and renames it, then prunes old ones."""
     cluster.supervisor.stage = "save"
     staging = directory.begin(run.checkpoints, step)
     actor_save = cluster.actors.save(str(staging))
     critic_state = cluster.critic.save(str(staging)).wait()[0] if cluster.critic is not None else None
+    if inflight:
+        save_inflight(staging, inflight, cluster.client, cfg.dock.get_timeout_s)
     actor_save.wait()
     cluster.supervisor.at("save", "commit")
     state = trainer_state(cfg, step, sampler, data, critic_state.kl_coef if critic_state else None)
@@ -262,44 +269,25 @@ def _step(cfg: TrainConfig, plan: StepPlan, step: int, sampler: EpochSampler, cl
     return metrics, _samples(scored)
 
 
-@dataclass
-class Generation:
-    """One step's rollout and scoring, started in its dock (asynchronous runs)."""
-
-    step: int
-    batch: list[EncodedPrompt]
-    generating: Any
-    scoring: Any
-    model_scoring: Any
-    started: float
-    weight_sync_s: float
-
-
 def _start_generation(cfg: TrainConfig, step: int, sampler: EpochSampler, cluster: Cluster) -> Generation:
-    """Draw step `step`'s prompts into dock step % 2 and start its rollout (on the separate replicas, with the
-    weights after update step - 2: fixed by the step number, so repeatable) and its scoring."""
+    """Draw step `step`'s prompts into dock step mod (k+1) and start its rollout (on the separate replicas,
+    with the weights after update step - 1 - k: fixed by the step number, so repeatable) and its scoring."""
     assert cluster.rollouts is not None
-    dock = step % 2
+    k = cfg.rollout.max_staleness
+    dock, version = step % (k + 1), max(0, step - 1 - k)
     batch = sampler.next_batch()
     cluster.client.select(dock)
     cluster.client.add_groups(
         [torch.tensor(p.ids) for p in batch], [p.label for p in batch], cfg.rollout.samples_per_prompt
     )
-    synced_s = sync_rollout_weights(cluster, version=max(0, step - 1 - cfg.rollout.max_staleness))
+    synced_s = sync_rollout_weights(cluster, version)
     for group in (cluster.rollouts, cluster.rewards, cluster.reward_models):
         if group is not None:
             group.call("select_dock", dock)
     started = time.perf_counter()
     model_scoring = cluster.reward_models.score() if cluster.reward_models is not None else None
-    return Generation(
-        step,
-        batch,
-        cluster.rollouts.generate(step),
-        cluster.rewards.score(),
-        model_scoring,
-        started,
-        synced_s,
-    )
+    pending = (cluster.rollouts.generate(step, version), cluster.rewards.score(), model_scoring)
+    return Generation(step, version, dock, batch, started, synced_s, pending)
 
 
 def _async_step(
@@ -308,31 +296,31 @@ def _async_step(
     step: int,
     sampler: EpochSampler,
     cluster: Cluster,
-    ahead: Generation | None,
-) -> tuple[dict[str, float], list[dict], Generation | None]:
-    """One step of an asynchronous run (rollout.max_staleness=1): wait for this step's generation (started
-    during the previous step's training), start the next step's with the weights of now (after update
-    step - 1), then train on this step's rows while it runs. Returns (metrics, samples, the next generation)."""
-    actors = cluster.actors
+    ahead: dict[int, Generation],
+) -> tuple[dict[str, float], list[dict]]:
+    """One step of an asynchronous run (rollout.max_staleness=k): wait for this step's generation (started
+    during the last k steps' training), start step + k's with the weights of now (after update step - 1),
+    then train on this step's rows while the next k steps generate. `ahead` (step -> Generation) holds the
+    started generations; returns (metrics, samples)."""
+    actors, k, last = cluster.actors, cfg.rollout.max_staleness, cfg.run.steps
     timer = StageTimer()
     with timer("step"):
-        current = ahead if ahead is not None else _start_generation(cfg, step, sampler, cluster)
-        assert current.step == step
-        gen = current.generating.wait()
-        if current.model_scoring is not None:
-            current.model_scoring.wait()
-        scored = current.scoring.wait()
-        timer.add("rollout", time.perf_counter() - current.started)  # most of it overlapped the last update
+        for pending_step in range(step, min(step + k - 1, last) + 1):  # the first step (none started yet)
+            if pending_step not in ahead:
+                ahead[pending_step] = _start_generation(cfg, pending_step, sampler, cluster)
+        current = ahead.pop(step)
+        gen, scored, rollout_s = current.finish()
+        timer.add("rollout", rollout_s)  # most of it overlapped earlier updates
         timer.add("weight_sync", current.weight_sync_s)
         wait_start = time.perf_counter()
-        following = _start_generation(cfg, step + 1, sampler, cluster) if step < cfg.run.steps else None
+        if step + k <= last:
+            ahead[step + k] = _start_generation(cfg, step + k, sampler, cluster)
         timer.add("start_next", time.perf_counter() - wait_start)
-        dock = step % 2
-        actors.call("select_dock", dock)
+        actors.call("select_dock", current.dock)
         _logprob_stages(plan, actors, timer)
         with timer("update"):
             updates = actors.update().wait()
-        cluster.client.select(dock)
+        cluster.client.select(current.dock)
         dock_stats = cluster.client.stats()
         cluster.client.reset()
     metrics = _metrics(cfg, current.batch, gen, scored, updates, timer, dock_stats)
@@ -340,7 +328,7 @@ def _async_step(
     behind = [float(step - 1 - g.policy_version) for g in gen for _ in g.response_lengths]
     metrics["async/staleness_mean"] = statistics.fmean(behind)
     metrics["async/staleness_max"] = max(behind)
-    return metrics, _samples(scored), following
+    return metrics, _samples(scored)
 
 
 def _logprob_stages(plan: StepPlan, actors: ActorGroup, timer: StageTimer) -> None:
@@ -362,8 +350,11 @@ def _round(cfg: TrainConfig, step: int, batch: list[EncodedPrompt], cluster: Clu
     if synced_s:
         timer.add("weight_sync", synced_s)
     start = time.perf_counter()
-    generator = cluster.rollouts if cluster.rollouts is not None else cluster.actors
-    generating, scoring = generator.generate(step), cluster.rewards.score()
+    if cluster.rollouts is not None:
+        generating = cluster.rollouts.generate(step, step - 1)
+    else:
+        generating = cluster.actors.generate(step)
+    scoring = cluster.rewards.score()
     model_scoring = cluster.reward_models.score() if cluster.reward_models is not None else None
     gen = generating.wait()
     timer.add("rollout", time.perf_counter() - start)

@@ -171,11 +171,14 @@ class ActorWorker(Worker):
             self.rollout_engine = step_engine(
                 self.rollout_model, self.cfg, self.pad_token_id, self.tokenizer.decode
             )
-        stats = serve_step(self.rollout_engine, self.rollout_client, self.cfg, step, self.stop_token_ids)
+        version = step - 1  # colocated rollout is on-policy: the weights after step - 1 updates
+        stats = serve_step(
+            self.rollout_engine, self.rollout_client, self.cfg, step, self.stop_token_ids, version
+        )
         self.leave_rollout()
         if not self.rollout_client.is_head:  # tp peers served the same rows as their head
-            return GenerateResult([], 0, reshard_s)
-        return GenerateResult(stats["response_lengths"], stats["truncated"], reshard_s)
+            return GenerateResult([], 0, reshard_s, version)
+        return GenerateResult(stats["response_lengths"], stats["truncated"], reshard_s, version)
 
     # ---- log-prob stages -----------------------------------------------------------------------
 

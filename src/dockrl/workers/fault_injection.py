@@ -3,7 +3,8 @@
     DOCKRL_FAULTS="kill:actor-1:update:2:during;hang:reward-0:generate:1:during;kill:driver:save:2:during"
 
 Each fault is ACTION:TARGET:STAGE:STEP[:WHEN]:
-- ACTION `kill` (SIGKILL) or `hang` (SIGSTOP: the process stays alive and answers nothing);
+- ACTION `kill` (SIGKILL), `hang` (SIGSTOP: the process stays alive and answers nothing) or `pause=SECONDS`
+  (SIGSTOP, then SIGCONT that many seconds later: a straggler; e.g. pause=1.5:rollout-0:generate:2);
 - TARGET a worker (`actor-1`, `critic-0`, `reward-0`, `reward_model-0`), a dock actor
   (`dockrl-controller`, `dockrl-warehouse-0`) or `driver` (this process, killed only);
 - STAGE the stage method the driver starts (generate, compute_ref, compute_old, compute_values, update,
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +30,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 ENV = "DOCKRL_FAULTS"
-ACTIONS = ("kill", "hang")
+ACTIONS = ("kill", "hang", "pause")
 WHENS = ("before", "during", "after", "commit")
 
 
@@ -41,6 +43,7 @@ class Fault:
     stage: str
     step: int
     when: str = "during"
+    seconds: float = 0.0  # how long a `pause` lasts
 
 
 def parse_faults(text: str | None) -> list[Fault]:
@@ -51,15 +54,24 @@ def parse_faults(text: str | None) -> list[Fault]:
         if not entry:
             continue
         parts = entry.split(":")
-        if len(parts) not in (4, 5) or parts[0] not in ACTIONS or not parts[3].isdigit():
+        action, _, seconds = parts[0].partition("=")
+        if action == "pause":
+            try:
+                pause_s = float(seconds)
+            except ValueError:
+                pause_s = -1.0
+            if not 0 < pause_s <= 600:
+                raise ValueError(f"{ENV} entry {entry!r}: pause=SECONDS needs 0 < SECONDS <= 600")
+        if len(parts) not in (4, 5) or action not in ACTIONS or not parts[3].isdigit():
             raise ValueError(
-                f"{ENV} entry {entry!r} is not ACTION:TARGET:STAGE:STEP[:WHEN] with ACTION in {ACTIONS}, "
-                "e.g. kill:actor-1:update:2:during"
+                f"{ENV} entry {entry!r} is not ACTION:TARGET:STAGE:STEP[:WHEN] with ACTION in {ACTIONS} "
+                "(pause as pause=SECONDS), e.g. kill:actor-1:update:2:during"
             )
         when = parts[4] if len(parts) == 5 else "during"
         if when not in WHENS:
             raise ValueError(f"{ENV} entry {entry!r}: WHEN must be one of {WHENS}")
-        faults.append(Fault(parts[0], parts[1], parts[2], int(parts[3]), when))
+        pause = float(seconds) if action == "pause" else 0.0
+        faults.append(Fault(action, parts[1], parts[2], int(parts[3]), when, pause))
     return faults
 
 
@@ -94,6 +106,18 @@ class FaultInjector:
         if pid is None:
             raise ValueError(f"{ENV}: no process named {fault.target!r}; known: {sorted(self.pids)}")
         os.kill(pid, signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
+        if fault.action == "pause":
+            resume = threading.Timer(fault.seconds, _continue, (pid,))
+            resume.daemon = True
+            resume.start()
+
+
+def _continue(pid: int) -> None:
+    """The end of a pause (the process may have been killed meanwhile)."""
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
 
 
 def process_identity(_actor: Any = None) -> dict[str, Any]:

@@ -37,6 +37,8 @@ PLACEMENT_SHARE = 0.001  # of a node's custom placement resource one rank takes:
 class Worker:
     """Base class of every worker actor: identity, threads, process-group join."""
 
+    threads: dict[str, int] = {}  # concurrency groups of its own beside the health thread (name -> threads)
+
     def __init__(self, name: str, rank: int, world_size: int, num_threads: int | None = None):
         import torch
 
@@ -115,7 +117,7 @@ class WorkerGroup:
         node_resources: list[str] | None = None,
     ):
         self.name, self.timeout_s, self.supervisor = name, timeout_s, supervisor
-        remote_cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(worker_cls)
+        remote_cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1, **worker_cls.threads})(worker_cls)
         self.names = [f"{name}-{rank}" for rank in range(num_workers)]
 
         def placed(rank: int) -> dict[str, float]:  # rank i on a node offering node_resources[i mod len]

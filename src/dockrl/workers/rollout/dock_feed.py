@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dockrl.dock.columns import PROMPT_IDS, RESPONSE_IDS, ROLLOUT_LOGPROBS
+from dockrl.dock.columns import POLICY_VERSION, PROMPT_IDS, RESPONSE_IDS, ROLLOUT_LOGPROBS
 from dockrl.dock.errors import DockTimeoutError
 from dockrl.workers.rollout.rollout_engine import Completion, Request, RolloutEngine
 from dockrl.workers.rollout.sampling import SamplingParams
@@ -46,9 +46,12 @@ def step_engine(model: Any, cfg: Any, pad_token_id: int, detokenize: Callable) -
     )
 
 
-def serve_step(engine: RolloutEngine, client: Any, cfg: Any, step: int, stop_token_ids: list[int]) -> dict:
+def serve_step(
+    engine: RolloutEngine, client: Any, cfg: Any, step: int, stop_token_ids: list[int], version: int
+) -> dict:
     """Roll out every row of step `step` from the dock with the run's sampling settings (cfg: a TrainConfig)
-    and its per-row seeds; what colocated actor ranks and separate rollout replicas both run."""
+    and its per-row seeds, with the weights after `version` updates (each token's `policy_version`); what
+    colocated actor ranks and separate rollout replicas both run."""
     roll = cfg.rollout
     params = SamplingParams(
         max_new_tokens=roll.max_new_tokens,
@@ -67,6 +70,7 @@ def serve_step(engine: RolloutEngine, client: Any, cfg: Any, step: int, stop_tok
         group_size=roll.samples_per_prompt,
         groups_per_pull=roll.groups_per_pull,
         row_seed=lambda row: row_seed(cfg.run.seed, step, row),
+        version=version,
     )
 
 
@@ -79,11 +83,12 @@ def serve_from_dock(
     group_size: int,
     groups_per_pull: int,
     row_seed: Callable[[int], int],
+    version: int | None = None,
 ) -> dict[str, Any]:
     """Generate a response for every row `consumer` gets from the dock; returns lengths and counts.
 
     row_seed(row) gives each row's sampling seed, so a row's response does not depend on which rank or
-    batch serves it.
+    batch serves it. With `version`, each response token's policy_version is put beside it.
     """
     exhausted = False
     lengths: list[int] = []
@@ -103,7 +108,7 @@ def serve_from_dock(
             break
         completions = engine.step()
         if completions:
-            _put(client, completions)
+            _put(client, completions, version)
             num_puts += 1
             lengths += [len(c.generation.token_ids) for c in completions]
             truncated += sum(c.generation.finish_reason == "length" for c in completions)
@@ -152,12 +157,12 @@ def _requests(
     return requests
 
 
-def _put(client: Any, completions: list[Completion]) -> None:
+def _put(client: Any, completions: list[Completion], version: int | None) -> None:
     rows = [c.tag[c.sample] for c in completions]
-    client.put(
-        rows,
-        {
-            RESPONSE_IDS: [c.generation.token_ids for c in completions],
-            ROLLOUT_LOGPROBS: [c.generation.logprobs for c in completions],
-        },
-    )
+    batch = {
+        RESPONSE_IDS: [c.generation.token_ids for c in completions],
+        ROLLOUT_LOGPROBS: [c.generation.logprobs for c in completions],
+    }
+    if version is not None:
+        batch[POLICY_VERSION] = [[version] * len(c.generation.token_ids) for c in completions]
+    client.put(rows, batch)

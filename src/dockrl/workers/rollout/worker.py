@@ -2,20 +2,26 @@
 
     trainer ranks ── broadcast_weights: bucket by bucket, gathered over the actor's ranks ──┐
                                                                                            ▼
-    RolloutWorker r: receive_weights (into its bucket buffers, which are the model's weights)
-                     generate(step): pulls whole groups from the dock, puts responses back (dock_feed)
+    RolloutWorker r: receive_weights(v) on its "weights" thread (into its bucket buffers)
+                     generate(step, v): takes the weights of version v, pulls whole groups from the dock,
+                                        puts responses (and each token's policy_version) back (dock_feed)
 
 The weights live in flat buffers laid out like the trainer's buckets (`switch.full_model_buckets`, planned from
 the same model config and `reshard.bucket_mb`), so a sync is one gloo broadcast per bucket straight into
-them: no state dict, no copy. The trainer's rank 0 and the replicas share a gloo group of their own
+them: no state dict. With rollout.max_staleness <= 1 a replica is idle whenever weights arrive, so they go
+straight into the model's buffers; with k >= 2 the next version arrives while an earlier step still generates,
+so it lands in a staged copy (up to k more copies of the weights) and generate(step, v) copies version v in
+when it starts: which weights generate a step is fixed by its step number, never by arrival time. The trainer's rank 0 and the replicas share a gloo group of their own
 (`parallel.dist.side_group`). A row's tokens depend only on its seed and the weights (`dock_feed.row_seed`), so
 which replica serves a row changes nothing.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
+import ray
 import torch
 
 from dockrl.config.schema import TrainConfig
@@ -31,15 +37,23 @@ from dockrl.workers.results import GenerateResult, SetupResult
 from dockrl.workers.rollout.dock_feed import serve_step, step_engine
 from dockrl.workers.rollout.rollout_engine import RolloutEngine
 
+WEIGHTS_THREAD = "weights"
+
 
 class RolloutWorker(Worker):
     """One single-rank rollout replica: weights received from the trainer, rows served from the dock."""
+
+    threads = {WEIGHTS_THREAD: 1}  # weights arrive while a step generates (rollout.max_staleness >= 2)
 
     def __init__(self, name: str, rank: int, world_size: int, *, cfg: TrainConfig, client: DockClient):
         super().__init__(name, rank, world_size)
         self.cfg, self.client = cfg, client
         self.sync_group = None
-        self.version = -1  # updates behind the weights held; -1: none received yet
+        self.version = -1  # updates behind the weights in the model's buffers; -1: none received yet
+        self.staged: dict[int, list[torch.Tensor]] = {}  # version -> received copy not yet taken
+        self.spare: list[list[torch.Tensor]] = []  # staged copies already taken, reused
+        self.arrived = threading.Condition()
+        self.generating = False
 
     def setup(self) -> SetupResult:
         """The model, its parameters views of the bucket buffers (filled by the first receive_weights; the
@@ -73,23 +87,66 @@ class RolloutWorker(Worker):
             addr, port, self.rank + 1, world, timeout_s=self.cfg.run.worker_timeout_s
         )
 
+    @ray.method(concurrency_group=WEIGHTS_THREAD)
     def receive_weights(self, version: int) -> float:
         """Receive the trainer's weights after `version` updates, bucket by bucket; returns the seconds."""
         start = time.perf_counter()
-        for buffer in self.buffers:
+        staging = self.cfg.rollout.max_staleness >= 2
+        with self.arrived:
+            if not staging and self.generating:
+                raise RuntimeError(
+                    f"{self.name}: weights of version {version} arrived while a step generates with "
+                    f"rollout.max_staleness={self.cfg.rollout.max_staleness} (the recipe syncs between steps)"
+                )
+            target = self.buffers
+            if staging:
+                target = self.spare.pop() if self.spare else [torch.empty_like(b) for b in self.buffers]
+        for buffer in target:
             broadcast_bucket(self.sync_group, buffer)
-        self.version = version
+        with self.arrived:
+            if staging:
+                self.staged[version] = target
+            else:
+                self.version = version
+            self.arrived.notify_all()
         return time.perf_counter() - start
 
-    def generate(self, step: int) -> GenerateResult:
-        """Serve rollout rows from the dock until every row has a response (as the colocated actor does)."""
-        assert self.version >= 0, "generate before any weights were received"
-        start = time.perf_counter()
-        if self.engine is None:
-            self.engine = step_engine(self.model, self.cfg, self.pad_token_id, self.tokenizer.decode)
-        stats = serve_step(self.engine, self.replica_client, self.cfg, step, self.stop_token_ids)
-        busy_s = time.perf_counter() - start
-        return GenerateResult(stats["response_lengths"], stats["truncated"], 0.0, self.version, busy_s)
+    def _take_version(self, version: int) -> None:
+        """Make the weights of `version` the model's (waiting for them to arrive; bounded by
+        run.worker_timeout_s) and recycle staged copies of older versions."""
+        timeout_s = self.cfg.run.worker_timeout_s
+        with self.arrived:
+            if not self.arrived.wait_for(
+                lambda: self.version == version or version in self.staged, timeout=timeout_s
+            ):
+                raise RuntimeError(
+                    f"{self.name}: the weights of version {version} did not arrive within {timeout_s:.0f} s "
+                    f"(run.worker_timeout_s); it holds version {self.version}, staged {sorted(self.staged)}"
+                )
+            if self.version != version:
+                received = self.staged.pop(version)
+                for live, new in zip(self.buffers, received):
+                    live.copy_(new)
+                self.spare.append(received)
+                self.version = version
+            for old in [v for v in self.staged if v < version]:
+                self.spare.append(self.staged.pop(old))
+            self.generating = True
+
+    def generate(self, step: int, version: int) -> GenerateResult:
+        """Serve step `step`'s rollout rows from the dock with the weights after `version` updates, until every
+        row has a response (as the colocated actor does)."""
+        self._take_version(version)
+        try:
+            start = time.perf_counter()
+            if self.engine is None:
+                self.engine = step_engine(self.model, self.cfg, self.pad_token_id, self.tokenizer.decode)
+            stats = serve_step(self.engine, self.replica_client, self.cfg, step, self.stop_token_ids, version)
+            busy_s = time.perf_counter() - start
+        finally:
+            with self.arrived:
+                self.generating = False
+        return GenerateResult(stats["response_lengths"], stats["truncated"], 0.0, version, busy_s)
 
 
 class RolloutGroup(WorkerGroup):
@@ -109,6 +166,6 @@ class RolloutGroup(WorkerGroup):
         """Receive the trainer's weights (with the trainer's broadcast_weights)."""
         return self.start(RolloutWorker.receive_weights, version)
 
-    def generate(self, step: int) -> Pending[GenerateResult]:
-        """Roll out every row of the dock's table."""
-        return self.start(RolloutWorker.generate, step)
+    def generate(self, step: int, version: int) -> Pending[GenerateResult]:
+        """Roll out every row of the dock's table with the weights after `version` updates."""
+        return self.start(RolloutWorker.generate, step, version)
