@@ -64,6 +64,25 @@ def test_tiny_example_validates_without_warnings(algo, tiny_model, arithmetic_da
             "rollout.tp=2: rollout.placement=separate sends full",
         ),
         (["rollout.placement=separate", "rollout.replicas=0"], "rollout.replicas=0: must be >= 1"),
+        (["rollout.partial=true"], "rollout.partial=True: a response cut at one step is finished by a later"),
+        (
+            [
+                "rollout.partial=true",
+                "rollout.max_staleness=1",
+                "rollout.partial_tokens=8",
+                "rollout.max_new_tokens=8",
+            ],
+            "rollout.partial_tokens=8: no response is ever cut",
+        ),
+        (["rollout.max_staleness=1"], "rollout.max_staleness=1: colocated rollout shares the actor's ranks"),
+        (
+            ["rollout.max_staleness=9", "rollout.placement=separate"],
+            "rollout.max_staleness=9: each step ahead",
+        ),
+        (
+            ["rollout.partial=true", "rollout.max_staleness=1", "algo.dynamic_sampling=true"],
+            "asynchronous \\(or partial\\) rollout with algo.dynamic_sampling is not built yet",
+        ),
         (["algo.kl_in_reward=true"], "only PPO's GAE and REINFORCE\\+\\+'s returns use"),
         (
             ["algo.name=reinforce_pp", "algo.kl_in_reward=true", "algo.kl_ctrl=adaptive"],

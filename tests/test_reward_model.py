@@ -212,6 +212,7 @@ def _group_rows(tokenizer: Tokenizer) -> dict[str, list]:
         "prompt_ids": [torch.tensor(tokenizer.encode(prompts[i // 2])) for i in range(4)],
         "response_ids": [torch.tensor(tokenizer.encode(r)) for r in responses],
         "label": ["7", "7", "4", "4"],
+        "policy_version": [torch.zeros(len(tokenizer.encode(r)), dtype=torch.int64) for r in responses],
     }
 
 

@@ -106,3 +106,83 @@ def test_rows_stream_through_the_engine(not_ready_polls):
         assert (logprobs - generation.logprobs).abs().max() < 1e-5
     lengths = stats["response_lengths"]
     assert min(lengths) < 12 and max(lengths) == 12 and stats["truncated"] == lengths.count(12)
+
+
+def test_partial_rollout_continues_cut_rows_under_each_passes_weights():
+    """rollout.partial through a real dock (the single-process store behind a socket hub): each pass gives a
+    response at most 4 new tokens, cut groups leave the pass and are kept by the reset, the next pass continues
+    them with new weights (its seeds, its version), and a row cut max_cuts=2 times runs to the end on its third
+    pass. Every final response equals the one `generate` draws under its recorded version schedule: each
+    segment from the prompt plus the tokens before it, with that pass's model, seed and budget."""
+    from dockrl.dock.central import CentralClient, CentralDock, HubTransport
+    from dockrl.dock.transport import ServiceHub
+    from dockrl.workers.rollout.dock_feed import Partial
+
+    models = [tiny_model()]
+    for seed in (1, 2):  # the weights after updates 1 and 2
+        model = tiny_model()
+        model.init_weights(seed=seed, std=0.1)
+        models.append(model.eval())
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_ids=list(range(0, 64, 8)))
+    partial = Partial(tokens=4, max_cuts=2, max_new_tokens=12)
+    hub = ServiceHub(CentralDock())
+    client = CentralClient(HubTransport(hub.address, hub.authkey), "driver", get_timeout_s=30)
+    client.add_groups([torch.tensor(p) for p in GROUP_PROMPTS], [""] * len(GROUP_PROMPTS), GROUP)
+    origin = list(range(GROUP * len(GROUP_PROMPTS)))  # current row -> row of the first pass
+    row_at: list[dict[int, int]] = []  # per pass: first-pass row -> its row id in that pass
+    final: dict[int, tuple] = {}
+    cuts_per_pass = []
+    for version, model in enumerate(models):
+        row_at.append({o: r for r, o in enumerate(origin)})
+        engine = RolloutEngine(model, num_slots=2 * GROUP, max_seq_len=32)
+        stats = serve_from_dock(
+            engine,
+            client,
+            consumer="rollout",
+            params=params,
+            group_size=GROUP,
+            groups_per_pull=1,
+            row_seed=lambda row, v=version: 1000 * (v + 1) + row,
+            version=version,
+            partial=partial,
+        )
+        cuts_per_pass.append(len(stats["interrupted"]))
+        cut_groups = sorted({row // GROUP for row in stats["interrupted"]})
+        if cut_groups:
+            client.drop([g * GROUP + i for g in cut_groups for i in range(GROUP)])
+        got = client.get(
+            f"check{version}",
+            ["prompt_ids", "response_ids", "rollout_logprobs", "policy_version"],
+            64,
+            min_count=1,
+            timeout_s=5,
+        )
+        for i, row in enumerate(got[0] if got else []):
+            final.setdefault(
+                origin[row],
+                tuple(
+                    got[1][c][i] for c in ("prompt_ids", "response_ids", "rollout_logprobs", "policy_version")
+                ),
+            )
+        kept = client.reset(keep_unfinished="response_ids", served_by="rollout")
+        origin = [origin[old] for old in kept]
+    assert cuts_per_pass[0] > 0 and cuts_per_pass[1] > 0 and cuts_per_pass[2] == 0  # the third pass ends all
+    assert origin == [] and sorted(final) == list(range(GROUP * len(GROUP_PROMPTS)))
+    for first_row, (prompt, ids, logprobs, versions) in final.items():
+        versions = torch.as_tensor(versions)
+        assert versions.tolist() == sorted(versions.tolist())  # versions only grow along a response
+        expected_ids, expected_lp, done = [], [], 0
+        for version in torch.unique(versions).tolist():
+            length = int((versions == version).sum())
+            budget = partial.budget(done, version)  # pass `version` follows `version` cuts
+            assert length == budget or version == versions[-1]  # cut exactly at the budget
+            prefix = torch.as_tensor(prompt).tolist() + torch.as_tensor(ids[:done]).tolist()
+            seed = 1000 * (version + 1) + row_at[version][first_row]
+            step_params = SamplingParams(**{**params.__dict__, "max_new_tokens": budget})
+            (segment,) = generate(models[version], [prefix], step_params, [seed])
+            expected_ids.append(segment.token_ids)
+            expected_lp.append(segment.logprobs)
+            done += length
+        assert torch.equal(torch.as_tensor(ids), torch.cat(expected_ids)), first_row
+        assert (torch.as_tensor(logprobs) - torch.cat(expected_lp)).abs().max() < 1e-5
+    hub.close()

@@ -97,8 +97,10 @@ def test_old_logprobs_from_the_rollout_skip_the_old_stage(ray_session, tmp_path,
 
 
 # Dock traffic of a step whose rows were put back from a checkpoint's in-flight file (by the driver, not by
-# the rollout and reward workers) differs from the uninterrupted run's; everything computed is the same.
-_TRAFFIC = ("dock/bytes_moved", "dock/driver_bytes")
+# the rollout and reward workers) differs from the uninterrupted run's, and so do the bytes its warehouses hold
+# (a carried row that finished keeps its superseded partial_* cells until the reset; the restored one has
+# none); everything computed is the same.
+_TRAFFIC = ("dock/bytes_moved", "dock/driver_bytes", "dock/bytes_in_warehouses")
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +188,38 @@ def test_stragglers_change_no_staleness_and_no_number(two_ahead, pauses):
     paused = computed_metrics(root / name)
     assert max(r["async/staleness_max"] for r in paused) <= 2
     assert paused == whole, (spec, metric_differences(paused, whole))
+
+
+def test_partial_rollout_stays_within_its_budget_and_resumes_exactly(
+    ray_session, tmp_path, tiny_model, arithmetic_data
+):
+    """rollout.partial with rollout.max_staleness=2 on the actor's own ranks (colocated): every response gets
+    2 new tokens per step; cut groups wait in the dock and are continued by the next steps' weights, at most
+    twice, so no trained row is more than 2 versions behind. A checkpoint holds the carried groups (ages,
+    finished rows, tokens so far); resuming from it repeats the uninterrupted run bit for bit."""
+    import torch
+
+    config = tmp_path / "grpo.yaml"
+    config.write_text(CONFIG.replace("steps: 2", "steps: 4"))
+    base = ["train", str(config), f"model.path={tiny_model}", f"data.train_path={arithmetic_data['train']}"]
+    base += [f"run.output_dir={tmp_path}", "rollout.partial=true", "rollout.max_staleness=2"]
+    base += ["rollout.partial_tokens=2", "run.save_every=2", "run.keep_checkpoints=null"]
+    assert main([*base, "run.name=whole"]) == 0
+    whole = computed_metrics(tmp_path / "whole")
+    assert [r["step"] for r in whole] == [1, 2, 3, 4]
+    assert all(r["async/staleness_max"] <= 2 for r in whole)
+    assert max(r["async/staleness_max"] for r in whole) > 0  # continued rows were trained
+    assert all(r["rollout/interrupted"] > 0 for r in whole)
+    assert [r["rollout/continued"] > 0 for r in whole] == [False, True, True, True]
+    checkpoint = tmp_path / "whole" / "checkpoints" / "step_000002"
+    carried = torch.load(checkpoint / "inflight.pt", weights_only=True)["carried"]
+    assert carried["cut"]["rows"] and set(carried["ages"]) <= {1, 2}
+
+    assert main([*base, "run.name=resumed", f"run.resume={checkpoint}"]) == 0
+    resumed = computed_metrics(tmp_path / "resumed")
+    expected = [dict(r) for r in whole]
+    for rows in (resumed, expected):
+        for row in rows[2:]:
+            for key in _TRAFFIC:
+                row.pop(key)
+    assert resumed == expected, metric_differences(resumed, expected)

@@ -4,6 +4,8 @@
     sep    rollout.placement=separate,  max_staleness=0: replicas generate while the trainer waits, and back
     async  rollout.placement=separate,  max_staleness=1: step t+1 generates while step t trains
     async2 rollout.placement=separate,  max_staleness=2: steps t+1 and t+2 generate while step t trains
+    partial rollout.placement=separate, partial=true, max_staleness=1: a quarter of the tokens per step, cut
+           responses continued next step (a step trains only the groups that finished)
 
 Each runs `dockrl train` (the tests' tiny Qwen2 model unless --model, the arithmetic task, long-tailed response
 lengths: a random policy stops at a random token, up to --max-new-tokens) for --steps steps in its own local
@@ -28,6 +30,7 @@ MODES = {
     "sep": ["rollout.placement=separate", "rollout.max_staleness=0"],
     "async": ["rollout.placement=separate", "rollout.max_staleness=1"],
     "async2": ["rollout.placement=separate", "rollout.max_staleness=2"],
+    "partial": ["rollout.placement=separate", "rollout.partial=true", "rollout.max_staleness=1"],
 }
 
 BASE_CONFIG = (
@@ -41,7 +44,9 @@ BASE_CONFIG = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `dockrl bench async`."""
-    parser.add_argument("--modes", default="sync,sep,async,async2", help=f"comma list of {', '.join(MODES)}")
+    parser.add_argument(
+        "--modes", default="sync,sep,async,async2,partial", help=f"comma list of {', '.join(MODES)}"
+    )
     parser.add_argument("--steps", type=int, default=6, help="GRPO steps per run (the first is not timed)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="response length limit")
     parser.add_argument("--model", default=None, help="a model directory instead of the tests' tiny model")
@@ -93,6 +98,7 @@ def _row(run_dir: Path, mode: str) -> dict[str, Any]:
         "rollout_idle": max(0.0, 1 - generating / step),
         "trainer_idle": max(0.0, 1 - train / step),
         "staleness_max": max(m.get("async/staleness_max", 0.0) for m in metrics),
+        "rows_trained_mean": mean("dock/rows"),
         "response_length_mean": mean("response_length/mean"),
-        "reward_mean": metrics[-1]["reward/mean"],
+        "reward_mean": metrics[-1].get("reward/mean"),  # None: partial rollout finished no group that step
     }

@@ -109,6 +109,18 @@ class RolloutConfig:
         "token's version is in the dock's policy_version column; k >= 2 keeps up to k staged copies of the "
         "weights on each rollout replica.",
     )
+    partial: bool = setting(
+        False,
+        "Partial rollout: each step's rollout gives every response at most rollout.partial_tokens new tokens; "
+        "the groups of responses cut there leave the step (their finished rows too) and stay in the dock, "
+        "and the next step continues them under its newer weights (oldest first), so a long tail no longer "
+        "holds up every step. rollout.max_staleness=k is the budget: a row is cut at most k times (its k+1-th "
+        "pass runs to the end), so its oldest token is at most k versions behind the update that trains it. "
+        "The rollout does not run ahead of the update (the staleness goes to the interruptions).",
+    )
+    partial_tokens: int = setting(
+        0, "Tokens per response per step with rollout.partial (0: rollout.max_new_tokens / 4, at least 1)."
+    )
 
 
 @dataclass

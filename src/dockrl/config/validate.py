@@ -526,12 +526,35 @@ def _check_layouts(cfg: TrainConfig) -> None:
             "and off-policy corrections degrade past a few versions",
             "use a rollout.max_staleness of 0 to 8 (1 or 2 is typical)",
         )
-    if roll.max_staleness and roll.placement != "separate":
+    _positive("rollout.partial_tokens", roll.partial_tokens, allow_zero=True)
+    if roll.partial:
+        if roll.max_staleness < 1:
+            raise config_error(
+                "rollout.partial",
+                True,
+                "a response cut at one step is finished by a later step's weights, which needs a staleness "
+                "budget (a row is cut at most rollout.max_staleness times)",
+                "set rollout.max_staleness to 1 or more, or rollout.partial=false",
+            )
+        if roll.partial_tokens >= roll.max_new_tokens:
+            raise config_error(
+                "rollout.partial_tokens",
+                roll.partial_tokens,
+                f"no response is ever cut with a budget of rollout.max_new_tokens={roll.max_new_tokens} or more",
+                "use fewer tokens (0 picks rollout.max_new_tokens / 4), or rollout.partial=false",
+            )
+    elif roll.partial_tokens:
+        warnings.warn(
+            f"rollout.partial_tokens={roll.partial_tokens} has no effect without rollout.partial=true",
+            stacklevel=3,
+        )
+    if roll.max_staleness and roll.placement != "separate" and not roll.partial:
         raise config_error(
             "rollout.max_staleness",
             roll.max_staleness,
             "colocated rollout shares the actor's ranks, so it cannot run while they train",
-            "set rollout.placement=separate (rollout replicas of their own), or rollout.max_staleness=0",
+            "set rollout.placement=separate (rollout replicas of their own), rollout.partial=true, or "
+            "rollout.max_staleness=0",
         )
     algo = cfg.algo
     if algo.old_logprobs == "rollout":
@@ -554,7 +577,7 @@ def _check_layouts(cfg: TrainConfig) -> None:
         raise config_error(
             "rollout.max_staleness",
             roll.max_staleness,
-            f"asynchronous rollout with {what} is not built yet",
+            f"asynchronous (or partial) rollout with {what} is not built yet",
             "use rollout.max_staleness=0",
         )
     if roll.placement == "colocated" and cfg.placement.rollout:

@@ -70,9 +70,29 @@ POLICY_VERSION = _declare(
     "int64",
     "token",
     "rollout",
-    (),
-    "the trainer updates behind the weights that sampled each token (0: the initial weights); the row's "
+    ("reward",),
+    "the trainer updates before the weights that sampled each token (0: the initial weights); the row's "
     "staleness at update t is t - 1 - its oldest version, at most rollout.max_staleness",
+)
+PARTIAL_IDS = _declare(
+    "partial_ids",
+    "int64",
+    "token",
+    "rollout",
+    ("rollout",),
+    "rollout.partial: the tokens of a response interrupted at the pass's token budget, continued next step",
+)
+PARTIAL_LOGPROBS = _declare(
+    "partial_logprobs", "float32", "token", "rollout", ("rollout",), "rollout.partial: their log-probs"
+)
+PARTIAL_VERSIONS = _declare(
+    "partial_versions",
+    "int64",
+    "token",
+    "rollout",
+    ("rollout",),
+    "rollout.partial: their policy versions (one pass per version, so their count of distinct values is the "
+    "row's passes so far)",
 )
 RM_SCORE = _declare("rm_score", "float32", "row", "reward_model", ("reward",), "the reward model's raw score")
 REWARD = _declare(

@@ -134,7 +134,7 @@ class DockController:
             self._append_group(row, size)
             row += size
         self._num_rows = m
-        if served_by is not None:
+        if served_by is not None and keep_unfinished in self._ready:
             self._consumed_of(served_by)[:m] = self._ready[keep_unfinished][:m]
         return kept
 

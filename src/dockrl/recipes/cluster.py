@@ -80,7 +80,7 @@ class Cluster:
             # Asynchronous runs keep k+1 docks: step t trains in one while steps t+1..t+k generate in the others.
             dock = Docks([])
             started["dock"] = dock
-            for index in range(1 + cfg.rollout.max_staleness):
+            for index in range(1 + lead(cfg)):
                 prefix = "dockrl" if index == 0 else f"dockrl-ahead{index}"
                 dock.docks.append(
                     launch_dock(
@@ -144,6 +144,12 @@ class Cluster:
         """Kill every actor of this attempt at once (after a failure: nothing is asked politely)."""
         self.supervisor.kill_all()
         self.dock.shutdown()
+
+
+def lead(cfg: TrainConfig) -> int:
+    """Steps the rollout runs ahead of the update: rollout.max_staleness, or 0 with rollout.partial (whose
+    staleness budget goes to interrupted rows instead)."""
+    return 0 if cfg.rollout.partial else cfg.rollout.max_staleness
 
 
 def check_placement(cfg: TrainConfig) -> None:

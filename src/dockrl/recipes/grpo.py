@@ -32,11 +32,12 @@ from dockrl.checkpoint.state import data_fingerprint
 from dockrl.config.loader import to_dict
 from dockrl.config.schema import TrainConfig
 from dockrl.config.step_plan import StepPlan, step_plan
+from dockrl.dock.columns import RESPONSE_IDS
 from dockrl.dock.errors import DockError
 from dockrl.dock.metrics import bytes_moved, driver_bytes
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.observe.run_dir import RunDir, StageTimer
-from dockrl.recipes.cluster import Cluster, check_placement, sync_rollout_weights
+from dockrl.recipes.cluster import Cluster, check_placement, lead, sync_rollout_weights
 from dockrl.recipes.common import (
     EncodedPrompt,
     EpochSampler,
@@ -54,6 +55,7 @@ from dockrl.workers.fault_injection import FaultInjector
 from dockrl.workers.group import WorkerError
 from dockrl.workers.results import GenerateResult, ScoreResult, UpdateResult
 from dockrl.workers.reward import reward_specs
+from dockrl.workers.rollout.dock_feed import ROLLOUT
 from dockrl.workers.supervisor import WorkerFailure
 
 log = logging.getLogger(__name__)
@@ -97,7 +99,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             )
             summary["worker_nodes"] = cluster.worker_nodes()
             ahead = {}  # an asynchronous run's generations in flight at the checkpoint, back in their docks
-            if point is not None and cfg.rollout.max_staleness:
+            if point is not None:  # rows of steps generated ahead, or partial rollout's carried groups
                 ahead = load_inflight(point.path, cluster.client, cfg.rollout.samples_per_prompt)
             args = (sampler, first_step, eval_prompts, tokenizer, summary, data, ahead)
             _run_steps(cfg, run, cluster, *args)
@@ -148,7 +150,7 @@ def _run_steps(
     plan = step_plan(cfg)
     for step in range(first_step, cfg.run.steps + 1):
         cluster.supervisor.step, cluster.supervisor.stage = step, "step"
-        if cfg.rollout.max_staleness:
+        if lead(cfg):
             metrics, samples = _async_step(cfg, plan, step, sampler, cluster, ahead)
         else:
             metrics, samples = _step(cfg, plan, step, sampler, cluster)
@@ -164,7 +166,8 @@ def _run_steps(
             summary["checkpoint"] = _save(cfg, run, cluster, step, sampler, data, list(ahead.values()))
         progress.update(1)
         progress.set_postfix(
-            reward=f"{metrics['reward/mean']:.3f}", acc=f"{metrics.get('train/accuracy', 0):.2f}"
+            reward=f"{metrics.get('reward/mean', float('nan')):.3f}",  # nan: rollout.partial cut every group
+            acc=f"{metrics.get('train/accuracy', 0):.2f}",
         )
         summary.update({"steps": step, "final_metrics": metrics})
     progress.close()
@@ -186,8 +189,9 @@ def _save(
     staging = directory.begin(run.checkpoints, step)
     actor_save = cluster.actors.save(str(staging))
     critic_state = cluster.critic.save(str(staging)).wait()[0] if cluster.critic is not None else None
-    if inflight:
-        save_inflight(staging, inflight, cluster.client, cfg.dock.get_timeout_s)
+    if inflight or cfg.rollout.partial:
+        timeout_s = cfg.dock.get_timeout_s
+        save_inflight(staging, inflight, cluster.client, timeout_s, carried=cfg.rollout.partial)
     actor_save.wait()
     cluster.supervisor.at("save", "commit")
     state = trainer_state(cfg, step, sampler, data, critic_state.kl_coef if critic_state else None)
@@ -262,8 +266,11 @@ def _step(cfg: TrainConfig, plan: StepPlan, step: int, sampler: EpochSampler, cl
             critic_out = critic_update.wait() if critic_update is not None else []
             updates = actor_update.wait() if actor_update is not None else []
         dock_stats = cluster.client.stats()
-        cluster.client.reset()
-    metrics = _metrics(cfg, batch, gen, scored, updates, timer, dock_stats)
+        if cfg.rollout.partial:  # cut groups stay, numbered first; their finished rows count as rolled out
+            cluster.client.reset(keep_unfinished=RESPONSE_IDS, served_by=ROLLOUT)
+        else:
+            cluster.client.reset()
+    metrics = _metrics(cfg, step, batch, gen, scored, updates, timer, dock_stats)
     metrics.update(dapo)
     metrics.update(critic_out[0].metrics if critic_out else {})  # already all-reduced across critic ranks
     return metrics, _samples(scored)
@@ -323,11 +330,7 @@ def _async_step(
         cluster.client.select(current.dock)
         dock_stats = cluster.client.stats()
         cluster.client.reset()
-    metrics = _metrics(cfg, current.batch, gen, scored, updates, timer, dock_stats)
-    # Staleness: updates the trained policy (after step - 1 updates) is ahead of the weights that generated.
-    behind = [float(step - 1 - g.policy_version) for g in gen for _ in g.response_lengths]
-    metrics["async/staleness_mean"] = statistics.fmean(behind)
-    metrics["async/staleness_max"] = max(behind)
+    metrics = _metrics(cfg, step, current.batch, gen, scored, updates, timer, dock_stats)
     return metrics, _samples(scored)
 
 
@@ -358,6 +361,10 @@ def _round(cfg: TrainConfig, step: int, batch: list[EncodedPrompt], cluster: Clu
     model_scoring = cluster.reward_models.score() if cluster.reward_models is not None else None
     gen = generating.wait()
     timer.add("rollout", time.perf_counter() - start)
+    if cfg.rollout.partial:  # the groups of rows cut at the budget leave the step (the dock keeps them)
+        cut = sorted({row // n for g in gen for row in g.interrupted})
+        if cut:
+            cluster.client.drop([group * n + i for group in cut for i in range(n)])
     values = cluster.critic.compute_values() if cluster.critic is not None else None
     if model_scoring is not None:  # the reward workers wait for rm_score, so this ends first
         model_scoring.wait()
@@ -401,6 +408,7 @@ def _sample_until_full(cfg, step, batch, sampler, cluster: Cluster, timer: Stage
 
 def _metrics(
     cfg: TrainConfig,
+    step: int,
     batch: list[EncodedPrompt],
     gen: list[GenerateResult],
     scored: list[ScoreResult],
@@ -448,6 +456,15 @@ def _metrics(
     for op, latency in dock_stats.get("latency_ms", {}).items():  # controller service times
         m[f"dock/{op}_p99_ms"] = latency["p99_ms"]
     m["dock/rows"] = float(len(rewards))
+    if cfg.rollout.max_staleness:
+        # Staleness of each trained row: updates the trained policy (after step - 1 of them) is ahead of the
+        # weights that sampled the row's oldest token.
+        behind = [float(step - 1 - v) for s in scored for v in s.versions]
+        m["async/staleness_mean"] = statistics.fmean(behind) if behind else 0.0
+        m["async/staleness_max"] = max(behind, default=0.0)
+    if cfg.rollout.partial:
+        m["rollout/interrupted"] = float(sum(len(g.interrupted) for g in gen))  # rows cut this step
+        m["rollout/continued"] = float(sum(g.continued for g in gen))  # carried rows continued this step
     m["tokens/prompt"] = float(prompt_tokens)
     m["tokens/response"] = float(response_tokens)
     return m

@@ -8,6 +8,11 @@ checkpoint's. `save_inflight` waits for each (its rows are fixed by its step num
 waiting changes nothing), reads every complete column of its dock and writes them, with the rollout and
 scoring results the step's metrics need, to <checkpoint>/inflight.pt. `load_inflight` puts them back into the
 fresh docks of a resumed run, which then trains on the very rows the uninterrupted run trained on.
+
+Partial rollout (rollout.partial) keeps the groups of cut responses in the dock from one step to the next; a
+checkpoint holds them too ("carried": every row's age, the finished rows' responses and the cut rows' tokens so
+far), and `load_inflight` rebuilds the table with the same row numbers and ages, so their continuation draws
+the same tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +25,16 @@ from typing import Any
 
 import torch
 
-from dockrl.dock.columns import LABEL, PROMPT_IDS
+from dockrl.dock.columns import (
+    LABEL,
+    PARTIAL_IDS,
+    PARTIAL_LOGPROBS,
+    PARTIAL_VERSIONS,
+    POLICY_VERSION,
+    PROMPT_IDS,
+    RESPONSE_IDS,
+    ROLLOUT_LOGPROBS,
+)
 from dockrl.recipes.common import EncodedPrompt
 from dockrl.workers.results import GenerateResult, ScoreResult
 
@@ -56,9 +70,12 @@ class Generation:
         return self.results
 
 
-def save_inflight(root: Path, generations: list[Generation], client: Any, timeout_s: float) -> int:
-    """Wait for every generation, then write their docks' rows and results to root/inflight.pt; returns the
-    number of rows written. `client` is the driver's DockChoice over the run's docks."""
+def save_inflight(
+    root: Path, generations: list[Generation], client: Any, timeout_s: float, *, carried: bool = False
+) -> int:
+    """Wait for every generation, then write their docks' rows and results (and with `carried`, partial
+    rollout's carried groups) to root/inflight.pt; returns the number of rows written. `client` is the
+    driver's client (a DockChoice over the docks of an asynchronous run)."""
     records = []
     for generation in sorted(generations, key=lambda g: g.step):
         gen, scored, rollout_s = generation.finish()
@@ -85,8 +102,64 @@ def save_inflight(root: Path, generations: list[Generation], client: Any, timeou
                 "score": [dataclasses.asdict(s) for s in scored],
             }
         )
-    torch.save({"format": FORMAT, "generations": records}, root / INFLIGHT)
-    return sum(len(r["rows"]) for r in records)
+    kept = _read_carried(client, timeout_s) if carried else None
+    torch.save({"format": FORMAT, "generations": records, "carried": kept}, root / INFLIGHT)
+    return sum(len(r["rows"]) for r in records) + (len(kept["ages"]) if kept else 0)
+
+
+_FINISHED = [PROMPT_IDS, LABEL, RESPONSE_IDS, ROLLOUT_LOGPROBS, POLICY_VERSION]
+_CUT = [PROMPT_IDS, LABEL, PARTIAL_IDS, PARTIAL_LOGPROBS, PARTIAL_VERSIONS]
+
+
+def _read_carried(client: Any, timeout_s: float) -> dict[str, Any] | None:
+    """The carried groups of a partial-rollout dock between steps: ages, finished rows, cut rows."""
+    ages = client.ages()
+    if not ages:
+        return None
+    ready = client.stats()["ready"]
+    parts = {}
+    for part, columns, marker in (("finished", _FINISHED, RESPONSE_IDS), ("cut", _CUT, PARTIAL_IDS)):
+        got = None
+        if ready.get(marker, 0):
+            got = client.get(f"{DUMP_CONSUMER}-{part}", columns, len(ages), min_count=1, timeout_s=timeout_s)
+        parts[part] = {"rows": [], "columns": {}} if got is None else {"rows": got[0], "columns": got[1]}
+    # A row continued and finished still holds its old partial columns: cut rows are those without a response.
+    finished = set(parts["finished"]["rows"])
+    keep = [i for i, row in enumerate(parts["cut"]["rows"]) if row not in finished]
+    cut = parts["cut"]
+    parts["cut"] = {
+        "rows": [cut["rows"][i] for i in keep],
+        "columns": {c: [v[i] for i in keep] for c, v in cut["columns"].items()},
+    }
+    return {"ages": ages, **parts}
+
+
+def _restore_carried(kept: dict[str, Any], client: Any, group_size: int) -> None:
+    """Rebuild the carried groups with their row numbers and ages: groups are added oldest first, one age at a
+    time, each followed by the reset that ages them (as the original steps did)."""
+    from dockrl.workers.rollout.dock_feed import ROLLOUT
+
+    ages, n = kept["ages"], group_size
+    cells: dict[int, dict[str, Any]] = {}
+    for part in ("finished", "cut"):
+        for i, row in enumerate(kept[part]["rows"]):
+            cells[row] = {c: v[i] for c, v in kept[part]["columns"].items()}
+    group_age = [ages[g * n] for g in range(len(ages) // n)]
+    for age in range(max(group_age), 0, -1):
+        groups = [g for g, a in enumerate(group_age) if a == age]
+        if groups:
+            first = [cells[g * n] for g in groups]
+            rows = client.add_groups(
+                [torch.as_tensor(c[PROMPT_IDS]) for c in first], [c[LABEL] for c in first], n
+            )
+            for part in (_FINISHED, _CUT):
+                old = [g * n + i for g in groups for i in range(n) if part[2] in cells[g * n + i]]
+                new = [rows[groups.index(r // n) * n + r % n] for r in old]
+                if old:
+                    client.put(new, {c: [cells[r][c] for r in old] for c in part[2:]})
+        client.reset(keep_unfinished=RESPONSE_IDS, served_by=ROLLOUT)
+    if client.ages() != ages:
+        raise ValueError(f"carried groups restored with ages {client.ages()}, saved {ages}")
 
 
 def load_inflight(root: Path, client: Any, group_size: int) -> dict[int, Generation]:
@@ -98,6 +171,8 @@ def load_inflight(root: Path, client: Any, group_size: int) -> dict[int, Generat
     data = torch.load(path, weights_only=True)
     if data.get("format") != FORMAT:
         raise ValueError(f"{path}: in-flight format {data.get('format')!r}, this dockrl reads {FORMAT}")
+    if data.get("carried"):
+        _restore_carried(data["carried"], client, group_size)
     loaded: dict[int, Generation] = {}
     for record in data["generations"]:
         batch = [EncodedPrompt(**p) for p in record["prompts"]]

@@ -178,7 +178,14 @@ class ActorWorker(Worker):
         self.leave_rollout()
         if not self.rollout_client.is_head:  # tp peers served the same rows as their head
             return GenerateResult([], 0, reshard_s, version)
-        return GenerateResult(stats["response_lengths"], stats["truncated"], reshard_s, version)
+        return GenerateResult(
+            stats["response_lengths"],
+            stats["truncated"],
+            reshard_s,
+            version,
+            interrupted=stats["interrupted"],
+            continued=stats["continued"],
+        )
 
     # ---- log-prob stages -----------------------------------------------------------------------
 
@@ -192,9 +199,9 @@ class ActorWorker(Worker):
 
     def _logprob_stage(self, consumer: str, engine: TrainEngine, column: str) -> LogprobResult:
         # The dp ranks of a stage get near-equal token counts (length balance, dock.policies.balanced_partition).
-        rows, batch = self.train_client.get(
-            consumer, [PROMPT_IDS, RESPONSE_IDS], self.rows_per_rank, balance_over=self.dp
-        )
+        columns = [PROMPT_IDS, RESPONSE_IDS]
+        got = self.train_client.get(consumer, columns, self.rows_per_rank, balance_over=self.dp)
+        rows, batch = got if got is not None else _no_rows(columns)  # rollout.partial: fewer rows than ranks
         logps, _ = engine.logprobs(
             batch[PROMPT_IDS],
             batch[RESPONSE_IDS],
@@ -202,7 +209,8 @@ class ActorWorker(Worker):
             micro_batch_size=self.cfg.actor.micro_batch_size,
             pad_token_id=self.pad_token_id,
         )
-        self.train_client.put(rows, {column: logps})
+        if rows:
+            self.train_client.put(rows, {column: logps})
         return LogprobResult(len(rows), sum(len(r) for r in batch[RESPONSE_IDS]))
 
     # ---- update --------------------------------------------------------------------------------
@@ -216,7 +224,8 @@ class ActorWorker(Worker):
         # REINFORCE++'s KL in the reward reads the sampling policy's log-probs even when the update is
         # on-policy (the loss then keeps ratio 1 exactly: it does not read them).
         extra = [OLD_LOGPROBS] if self.plan.actor_shapes_kl and OLD_LOGPROBS not in columns else []
-        rows, batch = self.train_client.get(UPDATE, columns + extra, self.rows_per_rank, balance_over=self.dp)
+        got = self.train_client.get(UPDATE, columns + extra, self.rows_per_rank, balance_over=self.dp)
+        rows, batch = got if got is not None else _no_rows(columns + extra)  # rollout.partial: see _no_rows
         reward_kl: dict[str, float] = {}
         if self.plan.actor_shapes_kl:
             batch[ADVANTAGES], reward_kl = self._kl_shaped_advantages(batch)
@@ -226,11 +235,12 @@ class ActorWorker(Worker):
         if self.plan.old_from_rollout:  # algo.old_logprobs=rollout: the sampling engine's are the old ones
             batch[OLD_LOGPROBS] = batch[ROLLOUT_LOGPROBS]
             per_token_names.append(OLD_LOGPROBS)
-        mini_size = self.rows_per_rank // actor.mini_batches
-        history: list[dict[str, float]] = []
+        # actor.mini_batches near-equal shares of this rank's rows (all rows_per_rank of them, unless partial
+        # rollout trains fewer): every rank takes the same number of optimizer steps.
+        minis = [m.tolist() for m in torch.arange(len(rows)).tensor_split(actor.mini_batches)]
+        history: list[dict[str, float] | None] = []
         for _ in range(actor.epochs):
-            for start in range(0, self.rows_per_rank, mini_size):
-                idx = list(range(start, start + mini_size))
+            for idx in minis:
                 history.append(
                     policy_update(
                         self.policy,
@@ -246,9 +256,12 @@ class ActorWorker(Worker):
                     )
                 )
         self.rollout_stale = True
-        metrics = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+        taken = [h for h in history if h is not None]  # None: no rank had a row for that optimizer step
+        metrics = {k: sum(h[k] for h in taken) / len(taken) for k in taken[0]} if taken else {}
         # The trainer-vs-rollout mismatch is the sampling policy's only before the first optimizer step.
-        metrics.update({k: history[0][k] for k in MISMATCH_METRICS})
+        metrics.update({k: history[0][k] for k in MISMATCH_METRICS if history[0] is not None})
+        if len(taken) < len(history):
+            metrics["skipped_steps"] = float(len(history) - len(taken))
         return UpdateResult({**metrics, **reward_kl})
 
     def _kl_shaped_advantages(self, batch: dict[str, list]) -> tuple[list[torch.Tensor], dict[str, float]]:
@@ -315,6 +328,12 @@ def _stop_ids(*ids: Any) -> list[int]:
             if j is not None and int(j) not in out:
                 out.append(int(j))
     return out
+
+
+def _no_rows(columns: list[str]) -> tuple[list[int], dict[str, list]]:
+    """The share of a rank the dock had no rows left for: partial rollout trains only finished groups, so a
+    step may have fewer rows than ranks. The rank still takes part in every collective (idle micro-batches)."""
+    return [], {column: [] for column in columns}
 
 
 class ActorGroup(WorkerGroup):

@@ -37,6 +37,8 @@ class GenerateResult:
     busy_s: float = (
         0.0  # separate placement: seconds this replica spent generating (its idle time is the rest)
     )
+    interrupted: list[int] = field(default_factory=list)  # rollout.partial: rows cut at the pass's budget
+    continued: int = 0  # rollout.partial: carried rows this pass continued
 
 
 @dataclass
@@ -71,6 +73,7 @@ class ScoreResult:
     errors: int = 0
     samples: list[dict[str, Any]] = field(default_factory=list)  # a few rows for samples.jsonl
     dropped_groups: int = 0  # groups left out of the update for a failed reward call (reward.on_error)
+    versions: list[int] = field(default_factory=list)  # the oldest policy_version of each scored row
 
 
 @dataclass

@@ -28,6 +28,7 @@ from dockrl.dock.client import DockClient
 from dockrl.dock.columns import (
     ADVANTAGES,
     LABEL,
+    POLICY_VERSION,
     PROMPT_IDS,
     RESPONSE_IDS,
     REWARD,
@@ -96,7 +97,9 @@ class RewardWorker(Worker):
         rm: list[float] = []
         timeouts = errors = dropped_groups = 0
         samples: list[dict[str, Any]] = []
-        columns = [PROMPT_IDS, RESPONSE_IDS, LABEL] + ([RM_SCORE] if self.rm_weight is not None else [])
+        versions: list[int] = []
+        columns = [PROMPT_IDS, RESPONSE_IDS, LABEL, POLICY_VERSION]
+        columns += [RM_SCORE] if self.rm_weight is not None else []
         while True:
             got = self.client.get(
                 REWARD_STAGE,
@@ -132,6 +135,9 @@ class RewardWorker(Worker):
             self.client.put(rows, out)
             rewards += scores
             scored_rows += rows
+            versions += [
+                min(int(v) for v in tokens) if len(tokens) else -1 for tokens in batch[POLICY_VERSION]
+            ]
             overlong += components.get("overlong", [])
             rm += components.get("rm", [])
             key = accuracy_key(components)
@@ -150,7 +156,7 @@ class RewardWorker(Worker):
                     }
                 )
         return ScoreResult(
-            rewards, scored_rows, correct, overlong, rm, timeouts, errors, samples, dropped_groups
+            rewards, scored_rows, correct, overlong, rm, timeouts, errors, samples, dropped_groups, versions
         )
 
     def _update_weights(self, num_rows: int, failed: list[int]) -> list[float]:

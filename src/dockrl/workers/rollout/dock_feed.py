@@ -13,19 +13,69 @@
 Rows are written back the step they finish, so reward workers (which pull whole groups) start on early
 groups while later ones still generate. The client is passed in (anything with DockClient's `get` and
 `put`), so tests drive this loop with a fake.
+
+Partial rollout (rollout.partial, `Partial` here) gives each response a token budget per pass:
+```
+ carried rows first (partial_ids ready: cut in an earlier step) -> one Request each: prompt + its tokens so
+   far, budget = partial tokens, or the rest up to max_new_tokens on its last allowed pass
+ then new groups as above, budget = partial tokens
+ a sample that ends within its budget   -> response_ids / rollout_logprobs / policy_version (prefix + new)
+ a sample cut at its budget             -> partial_ids / partial_logprobs / partial_versions, row reported
+```
+The driver then takes the groups of cut rows out of the step (their finished rows too) and the dock keeps
+them for the next step (DockController.reset(keep_unfinished=response_ids, served_by="rollout")).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from dockrl.dock.columns import POLICY_VERSION, PROMPT_IDS, RESPONSE_IDS, ROLLOUT_LOGPROBS
+import torch
+
+from dockrl.dock.columns import (
+    PARTIAL_IDS,
+    PARTIAL_LOGPROBS,
+    PARTIAL_VERSIONS,
+    POLICY_VERSION,
+    PROMPT_IDS,
+    RESPONSE_IDS,
+    ROLLOUT_LOGPROBS,
+)
 from dockrl.dock.errors import DockTimeoutError
 from dockrl.workers.rollout.rollout_engine import Completion, Request, RolloutEngine
 from dockrl.workers.rollout.sampling import SamplingParams
 
 ROLLOUT = "rollout"  # the dock consumer name of the rollout stage
+
+
+CARRIED = [PROMPT_IDS, PARTIAL_IDS, PARTIAL_LOGPROBS, PARTIAL_VERSIONS]  # what a carried row is served with
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Partial rollout's budget: `tokens` new tokens per response per pass, at most `max_cuts` cuts per row
+    (its pass after the last cut runs to `max_new_tokens`)."""
+
+    tokens: int
+    max_cuts: int
+    max_new_tokens: int
+
+    def budget(self, done: int, cuts: int) -> int:
+        """New tokens allowed this pass to a row with `done` tokens cut `cuts` times so far."""
+        rest = self.max_new_tokens - done
+        return rest if cuts >= self.max_cuts else min(self.tokens, rest)
+
+
+def partial_of(cfg: Any) -> Partial | None:
+    """The run's Partial (cfg: a TrainConfig), or None without rollout.partial."""
+    roll = cfg.rollout
+    if not roll.partial:
+        return None
+    tokens = roll.partial_tokens or max(1, roll.max_new_tokens // 4)
+    return Partial(tokens, roll.max_staleness, roll.max_new_tokens)
 
 
 def row_seed(run_seed: int, step: int, row: int) -> int:
@@ -71,6 +121,7 @@ def serve_step(
         groups_per_pull=roll.groups_per_pull,
         row_seed=lambda row: row_seed(cfg.run.seed, step, row),
         version=version,
+        partial=partial_of(cfg),
     )
 
 
@@ -84,18 +135,37 @@ def serve_from_dock(
     groups_per_pull: int,
     row_seed: Callable[[int], int],
     version: int | None = None,
+    partial: Partial | None = None,
 ) -> dict[str, Any]:
     """Generate a response for every row `consumer` gets from the dock; returns lengths and counts.
 
     row_seed(row) gives each row's sampling seed, so a row's response does not depend on which rank or
-    batch serves it. With `version`, each response token's policy_version is put beside it.
+    batch serves it. With `version`, each response token's policy_version is put beside it. With `partial`
+    (and a version), responses get a token budget per pass and carried rows are continued (module docstring);
+    "interrupted" lists the rows cut this pass.
     """
     exhausted = False
     lengths: list[int] = []
     truncated = 0
     num_puts = 0
+    carried = partial is not None  # carried rows may be waiting: served before new groups
+    prefixes: dict[int, _Sample] = {}  # carried row -> what it had generated before this pass
+    interrupted: list[int] = []
+    if partial is not None:
+        assert version is not None, "partial rollout needs the pass's policy version"
+        params = dataclasses.replace(params, max_new_tokens=partial.budget(0, 0))
     while True:
-        while not exhausted and engine.num_free_slots() >= group_size:
+        while carried and not exhausted and engine.num_free_slots() >= 1:
+            status, got = _pull_carried(client, consumer, engine.num_free_slots())
+            if status == "done":
+                exhausted = True
+            if got is None:
+                carried = False
+                break
+            for request, prefix in _continuations(*got, params, partial, row_seed):
+                prefixes[request.tag[0]] = prefix
+                engine.add(request)
+        while not carried and not exhausted and engine.num_free_slots() >= group_size:
             num_groups = min(groups_per_pull, engine.num_free_slots() // group_size)
             status, got = _pull(client, consumer, num_groups * group_size, group_size, engine.has_work())
             if status == "done":
@@ -108,11 +178,21 @@ def serve_from_dock(
             break
         completions = engine.step()
         if completions:
-            _put(client, completions, version)
+            finished, cut = _split(completions, prefixes, version, partial)
+            _put(client, finished, RESPONSE_IDS, ROLLOUT_LOGPROBS, POLICY_VERSION)
+            _put(client, cut, PARTIAL_IDS, PARTIAL_LOGPROBS, PARTIAL_VERSIONS)
             num_puts += 1
-            lengths += [len(c.generation.token_ids) for c in completions]
-            truncated += sum(c.generation.finish_reason == "length" for c in completions)
-    return {"response_lengths": lengths, "truncated": truncated, "puts": num_puts, **engine.stats}
+            interrupted += [out.row for out in cut]
+            lengths += [len(out.ids) for out in finished]
+            truncated += sum(out.reason == "length" for out in finished)
+    return {
+        "response_lengths": lengths,
+        "truncated": truncated,
+        "puts": num_puts,
+        "interrupted": interrupted,
+        "continued": len(prefixes),
+        **engine.stats,
+    }
 
 
 def _pull(
@@ -157,12 +237,75 @@ def _requests(
     return requests
 
 
-def _put(client: Any, completions: list[Completion], version: int | None) -> None:
-    rows = [c.tag[c.sample] for c in completions]
-    batch = {
-        RESPONSE_IDS: [c.generation.token_ids for c in completions],
-        ROLLOUT_LOGPROBS: [c.generation.logprobs for c in completions],
-    }
-    if version is not None:
-        batch[POLICY_VERSION] = [[version] * len(c.generation.token_ids) for c in completions]
-    client.put(rows, batch)
+@dataclass
+class _Sample:
+    """A row's response so far: tokens, their log-probs and versions (None without a version), and why its
+    sampling ended this pass."""
+
+    row: int
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    versions: torch.Tensor | None
+    reason: str
+
+
+def _pull_carried(client: Any, consumer: str, count: int) -> tuple[str, tuple | None]:
+    """("rows", got) for up to `count` carried rows, ("done", None) once every row was served, or ("none",
+    None) when no carried row is left (they are all ready when the pass starts: a single poll tells)."""
+    try:
+        got = client.get(consumer, CARRIED, count, min_count=1, timeout_s=0.0)
+    except DockTimeoutError:
+        return "none", None
+    return ("done", None) if got is None else ("rows", got)
+
+
+def _continuations(
+    rows: list[int],
+    batch: dict[str, list],
+    params: SamplingParams,
+    partial: Partial | None,
+    row_seed: Callable[[int], int],
+) -> list[tuple[Request, _Sample]]:
+    """One Request per carried row: its prompt followed by its tokens so far, with this pass's budget."""
+    assert partial is not None
+    out = []
+    for i, row in enumerate(rows):
+        ids = torch.as_tensor(batch[PARTIAL_IDS][i], dtype=torch.int64)
+        versions = torch.as_tensor(batch[PARTIAL_VERSIONS][i], dtype=torch.int64)
+        logprobs = torch.as_tensor(batch[PARTIAL_LOGPROBS][i], dtype=torch.float32)
+        cuts = int(torch.unique(versions).numel())  # one pass per version, each ended by a cut
+        budget = dataclasses.replace(params, max_new_tokens=partial.budget(len(ids), cuts))
+        prompt = torch.as_tensor(batch[PROMPT_IDS][i]).tolist() + ids.tolist()
+        out.append(
+            (Request(prompt, [row_seed(row)], budget, tag=[row]), _Sample(row, ids, logprobs, versions, ""))
+        )
+    return out
+
+
+def _split(
+    completions: list[Completion], prefixes: dict[int, _Sample], version: int | None, partial: Partial | None
+) -> tuple[list[_Sample], list[_Sample]]:
+    """(finished samples, samples cut at their pass's budget), carried rows' tokens so far prepended."""
+    finished, cut = [], []
+    for c in completions:
+        gen, row = c.generation, c.tag[c.sample]
+        ids, logprobs = gen.token_ids, gen.logprobs
+        versions = None if version is None else torch.full((len(ids),), version, dtype=torch.int64)
+        prefix = prefixes.get(row)
+        if prefix is not None:
+            ids, logprobs = torch.cat([prefix.ids, ids]), torch.cat([prefix.logprobs, logprobs])
+            versions = torch.cat([prefix.versions, versions])
+        sample = _Sample(row, ids, logprobs, versions, gen.finish_reason)
+        stopped_short = partial is not None and len(ids) < partial.max_new_tokens
+        (cut if gen.finish_reason == "length" and stopped_short else finished).append(sample)
+    return finished, cut
+
+
+def _put(client: Any, samples: list[_Sample], ids: str, logprobs: str, versions: str) -> None:
+    """Write `samples` to the columns named (the response's, or a cut response's partial ones)."""
+    if not samples:
+        return
+    batch = {ids: [s.ids for s in samples], logprobs: [s.logprobs for s in samples]}
+    if samples[0].versions is not None:
+        batch[versions] = [s.versions for s in samples]
+    client.put([s.row for s in samples], batch)

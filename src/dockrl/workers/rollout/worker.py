@@ -146,7 +146,15 @@ class RolloutWorker(Worker):
         finally:
             with self.arrived:
                 self.generating = False
-        return GenerateResult(stats["response_lengths"], stats["truncated"], 0.0, version, busy_s)
+        return GenerateResult(
+            stats["response_lengths"],
+            stats["truncated"],
+            0.0,
+            version,
+            busy_s,
+            stats["interrupted"],
+            stats["continued"],
+        )
 
 
 class RolloutGroup(WorkerGroup):

@@ -68,8 +68,9 @@ def policy_update(
     pad_token_id: int,
     world_size: int,
     max_new_tokens: int | None = None,
-) -> dict[str, float]:
-    """Train on rows `idx` of `batch` (prompt_ids, response_ids, advantages [, ref_logprobs, old_logprobs]).
+) -> dict[str, float] | None:
+    """Train on rows `idx` of `batch` (prompt_ids, response_ids, advantages [, ref_logprobs, old_logprobs]);
+    returns the step's metrics, or None when no rank had a row (the LR schedule still advances).
 
     `world_size` is the number of data-parallel ranks; tensor-parallel peers train on the same rows.
     `max_new_tokens` (the generation limit) is Dr. GRPO's constant loss normaliser; required for dr_grpo.
@@ -78,8 +79,11 @@ def policy_update(
     # Rows a failed reward call left out (reward.on_error=drop_group) weigh 0: masked out of the loss and
     # of its token and sequence counts.
     weights = [float(batch[UPDATE_WEIGHT][i]) for i in idx] if UPDATE_WEIGHT in batch else [1.0] * len(idx)
-    local = [sum(len(batch[RESPONSE_IDS][i]) * w for i, w in zip(idx, weights)), sum(weights)]
-    global_tokens, global_seqs = all_reduce_sum(torch.tensor(local), engine.dp_group).tolist()
+    local = [sum(len(batch[RESPONSE_IDS][i]) * w for i, w in zip(idx, weights)), sum(weights), len(idx)]
+    global_tokens, global_seqs, global_rows = all_reduce_sum(torch.tensor(local), engine.dp_group).tolist()
+    if global_rows == 0:  # no rank has a row (rollout.partial cut every group): no optimizer step
+        engine.skip_step()
+        return None
     global_tokens, global_seqs = max(global_tokens, 1.0), max(global_seqs, 1.0)  # all left out: a zero loss
     masks = None
     if any(w != 1.0 for w in weights):
@@ -95,6 +99,9 @@ def policy_update(
         )
         for chunk in split_indices(len(idx), micro_batch_size)
     ]
+    # Ranks with fewer rows (rollout.partial trains what finished) keep pace with masked micro-batches.
+    idle = engine.common_count(len(micro_batches)) - len(micro_batches)
+    micro_batches += [engine.idle_micro_batch(pad_token_id, tuple(per_token_names)) for _ in range(idle)]
     loss_fn = _loss_fn(engine, plan, temperature, global_tokens, global_seqs, world_size)
     metrics = engine.train_step(micro_batches, loss_fn)
     keys = [k for k in (*SUMMED_METRICS, *ROLLOUT_METRICS) if k in metrics]  # the same on every rank
@@ -197,9 +204,9 @@ def whiten_rows(
     REINFORCE++ normalises over the whole batch; the dp ranks each hold a share, so they sum their moments.
     Rows of weight 0 (left out of the update) do not count in the moments.
     """
-    flat = torch.cat([a.float() for a in advantages])  # [sum len_i]
+    flat = torch.cat([a.float() for a in advantages]) if advantages else torch.zeros(0)  # [sum len_i]
     valid = torch.ones_like(flat, dtype=torch.bool)
     if weights is not None:
-        valid = torch.cat([torch.full((len(a),), w > 0) for a, w in zip(advantages, weights)])
+        valid = torch.cat([torch.full((len(a),), w > 0) for a, w in zip(advantages, weights)] or [valid])
     moments = all_reduce_sum(masked_moments(flat, valid), group)
     return list(whiten(flat, valid, moments=moments).split([len(a) for a in advantages]))

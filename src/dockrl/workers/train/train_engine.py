@@ -21,6 +21,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -157,7 +158,8 @@ class TrainEngine:
         self.model.eval()
         logps, ents = [], [] if with_entropy else None
         temp = temperature if temperature > 0 else 1.0
-        for idx in split_indices(len(prompts), micro_batch_size):
+        chunks = split_indices(len(prompts), micro_batch_size)
+        for idx in chunks:
             mb = make_micro_batch(
                 [prompts[i] for i in idx],
                 [responses[i] for i in idx],
@@ -168,7 +170,31 @@ class TrainEngine:
             logps += mb.unpad(self.token_logprobs(logits, mb.input_ids[:, 1:], temp))
             if with_entropy:
                 ents += mb.unpad(self.token_entropy(logits, temp))
+        for _ in range(self.common_count(len(chunks)) - len(chunks)):  # a rank with fewer rows keeps pace
+            self.logits(self.idle_micro_batch(pad_token_id))
         return logps, ents
+
+    def common_count(self, count: int) -> int:
+        """The most micro-batches any data-parallel rank has (each forward is collective under FSDP, so every
+        rank runs that many; the ones with fewer rows add idle micro-batches)."""
+        if self.dp_group is None or not dist.is_initialized() or dist.get_world_size(self.dp_group) == 1:
+            return count
+        counts = torch.tensor([count], dtype=torch.int64)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return int(counts.item())
+
+    def idle_micro_batch(self, pad_token_id: int, per_token_names: tuple[str, ...] = ()) -> MicroBatch:
+        """A one-token micro-batch whose token is masked out: a forward (and backward) that adds nothing to
+        the loss, its normalisers or the gradients, for a rank with fewer rows than its peers."""
+        pad = torch.tensor([pad_token_id])
+        return make_micro_batch(
+            [pad],
+            [pad],
+            pad_token_id=pad_token_id,
+            device=self.device,
+            per_token={name: [torch.zeros(1)] for name in per_token_names},
+            response_masks=[torch.zeros(1)],
+        )
 
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
         """Accumulate gradients over the micro-batches, clip, take one optimizer step; returns summed metrics."""
@@ -196,10 +222,13 @@ class TrainEngine:
         self.scheduler.step()
         return totals
 
+    def skip_step(self) -> None:
+        """A step with nothing to train on: no optimizer step, but the LR schedule advances as if taken (the
+        schedule follows the run's step count)."""
+        self.scheduler.step()
+
     def _clip_tp_grad_norm(self, max_norm: float) -> float:
         """Global gradient norm over dp x tp (replicated parameters counted once); clips in place."""
-        import torch.distributed as dist
-
         square = torch.zeros((), dtype=torch.float64, device=self.device)
         grads = []
         for name, param in self.model.named_parameters():
