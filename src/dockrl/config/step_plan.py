@@ -138,6 +138,12 @@ def loss_plan(algo: AlgoConfig, max_new_tokens: int | None) -> LossPlan:
     )
 
 
+def rollout_lead(cfg: TrainConfig) -> int:
+    """Steps the rollout runs ahead of the update: rollout.max_staleness, or 0 with rollout.partial (whose
+    staleness budget goes to the cuts of carried responses instead)."""
+    return 0 if cfg.rollout.partial else cfg.rollout.max_staleness
+
+
 def step_plan(cfg: TrainConfig) -> StepPlan:
     """Resolve `cfg` (validated) into its step plan."""
     algo, actor = cfg.algo, cfg.actor

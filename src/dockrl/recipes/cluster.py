@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from dockrl.config.schema import RunConfig, TrainConfig
-from dockrl.config.step_plan import step_plan
+from dockrl.config.step_plan import rollout_lead, step_plan
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.launch import Dock, launch_dock
 from dockrl.workers.actor import ActorGroup
@@ -80,7 +80,7 @@ class Cluster:
             # Asynchronous runs keep k+1 docks: step t trains in one while steps t+1..t+k generate in the others.
             dock = Docks([])
             started["dock"] = dock
-            for index in range(1 + lead(cfg)):
+            for index in range(1 + rollout_lead(cfg)):
                 prefix = "dockrl" if index == 0 else f"dockrl-ahead{index}"
                 dock.docks.append(
                     launch_dock(
@@ -144,12 +144,6 @@ class Cluster:
         """Kill every actor of this attempt at once (after a failure: nothing is asked politely)."""
         self.supervisor.kill_all()
         self.dock.shutdown()
-
-
-def lead(cfg: TrainConfig) -> int:
-    """Steps the rollout runs ahead of the update: rollout.max_staleness, or 0 with rollout.partial (whose
-    staleness budget goes to interrupted rows instead)."""
-    return 0 if cfg.rollout.partial else cfg.rollout.max_staleness
 
 
 def check_placement(cfg: TrainConfig) -> None:

@@ -31,13 +31,13 @@ from dockrl.checkpoint import directory
 from dockrl.checkpoint.state import data_fingerprint
 from dockrl.config.loader import to_dict
 from dockrl.config.schema import TrainConfig
-from dockrl.config.step_plan import StepPlan, step_plan
+from dockrl.config.step_plan import StepPlan, rollout_lead, step_plan
 from dockrl.dock.columns import RESPONSE_IDS
 from dockrl.dock.errors import DockError
 from dockrl.dock.metrics import bytes_moved, driver_bytes
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.observe.run_dir import RunDir, StageTimer
-from dockrl.recipes.cluster import Cluster, check_placement, lead, sync_rollout_weights
+from dockrl.recipes.cluster import Cluster, check_placement, sync_rollout_weights
 from dockrl.recipes.common import (
     EncodedPrompt,
     EpochSampler,
@@ -150,7 +150,7 @@ def _run_steps(
     plan = step_plan(cfg)
     for step in range(first_step, cfg.run.steps + 1):
         cluster.supervisor.step, cluster.supervisor.stage = step, "step"
-        if lead(cfg):
+        if rollout_lead(cfg):
             metrics, samples = _async_step(cfg, plan, step, sampler, cluster, ahead)
         else:
             metrics, samples = _step(cfg, plan, step, sampler, cluster)
@@ -280,7 +280,7 @@ def _start_generation(cfg: TrainConfig, step: int, sampler: EpochSampler, cluste
     """Draw step `step`'s prompts into dock step mod (k+1) and start its rollout (on the separate replicas,
     with the weights after update step - 1 - k: fixed by the step number, so repeatable) and its scoring."""
     assert cluster.rollouts is not None
-    k = cfg.rollout.max_staleness
+    k = rollout_lead(cfg)
     dock, version = step % (k + 1), max(0, step - 1 - k)
     batch = sampler.next_batch()
     cluster.client.select(dock)
@@ -309,7 +309,7 @@ def _async_step(
     during the last k steps' training), start step + k's with the weights of now (after update step - 1),
     then train on this step's rows while the next k steps generate. `ahead` (step -> Generation) holds the
     started generations; returns (metrics, samples)."""
-    actors, k, last = cluster.actors, cfg.rollout.max_staleness, cfg.run.steps
+    actors, k, last = cluster.actors, rollout_lead(cfg), cfg.run.steps
     timer = StageTimer()
     with timer("step"):
         for pending_step in range(step, min(step + k - 1, last) + 1):  # the first step (none started yet)

@@ -25,6 +25,7 @@ import ray
 import torch
 
 from dockrl.config.schema import TrainConfig
+from dockrl.config.step_plan import rollout_lead
 from dockrl.dock.client import DockClient
 from dockrl.models.decoder import Transformer
 from dockrl.models.hf import read_config
@@ -91,12 +92,12 @@ class RolloutWorker(Worker):
     def receive_weights(self, version: int) -> float:
         """Receive the trainer's weights after `version` updates, bucket by bucket; returns the seconds."""
         start = time.perf_counter()
-        staging = self.cfg.rollout.max_staleness >= 2
+        staging = rollout_lead(self.cfg) >= 2
         with self.arrived:
             if not staging and self.generating:
                 raise RuntimeError(
-                    f"{self.name}: weights of version {version} arrived while a step generates with "
-                    f"rollout.max_staleness={self.cfg.rollout.max_staleness} (the recipe syncs between steps)"
+                    f"{self.name}: weights of version {version} arrived while a step generates, with the rollout "
+                    f"{rollout_lead(self.cfg)} steps ahead (the recipe syncs between steps then)"
                 )
             target = self.buffers
             if staging:

@@ -224,8 +224,13 @@ class TrainEngine:
 
     def skip_step(self) -> None:
         """A step with nothing to train on: no optimizer step, but the LR schedule advances as if taken (the
-        schedule follows the run's step count)."""
-        self.scheduler.step()
+        schedule follows the run's step count). torch warns when a schedule steps before any optimizer step;
+        here that is the point, so the warning is silenced."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            self.scheduler.step()
 
     def _clip_tp_grad_norm(self, max_norm: float) -> float:
         """Global gradient norm over dp x tp (replicated parameters counted once); clips in place."""
