@@ -302,3 +302,25 @@ def test_logits_match_transformers(name):
     real = attention_mask.bool()
     assert (expected - actual)[real].abs().max().item() < 1e-4
     assert expected.abs().max().item() > 1.0
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    """checkpoint_layers (actor.activation_checkpointing) recomputes each layer's forward in the backward pass:
+    the same ops on the same inputs in the same order, so loss and every gradient are bitwise equal."""
+    model = tiny_model(FAMILY_ARGS["qwen2"]).train()
+    input_ids = torch.randint(0, model.args.vocab_size, (3, 11), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for recompute in (False, True):
+        model.zero_grad(set_to_none=True)
+        model.model.checkpoint_layers = recompute
+        loss = model(input_ids).float().logsumexp(-1).mean()
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    model.model.checkpoint_layers = False
+    (loss_plain, plain), (loss_ckpt, ckpt) = grads
+    assert torch.equal(loss_plain, loss_ckpt)
+    assert all(torch.equal(plain[n], ckpt[n]) for n in plain)
+    with torch.no_grad():  # inference never recomputes (nothing is kept for a backward pass)
+        model.model.checkpoint_layers = True
+        assert torch.equal(model(input_ids), model.eval()(input_ids))
+    model.model.checkpoint_layers = False

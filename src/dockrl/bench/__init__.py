@@ -17,4 +17,5 @@ BENCHMARKS: dict[str, str] = {
     "faults": "dockrl.bench.fault_timing",
     "train": "dockrl.bench.cluster_train",
     "async": "dockrl.bench.async_train",
+    "activations": "dockrl.bench.activations",
 }

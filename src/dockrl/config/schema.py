@@ -167,6 +167,12 @@ class OptimConfig:
         1, "Optimizer steps per RL step: the step's rows are split into this many mini-batches."
     )
     epochs: int = setting(1, "Passes over the step's rows. mini_batches=1 and epochs=1 is exactly on-policy.")
+    activation_checkpointing: bool = setting(
+        False,
+        "Recompute each decoder layer's activations during the backward pass instead of keeping them: the "
+        "update holds one layer's activations instead of every layer's (long responses fit), for about one "
+        "more forward pass of compute; the numbers trained are the same.",
+    )
 
 
 @dataclass

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from dockrl.models.config import ModelArgs
@@ -250,6 +251,9 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         # Plain attribute, not a buffer: survives meta-device init, to_empty() and load_state_dict().
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+        # Training with activation checkpointing (actor.activation_checkpointing): each layer's activations
+        # are recomputed in the backward pass instead of kept.
+        self.checkpoint_layers = False
 
     def forward(
         self,
@@ -267,7 +271,11 @@ class DecoderModel(nn.Module):
         else:
             offset = 0 if write is None else write.offset
             mask = _attention_mask(key_mask, batch, seq, offset, write is not None, input_ids.device)
+        recompute = self.checkpoint_layers and write is None and torch.is_grad_enabled()
         for index, layer in enumerate(self.layers):
+            if recompute:  # keeps only the layer's input; its forward runs again in the backward pass
+                x = torch.utils.checkpoint.checkpoint(layer, x, rope, mask, use_reentrant=False)
+                continue
             cache = None if write is None else write.cache.layer(index)
             x = layer(x, rope, mask, cache, write)
         return self.norm(x)

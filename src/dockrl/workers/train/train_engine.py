@@ -98,6 +98,7 @@ class TrainEngine:
         if trainable:
             assert optim is not None, "a trainable engine needs optimizer settings"
             self.optim_cfg = optim
+            model.model.checkpoint_layers = optim.activation_checkpointing
             self.optimizer = torch.optim.AdamW(
                 model.parameters(),
                 lr=optim.lr,
