@@ -21,3 +21,11 @@ def test_bench_train_needs_three_nodes():
     assert placement(4) == {"actor": ["node1", "node2"], "reward": ["node3"]}
     with pytest.raises(SystemExit, match="--emulate-nodes=2; the layout needs at least 3 nodes"):
         placement(2)
+
+
+def test_bench_e2e_names_an_unknown_system():
+    from dockrl.bench.e2e import run
+
+    args = build_parser().parse_args(["bench", "e2e", "--systems=dockrl,verl"])
+    with pytest.raises(SystemExit, match=r"--systems=dockrl,verl: unknown \['verl'\]"):
+        run(args)

@@ -18,4 +18,5 @@ BENCHMARKS: dict[str, str] = {
     "train": "dockrl.bench.cluster_train",
     "async": "dockrl.bench.async_train",
     "activations": "dockrl.bench.activations",
+    "e2e": "dockrl.bench.e2e",
 }

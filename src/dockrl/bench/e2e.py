@@ -1,0 +1,245 @@
+"""`dockrl bench e2e`: dockrl against TRL's GRPOTrainer on the same GRPO work, each at its own CPU default.
+
+    model  a make-tiny Qwen2: hidden 256, 8 layers, 8/4 heads, MLP 768, its tokenizer's vocab (~6.4M params);
+           --small: the demo's shape (hidden 128, 4 layers, ~0.85M)
+    work   the arithmetic task, --prompts prompts (16; 32 small) x --samples samples per step, up to
+           --max-new-tokens new tokens (128; 10 small), KL to the reference (--kl-coef), one on-policy
+           optimizer step per step
+
+dockrl runs `dockrl train` (actor.dp=--dp, its CPU default precision) in its own local Ray; TRL (when
+importable: `pip install -e .[bench]`) runs GRPOTrainer in this process's child at its defaults (one process;
+its own precision default), with one optimizer step per generation batch (micro-batches of --samples
+completions, gradient accumulation over the prompts). Reported per system over the steps after the first
+(median): step seconds, response tokens per second, and where the time went:
+  dockrl  rollout, reference, old log-probs, update (its stage timers) and overhead = step - their sum
+  trl     generate (generation, rewards and reference log-probs: `_generate_and_score_completions`) and
+          train = step - generate
+`speedup` is dockrl's response tokens/s over TRL's. Ratios, not absolute times, carry to other machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Workload size and which systems."""
+    parser.add_argument("--steps", type=int, default=4, help="GRPO steps per system (the first is not timed)")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per step (16; 32 with --small)")
+    parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="128; 10 with --small")
+    parser.add_argument("--kl-coef", type=float, default=0.04)
+    parser.add_argument("--dp", type=int, default=2, help="dockrl's actor.dp")
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="the small workload: the demo's 0.85M model, 32 prompts, 10 tokens",
+    )
+    parser.add_argument("--systems", default="dockrl,trl", help="comma list of dockrl, trl")
+    parser.add_argument("--timeout-s", type=float, default=3600.0, help="bound on each run")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Both systems on one workspace; {"workload": ..., "dockrl": row, "trl": row or a reason, "speedup"}."""
+    from dockrl.data.synthetic import write_task
+    from dockrl.models.tiny import make_tiny
+
+    systems = args.systems.split(",")
+    unknown = sorted(set(systems) - {"dockrl", "trl"})
+    if unknown:
+        raise SystemExit(f"--systems={args.systems}: unknown {unknown}; use a comma list of dockrl, trl")
+    args.prompts = args.prompts or (32 if args.small else 16)
+    args.max_new_tokens = args.max_new_tokens or (10 if args.small else 128)
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="dockrl-bench-e2e-") as tmp:
+        root = Path(tmp)
+        model = make_tiny(root / "model", seed=0, **(_SMALL if args.small else _LARGE))
+        data = write_task("arithmetic", root / "data", num_train=256, num_test=32, seed=0)
+        out["workload"] = {
+            "params_m": _num_params(model) / 1e6,
+            "prompts": args.prompts,
+            "samples": args.samples,
+            "max_new_tokens": args.max_new_tokens,
+            "kl_coef": args.kl_coef,
+        }
+        if "dockrl" in systems:
+            out["dockrl"] = _dockrl(args, root, model, data["train"])
+        if "trl" in systems:
+            out["trl"] = _trl(args, root, model, data["train"])
+    if isinstance(out.get("dockrl"), dict) and isinstance(out.get("trl"), dict) and "step_s" in out["trl"]:
+        out["speedup"] = out["dockrl"]["response_tokens_per_s"] / out["trl"]["response_tokens_per_s"]
+    return out
+
+
+_LARGE = dict(
+    family="qwen2", hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=768
+)
+_SMALL = dict(family="qwen2", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2)  # the demo's shape
+
+
+def _num_params(model_dir: Path) -> int:
+    from dockrl.models.hf import read_config
+
+    return read_config(model_dir).num_params()
+
+
+def _dockrl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> dict[str, Any]:
+    """`dockrl train` of the workload; medians over the steps after the first."""
+    config = root / "dockrl.yaml"
+    config.write_text(
+        f"rollout: {{samples_per_prompt: {args.samples}, max_new_tokens: {args.max_new_tokens}}}\n"
+        f"actor: {{dp: {args.dp}, lr: 1.0e-5, micro_batch_size: {args.samples}}}\n"
+        f"algo: {{kl_coef: {args.kl_coef}}}\n"
+        "reward: {functions: [{name: exact_answer}]}\n"
+        f"data: {{max_prompt_len: 64}}\n"
+        f"run: {{steps: {args.steps}, prompts_per_step: {args.prompts}, progress: false, log_samples: 0}}\n"
+    )
+    argv = [sys.executable, "-m", "dockrl.cli", "train", str(config), f"model.path={model}"]
+    argv += [f"data.train_path={train}", f"run.output_dir={root / 'runs'}", "run.name=dockrl"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"dockrl train failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    rows = [
+        json.loads(line) for line in (root / "runs" / "dockrl" / "metrics.jsonl").read_text().splitlines()
+    ]
+    timed = rows[1:] or rows
+
+    def median(key: str) -> float:
+        return statistics.median(r.get(key, 0.0) for r in timed)
+
+    stages = {name: median(f"timing/{name}") for name in ("rollout", "reference", "old_logprobs", "update")}
+    step = median("timing/step")
+    import yaml
+
+    resolved = yaml.safe_load((root / "runs" / "dockrl" / "config.yaml").read_text())
+    return {
+        "precision": resolved["run"]["precision"],
+        "step_s": step,
+        "response_tokens_per_s": statistics.median(r["tokens/response"] / r["timing/step"] for r in timed),
+        **{f"{name}_s": seconds for name, seconds in stages.items()},
+        "overhead_s": step - sum(stages.values()),
+        "response_length_mean": median("response_length/mean"),
+    }
+
+
+def _trl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> dict[str, Any] | str:
+    """TRL's GRPOTrainer on the same work, in a child process; a reason string when TRL is missing."""
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return "trl is not installed (pip install -e .[bench]); skipped"
+    spec = {
+        "model": str(model),
+        "train": str(train),
+        "out": str(root / "trl"),
+        "steps": args.steps,
+        "prompts": args.prompts,
+        "samples": args.samples,
+        "max_new_tokens": args.max_new_tokens,
+        "kl_coef": args.kl_coef,
+    }
+    code = f"from dockrl.bench.e2e import trl_child; trl_child({json.dumps(spec)!r})"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=args.timeout_s
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"TRL run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def trl_child(spec_json: str) -> None:
+    """In a child process: run GRPOTrainer on the workload and print one JSON line of its figures."""
+    import time
+
+    import datasets
+    import transformers
+    from trl import GRPOConfig, GRPOTrainer
+
+    from dockrl.rewards.builtin import exact_answer
+
+    spec = json.loads(spec_json)
+    rows = [json.loads(line) for line in Path(spec["train"]).read_text().splitlines()]
+    dataset = datasets.Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
+    )
+
+    def reward(completions, answer, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [exact_answer("", text, label).score for text, label in zip(texts, answer)]
+
+    config = GRPOConfig(
+        output_dir=spec["out"],
+        max_steps=spec["steps"],
+        per_device_train_batch_size=spec["samples"],
+        gradient_accumulation_steps=spec["prompts"],  # one optimizer step per prompts x samples completions
+        num_generations=spec["samples"],
+        max_completion_length=spec["max_new_tokens"],
+        beta=spec["kl_coef"],
+        learning_rate=1e-5,
+        temperature=1.0,
+        use_cpu=True,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(spec["model"])
+    trainer = GRPOTrainer(
+        model=spec["model"],
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    generate_s: list[float] = []
+    inner = trainer._generate_and_score_completions
+
+    def timed_generate(*a, **k):
+        start = time.perf_counter()
+        try:
+            return inner(*a, **k)
+        finally:
+            generate_s.append(time.perf_counter() - start)
+
+    trainer._generate_and_score_completions = timed_generate
+    step_ends: list[float] = []
+    lengths: list[float] = []
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            if not step_ends:
+                step_ends.append(time.perf_counter())
+
+        def on_step_end(self, *_, **__):
+            step_ends.append(time.perf_counter())
+
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(float(logs["completions/mean_length"]))
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    steps = [b - a for a, b in zip(step_ends, step_ends[1:])][1:]  # after the first
+    generate = generate_s[1 : 1 + len(steps)] if len(generate_s) > len(steps) else generate_s[-len(steps) :]
+    completions = spec["prompts"] * spec["samples"]
+    tokens = [n * completions for n in lengths[1 : 1 + len(steps)]]
+    step = statistics.median(steps)
+    print(
+        json.dumps(
+            {
+                "precision": "bf16" if config.bf16 else "fp32",
+                "step_s": step,
+                "response_tokens_per_s": statistics.median(t / s for t, s in zip(tokens, steps)),
+                "generate_s": statistics.median(generate),
+                "train_s": step - statistics.median(generate),
+                "response_length_mean": statistics.median(lengths[1:]) if len(lengths) > 1 else None,
+            }
+        )
+    )
