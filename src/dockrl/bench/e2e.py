@@ -44,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--systems", default="dockrl,trl", help="comma list of dockrl, trl")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="bound on each run")
+    parser.add_argument("overrides", nargs="*", help="dockrl train overrides, e.g. run.precision=bf16")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -103,6 +104,7 @@ def _dockrl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> d
     )
     argv = [sys.executable, "-m", "dockrl.cli", "train", str(config), f"model.path={model}"]
     argv += [f"data.train_path={train}", f"run.output_dir={root / 'runs'}", "run.name=dockrl"]
+    argv += list(args.overrides)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"dockrl train failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
