@@ -86,6 +86,12 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def _cmd_data(args: argparse.Namespace) -> int:
+    if args.task in ("gsm8k", "math"):
+        from dockrl.data.convert import DEFAULT_SYSTEM_PROMPT, convert
+
+        system = DEFAULT_SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt
+        print(json.dumps(convert(args.task, args.src, args.out, system_prompt=system), indent=2))
+        return 0
     from dockrl.data.synthetic import write_task
 
     paths = write_task(
@@ -222,8 +228,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a *ForSequenceClassification reward model (scalar score head) instead of a causal LM",
     )
 
-    p = add("data", _cmd_data, "write synthetic task files (train.jsonl, test.jsonl)")
-    p.add_argument("task", choices=["arithmetic"])
+    data = add("data", _cmd_data, "write a synthetic task, or convert a published dataset to prompt files")
+    tasks = data.add_subparsers(dest="task", required=True)
+    for layout, source in (
+        ("gsm8k", "question / answer with '#### N'"),
+        ("math", "problem / solution or answer"),
+    ):
+        p = tasks.add_parser(layout, help=f"convert a local {layout} file ({source}) to a dockrl prompt file")
+        p.add_argument("src", help="the published layout as .jsonl, .json or .parquet")
+        p.add_argument("out", help="output .jsonl (or a directory: OUT/<src name>.jsonl)")
+        p.add_argument(
+            "--system-prompt",
+            default=None,
+            help="system message of every prompt (default: asks for the answer in \\boxed{}; '' writes the "
+            "question as plain text)",
+        )
+    p = tasks.add_parser("arithmetic", help="write synthetic task files (train.jsonl, test.jsonl)")
     p.add_argument("out")
     p.add_argument("--num-train", type=int, default=4000)
     p.add_argument("--num-test", type=int, default=200)

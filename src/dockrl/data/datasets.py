@@ -66,7 +66,7 @@ def load_prompts(
         raise DatasetError(f"prompt file {str(path)!r} does not exist")
     suffix = path.suffix.lower()
     if suffix in JSON_SUFFIXES:
-        rows = _iter_json_rows(path)
+        rows = iter_json_rows(path)
     elif suffix in PARQUET_SUFFIXES:
         rows = _iter_parquet_rows(path, [f for f in (prompt_field, label_field) if f is not None])
     else:
@@ -83,7 +83,7 @@ def load_prompts(
     return records
 
 
-def _iter_json_rows(path: Path) -> Iterator[tuple[str, dict]]:
+def iter_json_rows(path: Path) -> Iterator[tuple[str, dict]]:
     """Yield ("line N", row) from JSON lines, or ("item N", row) from a .json file holding one array."""
     with path.open(encoding="utf-8") as handle:
         head = handle.read(1)
