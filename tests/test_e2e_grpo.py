@@ -114,3 +114,12 @@ def test_activation_checkpointing_trains_the_same_numbers(ray_session, tmp_path,
         load_state_dict(f"{tmp_path / name}/checkpoints/step_000001/hf") for name in ("plain", "recompute")
     ]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    # dockrl export of a training checkpoint root writes its policy, tensor for tensor.
+    assert (
+        main(["export", str(tmp_path / "plain" / "checkpoints" / "step_000001"), str(tmp_path / "export")])
+        == 0
+    )
+    exported = load_state_dict(tmp_path / "export")
+    assert exported.keys() == weights[0].keys() and all(
+        torch.equal(exported[k], weights[0][k]) for k in exported
+    )

@@ -221,3 +221,39 @@ def test_checkpoint_key_mismatch_is_a_value_error_listing_keys(tmp_path):
         ValueError, match=r"1 missing.*mlp\.up_proj\.weight.*1 unexpected.*self_attn\.extra\.weight"
     ):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_export_writes_a_directory_transformers_loads(tmp_path, tie):
+    """dockrl export: every tensor streamed from the source to OUT (cast with --dtype), config recording the
+    dtype written, tokenizer copied; transformers loads both exports and the fp32 one gives dockrl's logits."""
+    from dockrl.cli import main
+    from dockrl.models.tiny import make_tiny
+
+    source = make_tiny(tmp_path / "src", family="qwen2", hidden_size=32, num_layers=2, seed=0)
+    if tie:  # a tied model: no lm_head tensor in the files
+        args = read_config(source)
+        args.tie_word_embeddings = True
+        model = _dockrl_model(args)
+        save_model(model, args, source, tokenizer_dir=source)
+    assert main(["export", str(source), str(tmp_path / "fp32"), "--dtype", "fp32"]) == 0
+    assert main(["export", str(source), str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    original = load_state_dict(source)
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        exported = load_state_dict(tmp_path / name)
+        assert exported.keys() == original.keys()
+        assert all(torch.equal(exported[k], original[k].to(dtype)) for k in original)
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        assert config["dtype"] == str(dtype).removeprefix("torch.")
+        assert (tmp_path / name / "tokenizer.json").is_file()
+        hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
+        assert next(hf_model.parameters()).dtype == dtype
+    hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.float32).eval()
+    assert _max_logit_diff(hf_model, load_model(source)) <= 1e-4
+
+
+def test_export_names_what_it_needs(tmp_path, capsys):
+    from dockrl.cli import main
+
+    assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
+    assert "holds no model: expected a checkpoint root" in capsys.readouterr().err

@@ -108,6 +108,14 @@ def _cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from dockrl.checkpoint.export import export_checkpoint
+
+    written = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, max_shard_gb=args.max_shard_gb)
+    print(json.dumps(written, indent=2))
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dockrl.recipes.demo import run_demo
 
@@ -263,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="seeds the model's initialisation, the SFT order and the GRPO run"
     )
     p.add_argument("overrides", nargs="*", help="GRPO overrides, e.g. run.steps=5")
+
+    p = add("export", _cmd_export, "a Hugging Face model directory from a training checkpoint")
+    p.add_argument("checkpoint", help="checkpoint root RUN_DIR/checkpoints/step_NNNNNN, or a model directory")
+    p.add_argument("out", help="the directory to write (config, safetensors, tokenizer)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: the checkpoint's")
+    p.add_argument("--max-shard-gb", type=float, default=2.0, help="largest safetensors file")
 
     add("config-docs", _cmd_config_docs, "print every setting as a Markdown table")
     add("columns", _cmd_columns, "print the dock's experience-table columns as a Markdown table")
