@@ -123,3 +123,38 @@ def test_activation_checkpointing_trains_the_same_numbers(ray_session, tmp_path,
     assert exported.keys() == weights[0].keys() and all(
         torch.equal(exported[k], weights[0][k]) for k in exported
     )
+
+
+def test_a_reward_file_next_to_the_config_trains(
+    ray_session, tmp_path, tiny_model, arithmetic_data, monkeypatch
+):
+    """reward.functions=[{name: ./my_reward.py:fn}] from a directory on no import path: the driver reads the file
+    when the config loads and every reward worker and process runs the shipped source."""
+    import json
+
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "my_reward.py").write_text(
+        "def fn(prompt, response, label):\n    return float(len(response) % 2 == 0)\n"
+    )
+    (configs / "grpo.yaml").write_text(
+        "rollout: {samples_per_prompt: 4, max_new_tokens: 6}\n"
+        "actor: {dp: 1, lr: 1.0e-3, micro_batch_size: 8}\n"
+        "reward: {functions: [{name: ./my_reward.py:fn}], num_processes: 1}\n"
+        "run: {steps: 2, prompts_per_step: 4, progress: false, worker_timeout_s: 300, log_samples: 1}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    args = [f"model.path={tiny_model}", f"data.train_path={arithmetic_data['train']}", "run.output_dir=runs"]
+    assert main(["train", str(configs / "grpo.yaml"), *args, "run.name=file_reward"]) == 0
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / "file_reward" / "metrics.jsonl").read_text().splitlines()
+    ]
+    samples = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / "file_reward" / "samples.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(
+        s["reward"] == float(len(s["response"]) % 2 == 0) for s in samples
+    )  # the file's function scored

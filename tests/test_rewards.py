@@ -207,3 +207,49 @@ def test_runner_config_errors():
 
 def test_reward_result_default_components():
     assert RewardResult(1.0).components == {}
+
+
+# ---------------------------------------------------------------- reward functions from files
+
+MY_REWARD = '''
+from dockrl.rewards import RewardResult
+
+
+def fn(prompt, response, label):
+    """1 for a response of even length, and the length as a component."""
+    return RewardResult(float(len(response) % 2 == 0), {"length": float(len(response))})
+'''
+
+
+def test_a_file_given_function_is_found_read_and_shipped(tmp_path, monkeypatch):
+    """`./my_reward.py:fn` next to the config (or `my_reward:fn`, a module file there) is read when the
+    config loads; the reward processes run it from the shipped source, so the file may be gone by then."""
+    from dockrl.config import TrainConfig, load_config
+    from dockrl.config.fields import ConfigError
+
+    configs, elsewhere = tmp_path / "configs", tmp_path / "elsewhere"
+    configs.mkdir()
+    elsewhere.mkdir()
+    (configs / "my_reward.py").write_text(MY_REWARD)
+    (configs / "run.yaml").write_text(
+        "reward: {functions: [{name: ./my_reward.py:fn}, {name: 'my_reward:fn'}]}\n"
+    )
+    monkeypatch.chdir(elsewhere)  # neither the working directory nor PYTHONPATH holds the file
+    base = ["model.path=m", "data.train_path=d.jsonl", "run.steps=1", "run.prompts_per_step=1"]
+    cfg = load_config(TrainConfig, configs / "run.yaml", base)
+    for function in cfg.reward.functions:
+        assert function.source_file == str(configs / "my_reward.py") and function.code == MY_REWARD
+    (configs / "my_reward.py").unlink()
+    specs = [RewardSpec(f.name, code=f.code, origin=f.source_file) for f in cfg.reward.functions]
+    with RewardRunner(specs[:1], num_processes=1) as runner:
+        totals, components, _ = runner.score(["p", "p"], ["ab", "abc"], [None, None])
+    assert totals == [1.0, 0.0] and components["./my_reward.py:fn/length"] == [2.0, 3.0]
+    assert resolve_reward_fn(specs[1].name, code=specs[1].code)("p", "abcd", None).score == 1.0
+    # A path that is nowhere, and a file that fails to import, are errors naming the file.
+    (configs / "run.yaml").write_text("reward: {functions: [{name: ./missing.py:fn}]}\n")
+    with pytest.raises(
+        ConfigError, match=r"reward.functions\[0\].name='./missing.py:fn': .*no file './missing.py'"
+    ):
+        load_config(TrainConfig, configs / "run.yaml", base)
+    with pytest.raises(ValueError, match=r"importing /x/bad.py failed: ZeroDivisionError"):
+        resolve_reward_fn("/x/bad.py:fn", code="1 / 0\n", origin="/x/bad.py")

@@ -43,7 +43,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from dockrl.checkpoint.directory import resolve_model_path
     from dockrl.config.validate import check_dataset, check_model_dir, resolve_device
     from dockrl.recipes.eval import evaluate_model_dir
-    from dockrl.rewards.runner import RewardSpec
 
     args.model = resolve_model_path(args.model)  # a checkpoint root means its hf/ export
     check_model_dir(args.model, "--model")
@@ -51,7 +50,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     result = evaluate_model_dir(
         args.model,
         args.data,
-        [RewardSpec(name=name) for name in args.reward],
+        _reward_specs(args.reward),
         prompt_field=args.prompt_field,
         label_field=args.label_field,
         max_new_tokens=args.max_new_tokens,
@@ -65,6 +64,25 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                 f.write(json.dumps(rec) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "records"}, indent=2))
     return 0
+
+
+def _reward_specs(names: list[str]) -> list:
+    """RewardSpecs of --reward names; a file-given function (`./my_reward.py:fn`) is read here."""
+    from pathlib import Path
+
+    from dockrl.config.fields import ConfigError
+    from dockrl.rewards.base import locate_reward_file
+    from dockrl.rewards.runner import RewardSpec
+
+    specs = []
+    for name in names:
+        try:
+            found = locate_reward_file(name, [Path.cwd()])
+        except ValueError as exc:
+            raise ConfigError(f"--reward {name}: {exc}") from exc
+        code = found.read_text(encoding="utf-8") if found is not None else None
+        specs.append(RewardSpec(name=name, code=code, origin=str(found) if found else None))
+    return specs
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:

@@ -38,7 +38,28 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     for item in overrides or []:
         apply_override(raw, item)
-    return from_dict(cls, raw)
+    config = from_dict(cls, raw)
+    reward = getattr(config, "reward", None)
+    if reward is not None:
+        search = ([Path(path).resolve().parent] if path is not None else []) + [Path.cwd()]
+        read_reward_files(reward.functions, search)
+    return config
+
+
+def read_reward_files(functions: list, search_dirs: list[Path]) -> None:
+    """Fill `source_file` and `code` of every reward function given as a file (rewards.base.locate_reward_file),
+    so the driver ships its source to the workers; a file that is not there is a ConfigError naming it."""
+    from dockrl.rewards.base import locate_reward_file
+
+    for i, function in enumerate(functions):
+        if function.code is not None:  # a saved run's config carries its code already
+            continue
+        try:
+            found = locate_reward_file(function.name, search_dirs)
+        except ValueError as exc:
+            raise ConfigError(f"reward.functions[{i}].name={function.name!r}: {exc}") from exc
+        if found is not None:
+            function.source_file, function.code = str(found), found.read_text(encoding="utf-8")
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

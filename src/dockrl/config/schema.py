@@ -325,9 +325,22 @@ class CriticConfig(OptimConfig):
 class RewardFnConfig:
     """One reward function and its weight."""
 
-    name: str = required("A built-in (exact_answer, math_verify, format) or `package.module:function`.")
+    name: str = required(
+        "A built-in (exact_answer, math_verify, format), `package.module:function`, or a file "
+        "`path/to/file.py:function` (relative to the config file's directory, then the working directory; a "
+        "`module:function` whose module.py lies there works too): its source is read when the config is loaded "
+        "and shipped to every reward worker and process, so it need not be on PYTHONPATH or on other nodes."
+    )
     weight: float = setting(1.0, "Weight of this function's score in the total reward.")
     kwargs: dict = setting({}, "Keyword arguments passed to the function.")
+    source_file: str | None = setting(
+        None,
+        "Filled in when the config is loaded: the file a file-given function was read from (leave unset).",
+    )
+    code: str | None = setting(
+        None,
+        "Filled in when the config is loaded: that file's source, recorded in the run's config (leave unset).",
+    )
 
 
 @dataclass

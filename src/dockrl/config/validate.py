@@ -637,7 +637,7 @@ def _check_rewards(cfg: TrainConfig) -> None:
         )
     for i, spec in enumerate(cfg.reward.functions):
         try:
-            resolve_reward_fn(spec.name, spec.kwargs)
+            resolve_reward_fn(spec.name, spec.kwargs, spec.code, spec.source_file)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"reward.functions[{i}].name={spec.name!r}: {exc}") from exc
 

@@ -11,10 +11,15 @@ fails when the config is built, not on the first sample.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
+import importlib.util
 import inspect
+import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -69,18 +74,78 @@ def _import_function(name: str) -> Callable[..., Any]:
     return fn
 
 
-def resolve_reward_fn(name: str, kwargs: dict | None = None) -> RewardFn:
+def locate_reward_file(name: str, search_dirs: list[Path]) -> Path | None:
+    """The source file of reward function `name` when it is given as a file, else None.
+
+    `path/to/file.py:function` names a file (relative paths are looked up in `search_dirs`, in order: the
+    config file's directory, then the working directory). `module:function` names a file too when `module`
+    does not import but `module.py` (dots as folders) lies in one of `search_dirs`, as a reward module next to
+    the config does. Raises ValueError for a `.py` path found nowhere, naming where it looked.
+    """
+    module, sep, _ = name.partition(":")
+    if not sep or not module:
+        return None
+    if module.endswith(".py") or "/" in module or "\\" in module:
+        candidates = [Path(module)] if Path(module).is_absolute() else [d / module for d in search_dirs]
+        for candidate in candidates:
+            if candidate.is_file():
+                return candidate.resolve()
+        raise ValueError(
+            f"reward function {name!r}: no file {module!r} in {[str(d) for d in search_dirs]} (paths are relative "
+            "to the config file's directory, then the working directory)"
+        )
+    if importlib.util.find_spec(module.partition(".")[0]) is not None:
+        return None  # importable as it is
+    for directory in search_dirs:
+        candidate = directory / (module.replace(".", "/") + ".py")
+        if candidate.is_file():
+            return candidate.resolve()
+    return None
+
+
+def _function_from_code(name: str, code: str, origin: str) -> Callable[..., Any]:
+    """Attribute `function` of `origin:function` from the file's source `code`, run as a module of its own
+    (under a name derived from the source, so every process gets the same module)."""
+    attr = name.rpartition(":")[2]
+    module_name = "dockrl_reward_" + hashlib.sha1(code.encode()).hexdigest()[:12]
+    module = sys.modules.get(module_name)
+    if module is None:
+        module = types.ModuleType(module_name)
+        module.__file__ = origin
+        try:
+            exec(compile(code, origin, "exec"), module.__dict__)
+        except Exception as exc:  # any failure of user code at import is a config error
+            raise ValueError(
+                f"reward function {name!r}: importing {origin} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        sys.modules[module_name] = module
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
+        raise ValueError(f"reward function {name!r}: {origin} has no function {attr!r}; callables: {public}")
+    return fn
+
+
+def resolve_reward_fn(
+    name: str, kwargs: dict | None = None, code: str | None = None, origin: str | None = None
+) -> RewardFn:
     """Return the reward function called ``name`` with ``kwargs`` bound.
 
     Args:
-        name: a built-in name ("exact_answer", "math_verify", "format") or "package.module:function".
+        name: a built-in name ("exact_answer", "math_verify", "format"), "package.module:function", or a
+            file's "path/to/file.py:function" (whose source is `code`).
         kwargs: extra keyword arguments passed on every call (e.g. ``{"pattern": ...}`` for "format").
+        code: the source of the reward's file, read once by the driver (`locate_reward_file`) and shipped to
+            every worker and reward process, so the file need not exist where they run.
+        origin: that file's path, for tracebacks and errors.
 
     Raises:
         ValueError: unknown built-in (lists the built-ins), module that fails to import (names the path
             and the import error), missing attribute, or kwargs the function does not accept.
     """
-    if ":" in name:
+    if code is not None:
+        fn = _function_from_code(name, code, origin or name.rpartition(":")[0])
+    elif ":" in name:
         fn = _import_function(name)
     else:
         builtins = _builtin_rewards()

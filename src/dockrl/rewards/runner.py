@@ -62,11 +62,14 @@ class RewardSpec:
             also the metric key prefix, so names must be unique within a runner.
         weight: multiplier of this function's score in the total.
         kwargs: extra keyword arguments bound to the function (e.g. ``{"pattern": ...}`` for "format").
+        code, origin: the source and path of a function given as a file (`path/file.py:function`).
     """
 
     name: str
     weight: float = 1.0
     kwargs: dict = field(default_factory=dict)
+    code: str | None = None  # the source of a function given as a file (rewards.base.resolve_reward_fn)
+    origin: str | None = None  # that file's path
 
 
 # An outcome is ("ok", score, components), ("error", traceback text) or ("timeout",).
@@ -77,9 +80,9 @@ _Outcome = tuple
 _worker_fns: list[RewardFn] = []
 
 
-def _init_worker(specs: list[tuple[str, dict]]) -> None:
+def _init_worker(specs: list[tuple[str, dict, str | None, str | None]]) -> None:
     """Executor initializer: resolve every reward function and run its warmup, once per process."""
-    _worker_fns[:] = [resolve_reward_fn(name, kwargs) for name, kwargs in specs]
+    _worker_fns[:] = [resolve_reward_fn(*spec) for spec in specs]
     for fn in _worker_fns:
         warmup = warmup_of(fn)
         if warmup is not None:
@@ -119,7 +122,7 @@ def _call(fn: RewardFn, prompt: str, response: str, label: Any) -> _Outcome:
 class _Slot:
     """One worker process behind its own single-process executor; holds at most one call."""
 
-    def __init__(self, specs: list[tuple[str, dict]]):
+    def __init__(self, specs: list[tuple[str, dict, str | None, str | None]]):
         self.executor = ProcessPoolExecutor(
             max_workers=1,
             mp_context=multiprocessing.get_context("spawn"),
@@ -191,7 +194,7 @@ class RewardRunner:
         self.specs = list(specs)
         self.timeout_s = timeout_s
         self.num_processes = num_processes
-        self._fns = [resolve_reward_fn(spec.name, spec.kwargs) for spec in specs]
+        self._fns = [resolve_reward_fn(spec.name, spec.kwargs, spec.code, spec.origin) for spec in specs]
         self._slots: list[_Slot] = []
         self._call_ids = itertools.count()
         self._logged: set[tuple[str, str]] = set()
@@ -237,8 +240,8 @@ class RewardRunner:
 
     # ------------------------------------------------------------ execution
 
-    def _spec_args(self) -> list[tuple[str, dict]]:
-        return [(spec.name, spec.kwargs) for spec in self.specs]
+    def _spec_args(self) -> list[tuple[str, dict, str | None, str | None]]:
+        return [(spec.name, spec.kwargs, spec.code, spec.origin) for spec in self.specs]
 
     def _run_in_slots(self, args: list[tuple]) -> list[_Outcome]:
         if not self._slots:

@@ -46,7 +46,10 @@ REWARD_STAGE = "reward"  # the dock consumer of score()
 
 def reward_specs(cfg: RewardConfig) -> list[RewardSpec]:
     """Config entries -> runner specs."""
-    return [RewardSpec(name=f.name, weight=f.weight, kwargs=dict(f.kwargs)) for f in cfg.functions]
+    return [
+        RewardSpec(name=f.name, weight=f.weight, kwargs=dict(f.kwargs), code=f.code, origin=f.source_file)
+        for f in cfg.functions
+    ]
 
 
 def accuracy_key(components: dict[str, list[float]]) -> str | None:
