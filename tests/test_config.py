@@ -138,3 +138,42 @@ def test_gpu_example_config_parses():
     path = Path(__file__).parent.parent / "examples" / "grpo_qwen2.5_0.5b_gsm8k.yaml"
     cfg = load_config(TrainConfig, path)
     assert cfg.actor.dp == 8 and cfg.run.device == "cuda" and cfg.reward.functions[0].name == "math_verify"
+
+
+def test_user_errors_are_one_line_unless_debug(monkeypatch, capsys, tmp_path, tiny_model, arithmetic_data):
+    """A ValueError from outside config validation (here: every prompt longer than data.max_prompt_len) ends
+    as one error line and a hint, exit 2; --debug (or DOCKRL_DEBUG=1) raises it with its traceback."""
+    import dockrl.recipes.grpo as grpo
+
+    monkeypatch.setattr(grpo, "init_ray", lambda *a, **k: pytest.fail("Ray started"))
+    config = tmp_path / "empty.yaml"
+    config.write_text("{}\n")
+    args = ["train", str(config), *_base(tiny_model, arithmetic_data), "data.max_prompt_len=2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[0].startswith("dockrl train: error: ") and "--debug" in err[1]
+    with pytest.raises(ValueError):
+        main(["--debug", *args])
+    monkeypatch.setenv("DOCKRL_DEBUG", "1")
+    with pytest.raises(ValueError):
+        main(args)
+
+
+def test_a_run_directory_that_holds_a_run_is_refused(
+    monkeypatch, capsys, tmp_path, tiny_model, arithmetic_data
+):
+    """run.resume=never (the default) never appends a new run to an old one's records: refused before Ray
+    starts, naming the directory and the ways out; run.resume=auto continues it."""
+    import dockrl.recipes.grpo as grpo
+
+    monkeypatch.setattr(grpo, "init_ray", lambda *a, **k: pytest.fail("Ray started"))
+    run = tmp_path / "runs" / "taken"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    config = tmp_path / "empty.yaml"
+    config.write_text("{}\n")
+    args = ["train", str(config), *_base(tiny_model, arithmetic_data), f"run.output_dir={tmp_path / 'runs'}"]
+    assert main([*args, "run.name=taken"]) == 2
+    err = capsys.readouterr().err
+    assert f"run.name='taken': {run} already holds a run" in err and "run.resume=auto" in err
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing lost

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -210,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dockrl", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
+    parser.add_argument(
+        "--debug", action="store_true", help="show tracebacks of user errors (also DOCKRL_DEBUG=1)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
@@ -338,10 +342,16 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "reward", "unset") is None:
         args.reward = ["exact_answer"]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    debug = args.debug or os.environ.get("DOCKRL_DEBUG", "") not in ("", "0")
     try:
         return args.fn(args)
-    except (ConfigError, DatasetError, FileNotFoundError) as exc:
+    except (ConfigError, DatasetError, FileNotFoundError, ValueError) as exc:
+        # A user error (a setting, a file, a dataset, user code that fails to import): one line, exit 2;
+        # --debug (or DOCKRL_DEBUG=1) shows the traceback.
+        if debug:
+            raise
         print(f"dockrl {args.command}: error: {exc}", file=sys.stderr)
+        print("(dockrl --debug ... shows the traceback)", file=sys.stderr)
         return 2
     except RunFailed as exc:  # a worker or dock failure: named, with how to resume; no Ray traceback
         print(f"dockrl {args.command}: error: {exc}", file=sys.stderr)

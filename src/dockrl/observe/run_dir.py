@@ -33,6 +33,28 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
 
+    def holds_run(self) -> bool:
+        """Whether an earlier run wrote steps or checkpoints here (a new run would mix its records with them)."""
+        metrics = self.path / "metrics.jsonl"
+        has_steps = metrics.is_file() and metrics.stat().st_size > 0
+        return has_steps or (self.checkpoints.is_dir() and any(self.checkpoints.iterdir()))
+
+    def refuse_if_taken(self, setting: str, resume_hint: bool) -> None:
+        """Raise ConfigError when this directory already holds a run: `setting` is the run-name key, and
+        `resume_hint` adds run.resume=auto to the fixes."""
+        from dockrl.config.fields import ConfigError
+
+        if not self.holds_run():
+            return
+        fixes = f"choose another {setting}=..."
+        if resume_hint:
+            fixes += ", continue it with run.resume=auto,"
+        raise ConfigError(
+            f"{setting}={self.path.name!r}: {self.path} already holds a run (steps in metrics.jsonl or "
+            f"checkpoints); a new run there would mix its records with that one's. {fixes[0].upper()}"
+            f"{fixes[1:]} or delete the directory"
+        )
+
     def write_config(self, cfg: dict[str, Any]) -> None:
         """Write the resolved config as YAML."""
         (self.path / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))

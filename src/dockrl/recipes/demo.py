@@ -16,6 +16,7 @@ Configs: `dockrl/configs/demo_sft.yaml` and `demo_grpo.yaml`; paths inside them 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from importlib import resources
 from pathlib import Path
@@ -37,6 +38,9 @@ TASK = dict(num_train=160, num_test=40, max_operand=9, teacher_error=0.7, teache
 MODEL = dict(family="qwen2", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512)
 
 
+DEMO_PARTS = ("data", "tiny-model", "sft", "grpo", "summary.json")  # what run_demo writes under its out_dir
+
+
 def config_path(name: str) -> Path:
     """Path of a config shipped with dockrl (`dockrl/configs/<name>`)."""
     return Path(str(resources.files("dockrl") / "configs" / name))
@@ -50,6 +54,12 @@ def run_demo(
     held-out split stay the same, so runs with different seeds score the same 40 problems."""
     start = time.perf_counter()
     out = Path(out_dir)
+    for part in DEMO_PARTS:  # a demo run again starts over (only what the demo itself writes is removed)
+        target = out / part
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
     data = write_task("arithmetic", out / "data", seed=0, **TASK)
     model_dir = make_tiny(out / "tiny-model", seed=seed, **MODEL)
     log.info("demo: data in %s, tiny model in %s", out / "data", model_dir)

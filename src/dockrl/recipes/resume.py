@@ -55,10 +55,12 @@ class ResumePoint:
 
 def plan_resume(cfg: TrainConfig, run: RunDir, data_fingerprint: str) -> ResumePoint | None:
     """The checkpoint `run.resume` asks for (None: start fresh). Raises ConfigError when its computation
-    config or training data differ from this run's (unless run.resume_force)."""
+    config or training data differ from this run's (unless run.resume_force), or when run.resume=never would
+    start a new run in a directory that holds one."""
     directory.clean_staging(run.checkpoints)
     mode = cfg.run.resume
     if mode == "never":
+        run.refuse_if_taken("run.name", resume_hint=True)
         return None
     if mode == "auto":
         path = directory.newest_checkpoint(run.checkpoints)

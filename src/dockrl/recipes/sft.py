@@ -69,6 +69,7 @@ def sft(cfg: SFTConfig) -> dict[str, Any]:
     accuracy when data.eval_path is set)."""
     torch.manual_seed(cfg.run.seed)
     run = RunDir(cfg.run.output_dir, cfg.run.name)
+    run.refuse_if_taken("run.name", resume_hint=False)
     run.write_config(to_dict(cfg))
     tokenizer = Tokenizer.from_dir(cfg.model.path)
     examples, skipped = build_examples(cfg, tokenizer, cfg.data.train_path)
