@@ -130,6 +130,7 @@ def test_a_reward_file_next_to_the_config_trains(
 ):
     """reward.functions=[{name: ./my_reward.py:fn}] from a directory on no import path: the driver reads the file
     when the config loads and every reward worker and process runs the shipped source."""
+    import html
     import json
 
     configs = tmp_path / "configs"
@@ -158,3 +159,14 @@ def test_a_reward_file_next_to_the_config_trains(
     assert all(
         s["reward"] == float(len(s["response"]) % 2 == 0) for s in samples
     )  # the file's function scored
+    # dockrl report of the run: PNG plots (reward, length, KL and entropy, timeline, ...) and report.html with them
+    # and the run's samples; two runs side by side need --out.
+    run = tmp_path / "runs" / "file_reward"
+    assert main(["report", str(run)]) == 0
+    page = (run / "report.html").read_text()
+    for plot in ("reward.png", "length.png", "kl_entropy.png", "timeline.png"):
+        assert (run / "report" / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"report/{plot}" in page
+    assert html.escape(samples[-1]["response"])[:20] in page
+    assert main(["report", str(run), str(run)]) == 2  # several runs, no --out
+    assert main(["report", str(run), str(run), "--out", str(tmp_path / "both")]) == 0
+    assert (tmp_path / "both" / "report" / "timeline_file_reward.png").is_file()

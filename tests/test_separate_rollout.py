@@ -44,15 +44,15 @@ def test_one_step_off_policy_is_bounded_and_repeats_bit_for_bit(
 ):
     """rollout.max_staleness=1: step t+1 is generated (in a second dock) with the weights after update t-1 while
     step t trains. Step 1 is on-policy, every later step exactly one version behind; which weights generate
-    which step is fixed by the step number, so two runs log the same numbers."""
+    which step is fixed by the step number."""
     config = tmp_path / "grpo.yaml"
     config.write_text(CONFIG.replace("steps: 2", "steps: 3"))
     base = ["train", str(config), f"model.path={tiny_model}", f"data.train_path={arithmetic_data['train']}"]
     base += [f"run.output_dir={tmp_path}", "rollout.placement=separate", "rollout.max_staleness=1"]
     assert main([*base, "run.name=async1"]) == 0
-    assert main([*base, "run.name=async2"]) == 0
-    first, second = computed_metrics(tmp_path / "async1"), computed_metrics(tmp_path / "async2")
-    assert first == second, metric_differences(first, second)
+    first = computed_metrics(tmp_path / "async1")
+    # Two runs repeat each other bit for bit: test_stragglers_change_no_staleness_and_no_number checks that
+    # (with stragglers) for max_staleness=2.
     assert [r["async/staleness_max"] for r in first] == [0.0, 1.0, 1.0]
     assert [r["async/staleness_mean"] for r in first] == [0.0, 1.0, 1.0]
     assert [r["step"] for r in first] == [1, 2, 3]  # one record per trainer update

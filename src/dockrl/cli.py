@@ -135,6 +135,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from dockrl.observe.report import write_report
+
+    print(json.dumps(write_report(args.runs, args.out), indent=2))
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dockrl.recipes.demo import run_demo
 
@@ -293,6 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="seeds the model's initialisation, the SFT order and the GRPO run"
     )
     p.add_argument("overrides", nargs="*", help="GRPO overrides, e.g. run.steps=5")
+
+    p = add("report", _cmd_report, "plots (PNG) and report.html of one run, or of several side by side")
+    p.add_argument("runs", nargs="+", help="run directories (RUN_DIR with metrics.jsonl)")
+    p.add_argument(
+        "--out", default=None, help="where to write (default: the run directory; several runs need it)"
+    )
 
     p = add("export", _cmd_export, "a Hugging Face model directory from a training checkpoint")
     p.add_argument("checkpoint", help="checkpoint root RUN_DIR/checkpoints/step_NNNNNN, or a model directory")

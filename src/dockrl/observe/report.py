@@ -1,0 +1,261 @@
+"""`dockrl report RUN_DIR [RUN_DIR ...]`: a run's figures as PNG plots and one HTML page.
+
+    RUN_DIR/metrics.jsonl, samples.jsonl, summary.json, config.yaml
+        -> OUT/report/*.png   reward and accuracy, response length, KL and entropy, clipping and grad norm,
+                              throughput, the stage timeline per step (stacked bars), eval accuracy
+        -> OUT/report.html    the plots, the runs' settings that matter, sample responses of the last steps
+
+OUT is the run directory for one run; several runs (drawn on the same axes, one colour each) need --out.
+matplotlib draws headless (the Agg backend): no display is needed.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# (file, title, [(metric, label)], y-axis label); a figure is drawn when any run has any of its metrics.
+LINE_PLOTS = [
+    (
+        "reward.png",
+        "Reward and accuracy",
+        [("reward/mean", "reward mean"), ("train/accuracy", "train accuracy")],
+        "",
+    ),
+    (
+        "length.png",
+        "Response length",
+        [("response_length/mean", "mean"), ("response_length/max", "max")],
+        "tokens",
+    ),
+    (
+        "truncated.png",
+        "Responses cut at max_new_tokens",
+        [("response_length/truncated_frac", "share")],
+        "share",
+    ),
+    (
+        "kl_entropy.png",
+        "KL to the reference and entropy",
+        [("actor/kl", "KL"), ("actor/entropy", "entropy")],
+        "nats",
+    ),
+    (
+        "clip.png",
+        "Share of tokens the ratio clip acted on",
+        [("actor/clip_frac", "all"), ("actor/clip_frac_high", "above 1 + clip_high")],
+        "share",
+    ),
+    ("grad_norm.png", "Gradient norm (before clipping)", [("actor/grad_norm", "grad norm")], ""),
+    (
+        "throughput.png",
+        "Throughput",
+        [
+            ("throughput/tokens_per_s", "step tokens/s"),
+            ("throughput/rollout_tokens_per_s", "rollout tokens/s"),
+            ("throughput/update_tokens_per_s", "update tokens/s"),
+        ],
+        "tokens/s",
+    ),
+    ("eval.png", "Held-out accuracy", [("eval/accuracy", "eval accuracy")], ""),
+]
+# Stages of the step timeline that do not overlap one another (the reward's time past the rollout's is its own).
+TIMELINE = [
+    ("timing/weight_sync", "weight sync"),
+    ("timing/rollout", "rollout (incl. switch)"),
+    ("reward_after_rollout", "reward after rollout"),
+    ("timing/reference", "reference"),
+    ("timing/old_logprobs", "old log-probs"),
+    ("timing/critic_values", "critic values"),
+    ("timing/update", "update"),
+    ("other", "other"),
+]
+SAMPLES_SHOWN = 8
+
+
+@dataclass
+class Run:
+    """One run directory's records."""
+
+    name: str
+    path: Path
+    metrics: list[dict[str, Any]]
+    samples: list[dict[str, Any]]
+    summary: dict[str, Any]
+    config: dict[str, Any]
+
+    @classmethod
+    def read(cls, path: str | Path) -> Run:
+        """Read RUN_DIR's files; a directory without metrics.jsonl is a FileNotFoundError naming it."""
+        import yaml
+
+        path = Path(path)
+        metrics_file = path / "metrics.jsonl"
+        if not metrics_file.is_file():
+            raise FileNotFoundError(f"{path} is not a run directory: it has no metrics.jsonl")
+        metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+        samples_file = path / "samples.jsonl"
+        samples = (
+            [json.loads(line) for line in samples_file.read_text().splitlines() if line.strip()]
+            if samples_file.is_file()
+            else []
+        )
+        summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else {}
+        config = (
+            yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else {}
+        )
+        return cls(path.name, path, metrics, samples, summary, config or {})
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of metric `key` where it was logged (null values skipped)."""
+        points = [(m["step"], m[key]) for m in self.metrics if m.get(key) is not None]
+        return [s for s, _ in points], [float(v) for _, v in points]
+
+
+def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> dict[str, Any]:
+    """Draw the plots and write report.html; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    runs = [Run.read(path) for path in run_dirs]
+    names = [run.name for run in runs]
+    if len(set(names)) < len(names):  # e.g. two demos' grpo/ runs: name them by their parent too
+        for run in runs:
+            run.name = f"{run.path.parent.name}-{run.path.name}"
+    if out is None:
+        if len(runs) > 1:
+            raise ValueError("several runs need --out DIR (the report of one run goes into its directory)")
+        out = runs[0].path
+    out = Path(out)
+    images = out / "report"
+    images.mkdir(parents=True, exist_ok=True)
+    written = []
+    for file, title, metrics, ylabel in LINE_PLOTS:
+        if _line_plot(runs, images / file, title, metrics, ylabel):
+            written.append(file)
+    for run in runs:
+        file = f"timeline_{run.name}.png" if len(runs) > 1 else "timeline.png"
+        if _timeline(run, images / file):
+            written.append(file)
+    page = out / "report.html"
+    page.write_text(_html(runs, written))
+    return {"report": str(page), "plots": [str(images / f) for f in written]}
+
+
+def _line_plot(runs: list[Run], path: Path, title: str, metrics: list[tuple[str, str]], ylabel: str) -> bool:
+    import matplotlib.pyplot as plt
+
+    lines = [(run, key, label) for run in runs for key, label in metrics if run.series(key)[0]]
+    if not lines:
+        return False
+    figure, axis = plt.subplots(figsize=(7, 3.6), dpi=110)
+    styles = ["-", "--", ":", "-."]
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    keys = [k for k, _ in metrics]
+    for run, key, label in lines:
+        steps, values = run.series(key)
+        # One run: a colour per metric. Several: a colour per run, a line style per metric.
+        colour = colours[(keys.index(key) if len(runs) == 1 else runs.index(run)) % len(colours)]
+        style = "-" if len(runs) == 1 else styles[keys.index(key) % len(styles)]
+        name = label if len(runs) == 1 else f"{run.name}: {label}"
+        axis.plot(
+            steps, values, style, color=colour, marker="o" if len(steps) < 25 else None, ms=3, label=name
+        )
+        std_key = key.replace("/mean", "/std")
+        if len(runs) == 1 and key.endswith("/mean") and run.series(std_key)[0]:  # +- one std
+            _, std = run.series(std_key)
+            lower = [v - s for v, s in zip(values, std)]
+            upper = [v + s for v, s in zip(values, std)]
+            axis.fill_between(steps, lower, upper, color=colour, alpha=0.12, linewidth=0)
+    axis.set_title(title)
+    axis.set_xlabel("step")
+    axis.set_ylabel(ylabel)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8, loc="best")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return True
+
+
+def _timeline(run: Run, path: Path) -> bool:
+    """Stacked bars of each step's non-overlapping stages; 'other' is the rest of timing/step."""
+    import matplotlib.pyplot as plt
+
+    rows = [m for m in run.metrics if m.get("timing/step") is not None]
+    if not rows:
+        return False
+    steps = [m["step"] for m in rows]
+
+    def part(m: dict, key: str) -> float:
+        if key == "reward_after_rollout":
+            return max(0.0, (m.get("timing/reward") or 0.0) - (m.get("timing/rollout") or 0.0))
+        if key == "other":
+            known = sum(part(m, k) for k, _ in TIMELINE if k != "other")
+            return max(0.0, m["timing/step"] - known)
+        return float(m.get(key) or 0.0)
+
+    figure, axis = plt.subplots(figsize=(7, 3.6), dpi=110)
+    bottom = [0.0] * len(rows)
+    for key, label in TIMELINE:
+        heights = [part(m, key) for m in rows]
+        if not any(heights):
+            continue
+        axis.bar(steps, heights, bottom=bottom, label=label, width=0.8)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    axis.set_title(f"Where each step's time went ({run.name})")
+    axis.set_xlabel("step")
+    axis.set_ylabel("seconds")
+    axis.grid(axis="y", alpha=0.3)
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return True
+
+
+def _html(runs: list[Run], plots: list[str]) -> str:
+    esc = html.escape
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>dockrl report</title>",
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}"
+        "img{max-width:100%;margin:0.5em 0}table{border-collapse:collapse;font-size:0.9em}"
+        "td,th{border:1px solid #ccc;padding:4px 8px;vertical-align:top;text-align:left}"
+        "pre{white-space:pre-wrap;margin:0}</style></head><body>",
+        f"<h1>dockrl report: {esc(', '.join(r.name for r in runs))}</h1>",
+        "<h2>Runs</h2><table><tr><th>run</th><th>algorithm</th><th>model</th><th>steps</th>"
+        "<th>final reward</th><th>eval accuracy</th></tr>",
+    ]
+    for run in runs:
+        last = run.metrics[-1] if run.metrics else {}
+        algo = (run.config.get("algo") or {}).get("name", "")
+        model = (run.config.get("model") or {}).get("path", "")
+        eval_acc = run.summary.get("eval_accuracy", last.get("eval/accuracy"))
+        parts.append(
+            f"<tr><td>{esc(run.name)}</td><td>{esc(str(algo))}</td><td>{esc(str(model))}</td>"
+            f"<td>{len(run.metrics)}</td><td>{_fmt(last.get('reward/mean'))}</td><td>{_fmt(eval_acc)}</td></tr>"
+        )
+    parts.append("</table><h2>Plots</h2>")
+    parts += [f"<img src='report/{esc(p)}' alt='{esc(p)}'>" for p in plots]
+    for run in runs:
+        shown = run.samples[-SAMPLES_SHOWN:]
+        if not shown:
+            continue
+        parts.append(f"<h2>Samples of {esc(run.name)} (the last {len(shown)})</h2><table>")
+        parts.append("<tr><th>step</th><th>prompt</th><th>response</th><th>label</th><th>reward</th></tr>")
+        for s in shown:
+            parts.append(
+                f"<tr><td>{s.get('step')}</td><td><pre>{esc(str(s.get('prompt', '')))}</pre></td>"
+                f"<td><pre>{esc(str(s.get('response', '')))}</pre></td><td>{esc(str(s.get('label', '')))}</td>"
+                f"<td>{_fmt(s.get('reward'))}</td></tr>"
+            )
+        parts.append("</table>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _fmt(value: Any) -> str:
+    return "" if value is None else f"{value:.4g}" if isinstance(value, float) else html.escape(str(value))
