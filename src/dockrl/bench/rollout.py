@@ -88,7 +88,13 @@ def _cap(lengths: list[int], limit: int) -> list[int]:
 
 
 def _load_both(model_dir: str, hidden_size: int, num_layers: int, args: argparse.Namespace) -> tuple:
-    from transformers import AutoModelForCausalLM
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise SystemExit(
+            "dockrl bench rollout compares against transformers' generate, which is not installed: "
+            "pip install -e '.[bench]'"
+        ) from None
 
     from dockrl.models.hf import load_model
     from dockrl.models.tiny import make_tiny
