@@ -177,3 +177,11 @@ def test_a_run_directory_that_holds_a_run_is_refused(
     err = capsys.readouterr().err
     assert f"run.name='taken': {run} already holds a run" in err and "run.resume=auto" in err
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing lost
+
+
+def test_unknown_loggers_are_named(tiny_model, arithmetic_data):
+    cfg = load_config(TrainConfig, None, [*_base(tiny_model, arithmetic_data), "run.loggers=[jsonl, wandb]"])
+    with pytest.raises(
+        ConfigError, match=r"run.loggers=\['jsonl', 'wandb'\]: unknown logger\(s\) \['wandb'\]"
+    ):
+        validate_train(cfg)

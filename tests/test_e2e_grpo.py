@@ -3,6 +3,7 @@
 import json
 import math
 
+import pytest
 import torch
 
 from dockrl.cli import main
@@ -61,7 +62,7 @@ def test_two_grpo_steps_through_cli(ray_session, tmp_path, tiny_model, arithmeti
     assert code == 0
     run = tmp_path / "e2e"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
         for key in REQUIRED:
             assert key in row and row[key] is not None and math.isfinite(row[key]), key
@@ -142,7 +143,8 @@ def test_a_reward_file_next_to_the_config_trains(
         "rollout: {samples_per_prompt: 4, max_new_tokens: 6}\n"
         "actor: {dp: 1, lr: 1.0e-3, micro_batch_size: 8}\n"
         "reward: {functions: [{name: ./my_reward.py:fn}], num_processes: 1}\n"
-        "run: {steps: 2, prompts_per_step: 4, progress: false, worker_timeout_s: 300, log_samples: 1}\n"
+        "run: {steps: 3, prompts_per_step: 4, progress: false, worker_timeout_s: 300, log_samples: 1,\n"
+        "      loggers: [jsonl, tensorboard]}\n"
     )
     monkeypatch.chdir(tmp_path)
     args = [f"model.path={tiny_model}", f"data.train_path={arithmetic_data['train']}", "run.output_dir=runs"]
@@ -155,10 +157,20 @@ def test_a_reward_file_next_to_the_config_trains(
         json.loads(line)
         for line in (tmp_path / "runs" / "file_reward" / "samples.jsonl").read_text().splitlines()
     ]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(
         s["reward"] == float(len(s["response"]) % 2 == 0) for s in samples
     )  # the file's function scored
+    # run.loggers=[jsonl, tensorboard]: every metric as a TensorBoard scalar, the samples as text.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tmp_path / "runs" / "file_reward" / "tensorboard"))
+    board.Reload()
+    scalars = board.Scalars("reward/mean")
+    assert [(e.step, e.value) for e in scalars] == [
+        (r["step"], pytest.approx(r["reward/mean"])) for r in rows
+    ]
+    assert "samples" in board.Tags()["tensors"] or "samples/text_summary" in board.Tags()["tensors"]
     # dockrl report of the run: PNG plots (reward, length, KL and entropy, timeline, ...) and report.html with them
     # and the run's samples; two runs side by side need --out.
     run = tmp_path / "runs" / "file_reward"
@@ -169,4 +181,6 @@ def test_a_reward_file_next_to_the_config_trains(
     assert html.escape(samples[-1]["response"])[:20] in page
     assert main(["report", str(run), str(run)]) == 2  # several runs, no --out
     assert main(["report", str(run), str(run), "--out", str(tmp_path / "both")]) == 0
-    assert (tmp_path / "both" / "report" / "timeline_file_reward.png").is_file()
+    assert (
+        tmp_path / "both" / "report" / "timeline_runs-file_reward.png"
+    ).is_file()  # same names: parent added

@@ -471,6 +471,12 @@ class RunConfig:
     )
     eval_every: int = setting(0, "Evaluate on `data.eval_path` every this many steps (0: only at the end).")
     log_samples: int = setting(4, "Prompt/response/reward triples written to samples.jsonl per step.")
+    loggers: list[str] = setting(
+        ["jsonl"],
+        "Where each step's metrics and samples go: jsonl (metrics.jsonl and samples.jsonl, always on) and "
+        "tensorboard (event files in RUN_DIR/tensorboard/: every metric as a scalar, the samples as a text "
+        "table; `tensorboard --logdir runs`). wandb and mlflow are not built yet.",
+    )
     device: Device = setting("auto", "cpu, cuda or auto (cuda when available).", noun="device")
     precision: Precision = setting(
         "auto",

@@ -194,6 +194,7 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
     _check_data(cfg.data)
     run.device = resolve_device(run.device)
     run.precision = resolve_precision(run.precision, run.device)
+    _check_loggers(run.loggers)
     _check_devices(run.device, actor.dp * actor.tp + (cfg.critic.dp if algo.name == "ppo" else 0))
     _check_reward_model(cfg)
     _check_layouts(cfg)
@@ -616,6 +617,28 @@ def _check_layouts(cfg: TrainConfig) -> None:
                     "(the switch runs the same code path and moves nothing)",
                     stacklevel=3,
                 )
+
+
+LOGGERS = ("jsonl", "tensorboard")
+
+
+def _check_loggers(loggers: list[str]) -> None:
+    """run.loggers: known names; tensorboard needs its package (installed with dockrl)."""
+    unknown = [name for name in loggers if name not in LOGGERS]
+    if unknown:
+        raise config_error(
+            "run.loggers",
+            loggers,
+            f"unknown logger(s) {unknown} (wandb and mlflow are not built yet)",
+            f"use any of {list(LOGGERS)}",
+        )
+    if "tensorboard" in loggers:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise config_error(
+                "run.loggers", loggers, "the tensorboard package is not installed", "pip install tensorboard"
+            ) from None
 
 
 def _check_rewards(cfg: TrainConfig) -> None:

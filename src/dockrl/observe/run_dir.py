@@ -6,6 +6,7 @@ run/
   samples.jsonl     a few prompt/response/reward triples per step
   summary.json      final figures
   checkpoints/      step_000010/ ... resumable checkpoints (dockrl.checkpoint.directory)
+  tensorboard/      event files (run.loggers: tensorboard): every metric as a scalar, the samples as text
 
 A resumed run keeps writing the same metrics.jsonl and samples.jsonl: `keep_history(step)` first drops the
 rows of steps after the checkpoint it resumes from, so no step appears twice.
@@ -59,17 +60,42 @@ class RunDir:
         """Write the resolved config as YAML."""
         (self.path / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 
+    def open_loggers(self, loggers: list[str], first_step: int = 1) -> None:
+        """Start the loggers of run.loggers besides the JSON lines (tensorboard: events of steps from
+        `first_step` on, left by an earlier attempt of a resumed run, are purged)."""
+        self.tensorboard = None
+        if "tensorboard" in loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(self.path / "tensorboard"), purge_step=first_step)
+
+    def close_loggers(self) -> None:
+        """Flush and close the loggers opened by open_loggers."""
+        if getattr(self, "tensorboard", None) is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        """Append one step's metrics (non-finite values are written as null so the file stays JSON)."""
+        """Append one step's metrics (non-finite values are written as null so the file stays JSON), and send
+        them to the other loggers."""
         row = {"step": step, **{k: _finite_or_none(v) for k, v in sorted(metrics.items())}}
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+        board = getattr(self, "tensorboard", None)
+        if board is not None:
+            for key, value in row.items():
+                if key != "step" and value is not None:
+                    board.add_scalar(key, value, step)
+            board.flush()
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
-        """Append prompt/response/reward triples of one step."""
+        """Append prompt/response/reward triples of one step (and a text table to tensorboard)."""
         with open(self.path / "samples.jsonl", "a") as f:
             for sample in samples:
                 f.write(json.dumps({"step": step, **sample}) + "\n")
+        board = getattr(self, "tensorboard", None)
+        if board is not None and samples:
+            board.add_text("samples", _markdown_table(samples), step)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Write (or update) summary.json."""
@@ -88,6 +114,18 @@ class RunDir:
             staging = self.path / f"{name}.tmp"
             staging.write_text("".join(line + "\n" for line in kept))
             os.replace(staging, self.path / name)
+
+
+def _markdown_table(samples: list[dict[str, Any]]) -> str:
+    """Samples as a Markdown table (TensorBoard's text plugin renders it); cells on one line, pipes escaped."""
+    columns = ["prompt", "response", "label", "reward"]
+
+    def cell(value: Any) -> str:
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(s.get(c, "")) for c in columns) + " |" for s in samples]
+    return "\n".join(lines)
 
 
 def _finite_or_none(value: Any) -> Any:

@@ -145,6 +145,25 @@ def _run_steps(
 ) -> None:
     """Steps first_step..run.steps: step, evaluate, log, checkpoint. `ahead`: an asynchronous run's started
     generations (step -> Generation; those of the checkpoint resumed from, at first)."""
+    run.open_loggers(cfg.run.loggers, first_step)
+    try:
+        _steps(cfg, run, cluster, sampler, first_step, eval_prompts, tokenizer, summary, data, ahead)
+    finally:
+        run.close_loggers()
+
+
+def _steps(
+    cfg: TrainConfig,
+    run: RunDir,
+    cluster: Cluster,
+    sampler: EpochSampler,
+    first_step: int,
+    eval_prompts: list[EncodedPrompt],
+    tokenizer: Tokenizer,
+    summary: dict[str, Any],
+    data: str,
+    ahead: dict[int, Generation],
+) -> None:
     progress = _progress(cfg, first_step - 1)
     restarts = len(summary["restarts"])
     plan = step_plan(cfg)
