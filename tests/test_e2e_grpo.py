@@ -62,7 +62,7 @@ def test_two_grpo_steps_through_cli(ray_session, tmp_path, tiny_model, arithmeti
     assert code == 0
     run = tmp_path / "e2e"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         for key in REQUIRED:
             assert key in row and row[key] is not None and math.isfinite(row[key]), key
