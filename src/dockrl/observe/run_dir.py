@@ -33,6 +33,7 @@ class RunDir:
         self.path = Path(parent) / name
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
+        self.tensorboard = None  # a SummaryWriter inside `loggers(...)` with run.loggers: [.., tensorboard]
 
     def holds_run(self) -> bool:
         """Whether an earlier run wrote steps or checkpoints here (a new run would mix its records with them)."""
@@ -60,19 +61,21 @@ class RunDir:
         """Write the resolved config as YAML."""
         (self.path / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 
-    def open_loggers(self, loggers: list[str], first_step: int = 1) -> None:
-        """Start the loggers of run.loggers besides the JSON lines (tensorboard: events of steps from
-        `first_step` on, left by an earlier attempt of a resumed run, are purged)."""
+    @contextmanager
+    def loggers(self, names: list[str], first_step: int = 1):
+        """Send metrics and samples to the loggers of run.loggers besides the JSON lines while in the block
+        (tensorboard: events of steps from `first_step` on, left by an earlier attempt of a resumed run, are
+        purged; the event file is flushed and closed at the end)."""
         self.tensorboard = None
-        if "tensorboard" in loggers:
+        if "tensorboard" in names:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(str(self.path / "tensorboard"), purge_step=first_step)
-
-    def close_loggers(self) -> None:
-        """Flush and close the loggers opened by open_loggers."""
-        if getattr(self, "tensorboard", None) is not None:
-            self.tensorboard.close()
+        try:
+            yield
+        finally:
+            if self.tensorboard is not None:
+                self.tensorboard.close()
             self.tensorboard = None
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
@@ -81,7 +84,7 @@ class RunDir:
         row = {"step": step, **{k: _finite_or_none(v) for k, v in sorted(metrics.items())}}
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-        board = getattr(self, "tensorboard", None)
+        board = self.tensorboard
         if board is not None:
             for key, value in row.items():
                 if key != "step" and value is not None:
@@ -93,7 +96,7 @@ class RunDir:
         with open(self.path / "samples.jsonl", "a") as f:
             for sample in samples:
                 f.write(json.dumps({"step": step, **sample}) + "\n")
-        board = getattr(self, "tensorboard", None)
+        board = self.tensorboard
         if board is not None and samples:
             board.add_text("samples", _markdown_table(samples), step)
 

@@ -145,50 +145,32 @@ def _run_steps(
 ) -> None:
     """Steps first_step..run.steps: step, evaluate, log, checkpoint. `ahead`: an asynchronous run's started
     generations (step -> Generation; those of the checkpoint resumed from, at first)."""
-    run.open_loggers(cfg.run.loggers, first_step)
-    try:
-        _steps(cfg, run, cluster, sampler, first_step, eval_prompts, tokenizer, summary, data, ahead)
-    finally:
-        run.close_loggers()
-
-
-def _steps(
-    cfg: TrainConfig,
-    run: RunDir,
-    cluster: Cluster,
-    sampler: EpochSampler,
-    first_step: int,
-    eval_prompts: list[EncodedPrompt],
-    tokenizer: Tokenizer,
-    summary: dict[str, Any],
-    data: str,
-    ahead: dict[int, Generation],
-) -> None:
     progress = _progress(cfg, first_step - 1)
     restarts = len(summary["restarts"])
     plan = step_plan(cfg)
-    for step in range(first_step, cfg.run.steps + 1):
-        cluster.supervisor.step, cluster.supervisor.stage = step, "step"
-        if rollout_lead(cfg):
-            metrics, samples = _async_step(cfg, plan, step, sampler, cluster, ahead)
-        else:
-            metrics, samples = _step(cfg, plan, step, sampler, cluster)
-        metrics["train/epoch"] = sampler.epoch + sampler.position / len(sampler.items)
-        if restarts:
-            metrics["run/restarts"] = float(restarts)
-        if _due(step, cfg.run.eval_every, cfg.run.steps) and eval_prompts:
-            cluster.supervisor.stage = "eval"
-            metrics.update(_evaluate(cfg, cluster.actors, eval_prompts, tokenizer))
-        run.log_metrics(step, metrics)
-        run.log_samples(step, samples)
-        if _due(step, cfg.run.save_every, cfg.run.steps):
-            summary["checkpoint"] = _save(cfg, run, cluster, step, sampler, data, list(ahead.values()))
-        progress.update(1)
-        progress.set_postfix(
-            reward=f"{metrics.get('reward/mean', float('nan')):.3f}",  # nan: rollout.partial cut every group
-            acc=f"{metrics.get('train/accuracy', 0):.2f}",
-        )
-        summary.update({"steps": step, "final_metrics": metrics})
+    with run.loggers(cfg.run.loggers, first_step):  # jsonl, and tensorboard when asked
+        for step in range(first_step, cfg.run.steps + 1):
+            cluster.supervisor.step, cluster.supervisor.stage = step, "step"
+            if rollout_lead(cfg):
+                metrics, samples = _async_step(cfg, plan, step, sampler, cluster, ahead)
+            else:
+                metrics, samples = _step(cfg, plan, step, sampler, cluster)
+            metrics["train/epoch"] = sampler.epoch + sampler.position / len(sampler.items)
+            if restarts:
+                metrics["run/restarts"] = float(restarts)
+            if _due(step, cfg.run.eval_every, cfg.run.steps) and eval_prompts:
+                cluster.supervisor.stage = "eval"
+                metrics.update(_evaluate(cfg, cluster.actors, eval_prompts, tokenizer))
+            run.log_metrics(step, metrics)
+            run.log_samples(step, samples)
+            if _due(step, cfg.run.save_every, cfg.run.steps):
+                summary["checkpoint"] = _save(cfg, run, cluster, step, sampler, data, list(ahead.values()))
+            progress.update(1)
+            progress.set_postfix(
+                reward=f"{metrics.get('reward/mean', float('nan')):.3f}",  # nan: rollout.partial cut every group
+                acc=f"{metrics.get('train/accuracy', 0):.2f}",
+            )
+            summary.update({"steps": step, "final_metrics": metrics})
     progress.close()
 
 
