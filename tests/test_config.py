@@ -180,8 +180,10 @@ def test_a_run_directory_that_holds_a_run_is_refused(
 
 
 def test_unknown_loggers_are_named(tiny_model, arithmetic_data):
-    cfg = load_config(TrainConfig, None, [*_base(tiny_model, arithmetic_data), "run.loggers=[jsonl, wandb]"])
+    cfg = load_config(
+        TrainConfig, None, [*_base(tiny_model, arithmetic_data), "run.loggers=[jsonl, neptune]"]
+    )
     with pytest.raises(
-        ConfigError, match=r"run.loggers=\['jsonl', 'wandb'\]: unknown logger\(s\) \['wandb'\]"
+        ConfigError, match=r"run.loggers=\['jsonl', 'neptune'\]: unknown logger\(s\) \['neptune'\]"
     ):
         validate_train(cfg)

@@ -3,6 +3,7 @@ RL-only settings are refused by name. Expected values are computed here, one exa
 model on disk (no padding, no micro-batching), so they check the recipe's batching and masking too."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,7 +62,10 @@ def _nll_and_hits(model_dir, examples):
     return nll, hits, tokens
 
 
-def test_sft_file_order_and_held_out_loss(tiny_model, arithmetic_data, tmp_path):
+def test_sft_file_order_and_held_out_loss(tiny_model, arithmetic_data, tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = _config(
         tiny_model,
         arithmetic_data,
@@ -69,10 +73,16 @@ def test_sft_file_order_and_held_out_loss(tiny_model, arithmetic_data, tmp_path)
         "data.shuffle=false",
         f"data.eval_path={arithmetic_data['test']}",
         "data.eval_limit=12",
+        "run.loggers=[jsonl, mlflow]",
     )
     summary = sft(cfg)
     metrics = [json.loads(line) for line in open(f"{summary['run_dir']}/metrics.jsonl")]
     assert summary["steps"] == 4 and len(metrics) == 4  # 256 examples / 16 x 0.25 epochs
+    # run.loggers=[jsonl, mlflow]: the same losses by step in the MLflow run beside the run directory.
+    store = MlflowClient(tracking_uri=f"sqlite:///{Path(summary['run_dir']).parent / 'mlflow.db'}")
+    run_id = json.loads((Path(summary["run_dir"]) / "loggers.json").read_text())["mlflow"]
+    history = sorted((m.step, m.value) for m in store.get_metric_history(run_id, "sft/loss"))
+    assert history == [(row["step"], pytest.approx(row["sft/loss"])) for row in metrics]
 
     # data.shuffle=false: step 1 trains on the file's first 16 examples, under the untrained model.
     nll, hits, tokens = _nll_and_hits(tiny_model, _examples(tiny_model, arithmetic_data["train"])[:16])

@@ -85,33 +85,36 @@ def run_update(model_dir: str, idx: list[int], dp: int, mesh=None):
     return metrics, full_grads(engine)
 
 
-def _check_vocab_parallel_functions(rank: int, world: int) -> dict:
-    """Vocab-parallel log-probs / entropy and their gradients vs the single-process functions (tp = world)."""
+def _check_head_stats_over_tp(rank: int, world: int) -> dict:
+    """head_token_stats over vocab slices of the LM head (tp = world) against the logits of the whole head: values,
+    the hidden states' gradient (summed over ranks, as copy_to_tp does) and this rank's rows of the weight's."""
     import torch.distributed as dist
 
-    from dockrl.algos.logprobs import (
-        token_entropy,
-        token_logprobs,
-        vocab_parallel_entropy,
-        vocab_parallel_logprobs,
-    )
+    from dockrl.algos.head_logprobs import head_token_stats
+    from dockrl.algos.logprobs import token_entropy, token_logprobs
 
     g = torch.Generator().manual_seed(1)
-    logits = torch.randn(2, 5, 16, generator=g) * 3  # [B, T, V]
-    targets = torch.randint(0, 16, (2, 5), generator=g)
-    weights = torch.randn(2, 5, generator=g)
-    full = logits.clone().requires_grad_(True)
-    ref = (token_logprobs(full, targets, 0.8) * weights).sum() + (token_entropy(full, 0.8) * weights).sum()
-    ref.backward()
+    hidden, weight = torch.randn(10, 8, generator=g), torch.randn(16, 8, generator=g)  # [N, H], [V, H]
+    targets = torch.randint(0, 16, (10,), generator=g)
+    weights = torch.randn(2, 10, generator=g)
+    full_h, full_w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logits = full_h @ full_w.T  # [N, V]
+    ref_logp, ref_entropy = token_logprobs(logits, targets, 0.8), token_entropy(logits, 0.8)
+    ((ref_logp * weights[0]).sum() + (ref_entropy * weights[1]).sum()).backward()
     width = 16 // world
-    local = logits[..., rank * width : (rank + 1) * width].clone().requires_grad_(True)
-    group = dist.group.WORLD
-    out = (vocab_parallel_logprobs(local, targets, 0.8, rank * width, group) * weights).sum()
-    out = out + (vocab_parallel_entropy(local, 0.8, group) * weights).sum()
-    out.backward()
+    rows = slice(rank * width, (rank + 1) * width)
+    local_h, local_w = hidden.clone().requires_grad_(True), weight[rows].clone().requires_grad_(True)
+    logp, entropy = head_token_stats(
+        local_h, local_w, targets, 0.8, vocab_start=rank * width, group=dist.group.WORLD, chunk=3
+    )
+    ((logp * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
+    grad_h = local_h.grad.clone()
+    dist.all_reduce(grad_h)
     return {
-        "value_error": abs(out.detach().item() - ref.detach().item()),
-        "grad_error": float((local.grad - full.grad[..., rank * width : (rank + 1) * width]).abs().max()),
+        "value_error": float(torch.maximum((logp - ref_logp).abs(), (entropy - ref_entropy).abs()).max()),
+        "grad_error": float(
+            torch.maximum((grad_h - full_h.grad).abs().max(), (local_w.grad - full_w.grad[rows]).abs().max())
+        ),
     }
 
 
@@ -122,7 +125,7 @@ def _worker(rank: int, world: int, port: int, model_dirs: dict, out_path: str, l
 
     torch.set_num_threads(1)
     init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=120)
-    results = {"functions": _check_vocab_parallel_functions(rank, world)}
+    results = {"functions": _check_head_stats_over_tp(rank, world)}
     for family, layouts in CASES.items():
         for dp, tp in layouts:
             mesh = init_device_mesh("cpu", (world // (dp * tp), dp, tp), mesh_dim_names=("rep", "dp", "tp"))

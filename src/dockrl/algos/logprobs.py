@@ -7,6 +7,9 @@ extra memory of the forward pass is one fp32 chunk rather than a [B, T, V] fp32 
 cost of ``log_softmax(logits.float())`` on bf16 logits). The log-probability path uses
 ``logit[target] - logsumexp(logits)`` so no log-softmax over the vocabulary is materialised at all.
 With autograd on, backward still keeps what each chunk needs; the saving is in the forward peak.
+
+These serve code that has logits anyway (the sampler, SFT, evaluation). Training's log-probs come from the
+hidden states and the LM head without any logits (`dockrl.algos.head_logprobs`).
 """
 
 from __future__ import annotations
@@ -100,87 +103,3 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
 
     out = _map_token_chunks(_as_btv(logits), chunk_entropy)  # [B, T]
     return out.squeeze(0) if squeeze else out
-
-
-# ---- vocab-parallel variants ---------------------------------------------------------------------------
-# Under tensor parallelism each rank holds logits for its vocab slice only, local [B, T, Vl] with
-# Vl = V / tp. The softmax statistics (max, sum of exponentials, the target's logit, sum p*z) are
-# all-reduced over the tp group as [B, T] tensors, so no rank ever holds [B, T, V] logits. The backward
-# passes are closed-form and local: d logp / dz = onehot(target) - p, d H / dz = -p (z - sum p*z).
-
-
-def _softmax_stats(z: Tensor, group) -> Tensor:
-    """Global log-sum-exp [B, T] of local fp32 logits z [B, T, Vl] over the tp group."""
-    import torch.distributed as dist
-
-    peak = z.max(-1).values  # [B, T]
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    sum_exp = (z - peak[..., None]).exp().sum(-1)  # [B, T]
-    dist.all_reduce(sum_exp, group=group)
-    return peak + sum_exp.log()
-
-
-class _VocabParallelLogProb(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, targets, temperature, vocab_start, group):
-        import torch.distributed as dist
-
-        z = logits.float() / temperature  # [B, T, Vl]
-        lse = _softmax_stats(z, group)  # [B, T]
-        local = targets.long() - vocab_start  # [B, T]
-        inside = (local >= 0) & (local < z.shape[-1])
-        local = local.clamp(0, z.shape[-1] - 1)
-        picked = z.gather(-1, local[..., None]).squeeze(-1) * inside  # [B, T]
-        dist.all_reduce(picked, group=group)
-        ctx.save_for_backward(logits, lse, local, inside)
-        ctx.temperature = temperature
-        return picked - lse
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, lse, local, inside = ctx.saved_tensors
-        z = logits.float() / ctx.temperature
-        grad_z = -(z - lse[..., None]).exp() * grad[..., None]  # [B, T, Vl]
-        grad_z.scatter_add_(-1, local[..., None], (grad * inside)[..., None])
-        return (grad_z / ctx.temperature).to(logits.dtype), None, None, None, None
-
-
-class _VocabParallelEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, temperature, group):
-        import torch.distributed as dist
-
-        z = logits.float() / temperature  # [B, T, Vl]
-        lse = _softmax_stats(z, group)  # [B, T]
-        mean_z = ((z - lse[..., None]).exp() * z).sum(-1)  # [B, T], sum p*z
-        dist.all_reduce(mean_z, group=group)
-        ctx.save_for_backward(logits, lse, mean_z)
-        ctx.temperature = temperature
-        return lse - mean_z
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, lse, mean_z = ctx.saved_tensors
-        z = logits.float() / ctx.temperature
-        grad_z = -(z - lse[..., None]).exp() * (z - mean_z[..., None]) * grad[..., None]
-        return (grad_z / ctx.temperature).to(logits.dtype), None, None
-
-
-def vocab_parallel_logprobs(
-    logits: Tensor, targets: Tensor, temperature: float, vocab_start: int, group
-) -> Tensor:
-    """`token_logprobs` for vocab-sharded logits [B, T, Vl] (this rank's ids start at `vocab_start`).
-
-    Every rank of `group` calls it with its own slice and the same targets [B, T]; all get the same
-    [B, T] fp32 log-probs, differentiable w.r.t. their local logits.
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0; got {temperature}")
-    return _VocabParallelLogProb.apply(_as_btv(logits), targets, temperature, vocab_start, group)
-
-
-def vocab_parallel_entropy(logits: Tensor, temperature: float, group) -> Tensor:
-    """`token_entropy` for vocab-sharded logits [B, T, Vl]; [B, T] fp32, the same on every rank of `group`."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0; got {temperature}")
-    return _VocabParallelEntropy.apply(_as_btv(logits), temperature, group)

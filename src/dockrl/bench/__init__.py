@@ -19,4 +19,5 @@ BENCHMARKS: dict[str, str] = {
     "async": "dockrl.bench.async_train",
     "activations": "dockrl.bench.activations",
     "e2e": "dockrl.bench.e2e",
+    "logprobs": "dockrl.bench.logprob_memory",
 }

@@ -473,9 +473,11 @@ class RunConfig:
     log_samples: int = setting(4, "Prompt/response/reward triples written to samples.jsonl per step.")
     loggers: list[str] = setting(
         ["jsonl"],
-        "Where each step's metrics and samples go: jsonl (metrics.jsonl and samples.jsonl, always on) and "
-        "tensorboard (event files in RUN_DIR/tensorboard/: every metric as a scalar, the samples as a text "
-        "table; `tensorboard --logdir runs`). wandb and mlflow are not built yet.",
+        "Where each step's metrics and samples go: jsonl (metrics.jsonl and samples.jsonl, always on), "
+        "tensorboard (event files in RUN_DIR/tensorboard/; `tensorboard --logdir runs`), wandb (project "
+        "WANDB_PROJECT or dockrl; WANDB_MODE=offline keeps it in RUN_DIR/wandb/) and mlflow (experiment "
+        "MLFLOW_EXPERIMENT_NAME or dockrl, in MLFLOW_TRACKING_URI or else RUN_PARENT/mlflow.db). Samples go "
+        "to each as a table; a resumed run continues its W&B and MLflow runs.",
     )
     device: Device = setting("auto", "cpu, cuda or auto (cuda when available).", noun="device")
     precision: Precision = setting(
@@ -534,6 +536,10 @@ class SFTRunConfig:
     device: Device = setting("auto", "cpu, cuda or auto.", noun="device")
     precision: Precision = setting("auto", "fp32, bf16 or auto.", noun="precision")
     progress: bool = setting(True, "Show a progress bar on the console.")
+    loggers: list[str] = setting(
+        ["jsonl"],
+        "Where each step's metrics go: jsonl (always on), tensorboard, wandb, mlflow (as for train).",
+    )
 
 
 @dataclass

@@ -619,26 +619,13 @@ def _check_layouts(cfg: TrainConfig) -> None:
                 )
 
 
-LOGGERS = ("jsonl", "tensorboard")
-
-
 def _check_loggers(loggers: list[str]) -> None:
-    """run.loggers: known names; tensorboard needs its package (installed with dockrl)."""
-    unknown = [name for name in loggers if name not in LOGGERS]
-    if unknown:
-        raise config_error(
-            "run.loggers",
-            loggers,
-            f"unknown logger(s) {unknown} (wandb and mlflow are not built yet)",
-            f"use any of {list(LOGGERS)}",
-        )
-    if "tensorboard" in loggers:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError:
-            raise config_error(
-                "run.loggers", loggers, "the tensorboard package is not installed", "pip install tensorboard"
-            ) from None
+    """run.loggers: known names whose packages are installed (and W&B credentials unless offline)."""
+    from dockrl.observe.loggers import logger_problem
+
+    problem = logger_problem(loggers)
+    if problem is not None:
+        raise config_error("run.loggers", loggers, *problem)
 
 
 def _check_rewards(cfg: TrainConfig) -> None:
@@ -744,6 +731,7 @@ def validate_sft(cfg: SFTConfig) -> SFTConfig:
         raise config_error("data.label_field", None, "SFT needs the answer text", "name the answer field")
     check_model_dir(cfg.model.path, "model.path")
     _check_data(cfg.data)
+    _check_loggers(cfg.run.loggers)
     cfg.run.device = resolve_device(cfg.run.device)
     cfg.run.precision = resolve_precision(cfg.run.precision, cfg.run.device)
     return cfg

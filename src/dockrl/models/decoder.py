@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -323,9 +324,15 @@ class Transformer(nn.Module):
         key_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         cache_offset: int = 0,
-    ) -> torch.Tensor:
-        """Logits [B, T, V] in the parameter dtype; arguments as in `hidden_states`."""
+        head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+    ) -> Any:
+        """Logits [B, T, V] in the parameter dtype; arguments as in `hidden_states`. With `head`, returns
+        head(hidden [B, T, H], LM-head weight [V, H]) instead: a loss that fuses the LM head (training's
+        chunked log-probs, dockrl.algos.head_logprobs) runs inside forward, where FSDP2 has unsharded the
+        weight."""
         hidden = self.hidden_states(input_ids, position_ids, key_mask, kv_cache, cache_offset)
+        if head is not None:
+            return head(hidden, self.output_weight())
         return self.lm_logits(hidden)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:

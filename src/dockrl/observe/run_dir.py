@@ -6,7 +6,9 @@ run/
   samples.jsonl     a few prompt/response/reward triples per step
   summary.json      final figures
   checkpoints/      step_000010/ ... resumable checkpoints (dockrl.checkpoint.directory)
+  loggers.json      the W&B and MLflow run ids a resumed run continues (run.loggers: wandb, mlflow)
   tensorboard/      event files (run.loggers: tensorboard): every metric as a scalar, the samples as text
+  wandb/            W&B's local files (run.loggers: wandb; offline runs wait here for `wandb sync`)
 
 A resumed run keeps writing the same metrics.jsonl and samples.jsonl: `keep_history(step)` first drops the
 rows of steps after the checkpoint it resumes from, so no step appears twice.
@@ -24,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from dockrl.observe.loggers import Logger, open_loggers
+
 
 class RunDir:
     """Owns the files of one run. Created by the driver only."""
@@ -33,7 +37,7 @@ class RunDir:
         self.path = Path(parent) / name
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
-        self.tensorboard = None  # a SummaryWriter inside `loggers(...)` with run.loggers: [.., tensorboard]
+        self.sinks: list[Logger] = []  # the loggers besides jsonl, inside `loggers(...)`
 
     def holds_run(self) -> bool:
         """Whether an earlier run wrote steps or checkpoints here (a new run would mix its records with them)."""
@@ -62,43 +66,36 @@ class RunDir:
         (self.path / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 
     @contextmanager
-    def loggers(self, names: list[str], first_step: int = 1):
+    def loggers(self, names: list[str], config: dict[str, Any], first_step: int = 1):
         """Send metrics and samples to the loggers of run.loggers besides the JSON lines while in the block
-        (tensorboard: events of steps from `first_step` on, left by an earlier attempt of a resumed run, are
-        purged; the event file is flushed and closed at the end)."""
-        self.tensorboard = None
-        if "tensorboard" in names:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tensorboard = SummaryWriter(str(self.path / "tensorboard"), purge_step=first_step)
+        (dockrl.observe.loggers: a resumed run continues its W&B and MLflow runs and TensorBoard purges the
+        events of replayed steps); each logger is closed at the end."""
+        self.sinks = open_loggers(names, self.path, config, first_step)
         try:
             yield
         finally:
-            if self.tensorboard is not None:
-                self.tensorboard.close()
-            self.tensorboard = None
+            sinks, self.sinks = self.sinks, []
+            for sink in sinks:
+                sink.close()
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        """Append one step's metrics (non-finite values are written as null so the file stays JSON), and send
-        them to the other loggers."""
+        """Append one step's metrics (non-finite values are written as null so the file stays JSON, and left
+        out for the other loggers)."""
         row = {"step": step, **{k: _finite_or_none(v) for k, v in sorted(metrics.items())}}
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-        board = self.tensorboard
-        if board is not None:
-            for key, value in row.items():
-                if key != "step" and value is not None:
-                    board.add_scalar(key, value, step)
-            board.flush()
+        finite = {k: v for k, v in row.items() if k != "step" and v is not None}
+        for sink in self.sinks:
+            sink.metrics(step, finite)
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
-        """Append prompt/response/reward triples of one step (and a text table to tensorboard)."""
+        """Append prompt/response/reward triples of one step (and send them to the other loggers as tables)."""
         with open(self.path / "samples.jsonl", "a") as f:
             for sample in samples:
                 f.write(json.dumps({"step": step, **sample}) + "\n")
-        board = self.tensorboard
-        if board is not None and samples:
-            board.add_text("samples", _markdown_table(samples), step)
+        if samples:
+            for sink in self.sinks:
+                sink.samples(step, samples)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Write (or update) summary.json."""
@@ -117,18 +114,6 @@ class RunDir:
             staging = self.path / f"{name}.tmp"
             staging.write_text("".join(line + "\n" for line in kept))
             os.replace(staging, self.path / name)
-
-
-def _markdown_table(samples: list[dict[str, Any]]) -> str:
-    """Samples as a Markdown table (TensorBoard's text plugin renders it); cells on one line, pipes escaped."""
-    columns = ["prompt", "response", "label", "reward"]
-
-    def cell(value: Any) -> str:
-        return str(value).replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(s.get(c, "")) for c in columns) + " |" for s in samples]
-    return "\n".join(lines)
 
 
 def _finite_or_none(value: Any) -> Any:

@@ -12,8 +12,9 @@ copy_to_tp is the identity forward and an all-reduce of the gradient backward; r
 Replicated parameters therefore get identical gradients on every tp rank, except q_norm/k_norm (qwen3),
 which see only local heads: they pass their weight through copy_to_tp so autograd sums the head
 contributions across ranks. Parameter names stay Hugging Face's, so FSDP2 and checkpoints see the same tree.
-Training keeps logits vocab-parallel (log-probs via `dockrl.algos.logprobs.vocab_parallel_*`); an inference
-model built with `gather_logits=True` all-gathers them so the sampler sees the full vocabulary.
+Training never forms logits: log-probs come from the hidden states and this rank's slice of the LM head
+(`dockrl.algos.head_logprobs`, statistics all-reduced over tp); an inference model built with
+`gather_logits=True` all-gathers its logit slices so the sampler sees the full vocabulary.
 """
 
 from __future__ import annotations

@@ -148,7 +148,9 @@ def _run_steps(
     progress = _progress(cfg, first_step - 1)
     restarts = len(summary["restarts"])
     plan = step_plan(cfg)
-    with run.loggers(cfg.run.loggers, first_step):  # jsonl, and tensorboard when asked
+    with run.loggers(
+        cfg.run.loggers, to_dict(cfg), first_step
+    ):  # jsonl, and tensorboard/wandb/mlflow if asked
         for step in range(first_step, cfg.run.steps + 1):
             cluster.supervisor.step, cluster.supervisor.stage = step, "step"
             if rollout_lead(cfg):

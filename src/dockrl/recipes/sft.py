@@ -89,20 +89,23 @@ def sft(cfg: SFTConfig) -> dict[str, Any]:
     rng = random.Random(cfg.run.seed)
     order: list[int] = []
     progress = _progress(cfg, total_steps)
-    for step in range(1, total_steps + 1):
-        if len(order) < cfg.run.batch_size:  # the next pass over the file (data.shuffle: in a seeded order)
-            fresh = list(range(len(examples)))
-            if cfg.data.shuffle:
-                rng.shuffle(fresh)
-            order += fresh
-        batch = [examples[i] for i in order[: cfg.run.batch_size]]
-        del order[: cfg.run.batch_size]
-        metrics = _train_batch(engine, batch, pad, cfg.actor.micro_batch_size)
-        if step == total_steps and held_out:
-            metrics |= _evaluate(engine, held_out, pad, cfg.actor.micro_batch_size)
-        run.log_metrics(step, metrics)
-        progress.update(1)
-        progress.set_postfix(loss=f"{metrics['sft/loss']:.3f}")
+    with run.loggers(cfg.run.loggers, to_dict(cfg)):
+        for step in range(1, total_steps + 1):
+            if (
+                len(order) < cfg.run.batch_size
+            ):  # the next pass over the file (data.shuffle: in a seeded order)
+                fresh = list(range(len(examples)))
+                if cfg.data.shuffle:
+                    rng.shuffle(fresh)
+                order += fresh
+            batch = [examples[i] for i in order[: cfg.run.batch_size]]
+            del order[: cfg.run.batch_size]
+            metrics = _train_batch(engine, batch, pad, cfg.actor.micro_batch_size)
+            if step == total_steps and held_out:
+                metrics |= _evaluate(engine, held_out, pad, cfg.actor.micro_batch_size)
+            run.log_metrics(step, metrics)
+            progress.update(1)
+            progress.set_postfix(loss=f"{metrics['sft/loss']:.3f}")
     progress.close()
     out = run.checkpoints / "final"
     save_model(engine.full_state_dict(), engine.args, out, tokenizer_dir=cfg.model.path)

@@ -102,8 +102,10 @@ def policy_update(
     # Ranks with fewer rows (rollout.partial trains what finished) keep pace with masked micro-batches.
     idle = engine.common_count(len(micro_batches)) - len(micro_batches)
     micro_batches += [engine.idle_micro_batch(pad_token_id, tuple(per_token_names)) for _ in range(idle)]
-    loss_fn = _loss_fn(engine, plan, temperature, global_tokens, global_seqs, world_size)
-    metrics = engine.train_step(micro_batches, loss_fn)
+    loss_fn = _loss_fn(plan, global_tokens, global_seqs, world_size)
+    metrics = engine.train_step(
+        micro_batches, loss_fn, forward=lambda mb: engine.token_stats(mb, temperature)
+    )
     keys = [k for k in (*SUMMED_METRICS, *ROLLOUT_METRICS) if k in metrics]  # the same on every rank
     totals = all_reduce_sum(torch.tensor([metrics[k] for k in keys], dtype=torch.float64), engine.dp_group)
     out = dict(zip(keys, totals.tolist()))
@@ -112,18 +114,18 @@ def policy_update(
 
 
 def _loss_fn(
-    engine: TrainEngine,
     plan: LossPlan,
-    temperature: float,
     global_tokens: float,
     global_seqs: float,
     world_size: int,
 ):
-    # engine.token_logprobs / token_entropy are vocab-parallel under tensor parallelism (logits [B, T-1, V/tp]).
-    def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        targets = mb.input_ids[:, 1:]  # [B, T-1]
-        logp = engine.token_logprobs(logits, targets, temperature)  # [B, T-1]
-        entropy = engine.token_entropy(logits, temperature) if plan.entropy_coef > 0 else None
+    # stats: engine.token_stats' log-probs and entropies [B, T-1] (the entropy's gradient is kept only when the
+    # loss has an entropy bonus).
+    def loss_fn(
+        stats: tuple[torch.Tensor, torch.Tensor], mb: MicroBatch
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        logp, all_entropy = stats  # [B, T-1] each
+        entropy = all_entropy if plan.entropy_coef > 0 else None
         # Exactly on-policy (one mini-batch, one epoch): old log-probs equal the current ones.
         old = mb.per_token.get(OLD_LOGPROBS, logp.detach())
         rollout = mb.per_token.get(ROLLOUT_LOGPROBS)  # [B, T-1], the sampling engine's
@@ -149,9 +151,7 @@ def _loss_fn(
             is_weights=is_weights,
         )
         if entropy is None:
-            with torch.no_grad():
-                entropy_sum = (engine.token_entropy(logits.detach(), temperature) * mb.response_mask).sum()
-            entropy_value = entropy_sum.item() / global_tokens
+            entropy_value = (all_entropy.detach() * mb.response_mask).sum().item() / global_tokens
         else:
             entropy_value = out.entropy.item()
         share = mb.response_mask.sum().item() / global_tokens  # weight of this micro-batch's token means

@@ -4,7 +4,8 @@ Shapes: B rows, T tokens, V vocab (Vl = V / tp on one rank).
 
 Layout: `mesh` is a 1-D ("dp",) mesh or a 2-D ("dp", "tp") mesh (possibly a sub-mesh of a bigger one).
 Tensor parallelism (`dockrl.parallel.tensor_parallel`) splits the model first; FSDP2 then shards each rank's local
-tensors over the dp group. Logits stay vocab-parallel and log-probs use the vocab-parallel functions.
+tensors over the dp group. Log-probs come from the hidden states and this rank's vocab slice of the LM head
+(`token_stats`), never from full logits.
 
 Lifecycle: built once per worker: the model is built on the meta device, split and sharded there, and each
 rank reads only its own blocks of the Hugging Face checkpoint into fp32 shards on its device
@@ -19,24 +20,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dockrl.algos.logprobs import (
-    token_entropy,
-    token_logprobs,
-    vocab_parallel_entropy,
-    vocab_parallel_logprobs,
-)
+from dockrl.algos.head_logprobs import head_token_stats
 from dockrl.config.schema import OptimConfig
 from dockrl.models.hf import CAUSAL_LM, CheckpointReader, ModelKind, read_config
 from dockrl.parallel.sharded_load import load_sharded
 from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
 
-LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, float]]]
+# A loss over what `forward(mb)` returned (the actor: token_stats' log-probs and entropies; the critic: values).
+LossFn = Callable[[Any, MicroBatch], tuple[torch.Tensor, dict[str, float]]]
 
 
 class TrainEngine:
@@ -120,18 +118,29 @@ class TrainEngine:
         self.tp_group = mesh.get_group("tp") if has_tp else None
         self.tp_size = mesh["tp"].size() if has_tp else 1
         self.tp_rank = mesh["tp"].get_local_rank() if has_tp else 0
+        self.vocab_start = 0  # the first id of this rank's vocab slice (set under tp)
 
-    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-        """[B, T] log-probs of targets from this rank's logits [B, T, V] (vocab-parallel [B, T, Vl] under tp)."""
-        if self.tp_size == 1:
-            return token_logprobs(logits, targets, temperature)
-        return vocab_parallel_logprobs(logits, targets, temperature, self.vocab_start, self.tp_group)
+    def token_stats(self, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of the next tokens and entropies [B, T-1] fp32 under softmax(logits / temperature), from the
+        hidden states and the LM head chunk by chunk (dockrl.algos.head_logprobs: no [B, T, V] logits; under
+        tensor parallelism over this rank's vocab slice, statistics all-reduced over tp)."""
+        targets = mb.input_ids[:, 1:]  # [B, T-1]
+        rows, width = targets.shape
 
-    def token_entropy(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
-        """[B, T] entropies from this rank's logits (vocab-parallel under tp)."""
-        if self.tp_size == 1:
-            return token_entropy(logits, temperature)
-        return vocab_parallel_entropy(logits, temperature, self.tp_group)
+        def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            flat = hidden[:, :-1].reshape(rows * width, hidden.shape[-1])  # [B (T-1), H]
+            logp, entropy = head_token_stats(
+                flat,
+                weight,
+                targets.reshape(-1),
+                temperature,
+                vocab_start=self.vocab_start,
+                group=self.tp_group,
+            )
+            return logp.view(rows, width), entropy.view(rows, width)
+
+        with self.autocast():
+            return self.model(mb.input_ids, head=head)
 
     def autocast(self):
         """bf16 autocast for the unsharded path (FSDP2's mixed-precision policy covers the sharded one)."""
@@ -167,12 +176,12 @@ class TrainEngine:
                 pad_token_id=pad_token_id,
                 device=self.device,
             )
-            logits = self.logits(mb)  # [B, T-1, V]
-            logps += mb.unpad(self.token_logprobs(logits, mb.input_ids[:, 1:], temp))
+            logp, entropy = self.token_stats(mb, temp)  # [B, T-1] each
+            logps += mb.unpad(logp)
             if with_entropy:
-                ents += mb.unpad(self.token_entropy(logits, temp))
+                ents += mb.unpad(entropy)
         for _ in range(self.common_count(len(chunks)) - len(chunks)):  # a rank with fewer rows keeps pace
-            self.logits(self.idle_micro_batch(pad_token_id))
+            self.token_stats(self.idle_micro_batch(pad_token_id), temp)
         return logps, ents
 
     def common_count(self, count: int) -> int:
@@ -197,14 +206,21 @@ class TrainEngine:
             response_masks=[torch.zeros(1)],
         )
 
-    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
-        """Accumulate gradients over the micro-batches, clip, take one optimizer step; returns summed metrics."""
+    def train_step(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: LossFn,
+        forward: Callable[[MicroBatch], Any] | None = None,
+    ) -> dict[str, float]:
+        """Accumulate gradients over the micro-batches, clip, take one optimizer step; returns summed metrics.
+        `loss_fn(forward(mb), mb)` per micro-batch; `forward` defaults to `logits`."""
         assert self.optimizer is not None, "train_step on a frozen engine"
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        forward = forward or self.logits
         totals: dict[str, float] = {}
         for mb in micro_batches:
-            loss, metrics = loss_fn(self.logits(mb), mb)
+            loss, metrics = loss_fn(forward(mb), mb)
             loss.backward()
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v
