@@ -187,3 +187,15 @@ def test_unknown_loggers_are_named(tiny_model, arithmetic_data):
         ConfigError, match=r"run.loggers=\['jsonl', 'neptune'\]: unknown logger\(s\) \['neptune'\]"
     ):
         validate_train(cfg)
+
+
+def test_auto_precision_takes_bf16_on_cpu_only_where_it_pays():
+    """run.precision=auto: bf16 on cuda; on a cpu only with native bf16 and a hidden size of 512 or more."""
+    from dockrl.config.validate import CPU_BF16_MIN_HIDDEN, cpu_has_native_bf16, resolve_precision
+
+    native = "bf16" if cpu_has_native_bf16() else "fp32"
+    assert resolve_precision("auto", "cuda", 128) == "bf16"
+    assert resolve_precision("auto", "cpu", CPU_BF16_MIN_HIDDEN - 1) == "fp32"
+    assert resolve_precision("auto", "cpu", CPU_BF16_MIN_HIDDEN) == native
+    assert resolve_precision("auto", "cpu", 896) == native  # Qwen2.5-0.5B
+    assert resolve_precision("fp32", "cpu", 896) == "fp32"

@@ -482,7 +482,9 @@ class RunConfig:
     device: Device = setting("auto", "cpu, cuda or auto (cuda when available).", noun="device")
     precision: Precision = setting(
         "auto",
-        "fp32, or bf16 (bf16 compute, fp32 master weights and reductions); auto: bf16 on cuda, fp32 on cpu.",
+        "fp32, or bf16 (bf16 compute, fp32 master weights and reductions); auto: bf16 on cuda, and on a cpu "
+        "with native bf16 (AVX512-BF16 or AMX) for models of hidden size >= 512 (smaller ones run faster in "
+        "fp32 there), else fp32.",
         noun="precision",
     )
     ray_address: str | None = setting(None, "Address of a Ray cluster to join; None starts a local one.")
@@ -534,7 +536,7 @@ class SFTRunConfig:
     name: str | None = setting(None, "Run directory name; None uses a timestamp.")
     max_len: int = setting(512, "Examples longer than this many tokens (prompt + answer) are skipped.")
     device: Device = setting("auto", "cpu, cuda or auto.", noun="device")
-    precision: Precision = setting("auto", "fp32, bf16 or auto.", noun="precision")
+    precision: Precision = setting("auto", "fp32, bf16 or auto (as for train).", noun="precision")
     progress: bool = setting(True, "Show a progress bar on the console.")
     loggers: list[str] = setting(
         ["jsonl"],
