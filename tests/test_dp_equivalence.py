@@ -27,7 +27,9 @@ def make_rows(vocab: int) -> dict[str, list]:
     return batch
 
 
-def run_update(model_dir: str, idx: list[int], world_size: int, mesh=None, micro_batch_size: int = 2):
+def run_update(
+    model_dir: str, idx: list[int], world_size: int, mesh=None, micro_batch_size: int = 2, max_tokens: int = 0
+):
     from dockrl.workers.train.policy_update import policy_update
     from dockrl.workers.train.train_engine import TrainEngine
 
@@ -42,6 +44,7 @@ def run_update(model_dir: str, idx: list[int], world_size: int, mesh=None, micro
         ALGO,
         temperature=1.0,
         micro_batch_size=micro_batch_size,
+        max_tokens_per_micro_batch=max_tokens,
         pad_token_id=0,
         world_size=world_size,
     )
@@ -55,12 +58,24 @@ def _dp_worker(rank: int, world_size: int, port: int, model_dir: str, out_path: 
     init_distributed(rank, world_size, "127.0.0.1", port, "cpu", timeout_s=120)
     mesh = data_parallel_mesh("cpu", world_size)
     per_rank = NUM_ROWS // world_size
+    # A token budget of 24 (rows of 5 to 14 tokens): micro-batches of 1 to 4 rows sorted by length, and the two
+    # ranks end up with different counts (the one with fewer runs idle micro-batches to keep FSDP2 in step).
     metrics, grads, _ = run_update(
-        model_dir, list(range(rank * per_rank, (rank + 1) * per_rank)), world_size, mesh
+        model_dir, list(range(rank * per_rank, (rank + 1) * per_rank)), world_size, mesh, max_tokens=24
     )
     if rank == 0:
         torch.save({"metrics": metrics, "grads": grads}, out_path)
     leave(rank)
+
+
+def test_token_budget_micro_batches_group_like_lengths():
+    from dockrl.workers.train.batch import micro_batch_rows
+
+    lengths = [5, 100, 30, 30, 7]
+    # Longest first; a micro-batch closes when one more row would pad past the budget; 100 > 64 goes alone.
+    assert micro_batch_rows(lengths, micro_batch_size=2, max_tokens=64) == [[1], [2, 3], [4, 0]]
+    assert micro_batch_rows(lengths, micro_batch_size=2, max_tokens=0) == [[0, 1], [2, 3], [4]]
+    assert micro_batch_rows(lengths, micro_batch_size=2, max_tokens=10_000) == [[1, 2, 3, 4, 0]]
 
 
 def test_dp2_equals_dp1(tmp_path, tiny_model):

@@ -96,7 +96,7 @@ def _dockrl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> d
     config = root / "dockrl.yaml"
     config.write_text(
         f"rollout: {{samples_per_prompt: {args.samples}, max_new_tokens: {args.max_new_tokens}}}\n"
-        f"actor: {{dp: {args.dp}, lr: 1.0e-5, micro_batch_size: {args.samples}}}\n"
+        f"actor: {{dp: {args.dp}, lr: 1.0e-5}}\n"  # micro-batches: the token budget, dockrl's default
         f"algo: {{kl_coef: {args.kl_coef}}}\n"
         "reward: {functions: [{name: exact_answer}]}\n"
         f"data: {{max_prompt_len: 64}}\n"

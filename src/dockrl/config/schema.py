@@ -162,7 +162,11 @@ class OptimConfig:
     adam_beta2: float = setting(0.999, "AdamW beta2.")
     adam_eps: float = setting(1e-8, "AdamW epsilon.")
     grad_clip: float = setting(1.0, "Clip the global gradient norm to this value; 0 turns clipping off.")
-    micro_batch_size: int = setting(8, "Rows per forward/backward pass on one rank (gradient accumulation).")
+    micro_batch_size: int = setting(
+        8,
+        "Rows per forward/backward pass on one rank (gradient accumulation). The actor uses it only with "
+        "actor.max_tokens_per_micro_batch=0: its token budget, when set, wins.",
+    )
     mini_batches: int = setting(
         1, "Optimizer steps per RL step: the step's rows are split into this many mini-batches."
     )
@@ -179,6 +183,13 @@ class OptimConfig:
 class ActorConfig(OptimConfig):
     """Training of the policy (and the colocated reference model)."""
 
+    max_tokens_per_micro_batch: int = setting(
+        4096,
+        "Token budget of one forward/backward pass on one rank (update, reference and old log-probs): rows "
+        "sorted by length, each micro-batch takes rows while rows x its longest row stays within it (a longer "
+        "row goes alone), so like lengths share a pass and little padding is computed. 0: micro_batch_size "
+        "rows per pass, in order.",
+    )
     dp: int = setting(
         1,
         "Data-parallel degree of the actor; FSDP2 shards over it. The actor has dp x tp ranks (Ray actors).",

@@ -207,6 +207,7 @@ class ActorWorker(Worker):
             batch[RESPONSE_IDS],
             temperature=self.temperature,
             micro_batch_size=self.cfg.actor.micro_batch_size,
+            max_tokens_per_micro_batch=self.cfg.actor.max_tokens_per_micro_batch,
             pad_token_id=self.pad_token_id,
         )
         if rows:
@@ -250,6 +251,7 @@ class ActorWorker(Worker):
                         self.cfg.algo,
                         temperature=self.temperature,
                         micro_batch_size=actor.micro_batch_size,
+                        max_tokens_per_micro_batch=actor.max_tokens_per_micro_batch,
                         pad_token_id=self.pad_token_id,
                         world_size=self.dp,
                         max_new_tokens=self.cfg.rollout.max_new_tokens,

@@ -66,3 +66,23 @@ def make_micro_batch(
 def split_indices(num_rows: int, size: int) -> list[list[int]]:
     """Consecutive index chunks of at most `size`."""
     return [list(range(i, min(i + size, num_rows))) for i in range(0, num_rows, size)]
+
+
+def micro_batch_rows(lengths: list[int], micro_batch_size: int, max_tokens: int) -> list[list[int]]:
+    """Which rows (positions into `lengths`, each row's prompt + response tokens) form each micro-batch.
+
+    max_tokens > 0 (a token budget, actor.max_tokens_per_micro_batch): rows sorted longest first, and each
+    micro-batch takes rows while rows x its longest row (the padded size) stays within max_tokens; a row longer
+    than the budget goes alone. Rows of like length share a micro-batch, so little padding is computed, and a
+    small model's whole batch can be one pass. micro_batch_size is not used. max_tokens = 0: consecutive chunks
+    of micro_batch_size rows, in order.
+    """
+    if max_tokens <= 0:
+        return split_indices(len(lengths), micro_batch_size)
+    chunks: list[list[int]] = []
+    for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
+        if chunks and (len(chunks[-1]) + 1) * lengths[chunks[-1][0]] <= max_tokens:
+            chunks[-1].append(row)
+        else:
+            chunks.append([row])
+    return chunks

@@ -26,7 +26,7 @@ from dockrl.dock.columns import (
     ROLLOUT_LOGPROBS,
     UPDATE_WEIGHT,
 )
-from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
+from dockrl.workers.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
 from dockrl.workers.train.train_engine import TrainEngine
 
 SUMMED_METRICS = (
@@ -65,6 +65,7 @@ def policy_update(
     *,
     temperature: float,
     micro_batch_size: int,
+    max_tokens_per_micro_batch: int = 0,
     pad_token_id: int,
     world_size: int,
     max_new_tokens: int | None = None,
@@ -88,6 +89,7 @@ def policy_update(
     masks = None
     if any(w != 1.0 for w in weights):
         masks = [torch.full((len(batch[RESPONSE_IDS][i]),), w) for i, w in zip(idx, weights)]
+    lengths = [len(batch[PROMPT_IDS][i]) + len(batch[RESPONSE_IDS][i]) for i in idx]
     micro_batches = [
         make_micro_batch(
             [batch[PROMPT_IDS][idx[j]] for j in chunk],
@@ -97,7 +99,7 @@ def policy_update(
             per_token={name: [batch[name][idx[j]] for j in chunk] for name in per_token_names},
             response_masks=None if masks is None else [masks[j] for j in chunk],
         )
-        for chunk in split_indices(len(idx), micro_batch_size)
+        for chunk in micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch)
     ]
     # Ranks with fewer rows (rollout.partial trains what finished) keep pace with masked micro-batches.
     idle = engine.common_count(len(micro_batches)) - len(micro_batches)

@@ -31,7 +31,7 @@ from dockrl.algos.head_logprobs import head_token_stats
 from dockrl.config.schema import OptimConfig
 from dockrl.models.hf import CAUSAL_LM, CheckpointReader, ModelKind, read_config
 from dockrl.parallel.sharded_load import load_sharded
-from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
+from dockrl.workers.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
 
 # A loss over what `forward(mb)` returned (the actor: token_stats' log-probs and entropies; the critic: values).
 LossFn = Callable[[Any, MicroBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -162,13 +162,17 @@ class TrainEngine:
         temperature: float,
         micro_batch_size: int,
         pad_token_id: int,
+        max_tokens_per_micro_batch: int = 0,
         with_entropy: bool = False,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """Per-row response log-probs [R_i] (and entropies) under softmax(logits / temperature)."""
+        """Per-row response log-probs [R_i] (and entropies) under softmax(logits / temperature), in row order;
+        micro-batches as `batch.micro_batch_rows` forms them."""
         self.model.eval()
-        logps, ents = [], [] if with_entropy else None
+        logps: list[torch.Tensor | None] = [None] * len(prompts)
+        ents: list[torch.Tensor | None] = [None] * len(prompts)
         temp = temperature if temperature > 0 else 1.0
-        chunks = split_indices(len(prompts), micro_batch_size)
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        chunks = micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch)
         for idx in chunks:
             mb = make_micro_batch(
                 [prompts[i] for i in idx],
@@ -177,12 +181,11 @@ class TrainEngine:
                 device=self.device,
             )
             logp, entropy = self.token_stats(mb, temp)  # [B, T-1] each
-            logps += mb.unpad(logp)
-            if with_entropy:
-                ents += mb.unpad(entropy)
+            for i, row_logp, row_entropy in zip(idx, mb.unpad(logp), mb.unpad(entropy)):
+                logps[i], ents[i] = row_logp, row_entropy
         for _ in range(self.common_count(len(chunks)) - len(chunks)):  # a rank with fewer rows keeps pace
             self.token_stats(self.idle_micro_batch(pad_token_id), temp)
-        return logps, ents
+        return logps, ents if with_entropy else None
 
     def common_count(self, count: int) -> int:
         """The most micro-batches any data-parallel rank has (each forward is collective under FSDP, so every
