@@ -15,6 +15,9 @@ completions, gradient accumulation over the prompts). Reported per system over t
   trl     generate (generation, rewards and reference log-probs: `_generate_and_score_completions`) and
           train = step - generate
 `speedup` is dockrl's response tokens/s over TRL's. Ratios, not absolute times, carry to other machines.
+`peak_share` per stage: its matmul work on the weights (2 x params per token for a forward pass over prompt and
+response tokens, 6 x for forward and backward; attention's score matmuls left out) over its seconds times
+--peak-gflops (290: this project's CPU's bf16 matmul peak with 2 threads; fp32 reaches about 135).
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--systems", default="dockrl,trl", help="comma list of dockrl, trl")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="bound on each run")
+    parser.add_argument(
+        "--peak-gflops", type=float, default=290.0, help="the bf16 matmul peak that peak_share divides by"
+    )
     parser.add_argument("overrides", nargs="*", help="dockrl train overrides, e.g. run.precision=bf16")
 
 
@@ -121,6 +127,8 @@ def _dockrl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> d
     import yaml
 
     resolved = yaml.safe_load((root / "runs" / "dockrl" / "config.yaml").read_text())
+    tokens = median("tokens/prompt") + median("tokens/response")
+    passes = {"rollout": 2, "reference": 2, "old_logprobs": 2, "update": 6}  # x params x tokens
     return {
         "precision": resolved["run"]["precision"],
         "step_s": step,
@@ -128,7 +136,17 @@ def _dockrl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> d
         **{f"{name}_s": seconds for name, seconds in stages.items()},
         "overhead_s": step - sum(stages.values()),
         "response_length_mean": median("response_length/mean"),
+        "tokens_per_step": tokens,
+        "peak_share": {
+            name: _peak_share(passes[name] * _num_params(model) * tokens, seconds, args.peak_gflops)
+            for name, seconds in stages.items()
+            if seconds > 0
+        },
     }
+
+
+def _peak_share(flops: float, seconds: float, peak_gflops: float) -> float:
+    return flops / (seconds * peak_gflops * 1e9)
 
 
 def _trl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> dict[str, Any] | str:

@@ -17,12 +17,12 @@ import torch
 
 from dockrl.algos.logprobs import token_logprobs
 from dockrl.config.loader import to_dict
-from dockrl.config.schema import SFTConfig
+from dockrl.config.schema import ActorConfig, SFTConfig
 from dockrl.data.datasets import load_prompts, render_prompt
 from dockrl.models.hf import save_model
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.observe.run_dir import RunDir
-from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
+from dockrl.workers.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
 from dockrl.workers.train.train_engine import TrainEngine
 
 log = logging.getLogger(__name__)
@@ -100,9 +100,9 @@ def sft(cfg: SFTConfig) -> dict[str, Any]:
                 order += fresh
             batch = [examples[i] for i in order[: cfg.run.batch_size]]
             del order[: cfg.run.batch_size]
-            metrics = _train_batch(engine, batch, pad, cfg.actor.micro_batch_size)
+            metrics = _train_batch(engine, batch, pad, cfg.actor)
             if step == total_steps and held_out:
-                metrics |= _evaluate(engine, held_out, pad, cfg.actor.micro_batch_size)
+                metrics |= _evaluate(engine, held_out, pad, cfg.actor)
             run.log_metrics(step, metrics)
             progress.update(1)
             progress.set_postfix(loss=f"{metrics['sft/loss']:.3f}")
@@ -126,7 +126,9 @@ def sft(cfg: SFTConfig) -> dict[str, Any]:
     return summary
 
 
-def _micro_batches(engine: TrainEngine, batch, pad: int, micro_batch_size: int) -> list[MicroBatch]:
+def _micro_batches(engine: TrainEngine, batch, pad: int, actor: ActorConfig) -> list[MicroBatch]:
+    """Micro-batches by actor.max_tokens_per_micro_batch (or actor.micro_batch_size rows with a budget of 0)."""
+    lengths = [len(prompt) + len(answer) for prompt, answer in batch]
     return [
         make_micro_batch(
             [torch.tensor(batch[i][0]) for i in idx],
@@ -134,7 +136,7 @@ def _micro_batches(engine: TrainEngine, batch, pad: int, micro_batch_size: int) 
             pad_token_id=pad,
             device=engine.device,
         )
-        for idx in split_indices(len(batch), micro_batch_size)
+        for idx in micro_batch_rows(lengths, actor.micro_batch_size, actor.max_tokens_per_micro_batch)
     ]
 
 
@@ -146,7 +148,7 @@ def _answer_nll_and_hits(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Te
     return nll, hits
 
 
-def _train_batch(engine: TrainEngine, batch, pad: int, micro_batch_size: int) -> dict[str, float]:
+def _train_batch(engine: TrainEngine, batch, pad: int, actor: ActorConfig) -> dict[str, float]:
     num_tokens = float(sum(len(a) for _, a in batch))
 
     def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -154,16 +156,16 @@ def _train_batch(engine: TrainEngine, batch, pad: int, micro_batch_size: int) ->
         loss = nll / num_tokens
         return loss, {"sft/loss": loss.item(), "sft/token_accuracy": (hits / num_tokens).item()}
 
-    return engine.train_step(_micro_batches(engine, batch, pad, micro_batch_size), loss_fn)
+    return engine.train_step(_micro_batches(engine, batch, pad, actor), loss_fn)
 
 
 @torch.no_grad()
-def _evaluate(engine: TrainEngine, examples, pad: int, micro_batch_size: int) -> dict[str, float]:
+def _evaluate(engine: TrainEngine, examples, pad: int, actor: ActorConfig) -> dict[str, float]:
     """Mean answer-token NLL and token accuracy (teacher forcing) over the held-out examples."""
     engine.model.eval()
     num_tokens = float(sum(len(a) for _, a in examples))
     nll = hits = 0.0
-    for mb in _micro_batches(engine, examples, pad, micro_batch_size):
+    for mb in _micro_batches(engine, examples, pad, actor):
         mb_nll, mb_hits = _answer_nll_and_hits(engine.logits(mb).float(), mb)
         nll, hits = nll + mb_nll.item(), hits + mb_hits.item()
     engine.model.train()
