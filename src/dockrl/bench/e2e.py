@@ -12,8 +12,8 @@ its own precision default), with one optimizer step per generation batch (micro-
 completions, gradient accumulation over the prompts). Reported per system over the steps after the first
 (median): step seconds, response tokens per second, and where the time went:
   dockrl  rollout, reference, old log-probs, update (its stage timers) and overhead = step - their sum
-  trl     generate (generation, rewards and reference log-probs: `_generate_and_score_completions`) and
-          train = step - generate
+  trl     generate (generation, rewards and reference log-probs: `_generate_and_score_completions`), train
+          (its training_step calls less generate) and overhead = step - training_step calls
 `speedup` is dockrl's response tokens/s over TRL's. Ratios, not absolute times, carry to other machines.
 `peak_share` per stage: its matmul work on the weights (2 x params per token for a forward pass over prompt and
 response tokens, 6 x for forward and backward; attention's score matmuls left out) over its seconds times
@@ -229,6 +229,19 @@ def trl_child(spec_json: str) -> None:
             generate_s.append(time.perf_counter() - start)
 
     trainer._generate_and_score_completions = timed_generate
+    # Trainer.training_step (inputs prepared, generation included, forward, backward) summed per optimizer
+    # step: what is left of a step is TRL's overhead (optimizer step, data loading, logging, callbacks).
+    inner_step, compute = trainer.training_step, [0.0]
+    compute_s: list[float] = []
+
+    def timed_step(*a, **k):
+        start = time.perf_counter()
+        try:
+            return inner_step(*a, **k)
+        finally:
+            compute[0] += time.perf_counter() - start
+
+    trainer.training_step = timed_step
     step_ends: list[float] = []
     lengths: list[float] = []
 
@@ -239,6 +252,8 @@ def trl_child(spec_json: str) -> None:
 
         def on_step_end(self, *_, **__):
             step_ends.append(time.perf_counter())
+            compute_s.append(compute[0])
+            compute[0] = 0.0
 
         def on_log(self, _args, _state, _control, logs=None, **__):
             if logs and "completions/mean_length" in logs:
@@ -258,7 +273,8 @@ def trl_child(spec_json: str) -> None:
                 "step_s": step,
                 "response_tokens_per_s": statistics.median(t / s for t, s in zip(tokens, steps)),
                 "generate_s": statistics.median(generate),
-                "train_s": step - statistics.median(generate),
+                "train_s": statistics.median(compute_s[1 : 1 + len(steps)]) - statistics.median(generate),
+                "overhead_s": step - statistics.median(compute_s[1 : 1 + len(steps)]),
                 "response_length_mean": statistics.median(lengths[1:]) if len(lengths) > 1 else None,
             }
         )
