@@ -136,3 +136,23 @@ def test_logger_problems_name_the_fix(names, env, message, monkeypatch, tmp_path
     problem, fix = logger_problem(names)
     assert re.search(message, f"{problem}; {fix}")
     assert logger_problem(["jsonl", "tensorboard"]) is None
+
+
+def test_mlflow_file_store_through_its_tracking_uri(offline, monkeypatch, tmp_path):
+    """MLflow's own file store (./mlruns layout) when the user points MLFLOW_TRACKING_URI at it: MLflow 3 keeps
+    it behind MLFLOW_ALLOW_FILE_STORE; dockrl's logger takes whatever store the URI names."""
+    from mlflow.tracking import MlflowClient
+
+    uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "arithmetic")
+    assert logger_problem(["mlflow"]) is None
+    run = RunDir(tmp_path / "runs", "r")
+    _steps(run, range(1, 3), 1, ["jsonl", "mlflow"])
+    run_id = json.loads((run.path / "loggers.json").read_text())["mlflow"]
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_experiment(client.get_run(run_id).info.experiment_id).name == "arithmetic"
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "reward/mean"))
+    assert history == [(1, pytest.approx(1.1)), (2, pytest.approx(1.2))]
+    assert (tmp_path / "mlruns").is_dir() and not (tmp_path / "runs" / "mlflow.db").exists()
