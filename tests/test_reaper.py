@@ -59,3 +59,47 @@ def test_reap_kills_late_processes_of_the_run_and_spares_others(tmp_path):
         starter.kill()
         starter.wait(timeout=10)
         early.kill()
+
+
+def test_a_dead_drivers_descendants_die_even_without_the_run_id(tmp_path):
+    """A process the driver's tree started without the run id in its environment (as the raylet sometimes
+    starts Ray's dashboard and runtime-env agents) is noted by the reaper while the driver lives and killed when
+    the driver is SIGKILLed; the reaper itself exits."""
+    import signal
+
+    pid_file = tmp_path / "orphan.pid"
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, subprocess, sys, time\n"
+            "from dockrl.workers.reaper import RUN_ID_ENV, start_reaper\n"
+            "start_reaper()\n"
+            "env = {k: v for k, v in os.environ.items() if k != RUN_ID_ENV}\n"
+            f"p = subprocess.Popen([sys.executable, '-c', {SLEEPER!r}], env=env, start_new_session=True)\n"
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+            "time.sleep(120)\n",
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        orphan = int(pid_file.read_text())
+        time.sleep(3 * 1.0)  # a few of the reaper's WATCH_S rounds: it has noted the orphan
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=10)
+        deadline = time.monotonic() + 20  # the reaper's sweep (SWEEP_S = 10) with room for a loaded machine
+        state = "S"
+        while time.monotonic() < deadline:
+            state = (
+                open(f"/proc/{orphan}/stat").read().split()[2] if os.path.exists(f"/proc/{orphan}") else "X"
+            )
+            if state in ("Z", "X"):
+                break
+            time.sleep(0.1)
+        assert state in ("Z", "X")
+    finally:
+        driver.kill()
+        if pid_file.exists() and os.path.exists(f"/proc/{pid_file.read_text()}"):
+            os.kill(int(pid_file.read_text()), 9)

@@ -2,20 +2,23 @@
 
     driver ── os.environ[RUN_ID_ENV] = id ──▶ ray.init(local): daemons and workers inherit the id
        │
-       └── pipe ──▶ reaper process (blocks reading the pipe)
-                      driver gone (EOF) ─▶ SIGKILL every process whose environment carries the id, sweeping
+       └── pipe ──▶ reaper process: while the pipe is open, notes the driver's descendants every WATCH_S
+                      driver gone (EOF) ─▶ SIGKILL every process whose environment carries the id, and every
+                                           noted descendant still alive (same pid and start time), sweeping
                                            until none is seen for QUIET_S (at most SWEEP_S), then exit
 
-Ray's fate-sharing takes most of a local cluster down with its driver, but not all of it: with another Ray
-instance on the machine, the dashboard and runtime-env agents were seen to outlive a killed driver
-indefinitely. The reaper only ever signals processes that inherited this run's id (it reads
-/proc/<pid>/environ, Linux), never anything else on the machine. Runs that join an existing cluster
-(run.ray_address) start no reaper: that cluster's processes are not the run's.
+Ray's fate-sharing takes most of a local cluster down with its driver, but not all of it: the dashboard and
+runtime-env agents were seen to outlive a killed driver, and sometimes without the run id in their
+environment (the raylet starts them), hence the descendants noted while the driver lives: by the time it is
+gone they are orphans. The reaper only ever signals processes that inherited this run's id (it reads
+/proc/<pid>/environ, Linux) or that descended from the driver, never anything else on the machine. Runs that
+join an existing cluster (run.ray_address) start no reaper: that cluster's processes are not the run's.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -26,6 +29,7 @@ from pathlib import Path
 RUN_ID_ENV = "DOCKRL_RUN_ID"
 SWEEP_S = 10.0  # the longest the reaper keeps sweeping
 QUIET_S = 1.0  # it stops once no process of the run has been seen for this long
+WATCH_S = 1.0  # how often it notes the driver's descendants while the driver lives
 
 
 def start_reaper() -> str:
@@ -34,7 +38,7 @@ def start_reaper() -> str:
     os.environ[RUN_ID_ENV] = run_id
     read_end, write_end = os.pipe()
     subprocess.Popen(
-        [sys.executable, "-m", "dockrl.workers.reaper", run_id],
+        [sys.executable, "-m", "dockrl.workers.reaper", run_id, str(os.getpid())],
         stdin=read_end,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -65,14 +69,47 @@ def processes_with(run_id: str) -> list[int]:
     return found
 
 
-def reap(run_id: str, sweep_s: float = SWEEP_S, quiet_s: float = QUIET_S) -> int:
+def _stat(pid: int | str) -> tuple[int, str] | None:
+    """(parent pid, start time in clock ticks) of a live process, or None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[1]), fields[19]) if fields[0] != "Z" else None
+
+
+def descendants(root: int) -> dict[int, str]:
+    """pid -> start time of every live process below `root` in the process tree."""
+    parents: dict[int, list[int]] = {}
+    starts: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _stat(entry.name)) is not None:
+            parents.setdefault(stat[0], []).append(int(entry.name))
+            starts[int(entry.name)] = stat[1]
+    found, todo = {}, list(parents.get(root, []))
+    while todo:
+        pid = todo.pop()
+        if pid in starts and pid not in found:
+            found[pid] = starts[pid]
+            todo += parents.get(pid, [])
+    return found
+
+
+def reap(
+    run_id: str, sweep_s: float = SWEEP_S, quiet_s: float = QUIET_S, noted: dict[int, str] | None = None
+) -> int:
     """SIGKILL the run's processes until none has been seen for `quiet_s` (at most `sweep_s`): a daemon that a
-    dying raylet was still starting shows up after the first sweep. Returns how many were signalled."""
+    dying raylet was still starting shows up after the first sweep. `noted`: pid -> start time of the driver's
+    descendants, killed too while the same process (same start time) lives. Returns how many were signalled."""
     signalled: set[int] = set()
     deadline = last_seen = time.monotonic()
     deadline += sweep_s
     while time.monotonic() < deadline:
-        pids = [p for p in processes_with(run_id) if p not in signalled or _alive(p)]
+        same = [
+            p for p, start in (noted or {}).items() if (stat := _stat(p)) is not None and stat[1] == start
+        ]
+        found = set(processes_with(run_id)) | set(same)
+        pids = [p for p in found if p != os.getpid() and (p not in signalled or _alive(p))]
         if not pids:
             if time.monotonic() - last_seen >= quiet_s:
                 break
@@ -97,12 +134,25 @@ def _alive(pid: int) -> bool:
 
 
 def main() -> None:
-    """Entry point of the reaper process: wait for the driver's pipe to close, then reap."""
-    run_id = sys.argv[1]
+    """Entry point of the reaper process: note the driver's descendants until its pipe closes, then reap."""
+    run_id, driver = sys.argv[1], int(sys.argv[2])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    while sys.stdin.buffer.read(4096):
-        pass
-    reap(run_id)
+    noted: dict[int, str] = {}
+    stdin = sys.stdin.fileno()
+    while True:
+        ready, _, _ = select.select([stdin], [], [], WATCH_S)
+        if ready and not os.read(stdin, 4096):  # EOF: the driver is gone
+            break
+        # Another run's reaper (the driver restarted its Ray) keeps its own pipe; it is not a target.
+        noted.update({pid: start for pid, start in descendants(driver).items() if not _is_reaper(pid)})
+    reap(run_id, noted=noted)
+
+
+def _is_reaper(pid: int) -> bool:
+    try:
+        return b"dockrl.workers.reaper" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":
