@@ -42,7 +42,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from dockrl.checkpoint.directory import resolve_model_path
-    from dockrl.config.validate import check_dataset, check_model_dir, resolve_device
+    from dockrl.config.checks import check_dataset, check_model_dir
+    from dockrl.config.validate import resolve_device
     from dockrl.recipes.eval import evaluate_model_dir
 
     args.model = resolve_model_path(args.model)  # a checkpoint root means its hf/ export

@@ -128,7 +128,8 @@ def _dockrl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> d
 
     resolved = yaml.safe_load((root / "runs" / "dockrl" / "config.yaml").read_text())
     tokens = median("tokens/prompt") + median("tokens/response")
-    passes = {"rollout": 2, "reference": 2, "old_logprobs": 2, "update": 6}  # x params x tokens
+    work = {"rollout": 2, "reference": 2, "old_logprobs": 2, "update": 6}  # x params x tokens
+    params = _num_params(model)
     return {
         "precision": resolved["run"]["precision"],
         "step_s": step,
@@ -138,7 +139,7 @@ def _dockrl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> d
         "response_length_mean": median("response_length/mean"),
         "tokens_per_step": tokens,
         "peak_share": {
-            name: _peak_share(passes[name] * _num_params(model) * tokens, seconds, args.peak_gflops)
+            name: _peak_share(work[name] * params * tokens, seconds, args.peak_gflops)
             for name, seconds in stages.items()
             if seconds > 0
         },
@@ -266,6 +267,7 @@ def trl_child(spec_json: str) -> None:
     completions = spec["prompts"] * spec["samples"]
     tokens = [n * completions for n in lengths[1 : 1 + len(steps)]]
     step = statistics.median(steps)
+    in_steps = statistics.median(compute_s[1 : 1 + len(steps)])  # training_step calls per step, generation in
     print(
         json.dumps(
             {
@@ -273,8 +275,8 @@ def trl_child(spec_json: str) -> None:
                 "step_s": step,
                 "response_tokens_per_s": statistics.median(t / s for t, s in zip(tokens, steps)),
                 "generate_s": statistics.median(generate),
-                "train_s": statistics.median(compute_s[1 : 1 + len(steps)]) - statistics.median(generate),
-                "overhead_s": step - statistics.median(compute_s[1 : 1 + len(steps)]),
+                "train_s": in_steps - statistics.median(generate),
+                "overhead_s": step - in_steps,
                 "response_length_mean": statistics.median(lengths[1:]) if len(lengths) > 1 else None,
             }
         )

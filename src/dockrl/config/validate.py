@@ -1,7 +1,8 @@
 """Validation of job configs. Runs in the driver before Ray or any worker process starts.
 
 Every error names the setting, the value and the fix. Settings that have no effect in a combination get a
-warning. `resolve_device` and `resolve_precision` turn `auto` into a concrete choice.
+warning. `resolve_device` and `resolve_precision` turn `auto` into a concrete choice. The RL objective's checks
+live in `algo_checks.py`, the leaf checks (positive numbers, model directories, dataset files) in `checks.py`.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ import typing
 import warnings
 from pathlib import Path
 
+from dockrl.config.algo_checks import check_algorithm, check_dynamic_sampling
+from dockrl.config.checks import check_dataset, check_model_dir, positive
 from dockrl.config.fields import ConfigError, config_error
 from dockrl.config.schema import (
-    AlgoConfig,
-    Algorithm,
-    CriticConfig,
     DataConfig,
     KLEstimator,
     LossAgg,
@@ -23,18 +23,10 @@ from dockrl.config.schema import (
     SFTConfig,
     TrainConfig,
 )
-from dockrl.config.step_plan import (
-    KL_REWARD_ESTIMATORS,
-    PRESETS,
-    estimator_of,
-    resolved_clip,
-    resolved_kl_coef,
-    resolved_loss_agg,
-)
+from dockrl.config.step_plan import resolved_clip, resolved_kl_coef
 
 KL_ESTIMATORS = typing.get_args(KLEstimator)
 LOSS_AGGS = typing.get_args(LossAgg)
-ALGORITHMS = typing.get_args(Algorithm)
 
 
 def resolve_device(device: str, key: str = "run.device") -> str:
@@ -84,37 +76,6 @@ def _hidden_size(model_path: str) -> int:
     return read_config(model_path).hidden_size
 
 
-def check_model_dir(path: str, key: str) -> None:
-    """A model directory must exist and hold config.json."""
-    p = Path(path)
-    if not p.is_dir():
-        raise config_error(
-            key,
-            path,
-            "the model directory does not exist",
-            "pass a Hugging Face checkpoint directory (build a tiny one with `dockrl make-tiny DIR`)",
-        )
-    if not (p / "config.json").is_file():
-        raise config_error(
-            key, path, "the directory has no config.json", "pass a Hugging Face checkpoint directory"
-        )
-
-
-def check_dataset(path: str, prompt_field: str, label_field: str | None, key: str) -> None:
-    """The dataset file must exist and its first row must hold the prompt (and label) field."""
-    from dockrl.data.datasets import load_prompts
-
-    if not Path(path).is_file():
-        raise config_error(key, path, "the dataset file does not exist", "pass a .jsonl or .parquet file")
-    load_prompts(path, prompt_field=prompt_field, label_field=label_field, limit=1)
-
-
-def _positive(key: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else ">= 1" if isinstance(value, int) else "> 0"
-        raise config_error(key, value, f"must be {bound}", f"set {key} to a value {bound}")
-
-
 def validate_train(cfg: TrainConfig) -> TrainConfig:
     """Check a GRPO config; resolves run.device, run.precision and algo.kl_coef in place and returns cfg."""
     run, roll, actor, algo = cfg.run, cfg.rollout, cfg.actor, cfg.algo
@@ -134,14 +95,14 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
         ("reward.num_workers", cfg.reward.num_workers),
         ("reward.groups_per_pull", cfg.reward.groups_per_pull),
     ]:
-        _positive(key, value)
-    _positive("actor.lr", actor.lr)
-    _positive("reward.timeout_s", cfg.reward.timeout_s)
-    _positive("reward.num_processes", cfg.reward.num_processes, allow_zero=True)
-    _positive("run.save_every", run.save_every, allow_zero=True)
-    _positive("run.eval_every", run.eval_every, allow_zero=True)
+        positive(key, value)
+    positive("actor.lr", actor.lr)
+    positive("reward.timeout_s", cfg.reward.timeout_s)
+    positive("reward.num_processes", cfg.reward.num_processes, allow_zero=True)
+    positive("run.save_every", run.save_every, allow_zero=True)
+    positive("run.eval_every", run.eval_every, allow_zero=True)
     _check_resume(cfg)
-    _check_algorithm(cfg)
+    check_algorithm(cfg)
     if roll.temperature < 0:
         raise config_error("rollout.temperature", roll.temperature, "must be >= 0", "use 0 (greedy) or above")
     if not 0 < roll.top_p <= 1:
@@ -209,9 +170,9 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
             "model.ref_path has no effect with algo.kl_coef=0 (no reference model is loaded)", stacklevel=2
         )
     _check_rewards(cfg)
-    _check_dynamic_sampling(cfg)
+    check_dynamic_sampling(cfg)
     if cfg.dock.num_warehouses is not None:
-        _positive("dock.num_warehouses", cfg.dock.num_warehouses)
+        positive("dock.num_warehouses", cfg.dock.num_warehouses)
     _check_dock(cfg)
     check_model_dir(cfg.model.path, "model.path")
     if cfg.model.ref_path is not None:
@@ -232,9 +193,9 @@ def _check_resume(cfg: TrainConfig) -> None:
 
     run = cfg.run
     if run.keep_checkpoints is not None:
-        _positive("run.keep_checkpoints", run.keep_checkpoints)
-    _positive("run.max_restarts", run.max_restarts, allow_zero=True)
-    _positive("run.heartbeat_timeout_s", run.heartbeat_timeout_s)
+        positive("run.keep_checkpoints", run.keep_checkpoints)
+    positive("run.max_restarts", run.max_restarts, allow_zero=True)
+    positive("run.heartbeat_timeout_s", run.heartbeat_timeout_s)
     if run.resume == "auto" and run.name is None:
         raise config_error(
             "run.resume",
@@ -280,254 +241,16 @@ def _resolve_checkpoint_paths(cfg: TrainConfig) -> None:
             raise ConfigError(f"critic.path={cfg.critic.path!r}: {exc}") from exc
 
 
-def _check_dynamic_sampling(cfg: TrainConfig) -> None:
-    """algo.dynamic_sampling needs groups whose rewards can differ, and a round limit."""
-    algo, roll = cfg.algo, cfg.rollout
-    if not algo.dynamic_sampling:
-        return
-    if roll.samples_per_prompt < 2:
-        raise config_error(
-            "algo.dynamic_sampling",
-            True,
-            f"drops groups without reward spread, and a group of rollout.samples_per_prompt="
-            f"{roll.samples_per_prompt} never has any",
-            "use rollout.samples_per_prompt >= 2 (DAPO uses 8-16), or algo.dynamic_sampling=false",
-        )
-    if algo.name == "ppo":
-        raise config_error(
-            "algo.dynamic_sampling",
-            True,
-            "filters groups by reward spread, which only group-baseline algorithms need; ppo's critic "
-            "gives every sample an advantage",
-            "use algo.dynamic_sampling=false with algo.name=ppo",
-        )
-    if algo.max_sampling_rounds < 1:
-        raise config_error("algo.max_sampling_rounds", algo.max_sampling_rounds, "must be >= 1", "use e.g. 3")
-
-
-def _check_algorithm(cfg: TrainConfig) -> None:
-    """algo.name and the settings each algorithm needs, conflicts as errors, no-ops as warnings."""
-    from dockrl.algos.estimators import GROUP_ESTIMATORS
-
-    algo, roll = cfg.algo, cfg.rollout
-    if algo.name not in ALGORITHMS:
-        raise config_error("algo.name", algo.name, "unknown algorithm", f"use one of {', '.join(ALGORITHMS)}")
-    if algo.adv_estimator == "gae" and algo.name != "ppo":
-        raise config_error(
-            "algo.adv_estimator",
-            "gae",
-            "GAE needs a critic's values, and only algo.name=ppo runs a critic",
-            f"set algo.name=ppo, or use one of {GROUP_ESTIMATORS}",
-        )
-    if algo.name == "ppo" and algo.adv_estimator not in (None, "gae"):
-        raise config_error(
-            "algo.adv_estimator",
-            algo.adv_estimator,
-            "algo.name=ppo computes GAE advantages from its critic's values",
-            "unset algo.adv_estimator (or use another algo.name for group advantages)",
-        )
-    if algo.adv_estimator is not None and algo.adv_estimator not in (*GROUP_ESTIMATORS, "gae"):
-        raise config_error(
-            "algo.adv_estimator",
-            algo.adv_estimator,
-            "unknown estimator",
-            f"use one of {GROUP_ESTIMATORS}, gae (ppo) or None (the algorithm's own)",
-        )
-    _check_ppo(cfg)
-    if roll.samples_per_prompt == 1 and algo.name in ("dapo", "rloo"):
-        raise config_error(
-            "rollout.samples_per_prompt",
-            1,
-            f"algo.name={algo.name} compares the samples of a group and needs at least 2",
-            "set rollout.samples_per_prompt >= 2 (or use reinforce_pp, which needs no group)",
-        )
-    if algo.name == "dapo" and algo.kl_coef > 0:  # set explicitly: DAPO's own is 0
-        raise config_error(
-            "algo.kl_coef",
-            algo.kl_coef,
-            "DAPO trains without a reference model",
-            "set algo.kl_coef=0 (or use algo.name=grpo for a KL term)",
-        )
-    _check_loss_settings(cfg)
-    if estimator_of(algo) != "grpo":  # the std normalisation and its epsilon belong to the grpo estimator
-        default_eps = AlgoConfig.__dataclass_fields__["adv_eps"].default
-        unused = [f"algo.norm_adv_by_std={algo.norm_adv_by_std}"] if not algo.norm_adv_by_std else []
-        unused += [f"algo.adv_eps={algo.adv_eps}"] if algo.adv_eps != default_eps else []
-        for setting_text in unused:
-            warnings.warn(
-                f"{setting_text} has no effect with algo.name={algo.name} (estimator "
-                f"{estimator_of(algo)}); it applies to the grpo estimator",
-                stacklevel=3,
-            )
-    if algo.overlong_buffer_len < 0 or algo.overlong_buffer_len > roll.max_new_tokens:
-        raise config_error(
-            "algo.overlong_buffer_len",
-            algo.overlong_buffer_len,
-            f"must be in [0, rollout.max_new_tokens={roll.max_new_tokens}]",
-            "use 0 (off) or a buffer shorter than the generation limit",
-        )
-    _positive("algo.overlong_penalty", algo.overlong_penalty, allow_zero=True)
-
-
-def _check_loss_settings(cfg: TrainConfig) -> None:
-    """Warn where the loss settings say something the step will not do, or depart from the paper."""
-    algo, actor = cfg.algo, cfg.actor
-    clip_low, clip_high = resolved_clip(algo)
-    if algo.name == "dapo" and clip_high <= clip_low:
-        warnings.warn(
-            f"algo.name=dapo with algo.clip_high={clip_high} <= algo.clip_low={clip_low}: no clip-higher; "
-            "DAPO uses clip_low=0.2 clip_high=0.28",
-            stacklevel=4,
-        )
-    if algo.name == "gspo" and (algo.clip_low, algo.clip_high) != (None, None):
-        preset = PRESETS["gspo"]
-        if (clip_low, clip_high) != (preset.clip_low, preset.clip_high):
-            warnings.warn(
-                f"algo.name=gspo clips the sequence ratio at 1 - {preset.clip_low:g} / 1 + {preset.clip_high:g} "
-                f"(the GSPO paper); algo.clip_low={clip_low:g} algo.clip_high={clip_high:g} is off the paper "
-                "(a token-level range such as 0.2 lets almost every sequence through unclipped)",
-                stacklevel=4,
-            )
-    wanted_agg = {"dapo": "token-mean", "dr_grpo": "seq-mean-token-sum", "gspo": "seq-mean-token-mean"}
-    if algo.name in wanted_agg and resolved_loss_agg(algo) != wanted_agg[algo.name]:
-        warnings.warn(
-            f"algo.name={algo.name} is defined with algo.loss_agg={wanted_agg[algo.name]}; got {algo.loss_agg}",
-            stacklevel=4,
-        )
-    on_policy = actor.mini_batches == 1 and actor.epochs == 1
-    clip_set = algo.clip_low is not None or algo.clip_high is not None or algo.name in ("dapo", "gspo")
-    if on_policy and clip_set:
-        warnings.warn(
-            f"the ratio clip (algo.clip_low={clip_low:g}, algo.clip_high={clip_high:g}) never acts: with "
-            "actor.mini_batches=1 and actor.epochs=1 the update is exactly on-policy and every importance ratio "
-            "is 1; use actor.mini_batches > 1 or actor.epochs > 1 (DAPO and GSPO update in several mini-batches "
-            "per step)",
-            stacklevel=4,
-        )
-    if algo.rollout_is_cap < 1:
-        raise config_error(
-            "algo.rollout_is_cap",
-            algo.rollout_is_cap,
-            "must be >= 1 (it caps a weight around 1)",
-            "use e.g. 2.0",
-        )
-    roll = cfg.rollout
-    settings = (("top_p", roll.top_p, 1.0), ("top_k", roll.top_k, 0), ("min_p", roll.min_p, 0.0))
-    truncating = [f"rollout.{key}={value}" for key, value, off in settings if value != off]
-    if truncating:
-        warnings.warn(
-            f"{', '.join(truncating)}: the rollout samples from a truncated distribution while log-probs (the "
-            "trainer's and the rollout's) are over the full vocabulary, so the update's importance ratio is "
-            "biased; algo.rollout_is=tis corrects part of it, or sample untruncated",
-            stacklevel=4,
-        )
-    if algo.kl_estimator == "k1" and algo.kl_coef > 0 and not algo.kl_in_reward:
-        warnings.warn(
-            "algo.kl_estimator=k1 in the loss has zero expected gradient (its gradient is pure noise around 0): "
-            "use k3 (or k2) for a KL term in the loss; k1 is meant for a KL penalty in the reward "
-            "(algo.kl_in_reward)",
-            stacklevel=4,
-        )
-
-
-def _check_ppo(cfg: TrainConfig) -> None:
-    """The KL-in-reward settings, and the critic's: only PPO has token rewards and a critic."""
-    from dockrl.algos.ppo import KL_CONTROLLERS
-
-    algo, critic = cfg.algo, cfg.critic
-    if algo.kl_ctrl not in KL_CONTROLLERS:
-        raise config_error(
-            "algo.kl_ctrl", algo.kl_ctrl, "unknown KL controller", f"use one of {KL_CONTROLLERS}"
-        )
-    if algo.kl_in_reward and estimator_of(algo) not in KL_REWARD_ESTIMATORS:
-        raise config_error(
-            "algo.kl_in_reward",
-            True,
-            "the KL penalty goes into per-token rewards, which only PPO's GAE and REINFORCE++'s returns use "
-            f"(algo.name={algo.name}, estimator {estimator_of(algo)})",
-            "set algo.name=ppo, reinforce_pp or reinforce_pp_baseline, or algo.kl_in_reward=false for the KL "
-            "term in the loss",
-        )
-    if algo.kl_ctrl == "adaptive" and algo.name != "ppo":
-        raise config_error(
-            "algo.kl_ctrl",
-            "adaptive",
-            f"the adaptive KL controller lives in PPO's critic; algo.name={algo.name} has none",
-            "use algo.kl_ctrl=fixed, or algo.name=ppo",
-        )
-    if algo.kl_ctrl == "adaptive" and not algo.kl_in_reward:
-        raise config_error(
-            "algo.kl_ctrl",
-            "adaptive",
-            "the adaptive controller adjusts the KL penalty in the reward, which is off",
-            "set algo.kl_in_reward=true (algo.name=ppo), or algo.kl_ctrl=fixed",
-        )
-    if algo.kl_in_reward and algo.kl_coef == 0:
-        raise config_error(
-            "algo.kl_in_reward",
-            True,
-            "a KL penalty needs the reference model, and algo.kl_coef=0 skips it",
-            "set algo.kl_coef > 0 (the initial coefficient), or algo.kl_in_reward=false",
-        )
-    if algo.name != "ppo":
-        if algo.critic_warmup_steps:
-            raise config_error(
-                "algo.critic_warmup_steps",
-                algo.critic_warmup_steps,
-                f"algo.name={algo.name} has no critic to warm up",
-                "set algo.name=ppo, or algo.critic_warmup_steps=0",
-            )
-        if critic != CriticConfig():
-            warnings.warn(
-                f"critic settings have no effect with algo.name={algo.name} (only ppo has a critic)",
-                stacklevel=4,
-            )
-        return
-    for key, value in (("algo.gamma", algo.gamma), ("algo.lam", algo.lam)):
-        if not 0 <= value <= 1:
-            raise config_error(key, value, "must be in [0, 1]", "use e.g. 1.0")
-    _positive("algo.kl_target", algo.kl_target)
-    _positive("algo.kl_horizon", algo.kl_horizon)
-    _positive("algo.critic_warmup_steps", algo.critic_warmup_steps, allow_zero=True)
-    if algo.critic_warmup_steps >= cfg.run.steps:
-        warnings.warn(
-            f"algo.critic_warmup_steps={algo.critic_warmup_steps} >= run.steps={cfg.run.steps}: the actor never updates",
-            stacklevel=4,
-        )
-    for key in ("dp", "micro_batch_size", "mini_batches", "epochs"):
-        _positive(f"critic.{key}", getattr(critic, key))
-    _positive("critic.lr", critic.lr)
-    if critic.value_clip is not None:
-        _positive("critic.value_clip", critic.value_clip)
-    rows = cfg.run.prompts_per_step * cfg.rollout.samples_per_prompt
-    if rows % critic.dp:
-        raise config_error(
-            "critic.dp",
-            critic.dp,
-            f"does not divide the {rows} rows of a step (run.prompts_per_step x rollout.samples_per_prompt)",
-            f"use a divisor of {rows}",
-        )
-    if rows // critic.dp % critic.mini_batches:
-        raise config_error(
-            "critic.mini_batches",
-            critic.mini_batches,
-            f"does not divide the {rows // critic.dp} rows each critic rank trains on per step",
-            f"use a divisor of {rows // critic.dp}",
-        )
-    if critic.path is not None:
-        check_model_dir(critic.path, "critic.path")
-
-
 def _check_layouts(cfg: TrainConfig) -> None:
     """Training (dp, tp) and rollout tp layouts against each other and the model; reshard settings."""
     from dockrl.models.hf import read_config
     from dockrl.models.tp_plan import tp_problem
 
     actor, roll, reshard = cfg.actor, cfg.rollout, cfg.reshard
-    _positive("actor.tp", actor.tp)
-    _positive("rollout.tp", roll.tp)
+    positive("actor.tp", actor.tp)
+    positive("rollout.tp", roll.tp)
     world = actor.dp * actor.tp
-    _positive("rollout.replicas", roll.replicas)
+    positive("rollout.replicas", roll.replicas)
     if roll.placement == "colocated" and roll.replicas != 1:
         raise config_error(
             "rollout.replicas",
@@ -543,7 +266,7 @@ def _check_layouts(cfg: TrainConfig) -> None:
             "replicas are not built yet)",
             "use rollout.tp=1 with several rollout.replicas, or rollout.placement=colocated",
         )
-    _positive("rollout.max_staleness", roll.max_staleness, allow_zero=True)
+    positive("rollout.max_staleness", roll.max_staleness, allow_zero=True)
     if roll.max_staleness > 8:
         raise config_error(
             "rollout.max_staleness",
@@ -552,7 +275,7 @@ def _check_layouts(cfg: TrainConfig) -> None:
             "and off-policy corrections degrade past a few versions",
             "use a rollout.max_staleness of 0 to 8 (1 or 2 is typical)",
         )
-    _positive("rollout.partial_tokens", roll.partial_tokens, allow_zero=True)
+    positive("rollout.partial_tokens", roll.partial_tokens, allow_zero=True)
     if roll.partial:
         if roll.max_staleness < 1:
             raise config_error(
@@ -686,8 +409,8 @@ def _check_reward_model(cfg: TrainConfig) -> None:
         if rm != RewardModelConfig():
             warnings.warn("reward.model settings have no effect without reward.model.path", stacklevel=3)
         return
-    _positive("reward.model.num_workers", rm.num_workers)
-    _positive("reward.model.micro_batch_size", rm.micro_batch_size)
+    positive("reward.model.num_workers", rm.num_workers)
+    positive("reward.model.micro_batch_size", rm.micro_batch_size)
     if not math.isfinite(rm.weight):
         raise config_error("reward.model.weight", rm.weight, "must be finite", "use e.g. 1.0")
     check_model_dir(rm.path, "reward.model.path")
@@ -732,10 +455,10 @@ def _check_devices(device: str, ranks: int) -> None:
 
 def validate_sft(cfg: SFTConfig) -> SFTConfig:
     """Check an SFT config; resolves device and precision in place."""
-    _positive("run.batch_size", cfg.run.batch_size)
-    _positive("run.epochs", cfg.run.epochs)
-    _positive("actor.micro_batch_size", cfg.actor.micro_batch_size)
-    _positive("actor.lr", cfg.actor.lr)
+    positive("run.batch_size", cfg.run.batch_size)
+    positive("run.epochs", cfg.run.epochs)
+    positive("actor.micro_batch_size", cfg.actor.micro_batch_size)
+    positive("actor.lr", cfg.actor.lr)
     if cfg.actor.dp != 1:
         raise config_error("actor.dp", cfg.actor.dp, "dockrl sft runs in one process", "use actor.dp=1")
     if cfg.actor.tp != 1:
@@ -764,9 +487,9 @@ def validate_sft(cfg: SFTConfig) -> SFTConfig:
 
 def _check_data(data: DataConfig) -> None:
     """The data section, shared by dockrl train and dockrl sft (both read every setting of it)."""
-    _positive("data.max_prompt_len", data.max_prompt_len)
+    positive("data.max_prompt_len", data.max_prompt_len)
     if data.eval_limit is not None:
-        _positive("data.eval_limit", data.eval_limit)
+        positive("data.eval_limit", data.eval_limit)
         if data.eval_path is None:
             warnings.warn(
                 f"data.eval_limit={data.eval_limit} has no effect without data.eval_path", stacklevel=4
@@ -783,7 +506,7 @@ def _check_dock(cfg: TrainConfig) -> None:
     if dock.transport not in ("socket", "ray"):
         raise config_error("dock.transport", dock.transport, "unknown transport", "use socket or ray")
     if dock.max_rows is not None:
-        _positive("dock.max_rows", dock.max_rows)
+        positive("dock.max_rows", dock.max_rows)
         rows = cfg.run.prompts_per_step * cfg.rollout.samples_per_prompt
         what = f"one step's {rows} rows"
         if cfg.algo.dynamic_sampling:  # each round may add up to a step's rows

@@ -144,7 +144,9 @@ def main() -> None:
         if ready and not os.read(stdin, 4096):  # EOF: the driver is gone
             break
         # Another run's reaper (the driver restarted its Ray) keeps its own pipe; it is not a target.
-        noted.update({pid: start for pid, start in descendants(driver).items() if not _is_reaper(pid)})
+        for pid, start in descendants(driver).items():
+            if noted.get(pid) != start and not _is_reaper(pid):  # cmdline read once per new process
+                noted[pid] = start
     reap(run_id, noted=noted)
 
 
