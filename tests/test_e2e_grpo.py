@@ -45,7 +45,9 @@ def test_two_grpo_steps_through_cli(ray_session, tmp_path, tiny_model, arithmeti
         "dock: {num_warehouses: 2, get_timeout_s: 120}\n"
         # The KV cache is dropped after each rollout and built again at the next (the CUDA default).
         "reshard: {free_kv_cache: true}\n"
-        "run: {steps: 2, prompts_per_step: 4, progress: false, worker_timeout_s: 300, log_samples: 2}\n"
+        # fp32: trainer and rollout log-probs then agree to rounding (checked below)
+        "run: {steps: 2, prompts_per_step: 4, progress: false, worker_timeout_s: 300, log_samples: 2, "
+        "precision: fp32}\n"
     )
     code = main(
         [

@@ -74,7 +74,7 @@ def test_old_logprobs_from_the_rollout_skip_the_old_stage(ray_session, tmp_path,
     config = tmp_path / "grpo.yaml"
     config.write_text(CONFIG.replace("micro_batch_size: 4}", "micro_batch_size: 4, mini_batches: 2}"))
     base = ["train", str(config), f"model.path={tiny_model}", f"data.train_path={arithmetic_data['train']}"]
-    base += [f"run.output_dir={tmp_path}", "run.steps=1"]
+    base += [f"run.output_dir={tmp_path}", "run.steps=1", "run.precision=fp32"]
     assert main([*base, "run.name=recompute"]) == 0
     assert main([*base, "run.name=rollout", "algo.old_logprobs=rollout"]) == 0
     rows = {}

@@ -3,7 +3,8 @@
 One tiny random model (`make_tiny`: a Qwen2-family Hugging Face directory) is loaded into dockrl and into
 transformers; both sample num_sequences random prompts of prompt_len tokens with the same settings
 (temperature / top-p / top-k), with end-of-sequence disabled so both produce exactly new_tokens tokens per
-sequence, on the same torch thread count. Each side runs once to warm up, then `repeats` timed runs; the
+sequence, on the same torch thread count and weight precision (--precision, default: what run.precision=auto
+picks on this machine). Each side runs once to warm up, then `repeats` timed runs; the
 best run counts (the machine may be shared). Prints model_params, num_sequences, new_tokens,
 tokens_per_s_dockrl, tokens_per_s_hf, ratio.
 
@@ -34,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both engines")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per engine; the best counts")
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="weights of both engines (auto: run.precision's default on this machine)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--lengths", choices=("fixed", "longtail"), default="fixed", help="tokens per sequence (see above)"
@@ -49,7 +56,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hidden_size, num_layers = PRESETS[args.preset]
     hidden_size = args.hidden_size or hidden_size
     num_layers = args.num_layers or num_layers
+    from dockrl.config.validate import resolve_precision
+
     torch.set_num_threads(args.threads)
+    args.precision = resolve_precision(args.precision, "cpu", key="--precision")
     with tempfile.TemporaryDirectory() as model_dir:
         dockrl_model, hf_model = _load_both(model_dir, hidden_size, num_layers, args)
     generator = torch.Generator().manual_seed(args.seed)
@@ -64,6 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_sequences": args.num_sequences,
         "new_tokens": args.new_tokens,
         "lengths": args.lengths,
+        "precision": args.precision,
         "mean_new_tokens": num_tokens / len(lengths),
         "tokens_per_s_dockrl": num_tokens / dockrl_s,
         "tokens_per_s_hf": num_tokens / hf_s,
@@ -96,6 +107,8 @@ def _load_both(model_dir: str, hidden_size: int, num_layers: int, args: argparse
             "pip install -e '.[bench]'"
         ) from None
 
+    import torch
+
     from dockrl.models.hf import load_model
     from dockrl.models.tiny import make_tiny
 
@@ -107,8 +120,9 @@ def _load_both(model_dir: str, hidden_size: int, num_layers: int, args: argparse
         seed=args.seed,
         max_position_embeddings=max_positions,
     )
-    dockrl_model = load_model(model_dir).eval()
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    dockrl_model = load_model(model_dir, dtype=dtype).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     return dockrl_model, hf_model
 
 

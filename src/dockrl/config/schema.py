@@ -493,9 +493,8 @@ class RunConfig:
     device: Device = setting("auto", "cpu, cuda or auto (cuda when available).", noun="device")
     precision: Precision = setting(
         "auto",
-        "fp32, or bf16 (bf16 compute, fp32 master weights and reductions); auto: bf16 on cuda, and on a cpu "
-        "with native bf16 (AVX512-BF16 or AMX) for models of hidden size >= 512 (smaller ones run faster in "
-        "fp32 there), else fp32.",
+        "fp32, or bf16 (bf16 compute, fp32 master weights and reductions); auto: bf16 on cuda and on a cpu "
+        "with native bf16 (AVX512-BF16 or AMX), else fp32.",
         noun="precision",
     )
     ray_address: str | None = setting(None, "Address of a Ray cluster to join; None starts a local one.")

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from dockrl.models.attention import causal_attention
 from dockrl.models.config import ModelArgs
 
 
@@ -182,21 +183,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = _apply_rope(q.transpose(1, 2), *rope)  # [B, N, T, D]
         k = _apply_rope(k.transpose(1, 2), *rope)  # [B, K, T, D]
-        if write is not None and write.row_offsets is not None:  # continuous batching
-            k, v = _write_rows(cache, k, v, write.row_offsets, mask.shape[-1])
-            out = _grouped_attention(q, k, v, mask)  # [B, N, T, D]
-            return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-        if write is not None:  # every row at the same offset
-            cache_k, cache_v = cache
-            end = write.offset + seq
-            cache_k[:, :, write.offset : end] = k
-            cache_v[:, :, write.offset : end] = v
-            k, v = cache_k[:, :, :end], cache_v[:, :, :end]  # [B, K, S, D]
-        num_groups = q.shape[1] // k.shape[1]
-        if num_groups > 1:
-            k = k.repeat_interleave(num_groups, dim=1)
-            v = v.repeat_interleave(num_groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # [B, N, T, D]
+        if write is not None:
+            out = _cached_attention(q, k, v, mask, cache, write).to(x.dtype)  # [B, N, T, D]
+        elif mask is None:  # plain causal attention over the T tokens (training, scoring)
+            out = causal_attention(q, k, v)
+        else:  # padded rows without a cache
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -436,6 +428,29 @@ def _write_rows(
     if selected is None:
         return cache_k[:, :, :num_keys], cache_v[:, :, :num_keys]
     return cache_k[selected, :, :num_keys], cache_v[selected, :, :num_keys]
+
+
+def _cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    cache: tuple,
+    write: CacheWrite,
+) -> torch.Tensor:
+    """Write k, v [B, K, T, D] into this layer's cache and attend q [B, N, T, D] over its key slots, in the
+    cache's dtype (a CPU rollout keeps an fp32 cache under bf16 weights: see KVCache)."""
+    dtype = cache[0].dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if write.row_offsets is not None:  # continuous batching
+        k, v = _write_rows(cache, k, v, write.row_offsets, mask.shape[-1])
+        return _grouped_attention(q, k, v, mask)  # [B, N, T, D]
+    cache_k, cache_v = cache  # every row at the same offset
+    end = write.offset + q.shape[2]
+    cache_k[:, :, write.offset : end] = k
+    cache_v[:, :, write.offset : end] = v
+    k, v = cache_k[:, :, :end], cache_v[:, :, :end]  # [B, K, S, D]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -189,8 +189,11 @@ def materialize(
     with torch.device("meta"):
         model = build()
     _check_keys_and_shapes(model, state_dict, path)
+    # copy=True: fresh storage from torch's (64-byte aligned) allocator. A safetensors tensor may be a view at
+    # any byte offset of the file, and a misaligned operand takes other SIMD paths whose rounding differs, so
+    # the same weights would compute different bits depending on the file's header length.
     state_dict = {
-        k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
+        k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=True)
         for k, v in state_dict.items()
     }
     model.load_state_dict(state_dict, strict=True, assign=True)

@@ -13,7 +13,8 @@
    returns the Completions finished in this step
 ```
 
-Cache layout: contiguous per slot - per layer k, v [num_slots, K, max_seq_len, D] (the model's `KVCache`).
+Cache layout: contiguous per slot - per layer k, v [num_slots, K, max_seq_len, D] (the model's `KVCache`), in
+the weights' dtype on an accelerator and fp32 on a CPU (`cache_dtype`).
 A slot's sequence always starts at cache position 0, so cache position == RoPE position. Free slots are
 handed out lowest index first and decode runs over the slot range [0, hi) with hi = highest running slot
 + 1, as one view of the cache (no gather, no copy); idle slots inside the range compute a harmless garbage
@@ -48,6 +49,13 @@ _IDLE = SamplingParams(max_new_tokens=1, temperature=0.0)
 # Decode only the running rows once fewer than this share of rows [0, hi) run. Gathering their cache rows
 # reads each running row's keys twice (copy, attention); below half, that is still less than attending all hi.
 COMPACT_BELOW = 0.5
+
+
+def cache_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: the weights' on an accelerator; fp32 on a CPU, where a bf16 cache makes decode
+    attention slower, not faster (its key slices are strided, and the CPU's bf16 batched matmul copies each
+    one first; fp32 reads them in place), while the cache stays small there."""
+    return torch.float32 if device.type == "cpu" else weight_dtype
 
 
 @dataclass
@@ -132,7 +140,8 @@ class RolloutEngine:
         self.pad_token_id, self.detokenize = pad_token_id, detokenize
         weight = model.output_weight()
         self.device, self.dtype = weight.device, weight.dtype
-        self.cache = KVCache(model.args, num_slots, max_seq_len, self.dtype, self.device)
+        self.cache_dtype = cache_dtype(self.dtype, self.device)
+        self.cache = KVCache(model.args, num_slots, max_seq_len, self.cache_dtype, self.device)
         self.waiting: deque[Request] = deque()
         self.free: list[int] = list(range(num_slots))  # a heap: lowest slot first keeps `hi` small
         self.running: list[_Running | None] = [None] * num_slots
@@ -243,7 +252,7 @@ class RolloutEngine:
         for row, prompt in enumerate(prompts):
             ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
         # Right padding: pads sit after every real token, so causal attention alone keeps them unseen.
-        scratch = KVCache(self.model.args, num_prompts, longest, self.dtype, self.device)
+        scratch = KVCache(self.model.args, num_prompts, longest, self.cache_dtype, self.device)
         last = torch.tensor([len(prompt) - 1 for prompt in prompts], device=self.device)  # [G]
         logits = self._forward_last(ids.to(self.device), None, None, scratch, 0, last)  # [G, V]
         slots = torch.tensor(row_slots, device=self.device)  # [R]

@@ -1,0 +1,101 @@
+"""The decoder's causal attention: bf16 on a CPU (SDPA forward, dockrl's block-causal backward) against float64.
+
+Tolerances come from bf16 rounding. Every value in the bf16 backward passes through at most a few roundings to bf16
+(unit roundoff u = 2^-9): the probabilities before p.T @ dout, dp = dout @ v.T, the forward output behind
+rowsum(dout * out), ds before ds @ k and ds.T @ q, and the result; the matmuls accumulate in fp32 (about 2^-24
+per term). So each result is within c * u * (the same computation on absolute values) with c = 8 > the number of
+roundings on any path; a wrong index or a missing term is an O(1) relative error instead.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dockrl.models.attention as attention
+from dockrl.models.attention import causal_attention
+
+BOUND = 8 * 2.0**-9  # c * u, see the module docstring
+
+
+def _reference(q, k, v, grad_out):
+    """Float64 attention on the bf16 values, its gradients, and magnitudes: the same products on |values|."""
+    groups = q.shape[1] // k.shape[1]
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    kr, vr = k64.repeat_interleave(groups, 1), v64.repeat_interleave(groups, 1)
+    seq, scale = q.shape[2], q.shape[-1] ** -0.5
+    future = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+    probs = torch.softmax((q64 @ kr.transpose(-1, -2) * scale).masked_fill(future, float("-inf")), -1)
+    out = probs @ vr  # [B, N, T, D]
+    out.backward(grad_out.double())
+    with torch.no_grad():
+        g, p = grad_out.double().abs(), probs
+        out_mag = p @ vr.abs()
+        dp_mag = g @ vr.abs().transpose(-1, -2)  # |dout| |v|.T
+        delta_mag = (g * out_mag).sum(-1, keepdim=True)
+        ds_mag = p * (dp_mag + delta_mag) * scale  # [B, N, T, T]
+
+        def fold(x):  # query heads -> their kv head
+            return x.view(x.shape[0], -1, groups, *x.shape[2:]).sum(2)
+
+        mags = {
+            "out": out_mag,
+            "q": ds_mag @ kr.abs(),
+            "k": fold(ds_mag.transpose(-1, -2) @ q64.abs()),
+            "v": fold(p.transpose(-1, -2) @ g),
+        }
+    return out.detach(), {"q": q64.grad, "k": k64.grad, "v": v64.grad}, mags
+
+
+def _within(name, actual, expected, magnitude):
+    err = (actual.double() - expected).abs()
+    worst = (err / (magnitude + 1e-30)).max().item()
+    assert worst <= BOUND, f"{name}: error reaches {worst:.3g} of its magnitude (bound {BOUND:.3g})"
+    assert magnitude.max() > 0.1, f"{name}: a test of nothing"
+
+
+@pytest.mark.parametrize(
+    "batch,heads,kv_heads,seq,dim",
+    [(3, 4, 2, 37, 16), (2, 8, 4, 64, 32), (4, 2, 2, 5, 8), (1, 4, 1, 1, 8), (5, 6, 3, 19, 8)],
+)
+@pytest.mark.parametrize("block_elements", [1 << 22, 64])
+def test_bf16_cpu_attention_and_gradients_match_float64(
+    batch, heads, kv_heads, seq, dim, block_elements, monkeypatch
+):
+    """Grouped queries (1 to 4 per kv head), lengths that split into uneven query blocks, one token, and row
+    chunks of one (block_elements=64) or all rows."""
+    monkeypatch.setattr(attention, "_BLOCK_ELEMENTS", block_elements)
+    gen = torch.Generator().manual_seed(seq)
+    q = torch.randn(batch, heads, seq, dim, generator=gen).mul(2).bfloat16().requires_grad_()
+    k = torch.randn(batch, kv_heads, seq, dim, generator=gen).mul(2).bfloat16().requires_grad_()
+    v = torch.randn(batch, kv_heads, seq, dim, generator=gen).bfloat16().requires_grad_()
+    grad_out = torch.randn(batch, heads, seq, dim, generator=gen).bfloat16()
+    out = causal_attention(q, k, v)
+    out.backward(grad_out)
+    expected_out, expected_grads, mags = _reference(q, k, v, grad_out)
+    assert out.dtype == torch.bfloat16 and q.grad.dtype == torch.bfloat16
+    _within("out", out, expected_out, mags["out"])
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        _within(f"grad {name}", tensor.grad, expected_grads[name], mags[name])
+
+
+def test_query_blocks_cover_every_token_once():
+    for seq in (1, 15, 16, 17, 64, 143, 1000):
+        blocks = attention._query_blocks(seq)
+        assert blocks[0][0] == 0 and blocks[-1][1] == seq
+        assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+        assert len(blocks) <= attention._QUERY_BLOCKS and all(end - start >= 1 for start, end in blocks)
+
+
+def test_fp32_and_no_grad_paths_are_torchs_sdpa():
+    """fp32 (any device) and every pass without a gradient take torch's kernel as it is: the forward values of
+    the bf16 training path are those of scoring (reference, old log-probs) bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 8, generator=gen) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.equal(causal_attention(q, k, v), expected)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    with torch.no_grad():
+        scored = causal_attention(qb, kb, vb)
+    trained = causal_attention(qb.requires_grad_(), kb, vb)
+    assert torch.equal(scored, trained.detach())
