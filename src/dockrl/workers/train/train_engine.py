@@ -137,10 +137,11 @@ class TrainEngine:
                 vocab_start=self.vocab_start,
                 group=self.tp_group,
             )
-            return logp.view(rows, width), entropy.view(rows, width)
+            return logp, entropy  # [B (T-1)] each: flat, so FSDP2's root output is not a view
 
         with self.autocast():
-            return self.model(mb.input_ids, head=head)
+            logp, entropy = self.model(mb.input_ids, head=head)
+        return logp.view(rows, width), entropy.view(rows, width)
 
     def autocast(self):
         """bf16 autocast for the unsharded path (FSDP2's mixed-precision policy covers the sharded one)."""
