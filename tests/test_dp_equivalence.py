@@ -28,13 +28,19 @@ def make_rows(vocab: int) -> dict[str, list]:
 
 
 def run_update(
-    model_dir: str, idx: list[int], world_size: int, mesh=None, micro_batch_size: int = 2, max_tokens: int = 0
+    model_dir: str,
+    idx: list[int],
+    world_size: int,
+    mesh=None,
+    micro_batch_size: int = 2,
+    max_tokens: int = 0,
+    precision: str = "fp32",
 ):
     from dockrl.workers.train.policy_update import policy_update
     from dockrl.workers.train.train_engine import TrainEngine
 
     optim = ActorConfig(lr=OPTIM.lr, grad_clip=OPTIM.grad_clip, micro_batch_size=micro_batch_size)
-    engine = TrainEngine(model_dir, device="cpu", precision="fp32", mesh=mesh, optim=optim)
+    engine = TrainEngine(model_dir, device="cpu", precision=precision, mesh=mesh, optim=optim)
     batch = make_rows(engine.args.vocab_size)
     metrics = policy_update(
         engine,
@@ -51,7 +57,9 @@ def run_update(
     return metrics, full_grads(engine), engine.full_state_dict()
 
 
-def _dp_worker(rank: int, world_size: int, port: int, model_dir: str, out_path: str, leave) -> None:
+def _dp_worker(
+    rank: int, world_size: int, port: int, model_dir: str, out_path: str, precision: str, leave
+) -> None:
     from dockrl.parallel.dist import data_parallel_mesh, init_distributed
 
     torch.set_num_threads(1)
@@ -60,9 +68,8 @@ def _dp_worker(rank: int, world_size: int, port: int, model_dir: str, out_path: 
     per_rank = NUM_ROWS // world_size
     # A token budget of 24 (rows of 5 to 14 tokens): micro-batches of 1 to 4 rows sorted by length, and the two
     # ranks end up with different counts (the one with fewer runs idle micro-batches to keep FSDP2 in step).
-    metrics, grads, _ = run_update(
-        model_dir, list(range(rank * per_rank, (rank + 1) * per_rank)), world_size, mesh, max_tokens=24
-    )
+    rows = list(range(rank * per_rank, (rank + 1) * per_rank))
+    metrics, grads, _ = run_update(model_dir, rows, world_size, mesh, max_tokens=24, precision=precision)
     if rank == 0:
         torch.save({"metrics": metrics, "grads": grads}, out_path)
     leave(rank)
@@ -81,13 +88,37 @@ def test_token_budget_micro_batches_group_like_lengths():
 def test_dp2_equals_dp1(tmp_path, tiny_model):
     ref_metrics, ref_grads, _ = run_update(str(tiny_model), list(range(NUM_ROWS)), world_size=1)
     out = tmp_path / "dp2.pt"
-    spawn_ranks(_dp_worker, 2, free_port(), str(tiny_model), str(out))
+    spawn_ranks(_dp_worker, 2, free_port(), str(tiny_model), str(out), "fp32")
     dp2 = torch.load(out)
     for key in ("loss", "pg_loss", "kl", "grad_norm", "clip_frac"):
         # O(1) sums of a few hundred fp32 terms: rounding stays near 1e-5 relative (see helpers.GRAD_RTOL).
         assert dp2["metrics"][key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), key
     assert ref_metrics["grad_norm"] > 0
     assert_grads_close(dp2["grads"], ref_grads)
+
+
+# bf16 (FSDP2 casts the weights to bf16; gradients and their reduction in fp32): dp=1 and dp=2 run every row
+# through the same bf16 ops, but the gradient of a weight is a matmul over a micro-batch's tokens whose result is
+# rounded to bf16 (unit roundoff u = 2^-9) before the fp32 sum over micro-batches and ranks, and the two layouts
+# group the rows differently. Each of the at most 8 partial sums of an element carries one rounding of at most
+# u x its size, so an element moves by at most 8u x the tensor's scale, its largest |element|.
+BF16_GRAD_ATOL_OF_SCALE = 8 * 2.0**-9
+
+
+def test_dp2_equals_dp1_in_bf16(tmp_path, tiny_model):
+    outs = {}
+    for world in (1, 2):
+        outs[world] = tmp_path / f"dp{world}.pt"
+        spawn_ranks(_dp_worker, world, free_port(), str(tiny_model), str(outs[world]), "bf16")
+    dp1, dp2 = torch.load(outs[1]), torch.load(outs[2])
+    assert dp1["metrics"]["grad_norm"] > 0
+    for key in ("loss", "pg_loss", "kl"):  # sums of fp32 per-token terms of the same bf16 log-probs
+        assert dp2["metrics"][key] == pytest.approx(dp1["metrics"][key], rel=1e-4, abs=1e-6), key
+    for name, ref in dp1["grads"].items():
+        scale = float(ref.abs().max())
+        assert scale > 0, name
+        diff = float((dp2["grads"][name] - ref).abs().max())
+        assert diff <= BF16_GRAD_ATOL_OF_SCALE * scale, (name, diff / scale)
 
 
 def test_update_changes_parameters_and_is_micro_batch_invariant(tiny_model):

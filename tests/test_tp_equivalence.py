@@ -20,6 +20,13 @@ CASES = {  # model -> (dp, tp) layouts
     "qwen3": [(1, 2), (2, 2), (1, 4)],
     "llama": [(2, 2), (1, 4)],
 }
+BF16_LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # qwen2 in bf16; (1, 1) is the reference
+# bf16 layouts against bf16 dp=1 x tp=1 (both through FSDP2's bf16 weights): besides the gradient matmuls' rounding
+# before the fp32 sums (see test_dp_equivalence), a row-parallel layer (o_proj, down_proj) sums tp partial outputs,
+# each rounded to bf16 (u = 2^-9), and so does a vocab-parallel head's backward: about 4 roundings per decoder
+# layer, forward and backward, in the 2-layer model, which O(1)-conditioned layers carry to the gradients. So each
+# gradient element stays within 32u of its tensor's scale; a wrong shard or a missing partial sum is O(1).
+BF16_GRAD_ATOL_OF_SCALE = 32 * 2.0**-9
 
 
 def write_model(path, family: str, *, num_kv_heads: int = 4, seed: int = 0, hidden_size: int = 32):
@@ -64,13 +71,13 @@ def make_rows(vocab: int) -> dict[str, list]:
     return batch
 
 
-def run_update(model_dir: str, idx: list[int], dp: int, mesh=None):
+def run_update(model_dir: str, idx: list[int], dp: int, mesh=None, precision: str = "fp32"):
     """One policy update on rows idx; returns (metrics, whole gradients before the optimizer step)."""
     from dockrl.workers.train.policy_update import policy_update
     from dockrl.workers.train.train_engine import TrainEngine
 
     optim = ActorConfig(lr=1e-2, grad_clip=1.0, micro_batch_size=2)
-    engine = TrainEngine(model_dir, device="cpu", precision="fp32", mesh=mesh, optim=optim)
+    engine = TrainEngine(model_dir, device="cpu", precision=precision, mesh=mesh, optim=optim)
     metrics = policy_update(
         engine,
         make_rows(engine.args.vocab_size),
@@ -126,13 +133,15 @@ def _worker(rank: int, world: int, port: int, model_dirs: dict, out_path: str, l
     torch.set_num_threads(1)
     init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=120)
     results = {"functions": _check_head_stats_over_tp(rank, world)}
-    for family, layouts in CASES.items():
-        for dp, tp in layouts:
-            mesh = init_device_mesh("cpu", (world // (dp * tp), dp, tp), mesh_dim_names=("rep", "dp", "tp"))
-            per_rank = NUM_ROWS // dp
-            dp_rank = mesh["dp"].get_local_rank()
-            idx = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-            results[(family, dp, tp)] = run_update(model_dirs[family], idx, dp, mesh["dp", "tp"])
+    cases = [(f, layout, "fp32") for f, layouts in CASES.items() for layout in layouts]
+    cases += [("qwen2", layout, "bf16") for layout in BF16_LAYOUTS]
+    for family, (dp, tp), precision in cases:
+        mesh = init_device_mesh("cpu", (world // (dp * tp), dp, tp), mesh_dim_names=("rep", "dp", "tp"))
+        per_rank = NUM_ROWS // dp
+        dp_rank = mesh["dp"].get_local_rank()
+        idx = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+        key = (family, dp, tp) if precision == "fp32" else (family, dp, tp, precision)
+        results[key] = run_update(model_dirs[family], idx, dp, mesh["dp", "tp"], precision)
     all_results = [None] * world
     torch.distributed.all_gather_object(all_results, results["functions"])
     if rank == 0:
@@ -166,3 +175,11 @@ def test_tp_and_dp_layouts_equal_single_process(tmp_path, tiny_model):
                     key,
                 )
             assert_grads_close(grads, ref_grads, msg=(family, dp, tp))
+    bf16_metrics, bf16_grads = results[("qwen2", 1, 1, "bf16")]
+    assert bf16_metrics["grad_norm"] > 0
+    for dp, tp in BF16_LAYOUTS[1:]:
+        metrics, grads = results[("qwen2", dp, tp, "bf16")]
+        for name, ref in bf16_grads.items():
+            scale = float(ref.abs().max())
+            diff = float((grads[name] - ref).abs().max())
+            assert scale > 0 and diff <= BF16_GRAD_ATOL_OF_SCALE * scale, (dp, tp, name, diff / scale)
