@@ -29,3 +29,20 @@ def test_bench_e2e_names_an_unknown_system():
     args = build_parser().parse_args(["bench", "e2e", "--systems=dockrl,verl"])
     with pytest.raises(SystemExit, match=r"--systems=dockrl,verl: unknown \['verl'\]"):
         run(args)
+
+
+def test_bench_kernels_times_every_variant_at_a_small_shape():
+    """Figures, not assertions on them: every stage and op row is there, each variant against its first."""
+    from dockrl.bench.kernels import run
+
+    args = build_parser().parse_args(
+        ["bench", "kernels", "--hidden-size=64", "--num-layers=1", "--rows=2", "--tokens=9", "--repeats=1"]
+    )
+    rows = run(args)
+    variants = {(row["what"], row["variant"]) for row in rows}
+    assert ("stage update", "bf16") in variants and (
+        "attention fwd+bwd (bf16)",
+        "dockrl backward",
+    ) in variants
+    assert len(rows) == 11 and all(row["ms"] > 0 for row in rows)
+    assert all(row["speedup"] == 1.0 for row in rows if row["variant"] in ("fp32", "torch SDPA", "eager"))

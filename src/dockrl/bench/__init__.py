@@ -20,4 +20,5 @@ BENCHMARKS: dict[str, str] = {
     "activations": "dockrl.bench.activations",
     "e2e": "dockrl.bench.e2e",
     "logprobs": "dockrl.bench.logprob_memory",
+    "kernels": "dockrl.bench.kernels",
 }

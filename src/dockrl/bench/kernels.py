@@ -1,0 +1,209 @@
+"""`dockrl bench kernels`: what precision, attention kernels, fused ops and torch.compile give per training stage.
+
+One decoder (the e2e bench's 6.4M shape by default: hidden 256, 8 layers, 8/4 heads, MLP 768) and one micro-batch
+of --rows x --tokens (28 x 143: one of the e2e workload's token-budget micro-batches). Rows, each the best of
+--repeats runs on --threads threads (the bench runs on one, like each dp rank):
+
+  stage     forward (reference / old log-probs: no grad) and update (forward + backward) of the whole decoder,
+            fp32 against bf16 weights (what run.precision picks), and with --compile each decoder layer under
+            torch.compile(dynamic=True) (inductor), whose compile time is reported beside it
+  attention one layer's causal attention, forward + backward in bf16: torch's SDPA against dockrl's
+            (SDPA forward, block-causal backward: dockrl.models.attention)
+  rmsnorm   transformers' composite RMSNorm against torch's F.rms_norm, forward + backward
+  rope      rotate_half with cat against roll and a signed sin (dockrl.models.decoder._apply_rope)
+  swiglu    silu(gate) * up, eager (torch has no fused CPU op for it; --compile adds inductor's fusion)
+
+`speedup` is the first variant's time over each other's. Only the stage rows measure what a run spends; the
+others isolate one op at the micro-batch's shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model shape, micro-batch shape, repeats, threads, --compile."""
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=28, help="rows in the micro-batch")
+    parser.add_argument("--tokens", type=int, default=143, help="tokens per row")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant; the best counts")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--compile", action="store_true", help="also torch.compile each decoder layer (minutes to compile)"
+    )
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Time every variant; one row per (what, variant)."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    rows: list[dict[str, Any]] = []
+    rows += _stage_rows(args)
+    rows += _op_rows(args)
+    return rows
+
+
+def _best(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm-up (allocations, lazy init)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _row(what: str, variant: str, seconds: float, base: float, **extra: Any) -> dict[str, Any]:
+    return {"what": what, "variant": variant, "ms": seconds * 1e3, "speedup": base / seconds, **extra}
+
+
+def _model(args: argparse.Namespace, dtype):
+    from dockrl.models.config import ModelArgs
+    from dockrl.models.decoder import Transformer
+
+    hidden = args.hidden_size
+    model_args = ModelArgs(
+        family="qwen2",
+        vocab_size=492,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_layers=args.num_layers,
+        num_heads=hidden // 32,
+        num_kv_heads=max(1, hidden // 64),
+        head_dim=32,
+        max_position_embeddings=max(512, args.tokens),
+        tie_word_embeddings=True,
+        attention_bias=True,
+        qk_norm=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = Transformer(model_args)
+    model.init_weights(seed=0)
+    return model.to(dtype)
+
+
+def _stage_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+
+    from dockrl.algos.head_logprobs import head_token_stats
+
+    ids = torch.randint(3, 492, (args.rows, args.tokens), generator=torch.Generator().manual_seed(0))
+
+    def head(hidden, weight):
+        flat = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        return head_token_stats(flat, weight, ids[:, 1:].reshape(-1))
+
+    def forward(model) -> None:
+        with torch.no_grad():
+            model(ids, head=head)
+
+    def update(model) -> None:
+        logp, entropy = model(ids, head=head)
+        (logp.sum() + 0.01 * entropy.sum()).backward()
+
+    out: list[dict[str, Any]] = []
+    models = {"fp32": _model(args, torch.float32), "bf16": _model(args, torch.bfloat16)}
+    compile_s = None
+    if args.compile:
+        compiled = _model(args, torch.bfloat16)
+        for index, layer in enumerate(compiled.model.layers):
+            compiled.model.layers[index] = torch.compile(layer, dynamic=True)
+        start = time.perf_counter()
+        update(compiled)
+        forward(compiled)
+        compile_s = time.perf_counter() - start
+        models["bf16 compiled layers"] = compiled
+    for stage, fn in (("forward", forward), ("update", update)):
+        base = None
+        for variant, model in models.items():
+            seconds = _best(lambda m=model, f=fn: f(m), args.repeats)
+            base = base or seconds
+            extra = {"compile_s": compile_s} if "compiled" in variant else {}
+            out.append(_row(f"stage {stage}", variant, seconds, base, **extra))
+    return out
+
+
+def _op_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+    import torch.nn.functional as F
+
+    from dockrl.models.attention import causal_attention
+    from dockrl.models.decoder import _apply_rope
+
+    gen = torch.Generator().manual_seed(1)
+    bf16, hidden = torch.bfloat16, args.hidden_size
+    heads, kv_heads, dim, rows, tokens = hidden // 32, max(1, hidden // 64), 32, args.rows, args.tokens
+    out: list[dict[str, Any]] = []
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen).to(bf16).requires_grad_()
+
+    q, k, v = (
+        leaf(rows, heads, tokens, dim),
+        leaf(rows, kv_heads, tokens, dim),
+        leaf(rows, kv_heads, tokens, dim),
+    )
+    grad = torch.randn(rows, heads, tokens, dim, generator=gen).to(bf16)
+
+    def sdpa() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(grad)
+
+    def ours() -> None:
+        causal_attention(q, k, v).backward(grad)
+
+    base = _best(sdpa, args.repeats)
+    out.append(_row("attention fwd+bwd (bf16)", "torch SDPA", base, base))
+    out.append(_row("attention fwd+bwd (bf16)", "dockrl backward", _best(ours, args.repeats), base))
+
+    x, weight = leaf(rows, tokens, hidden), leaf(hidden)
+    grad_x = torch.randn(rows, tokens, hidden, generator=gen).to(bf16)
+
+    def composite() -> None:
+        normed = x.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + 1e-6)
+        (weight * normed.to(bf16)).backward(grad_x)
+
+    def fused() -> None:
+        F.rms_norm(x, (hidden,), weight, 1e-6).backward(grad_x)
+
+    base = _best(composite, args.repeats)
+    out.append(_row("rmsnorm fwd+bwd (bf16)", "composite (transformers)", base, base))
+    out.append(_row("rmsnorm fwd+bwd (bf16)", "F.rms_norm", _best(fused, args.repeats), base))
+
+    cos = torch.randn(rows, 1, tokens, dim, generator=gen).to(bf16)
+    sin = torch.randn(rows, 1, tokens, dim, generator=gen).to(bf16)
+    signed = torch.cat((-sin[..., : dim // 2], sin[..., dim // 2 :]), dim=-1)
+
+    def rope_cat() -> None:
+        rotated = torch.cat((-q[..., dim // 2 :], q[..., : dim // 2]), dim=-1)
+        (q * cos + rotated * sin).backward(grad)
+
+    def rope_roll() -> None:
+        _apply_rope(q, cos, signed).backward(grad)
+
+    base = _best(rope_cat, args.repeats)
+    out.append(_row("rope fwd+bwd (bf16)", "cat (transformers)", base, base))
+    out.append(_row("rope fwd+bwd (bf16)", "roll, signed sin", _best(rope_roll, args.repeats), base))
+
+    gate, up = leaf(rows, tokens, 3 * hidden), leaf(rows, tokens, 3 * hidden)
+    grad_h = torch.randn(rows, tokens, 3 * hidden, generator=gen).to(bf16)
+
+    def swiglu(fn=lambda g, u: F.silu(g) * u) -> None:
+        fn(gate, up).backward(grad_h)
+
+    base = _best(swiglu, args.repeats)
+    out.append(_row("swiglu fwd+bwd (bf16)", "eager", base, base))
+    if args.compile:
+        fused_swiglu = torch.compile(lambda g, u: F.silu(g) * u, dynamic=True)
+        out.append(
+            _row("swiglu fwd+bwd (bf16)", "compiled", _best(lambda: swiglu(fused_swiglu), args.repeats), base)
+        )
+    return out
