@@ -162,13 +162,30 @@ def test_batch_invariance_any_companions_any_order(model):
 
 
 def test_a_long_tail_decodes_only_the_running_rows_with_the_same_tokens(model):
-    # Slot 7 runs long while slots 0-6 finish early: the late steps decode one gathered row, not eight.
+    # Slot 7 runs long while slots 0-6 finish early: it moves to slot 0 once, and the late steps decode one row.
     long = SamplingParams(max_new_tokens=24, temperature=1.0)
     short = SamplingParams(max_new_tokens=2, temperature=1.0)
     requests = [Request(PROMPTS[1 + i % 4], [40 + i], short, tag=i) for i in range(7)]
     requests += [Request(PROMPTS[0], [3], long, tag="long")]
     mixed, engine = run_engine(model, requests, num_slots=8)
-    assert engine.stats["compact_steps"] >= 20
+    assert engine.stats["compactions"] == 1 and engine.stats["moved_rows"] == 1
+    # each short sample is decoded once (its first token comes from the prefill), the long one 23 times
+    assert engine.stats["decode_rows"] == 7 + 23
+    for request in requests:
+        alone, _ = run_engine(model, [request], num_slots=1)
+        assert torch.equal(mixed[(request.tag, 0)].token_ids, alone[(request.tag, 0)].token_ids)
+        assert (mixed[(request.tag, 0)].logprobs - alone[(request.tag, 0)].logprobs).abs().max() < 1e-5
+
+
+def test_compaction_between_admissions_keeps_every_sample(model):
+    """More requests than slots, of mixed lengths: samples move down while others are admitted into freed
+    slots, and every sample equals the same request run alone."""
+    requests = [
+        Request(PROMPTS[i % 5], [60 + i], SamplingParams(max_new_tokens=(3, 17, 2, 9, 1, 12)[i % 6]), tag=i)
+        for i in range(11)
+    ]
+    mixed, engine = run_engine(model, requests, num_slots=6)
+    assert engine.stats["compactions"] >= 1 and engine.stats["moved_rows"] >= 1
     for request in requests:
         alone, _ = run_engine(model, [request], num_slots=1)
         assert torch.equal(mixed[(request.tag, 0)].token_ids, alone[(request.tag, 0)].token_ids)

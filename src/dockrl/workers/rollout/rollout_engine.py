@@ -10,6 +10,8 @@
              (per-row offsets), attending only its own slot's keys.
    finish  : a sample that hits a stop token / stop string / max_new_tokens frees its slot at once; the
              next step's admit hands the slot to a waiting request.
+   compact : once fewer than half the slots below hi run, the running samples move into the lowest slots
+             (cache rows and state copied once), so a long tail decodes a small contiguous batch.
    returns the Completions finished in this step
 ```
 
@@ -46,8 +48,9 @@ from dockrl.models.decoder import KVCache, Transformer
 from dockrl.workers.rollout.sampling import RowSettings, SamplingParams, sample_rows
 
 _IDLE = SamplingParams(max_new_tokens=1, temperature=0.0)
-# Decode only the running rows once fewer than this share of rows [0, hi) run. Gathering their cache rows
-# reads each running row's keys twice (copy, attention); below half, that is still less than attending all hi.
+# Move the running samples into the lowest slots once fewer than this share of the rows [0, hi) run: one copy
+# of the movers' written cache rows, after which every decode step reads only running rows (decoding all of
+# [0, hi) would attend idle rows' keys at every step; a gather per step would copy the running rows each time).
 COMPACT_BELOW = 0.5
 
 
@@ -153,13 +156,14 @@ class RolloutEngine:
         self.active = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # 1 = running
         self._all_keys = torch.ones(num_slots, max_seq_len, dtype=torch.bool, device=self.device)
         self._settings: RowSettings | None = None  # of the decoded rows, rebuilt when they change
-        self._settings_key: int | tuple[int, ...] | None = None  # hi, or the compacted slots
+        self._settings_key: int | None = None  # the hi they were built for
         self.stats = {
             "prefill_calls": 0,
             "prefill_prompts": 0,
             "decode_steps": 0,
             "decode_rows": 0,
-            "compact_steps": 0,  # decode steps that ran only the running rows
+            "compactions": 0,  # times the running samples were moved into the lowest slots
+            "moved_rows": 0,  # samples moved by those
         }
 
     # ---- public API ------------------------------------------------------------------------------
@@ -293,48 +297,63 @@ class RolloutEngine:
     # ---- decode ----------------------------------------------------------------------------------
 
     def _decode(self) -> list[Completion]:
-        """One token for every running sample. Rows [0, hi) run as one batch while most of them are busy;
-        once fewer than COMPACT_BELOW of them are, only the running rows run (gathered by slot), so a long
-        tail of a few late samples does not pay for the idle slots between them."""
+        """One token for every running sample, as one batch over the slot range [0, hi). Once fewer than
+        COMPACT_BELOW of the slots below hi are running, `_compact` first moves the running samples into the
+        lowest slots, so a long tail of a few late samples does not pay for the idle slots between them."""
         slots = [slot for slot, state in enumerate(self.running) if state is not None]
+        if len(slots) < COMPACT_BELOW * (slots[-1] + 1):
+            slots = self._compact(slots)
         hi = slots[-1] + 1
         num_keys = max(self.running[slot].length for slot in slots) + 1
-        compact = len(slots) < COMPACT_BELOW * hi
-        key = tuple(slots) if compact else hi
-        if self._settings is None or self._settings_key != key:
-            rows_params = slots if compact else range(hi)
-            params = [
-                _IDLE if self.running[s] is None else self.running[s].request.params for s in rows_params
-            ]
-            self._settings, self._settings_key = RowSettings.build(params, self.device), key
-        if compact:
-            index = torch.tensor(slots, device=self.device)  # [R]
-            cache = self.cache.select(index)
-        else:
-            index = slice(0, hi)
-            cache = self.cache.rows(hi)
-        offsets = self.lengths[index]
+        if self._settings is None or self._settings_key != hi:
+            params = [_IDLE if state is None else state.request.params for state in self.running[:hi]]
+            self._settings, self._settings_key = RowSettings.build(params, self.device), hi
+        offsets = self.lengths[:hi]
         logits = self._forward_last(
-            self.pending[index][:, None],
+            self.pending[:hi][:, None],
             offsets[:, None],
-            self._all_keys[: offsets.shape[0], :num_keys],
-            cache,
+            self._all_keys[:hi, :num_keys],
+            self.cache.rows(hi),
             offsets,
             None,
         )  # [B, V]
-        tokens, logprobs = sample_rows(logits, self._settings, self.seeds[index], self.steps[index])
-        self.lengths[index] += self.active[index]
-        self.steps[index] += self.active[index]
-        self.pending[index] = tokens
+        tokens, logprobs = sample_rows(logits, self._settings, self.seeds[:hi], self.steps[:hi])
+        self.lengths[:hi] += self.active[:hi]
+        self.steps[:hi] += self.active[:hi]
+        self.pending[:hi] = tokens
         for slot in slots:
             self.running[slot].length += 1
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += len(slots)
-        self.stats["compact_steps"] += int(compact)
         host_tokens, host_logprobs = tokens.tolist(), logprobs.tolist()
-        if compact:
-            return self._record(slots, host_tokens, host_logprobs)
         return self._record(slots, [host_tokens[s] for s in slots], [host_logprobs[s] for s in slots])
+
+    def _compact(self, slots: list[int]) -> list[int]:
+        """Move the running samples `slots` into slots [0, n), n = len(slots): each one above n takes a free slot
+        below n, with its cache rows (the positions it has written), its device state and its host state.
+        Returns the new running slots [0, n). A sample's tokens do not depend on its slot (see `sampling`)."""
+        count = len(slots)
+        movers = [slot for slot in slots if slot >= count]
+        targets = [slot for slot in range(count) if self.running[slot] is None]  # as many as movers
+        source = torch.tensor(movers, device=self.device)
+        dest = torch.tensor(targets, device=self.device)
+        written = max(self.running[slot].length for slot in movers)
+        for layer in range(len(self.cache.k)):
+            self.cache.k[layer][dest, :, :written] = self.cache.k[layer][source, :, :written]
+            self.cache.v[layer][dest, :, :written] = self.cache.v[layer][source, :, :written]
+        for state in (self.lengths, self.pending, self.seeds, self.steps, self.active):
+            state[dest] = state[source]
+        self.active[source] = 0
+        self.lengths[source] = 0  # idle slots write only at position 0 (see the module docstring)
+        self.steps[source] = 0
+        for old, new in zip(movers, targets):
+            self.running[new], self.running[old] = self.running[old], None
+        self.free = [slot for slot in self.free if slot >= count] + movers
+        heapq.heapify(self.free)
+        self._settings = None
+        self.stats["compactions"] += 1
+        self.stats["moved_rows"] += len(movers)
+        return list(range(count))
 
     # ---- bookkeeping -----------------------------------------------------------------------------
 
