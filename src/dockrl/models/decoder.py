@@ -62,8 +62,6 @@ class KVCache:
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)
         ]
 
-    rows_index: torch.Tensor | None = None  # set on views made by `select`
-
     def rows(self, num_rows: int) -> KVCache:
         """A view of the first num_rows sequences of this cache (shares storage, allocates nothing)."""
         view = KVCache.__new__(KVCache)
@@ -72,19 +70,9 @@ class KVCache:
         view.v = [v[:num_rows] for v in self.v]
         return view
 
-    def select(self, rows: torch.Tensor) -> KVCache:
-        """A view of sequences `rows` (int64 [R], any order) for per-row-offset decoding: new keys are
-        written into those rows of this cache, and attention reads a gathered copy of their key slots."""
-        view = KVCache.__new__(KVCache)
-        view.batch_size, view.max_len = int(rows.shape[0]), self.max_len
-        view.k, view.v, view.rows_index = self.k, self.v, rows
-        return view
-
-    def layer(self, index: int) -> tuple:
-        """What one attention layer gets: (k, v), or (k, v, rows) for a `select` view."""
-        if self.rows_index is None:
-            return self.k[index], self.v[index]
-        return self.k[index], self.v[index], self.rows_index
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What one attention layer gets: its (keys, values)."""
+        return self.k[index], self.v[index]
 
 
 @dataclass(frozen=True)
@@ -415,21 +403,19 @@ def _write_rows(
     cache_offset: torch.Tensor,
     num_keys: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write k, v [B, K, T, D] at per-row slots cache_offset[b] + t; return the key slots [B, K, S, D].
-
-    cache is (k, v) for rows 0..B-1, or (k, v, rows) to write cache rows `rows[b]` (a `KVCache.select`
-    view); then the returned key slots are a gathered copy of those rows.
-    """
-    cache_k, cache_v, selected = cache if len(cache) == 3 else (*cache, None)
+    """Write k, v [B, K, T, D] of cache rows 0..B-1 at per-row slots cache_offset[b] + t; return the key and value
+    slots [B, K, S, D] (views)."""
+    cache_k, cache_v = cache
     batch, seq = k.shape[0], k.shape[2]
-    slots = cache_offset[:, None] + torch.arange(seq, device=k.device)  # [B, T]
-    rows = torch.arange(batch, device=k.device) if selected is None else selected
-    # Advanced indices on dims 0 and 2 around a slice: the indexed view is [B, T, K, D].
-    cache_k[rows[:, None], :, slots] = k.transpose(1, 2)
-    cache_v[rows[:, None], :, slots] = v.transpose(1, 2)
-    if selected is None:
-        return cache_k[:, :, :num_keys], cache_v[:, :, :num_keys]
-    return cache_k[selected, :, :num_keys], cache_v[selected, :, :num_keys]
+    rows = torch.arange(batch, device=k.device)
+    if seq == 1:  # decode: advanced indices on dims 0 and 2 around a slice index a [B, K, D] view
+        cache_k[rows, :, cache_offset] = k[:, :, 0]
+        cache_v[rows, :, cache_offset] = v[:, :, 0]
+    else:  # the indexed view is [B, T, K, D]
+        slots = cache_offset[:, None] + torch.arange(seq, device=k.device)  # [B, T]
+        cache_k[rows[:, None], :, slots] = k.transpose(1, 2)
+        cache_v[rows[:, None], :, slots] = v.transpose(1, 2)
+    return cache_k[:, :, :num_keys], cache_v[:, :, :num_keys]
 
 
 def _cached_attention(
