@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both engines")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per engine; the best counts")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine; the best counts")
     parser.add_argument(
         "--precision",
         choices=("auto", "fp32", "bf16"),
