@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from dockrl.models.attention import causal_attention
+from dockrl.models.attention import causal_attention, sdpa
 from dockrl.models.config import ModelArgs
 
 
@@ -174,7 +174,7 @@ class Attention(nn.Module):
         elif mask is None:  # plain causal attention over the T tokens (training, scoring)
             out = causal_attention(q, k, v)
         else:  # padded rows without a cache
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+            out = sdpa(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -427,7 +427,7 @@ def _cached_attention(
     write: CacheWrite,
 ) -> torch.Tensor:
     """Write k, v [B, K, T, D] into this layer's cache and attend q [B, N, T, D] over its key slots, in the
-    cache's dtype (a CPU rollout keeps an fp32 cache under bf16 weights: see KVCache)."""
+    cache's dtype (a CPU rollout keeps an fp32 cache under bf16 weights: rollout_engine.cache_dtype)."""
     dtype = cache[0].dtype
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if write.row_offsets is not None:  # continuous batching
@@ -438,7 +438,7 @@ def _cached_attention(
     cache_k[:, :, write.offset : end] = k
     cache_v[:, :, write.offset : end] = v
     k, v = cache_k[:, :, :end], cache_v[:, :, :end]  # [B, K, S, D]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    return sdpa(q, k, v, mask)
 
 
 def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
