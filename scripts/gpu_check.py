@@ -185,7 +185,7 @@ def _make_rows(vocab: int, seed: int) -> dict[str, list[torch.Tensor]]:
 def _new_engine(ctx: Context, *, load_weights: bool = True):
     """A trainable TrainEngine on the 1-rank mesh (AdamW lr 1e-3, 10-step schedule)."""
     from dockrl.config import ActorConfig
-    from dockrl.workers.train.train_engine import TrainEngine
+    from dockrl.engines.train.train_engine import TrainEngine
 
     return TrainEngine(
         str(ctx.model_dir()),
@@ -201,7 +201,7 @@ def _new_engine(ctx: Context, *, load_weights: bool = True):
 def _update(engine, batch: dict[str, list[torch.Tensor]]) -> dict[str, float]:
     """One policy update (clipped surrogate + KL) on all rows of `batch`."""
     from dockrl.config import AlgoConfig
-    from dockrl.workers.train.policy_update import policy_update
+    from dockrl.engines.train.policy_update import policy_update
 
     return policy_update(
         engine,
@@ -355,7 +355,7 @@ def _time_best(ctx: Context, run_once: Callable[[int], None], new_tokens: int, r
 
 def _generate_dockrl(model, prompts: torch.Tensor, lengths: list[int]) -> None:
     """Sample len(lengths) sequences with dockrl's RolloutEngine, sequence i stopping after lengths[i]."""
-    from dockrl.workers.rollout import Request, RolloutEngine, SamplingParams
+    from dockrl.engines.rollout import Request, RolloutEngine, SamplingParams
 
     engine = RolloutEngine(model, num_slots=len(prompts), max_seq_len=prompts.shape[1] + max(lengths))
     for index, (prompt, length) in enumerate(zip(prompts.tolist(), lengths)):
@@ -446,10 +446,10 @@ def _memory(ctx: Context) -> int | None:
 
 def part_switch_offload(ctx: Context) -> dict[str, Any]:
     """Time RolloutSwitch enter/exit with offload after one optimizer step; parameters restored bitwise?"""
+    from dockrl.engines.reshard.switch import OffloadFlags, RolloutSwitch
     from dockrl.models.decoder import Transformer
     from dockrl.models.hf import materialize
     from dockrl.parallel.dist import inference_mesh
-    from dockrl.workers.reshard.switch import OffloadFlags, RolloutSwitch
 
     engine = _new_engine(ctx)
     _update(engine, _make_rows(engine.args.vocab_size, seed=0))

@@ -248,7 +248,7 @@ def test_where_micro_batches_do_not_match_without_global_counts():
 
 
 def test_trainer_whitens_rows_of_uneven_length_over_the_step():
-    from dockrl.workers.train.policy_update import whiten_rows
+    from dockrl.engines.train.policy_update import whiten_rows
 
     # rows of 2 and 1 tokens carrying advantages 1 and -2 -> tokens [1, 1, -2]: mean 0, std sqrt(2)
     rows = whiten_rows([torch.full((2,), 1.0), torch.full((1,), -2.0)])

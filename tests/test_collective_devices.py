@@ -9,10 +9,20 @@ loses its CPU part, or if a collective is handed a tensor on some other device.
 
 import torch
 
-from dockrl.parallel.dist import backend_for, free_port, served_devices
+from dockrl.parallel.dist import backend_for, free_port
 from dockrl.parallel.spawn import spawn_ranks
 
 COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def served_devices(backend: str) -> set[str]:
+    """Device types whose tensors the backend string `backend` takes ("nccl" -> {"cuda"})."""
+    defaults = {"gloo": "cpu", "nccl": "cuda", "mpi": "cpu"}
+    served = set()
+    for part in backend.split(","):
+        device, _, name = part.strip().rpartition(":")
+        served.add(device or defaults.get(name, name))
+    return served
 
 
 def test_backends_serve_the_devices_of_their_tensors():
@@ -38,9 +48,9 @@ def _spy(calls: list) -> None:
 
 def _worker(rank: int, world: int, port: int, model_dir: str, out: str, leave) -> None:
     from dockrl.config import ActorConfig, AlgoConfig
+    from dockrl.engines.train.policy_update import all_reduce_sum, policy_update, whiten_rows
+    from dockrl.engines.train.train_engine import TrainEngine
     from dockrl.parallel.dist import data_parallel_mesh, init_distributed
-    from dockrl.workers.train.policy_update import all_reduce_sum, policy_update, whiten_rows
-    from dockrl.workers.train.train_engine import TrainEngine
 
     torch.set_num_threads(1)
     init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=120)

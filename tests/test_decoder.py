@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dockrl.models import KVCache, ModelArgs, Transformer
-from dockrl.models.decoder import _attention_mask, rope_inv_freq
+from dockrl.models.decoder import attention_mask, rope_inv_freq
 
 VOCAB = 300
 
@@ -125,15 +125,15 @@ def test_left_padded_batch_equals_rows_alone(model):
 
 def test_attention_mask_is_causal_padded_and_never_empty():
     key_mask = torch.tensor([[False, False, True, True, True], [True, True, True, True, True]])
-    mask = _attention_mask(key_mask, batch=2, seq=2, cache_offset=3, has_cache=True, device="cpu")[:, 0]
+    mask = attention_mask(key_mask, batch=2, seq=2, cache_offset=3, has_cache=True, device="cpu")[:, 0]
     assert mask.tolist() == [
         [[False, False, True, True, False], [False, False, True, True, True]],
         [[True, True, True, True, False], [True, True, True, True, True]],
     ]
     # A left-padding query sees no real key; it attends to itself so no softmax row is empty (NaN).
-    prefill = _attention_mask(key_mask[:, :3], batch=2, seq=3, cache_offset=0, has_cache=False, device="cpu")
+    prefill = attention_mask(key_mask[:, :3], batch=2, seq=3, cache_offset=0, has_cache=False, device="cpu")
     assert prefill[0, 0].tolist() == [[True, False, False], [False, True, False], [False, False, True]]
-    assert _attention_mask(None, 2, 3, 0, has_cache=False, device="cpu") is None
+    assert attention_mask(None, 2, 3, 0, has_cache=False, device="cpu") is None
 
 
 @torch.no_grad()

@@ -36,8 +36,8 @@ def run_update(
     max_tokens: int = 0,
     precision: str = "fp32",
 ):
-    from dockrl.workers.train.policy_update import policy_update
-    from dockrl.workers.train.train_engine import TrainEngine
+    from dockrl.engines.train.policy_update import policy_update
+    from dockrl.engines.train.train_engine import TrainEngine
 
     optim = ActorConfig(lr=OPTIM.lr, grad_clip=OPTIM.grad_clip, micro_batch_size=micro_batch_size)
     engine = TrainEngine(model_dir, device="cpu", precision=precision, mesh=mesh, optim=optim)
@@ -76,7 +76,7 @@ def _dp_worker(
 
 
 def test_token_budget_micro_batches_group_like_lengths():
-    from dockrl.workers.train.batch import micro_batch_rows
+    from dockrl.engines.train.batch import micro_batch_rows
 
     lengths = [5, 100, 30, 30, 7]
     # Longest first; a micro-batch closes when one more row would pad past the budget; 100 > 64 goes alone.
@@ -137,8 +137,8 @@ def test_update_changes_parameters_and_is_micro_batch_invariant(tiny_model):
 
 def test_rows_of_weight_zero_leave_no_trace_in_the_update(tiny_model):
     """reward.on_error=drop_group: a row of update_weight 0 changes neither the loss nor the gradient."""
-    from dockrl.workers.train.policy_update import policy_update
-    from dockrl.workers.train.train_engine import TrainEngine
+    from dockrl.engines.train.policy_update import policy_update
+    from dockrl.engines.train.train_engine import TrainEngine
 
     def grads(idx: list[int], weights: list[float] | None):
         engine = TrainEngine(str(tiny_model), device="cpu", precision="fp32", optim=OPTIM)

@@ -20,7 +20,7 @@ TEMPERATURE = 0.9
 
 
 def _snapshot(engine) -> dict[str, torch.Tensor]:
-    from dockrl.workers.reshard.offload import local_tensor
+    from dockrl.engines.reshard.offload import local_tensor
 
     out = {f"param:{n}": local_tensor(p).clone() for n, p in engine.model.named_parameters()}
     for i, state in enumerate(engine.optimizer.state.values()):
@@ -32,10 +32,10 @@ def _snapshot(engine) -> dict[str, torch.Tensor]:
 def _run_pair(rank: int, world: int, model_dir: str, tp_train: int, tp_infer: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dockrl.workers.reshard.switch import RolloutSwitch
-    from dockrl.workers.rollout.sampler import SamplingParams, generate
-    from dockrl.workers.train.policy_update import policy_update
-    from dockrl.workers.train.train_engine import TrainEngine
+    from dockrl.engines.reshard.switch import RolloutSwitch
+    from dockrl.engines.rollout.sampler import SamplingParams, generate
+    from dockrl.engines.train.policy_update import policy_update
+    from dockrl.engines.train.train_engine import TrainEngine
 
     dp = world // tp_train
     train_mesh = init_device_mesh("cpu", (dp, tp_train), mesh_dim_names=("dp", "tp"))
@@ -129,8 +129,8 @@ def test_switch_round_trip_and_rollout_trainer_parity(tmp_path):
 
 
 def test_bucket_smaller_than_largest_tensor_is_an_error(tiny_model):
-    from dockrl.workers.reshard.switch import RolloutSwitch
-    from dockrl.workers.train.train_engine import TrainEngine
+    from dockrl.engines.reshard.switch import RolloutSwitch
+    from dockrl.engines.train.train_engine import TrainEngine
 
     engine = TrainEngine(str(tiny_model), device="cpu", precision="fp32", optim=ActorConfig())
     with pytest.raises(
@@ -142,8 +142,8 @@ def test_bucket_smaller_than_largest_tensor_is_an_error(tiny_model):
 
 
 def test_single_process_switch_frees_and_restores(tiny_model):
-    from dockrl.workers.reshard.switch import RolloutSwitch
-    from dockrl.workers.train.train_engine import TrainEngine
+    from dockrl.engines.reshard.switch import RolloutSwitch
+    from dockrl.engines.train.train_engine import TrainEngine
 
     engine = TrainEngine(str(tiny_model), device="cpu", precision="fp32", optim=ActorConfig())
     for param in engine.model.parameters():  # own resizable storage (not the safetensors mapping)

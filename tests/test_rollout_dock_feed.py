@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from dockrl.dock.errors import DockTimeoutError
+from dockrl.engines.rollout.dock_feed import serve_from_dock
+from dockrl.engines.rollout.rollout_engine import RolloutEngine
+from dockrl.engines.rollout.sampler import generate
+from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.models import ModelArgs, Transformer
-from dockrl.workers.rollout.dock_feed import serve_from_dock
-from dockrl.workers.rollout.rollout_engine import RolloutEngine
-from dockrl.workers.rollout.sampler import generate
-from dockrl.workers.rollout.sampling import SamplingParams
 
 GROUP = 3
 GROUP_PROMPTS = [[5, 17, 42], [11, 50, 2, 9], [8, 8], [23, 45, 6, 1, 1], [60, 61]]
@@ -116,7 +116,7 @@ def test_partial_rollout_continues_cut_rows_under_each_passes_weights():
     segment from the prompt plus the tokens before it, with that pass's model, seed and budget."""
     from dockrl.dock.central import CentralClient, CentralDock, HubTransport
     from dockrl.dock.transport import ServiceHub
-    from dockrl.workers.rollout.dock_feed import Partial
+    from dockrl.engines.rollout.dock_feed import Partial
 
     models = [tiny_model()]
     for seed in (1, 2):  # the weights after updates 1 and 2

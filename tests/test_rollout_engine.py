@@ -8,10 +8,10 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dockrl.algos.logprobs import token_logprobs
+from dockrl.engines.rollout.rollout_engine import Request, RolloutEngine
+from dockrl.engines.rollout.sampling import RowSettings, SamplingParams, counter_uniforms, filter_logits
 from dockrl.models import ModelArgs, Transformer
 from dockrl.models.hf import load_model
-from dockrl.workers.rollout.rollout_engine import Request, RolloutEngine
-from dockrl.workers.rollout.sampling import RowSettings, SamplingParams, counter_uniforms, filter_logits
 
 VOCAB = 96
 PROMPTS = [[5, 17, 42, 9, 7, 3], [11, 50], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7], [23, 45, 6], [60]]
@@ -297,3 +297,34 @@ def test_requests_that_cannot_fit_are_errors_naming_the_limit(model):
         RolloutEngine(model, num_slots=1, max_seq_len=65)
     with pytest.raises(ValueError, match="min_p"):
         SamplingParams(max_new_tokens=2, min_p=1.0)
+
+
+def test_load_weights_equals_a_fresh_engine_with_those_weights():
+    """RolloutBackend.load_weights: an engine that loads another model's weights samples exactly what an engine
+    built on that model samples (same greedy and seeded tokens, same log-probs bit for bit: the same kernels on
+    the same values). Refused while requests run, and for a name or shape the model lacks."""
+    from dockrl.engines.rollout import RolloutBackend
+
+    other = tiny_model(seed=1)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    requests = [Request(tag=i, prompt_ids=p, params=params, seeds=[i, i + 7]) for i, p in enumerate(PROMPTS)]
+    expected, _ = run_engine(other, requests, num_slots=4)
+    engine = RolloutEngine(tiny_model(seed=0), num_slots=4, max_seq_len=64)
+    assert isinstance(engine, RolloutBackend)
+    engine.load_weights((name, p.detach().clone()) for name, p in other.named_parameters())
+    for request in requests:
+        engine.add(request)
+    got = {(c.tag, c.sample): c.generation for c in engine.run()}
+    assert got.keys() == expected.keys()
+    for key, generation in got.items():
+        assert torch.equal(generation.token_ids, expected[key].token_ids), key
+        assert torch.equal(generation.logprobs, expected[key].logprobs), key
+    engine.add(requests[0])
+    with pytest.raises(RuntimeError, match="while requests run"):
+        engine.load_weights([])
+    list(engine.run())
+    with pytest.raises(ValueError, match="does not have"):
+        engine.load_weights([("no.such.weight", torch.zeros(1))])
+    name, param = next(iter(other.named_parameters()))
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_weights([(name, torch.zeros(param.numel() + 1))])

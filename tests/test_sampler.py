@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from dockrl.engines.rollout.sampler import SamplingParams, generate
+from dockrl.engines.rollout.sampling import RowSettings, filter_logits, inverse_cdf_sample, sample_rows
 from dockrl.models import ModelArgs, Transformer
-from dockrl.workers.rollout.sampler import SamplingParams, generate
-from dockrl.workers.rollout.sampling import RowSettings, filter_logits, inverse_cdf_sample, sample_rows
 
 VOCAB = 300
 PROMPTS = [[5, 17, 42, 99, 7, 3], [11, 250], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7], [123, 45, 6]]

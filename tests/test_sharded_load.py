@@ -30,7 +30,7 @@ def test_blocks_compose_tensor_parallel_and_fsdp_rows():
 
 def _step(engine, world: int) -> dict:
     from dockrl.config import AlgoConfig
-    from dockrl.workers.train.policy_update import policy_update
+    from dockrl.engines.train.policy_update import policy_update
 
     g = torch.Generator().manual_seed(engine.dp_rank)
     batch = {
@@ -48,9 +48,9 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, leave) -
 
     from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
     from dockrl.config import ActorConfig, CriticConfig
+    from dockrl.engines.train.train_engine import TrainEngine
     from dockrl.models.value import value_model_kind
     from dockrl.parallel.dist import data_parallel_mesh, init_distributed
-    from dockrl.workers.train.train_engine import TrainEngine
 
     torch.set_num_threads(1)
     init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=120)

@@ -73,8 +73,8 @@ def make_rows(vocab: int) -> dict[str, list]:
 
 def run_update(model_dir: str, idx: list[int], dp: int, mesh=None, precision: str = "fp32"):
     """One policy update on rows idx; returns (metrics, whole gradients before the optimizer step)."""
-    from dockrl.workers.train.policy_update import policy_update
-    from dockrl.workers.train.train_engine import TrainEngine
+    from dockrl.engines.train.policy_update import policy_update
+    from dockrl.engines.train.train_engine import TrainEngine
 
     optim = ActorConfig(lr=1e-2, grad_clip=1.0, micro_batch_size=2)
     engine = TrainEngine(model_dir, device="cpu", precision=precision, mesh=mesh, optim=optim)

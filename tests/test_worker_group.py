@@ -47,7 +47,6 @@ def group(ray_session):
 
 def test_call_and_collective(group):
     assert group.call("rank_times", 3) == [0, 3]
-    assert group.call_ranks("rank_times", [(5,), (7,)]) == [0, 7]
     assert group.call("all_reduce") == [3.0, 3.0]
 
 

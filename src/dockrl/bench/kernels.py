@@ -10,7 +10,7 @@ of --rows x --tokens (28 x 143: one of the e2e workload's token-budget micro-bat
   attention one layer's causal attention, forward + backward in bf16: torch's SDPA against dockrl's
             (SDPA forward, block-causal backward: dockrl.models.attention)
   rmsnorm   transformers' composite RMSNorm against torch's F.rms_norm, forward + backward
-  rope      rotate_half with cat against roll and a signed sin (dockrl.models.decoder._apply_rope)
+  rope      rotate_half with cat against roll and a signed sin (dockrl.models.decoder.apply_rope)
   swiglu    silu(gate) * up, eager (torch has no fused CPU op for it; --compile adds inductor's fusion)
 
 `speedup` is the first variant's time over each other's. Only the stage rows measure what a run spends; the
@@ -136,7 +136,7 @@ def _op_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch.nn.functional as F
 
     from dockrl.models.attention import causal_attention
-    from dockrl.models.decoder import _apply_rope
+    from dockrl.models.decoder import apply_rope
 
     gen = torch.Generator().manual_seed(1)
     bf16, hidden = torch.bfloat16, args.hidden_size
@@ -187,7 +187,7 @@ def _op_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         (q * cos + rotated * sin).backward(grad)
 
     def rope_roll() -> None:
-        _apply_rope(q, cos, signed).backward(grad)
+        apply_rope(q, cos, signed).backward(grad)
 
     base = _best(rope_cat, args.repeats)
     out.append(_row("rope fwd+bwd (bf16)", "cat (transformers)", base, base))

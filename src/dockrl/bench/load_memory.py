@@ -43,11 +43,11 @@ def _naive_load(model_dir: str, mesh):
     """The whole-model load: every rank reads every tensor, then FSDP2 keeps its rows."""
     import torch
 
+    from dockrl.engines.train.train_engine import fully_shard_layers
     from dockrl.models.hf import load_model
-    from dockrl.workers.train.train_engine import _shard
 
     model = load_model(model_dir, dtype=torch.float32)
-    _shard(model, mesh, "fp32")
+    fully_shard_layers(model, mesh, "fp32")
     return model
 
 
@@ -58,9 +58,9 @@ def _warm_up(model_dir: str, mesh) -> None:
     import tempfile
 
     from dockrl.config import ActorConfig
+    from dockrl.engines.train.train_engine import TrainEngine
     from dockrl.models.decoder import Transformer
     from dockrl.models.hf import read_config, save_model
-    from dockrl.workers.train.train_engine import TrainEngine
 
     args = dataclasses.replace(
         read_config(model_dir), num_layers=1, vocab_size=64, hidden_size=64, head_dim=8
@@ -84,7 +84,7 @@ def _save(model_dir: str, mesh, world: int, out: str) -> dict:
 
     from dockrl.checkpoint.sharded import export_hf, save_engine
     from dockrl.config import ActorConfig
-    from dockrl.workers.train.train_engine import TrainEngine
+    from dockrl.engines.train.train_engine import TrainEngine
 
     engine = TrainEngine(model_dir, device="cpu", precision="fp32", mesh=mesh, optim=ActorConfig())
     take_one_step(engine, world, seed=engine.dp_rank)
@@ -121,8 +121,8 @@ def _worker(
     import torch
 
     from dockrl.config import ActorConfig
+    from dockrl.engines.train.train_engine import TrainEngine
     from dockrl.parallel.dist import data_parallel_mesh, init_distributed
-    from dockrl.workers.train.train_engine import TrainEngine
 
     torch.set_num_threads(1)
     init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=600)

@@ -56,9 +56,9 @@ def _worker(
     import torch
 
     from dockrl.config import ActorConfig
+    from dockrl.engines.reshard.switch import OffloadFlags, RolloutSwitch
+    from dockrl.engines.train.train_engine import TrainEngine
     from dockrl.parallel.dist import inference_mesh, init_distributed, training_mesh
-    from dockrl.workers.reshard.switch import OffloadFlags, RolloutSwitch
-    from dockrl.workers.train.train_engine import TrainEngine
 
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)  # one GPU per spawned rank

@@ -140,7 +140,7 @@ def _best_time(run_once, args: argparse.Namespace) -> float:
 
 
 def _run_dockrl(model, prompts, lengths: list[int], args: argparse.Namespace) -> None:
-    from dockrl.workers.rollout import Request, RolloutEngine, SamplingParams
+    from dockrl.engines.rollout import Request, RolloutEngine, SamplingParams
 
     engine = RolloutEngine(model, num_slots=len(prompts), max_seq_len=prompts.shape[1] + max(lengths))
     for index, (prompt, length) in enumerate(zip(prompts.tolist(), lengths)):

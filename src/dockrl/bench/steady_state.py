@@ -15,7 +15,7 @@ def take_one_step(engine, dp: int, seed: int) -> None:
 
     from dockrl.config import AlgoConfig
     from dockrl.dock.columns import ADVANTAGES, PROMPT_IDS, RESPONSE_IDS
-    from dockrl.workers.train.policy_update import policy_update
+    from dockrl.engines.train.policy_update import policy_update
 
     vocab = engine.args.vocab_size
     g = torch.Generator().manual_seed(seed)

@@ -24,7 +24,6 @@ from dockrl.models.config import ModelArgs
 from dockrl.models.decoder import DecoderModel, Transformer
 from dockrl.models.hf import CONFIG_FILE, load_state_dict, materialize, read_config, save_model
 
-SCORE_KEY = "score.weight"
 ARCHITECTURES = {
     "llama": "LlamaForSequenceClassification",
     "qwen2": "Qwen2ForSequenceClassification",

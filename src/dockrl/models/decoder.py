@@ -105,7 +105,7 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x [B, heads, T, D]; cos, signed_sin [B, 1, T, D] (see `DecoderModel._rope`).
 
     transformers' x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1): roll(x) = cat(x2, x1) times
@@ -167,8 +167,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # [B, K, T, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = _apply_rope(q.transpose(1, 2), *rope)  # [B, N, T, D]
-        k = _apply_rope(k.transpose(1, 2), *rope)  # [B, K, T, D]
+        q = apply_rope(q.transpose(1, 2), *rope)  # [B, N, T, D]
+        k = apply_rope(k.transpose(1, 2), *rope)  # [B, K, T, D]
         if write is not None:
             out = _cached_attention(q, k, v, mask, cache, write).to(x.dtype)  # [B, N, T, D]
         elif mask is None:  # plain causal attention over the T tokens (training, scoring)
@@ -249,7 +249,7 @@ class DecoderModel(nn.Module):
             mask = _row_offset_mask(key_mask, write.row_offsets, seq)
         else:
             offset = 0 if write is None else write.offset
-            mask = _attention_mask(key_mask, batch, seq, offset, write is not None, input_ids.device)
+            mask = attention_mask(key_mask, batch, seq, offset, write is not None, input_ids.device)
         recompute = self.checkpoint_layers and write is None and torch.is_grad_enabled()
         for index, layer in enumerate(self.layers):
             if recompute:  # keeps only the layer's input; its forward runs again in the backward pass
@@ -260,7 +260,7 @@ class DecoderModel(nn.Module):
         return self.norm(x)
 
     def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [B, 1, T, D] (sin with its first D/2 entries negated, for `_apply_rope`), computed in
+        """cos and signed sin [B, 1, T, D] (sin with its first D/2 entries negated, for `apply_rope`), computed in
         fp32 then cast to dtype, as transformers does."""
         device = position_ids.device
         inv_freq = self._inv_freq_by_device.get(device)
@@ -471,7 +471,7 @@ def _row_offset_mask(key_mask: torch.Tensor, cache_offset: torch.Tensor, seq: in
     return mask[:, None]
 
 
-def _attention_mask(
+def attention_mask(
     key_mask: torch.Tensor | None,
     batch: int,
     seq: int,

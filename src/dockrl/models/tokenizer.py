@@ -209,3 +209,23 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, ensure_ascii=False)
         f.write("\n")
+
+
+def first_token_id(*ids: Any) -> int:
+    """The first id given (a list counts by its first entry); e.g. the pad id: pad, else eos, else 0."""
+    for i in ids:
+        if isinstance(i, list):
+            i = i[0] if i else None
+        if i is not None:
+            return int(i)
+    raise AssertionError("unreachable: the last default is an int")
+
+
+def stop_token_ids(*ids: Any) -> list[int]:
+    """Every distinct id given (ids or lists of ids), in order: the tokenizer's and the model's eos ids."""
+    out: list[int] = []
+    for i in ids:
+        for j in i if isinstance(i, list) else [i]:
+            if j is not None and int(j) not in out:
+                out.append(int(j))
+    return out

@@ -8,7 +8,7 @@ from a causal-LM checkpoint (its `lm_head` is dropped and a fresh head is drawn)
 directory (config.json of the body + the head), which `save_model` writes and `load_value_model` reads back.
 
 The value at position t is V(prompt + response[: t - P + 1]): on the trainer's shifted grid [B, T-1] (see
-`workers.train.batch`) the value of the state before response token j sits where that token's log-prob does.
+`engines.train.batch`) the value of the state before response token j sits where that token's log-prob does.
 """
 
 from __future__ import annotations

@@ -40,16 +40,6 @@ def backend_for(device: str) -> str:
     return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
 
 
-def served_devices(backend: str) -> set[str]:
-    """Device types whose tensors the backend string `backend` takes ("nccl" -> {"cuda"})."""
-    defaults = {"gloo": "cpu", "nccl": "cuda", "mpi": "cpu"}
-    served = set()
-    for part in backend.split(","):
-        device, _, name = part.strip().rpartition(":")
-        served.add(device or defaults.get(name, name))
-    return served
-
-
 def init_distributed(
     rank: int, world_size: int, master_addr: str, master_port: int, device: str, timeout_s: float = 600.0
 ) -> torch.device:

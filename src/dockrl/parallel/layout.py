@@ -37,10 +37,6 @@ class Layout:
         """Position of `rank` inside its tp group."""
         return rank % self.tp
 
-    def group_of(self, rank: int) -> int:
-        """Index of the tp group `rank` belongs to."""
-        return rank // self.tp
-
     def shard_slice(self, name: str, shape: tuple[int, ...], rank: int) -> tuple[int | None, int, int]:
         """(dim, start, end) of `rank`'s slice of parameter `name` with full `shape`; dim None = whole."""
         dim = shard_dim(name) if self.tp > 1 else None

@@ -24,7 +24,7 @@ from dockrl.workers.fault_injection import FaultInjector, process_identity
 from dockrl.workers.group import WorkerError, WorkerGroup
 from dockrl.workers.reward import RewardGroup
 from dockrl.workers.reward_model import RewardModelGroup
-from dockrl.workers.rollout.worker import RolloutGroup
+from dockrl.workers.rollout import RolloutGroup
 from dockrl.workers.supervisor import Supervisor
 
 log = logging.getLogger(__name__)

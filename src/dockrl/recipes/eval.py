@@ -12,12 +12,12 @@ from typing import Any
 import torch
 
 from dockrl.checkpoint.directory import resolve_model_path
+from dockrl.engines.rollout.sampler import SamplingParams, generate
 from dockrl.models.hf import load_model
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.recipes.common import EncodedPrompt, encode_prompts
 from dockrl.rewards.runner import RewardRunner, RewardSpec
 from dockrl.workers.reward import accuracy_key
-from dockrl.workers.rollout.sampler import SamplingParams, generate
 
 
 def score_answers(

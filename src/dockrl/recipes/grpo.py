@@ -35,6 +35,7 @@ from dockrl.config.step_plan import StepPlan, rollout_lead, step_plan
 from dockrl.dock.columns import RESPONSE_IDS
 from dockrl.dock.errors import DockError
 from dockrl.dock.metrics import bytes_moved, driver_bytes
+from dockrl.engines.rollout.dock_feed import ROLLOUT
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.observe.run_dir import RunDir, StageTimer
 from dockrl.recipes.cluster import Cluster, check_placement, sync_rollout_weights
@@ -55,7 +56,6 @@ from dockrl.workers.fault_injection import FaultInjector
 from dockrl.workers.group import WorkerError
 from dockrl.workers.results import GenerateResult, ScoreResult, UpdateResult
 from dockrl.workers.reward import reward_specs
-from dockrl.workers.rollout.dock_feed import ROLLOUT
 from dockrl.workers.supervisor import WorkerFailure
 
 log = logging.getLogger(__name__)

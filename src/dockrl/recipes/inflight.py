@@ -137,7 +137,7 @@ def _read_carried(client: Any, timeout_s: float) -> dict[str, Any] | None:
 def _restore_carried(kept: dict[str, Any], client: Any, group_size: int) -> None:
     """Rebuild the carried groups with their row numbers and ages: groups are added oldest first, one age at a
     time, each followed by the reset that ages them (as the original steps did)."""
-    from dockrl.workers.rollout.dock_feed import ROLLOUT
+    from dockrl.engines.rollout.dock_feed import ROLLOUT
 
     ages, n = kept["ages"], group_size
     cells: dict[int, dict[str, Any]] = {}

@@ -19,11 +19,11 @@ from dockrl.algos.logprobs import token_logprobs
 from dockrl.config.loader import to_dict
 from dockrl.config.schema import ActorConfig, SFTConfig
 from dockrl.data.datasets import load_prompts, render_prompt
+from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
+from dockrl.engines.train.train_engine import TrainEngine
 from dockrl.models.hf import save_model
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.observe.run_dir import RunDir
-from dockrl.workers.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
-from dockrl.workers.train.train_engine import TrainEngine
 
 log = logging.getLogger(__name__)
 

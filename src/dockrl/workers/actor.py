@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -36,17 +35,17 @@ from dockrl.dock.columns import (
     ROLLOUT_LOGPROBS,
     UPDATE_WEIGHT,
 )
-from dockrl.models.tokenizer import Tokenizer
+from dockrl.engines.reshard.switch import RolloutSwitch, offload_flags
+from dockrl.engines.rollout.dock_feed import serve_step, step_engine
+from dockrl.engines.rollout.rollout_engine import RolloutEngine
+from dockrl.engines.rollout.sampler import SamplingParams, generate
+from dockrl.engines.train.policy_update import all_reduce_sum, policy_update, whiten_rows
+from dockrl.engines.train.train_engine import TrainEngine
+from dockrl.models.tokenizer import Tokenizer, first_token_id, stop_token_ids
 from dockrl.parallel.dist import free_port, host_ip, inference_mesh, side_group, training_mesh
 from dockrl.parallel.replica import ReplicaClient
 from dockrl.workers.group import Pending, Worker, WorkerGroup
-from dockrl.workers.reshard.switch import RolloutSwitch, offload_flags
 from dockrl.workers.results import GenerateResult, LogprobResult, SetupResult, UpdateResult
-from dockrl.workers.rollout.dock_feed import serve_step, step_engine
-from dockrl.workers.rollout.rollout_engine import RolloutEngine
-from dockrl.workers.rollout.sampler import SamplingParams, generate
-from dockrl.workers.train.policy_update import all_reduce_sum, policy_update, whiten_rows
-from dockrl.workers.train.train_engine import TrainEngine
 
 # Measured on the first mini-batch of an update (see ActorWorker.update).
 MISMATCH_METRICS = ("rollout/logprob_abs_diff", "rollout/kl")
@@ -101,8 +100,8 @@ class ActorWorker(Worker):
         self._setup_switch(mesh)
         self.rollout_engine: RolloutEngine | None = None  # built at a generate; see reshard.free_kv_cache
         self.tokenizer = Tokenizer.from_dir(cfg.model.path)
-        self.pad_token_id = _first_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
-        self.stop_token_ids = _stop_ids(self.tokenizer.eos_token_id, self.policy.args.eos_token_id)
+        self.pad_token_id = first_token_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
+        self.stop_token_ids = stop_token_ids(self.tokenizer.eos_token_id, self.policy.args.eos_token_id)
         return SetupResult(self.policy.args.num_params(), str(self.device), self.where())
 
     def _setup_switch(self, train_mesh) -> None:
@@ -312,24 +311,6 @@ class ActorWorker(Worker):
         )
         self.leave_rollout()
         return [o.token_ids.tolist() for o in outs] if self.rollout_client.is_head else []
-
-
-def _first_id(*ids: Any) -> int:
-    for i in ids:
-        if isinstance(i, list):
-            i = i[0] if i else None
-        if i is not None:
-            return int(i)
-    raise AssertionError("unreachable: the last default is an int")
-
-
-def _stop_ids(*ids: Any) -> list[int]:
-    out: list[int] = []
-    for i in ids:
-        for j in i if isinstance(i, list) else [i]:
-            if j is not None and int(j) not in out:
-                out.append(int(j))
-    return out
 
 
 def _no_rows(columns: list[str]) -> tuple[list[int], dict[str, list]]:

@@ -13,7 +13,7 @@ every stage pulling exactly rows/dp rows from the dock (length-balanced, so the 
                │                  `advantages`, runs meanwhile and whitens them over every token of the step)
                pull prompt_ids, response_ids ─▶ V(state before each response token) ─▶ put values
 
-Shapes: B rows, T tokens of a micro-batch (shifted grid T-1, see workers.train.batch).
+Shapes: B rows, T tokens of a micro-batch (shifted grid T-1, see engines.train.batch).
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ from dockrl.dock.columns import (
     REWARD,
     VALUES,
 )
+from dockrl.engines.train.batch import MicroBatch, make_micro_batch, split_indices
+from dockrl.engines.train.policy_update import all_reduce_sum
+from dockrl.engines.train.train_engine import TrainEngine
 from dockrl.models.value import value_model_kind
 from dockrl.parallel.dist import data_parallel_mesh
 from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.results import CriticState, LogprobResult, SetupResult, UpdateResult
-from dockrl.workers.train.batch import MicroBatch, make_micro_batch, split_indices
-from dockrl.workers.train.policy_update import all_reduce_sum
-from dockrl.workers.train.train_engine import TrainEngine
 
 VALUES_STAGE = "critic_values"  # the dock consumers of this worker's two stages
 UPDATE_STAGE = "critic_update"

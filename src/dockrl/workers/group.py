@@ -198,13 +198,6 @@ class WorkerGroup:
         """Run `method` on every rank and return the per-rank results."""
         return self.wait(self.call_async(method, *args, **kwargs), method)
 
-    def call_ranks(self, method: str, per_rank_args: list[tuple]) -> list[Any]:
-        """Run `method` with different positional arguments per rank."""
-        self._running(method)
-        refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)]
-        self._at(method, "during")
-        return self.wait(refs, method)
-
     def wait(self, refs: list[ray.ObjectRef], method: str, deadline: float | None = None) -> list[Any]:
         """Gather per-rank results; the first failure (or the deadline) raises a named WorkerError."""
         results = self._wait(refs, method, ranks=list(range(len(refs))), deadline=deadline)

@@ -29,9 +29,9 @@ from torch.distributed.tensor import DTensor
 
 from dockrl.algos.head_logprobs import head_token_stats
 from dockrl.config.schema import OptimConfig
+from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
 from dockrl.models.hf import CAUSAL_LM, CheckpointReader, ModelKind, read_config
 from dockrl.parallel.sharded_load import load_sharded
-from dockrl.workers.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
 
 # A loss over what `forward(mb)` returned (the actor: token_stats' log-probs and entropies; the critic: values).
 LossFn = Callable[[Any, MicroBatch], tuple[torch.Tensor, dict[str, float]]]
@@ -74,7 +74,7 @@ class TrainEngine:
             self.replicated = replicated_names(model)
             self.vocab_start = self.tp_rank * (self.args.vocab_size // self.tp_size)
         if mesh is not None:
-            _shard(model, self.dp_mesh, precision)
+            fully_shard_layers(model, self.dp_mesh, precision)
         model.to_empty(device=self.device)
         reader = CheckpointReader(model_path)  # headers only
         # Hugging Face exports of this model are written in the dtype its checkpoint came in.
@@ -284,7 +284,7 @@ class TrainEngine:
         return out
 
 
-def _shard(model: torch.nn.Module, mesh: DeviceMesh, precision: str) -> None:
+def fully_shard_layers(model: torch.nn.Module, mesh: DeviceMesh, precision: str) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(

@@ -27,16 +27,16 @@ import torch
 from dockrl.config.schema import TrainConfig
 from dockrl.config.step_plan import rollout_lead
 from dockrl.dock.client import DockClient
+from dockrl.engines.reshard.switch import broadcast_bucket, full_model_buckets, set_param
+from dockrl.engines.rollout.dock_feed import serve_step, step_engine
+from dockrl.engines.rollout.rollout_engine import RolloutEngine
 from dockrl.models.decoder import Transformer
 from dockrl.models.hf import read_config
-from dockrl.models.tokenizer import Tokenizer
+from dockrl.models.tokenizer import Tokenizer, first_token_id, stop_token_ids
 from dockrl.parallel.dist import side_group
 from dockrl.parallel.replica import ReplicaClient
 from dockrl.workers.group import Pending, Worker, WorkerGroup
-from dockrl.workers.reshard.switch import _set_param, broadcast_bucket, full_model_buckets
 from dockrl.workers.results import GenerateResult, SetupResult
-from dockrl.workers.rollout.dock_feed import serve_step, step_engine
-from dockrl.workers.rollout.rollout_engine import RolloutEngine
 
 WEIGHTS_THREAD = "weights"
 
@@ -59,8 +59,6 @@ class RolloutWorker(Worker):
     def setup(self) -> SetupResult:
         """The model, its parameters views of the bucket buffers (filled by the first receive_weights; the
         decoder has no other tensors: rotary tables are computed per call), the tokenizer and stop tokens."""
-        from dockrl.workers.actor import _first_id, _stop_ids
-
         cfg = self.cfg
         self.device = torch.device("cuda", 0) if cfg.run.device == "cuda" else torch.device("cpu")
         self.dtype = torch.bfloat16 if cfg.run.precision == "bf16" else torch.float32
@@ -73,11 +71,11 @@ class RolloutWorker(Worker):
         self.buffers = [torch.empty(b.numel, dtype=self.dtype, device=self.device) for b in self.buckets]
         for bucket, buffer in zip(self.buckets, self.buffers):
             for spec in bucket.specs:
-                _set_param(model, spec.name, buffer[spec.offset : spec.offset + spec.numel].view(spec.shape))
+                set_param(model, spec.name, buffer[spec.offset : spec.offset + spec.numel].view(spec.shape))
         self.model = model.requires_grad_(False).eval()
         self.tokenizer = Tokenizer.from_dir(cfg.model.path)
-        self.pad_token_id = _first_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
-        self.stop_token_ids = _stop_ids(self.tokenizer.eos_token_id, args.eos_token_id)
+        self.pad_token_id = first_token_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
+        self.stop_token_ids = stop_token_ids(self.tokenizer.eos_token_id, args.eos_token_id)
         self.replica_client = ReplicaClient(self.client, None, 0, 1)
         self.engine: RolloutEngine | None = None
         return SetupResult(args.num_params(), str(self.device), self.where())

@@ -38,14 +38,14 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from dockrl.engines.rollout.sampling import RowSettings, SamplingParams, sample_rows
 from dockrl.models.decoder import KVCache, Transformer
-from dockrl.workers.rollout.sampling import RowSettings, SamplingParams, sample_rows
 
 _IDLE = SamplingParams(max_new_tokens=1, temperature=0.0)
 # Move the running samples into the lowest slots once fewer than this share of the rows [0, hi) run: one copy
@@ -202,6 +202,24 @@ class RolloutEngine:
     def num_free_slots(self) -> int:
         """Slots not running and not claimed by waiting requests: room for new requests to start now."""
         return len(self.free) - sum(len(request.seeds) for request in self.waiting)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (name, full tensor) pairs into the model's parameters (RolloutBackend.load_weights); raises
+        ValueError naming a parameter the model lacks or a shape that differs. Only while nothing runs. The
+        colocated switch and the replicas point parameters at their bucket buffers instead (no copy)."""
+        if self.has_work():
+            raise RuntimeError("rollout engine: load_weights while requests run; finish them first")
+        params = dict(self.model.named_parameters())
+        for name, tensor in weights:
+            if name not in params:
+                raise ValueError(f"rollout engine: load_weights got {name!r}, which the model does not have")
+            if params[name].shape != tensor.shape:
+                raise ValueError(
+                    f"rollout engine: load_weights got {name!r} of shape {tuple(tensor.shape)}; "
+                    f"the model's is {tuple(params[name].shape)}"
+                )
+            params[name].copy_(tensor)
 
     @torch.no_grad()
     def step(self) -> list[Completion]:

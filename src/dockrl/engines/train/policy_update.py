@@ -26,8 +26,8 @@ from dockrl.dock.columns import (
     ROLLOUT_LOGPROBS,
     UPDATE_WEIGHT,
 )
-from dockrl.workers.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
-from dockrl.workers.train.train_engine import TrainEngine
+from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
+from dockrl.engines.train.train_engine import TrainEngine
 
 SUMMED_METRICS = (
     "loss",

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
+from dockrl.engines.rollout.rollout_engine import Generation, Request, RolloutEngine
+from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.models.decoder import Transformer
-from dockrl.workers.rollout.rollout_engine import Generation, Request, RolloutEngine
-from dockrl.workers.rollout.sampling import SamplingParams
 
 __all__ = ["Generation", "SamplingParams", "generate"]
 

@@ -34,12 +34,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from dockrl.engines.reshard.offload import HostSwap
+from dockrl.engines.train.train_engine import TrainEngine
 from dockrl.models.decoder import Transformer
 from dockrl.models.tp_plan import local_args, shard_dim
 from dockrl.parallel.layout import Layout
 from dockrl.parallel.tensor_parallel import parallelize
-from dockrl.workers.reshard.offload import HostSwap
-from dockrl.workers.train.train_engine import TrainEngine
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ class RolloutSwitch:
                     self._gather_into(spec, train_params[spec.name], view)
                 else:
                     self._cut_into(spec, full[spec.name], view)
-                _set_param(self.model, spec.name, view)
+                set_param(self.model, spec.name, view)
             self.buffers.append(buffer)
         del full
         return self._finish_enter(train_params, offloaded, start)
@@ -211,7 +211,7 @@ class RolloutSwitch:
                 staged.append((spec, fill, view))
                 fill += full.numel()
                 del full
-                _set_param(self.model, spec.name, view)
+                set_param(self.model, spec.name, view)
             self.buffers.append(buffer)
         hand_over()
 
@@ -222,7 +222,7 @@ class RolloutSwitch:
         start = time.perf_counter()
         for bucket in self.buckets:
             for spec in bucket.specs:
-                _set_param(self.model, spec.name, torch.empty(spec.shape, dtype=self.dtype, device="meta"))
+                set_param(self.model, spec.name, torch.empty(spec.shape, dtype=self.dtype, device="meta"))
         self.buffers = []
         if self.param_swap.offloaded:
             self.param_swap.onload()
@@ -359,7 +359,7 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
+def set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
     module._parameters[leaf] = nn.Parameter(value, requires_grad=False)

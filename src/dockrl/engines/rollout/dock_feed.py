@@ -45,8 +45,9 @@ from dockrl.dock.columns import (
     ROLLOUT_LOGPROBS,
 )
 from dockrl.dock.errors import DockTimeoutError
-from dockrl.workers.rollout.rollout_engine import Completion, Request, RolloutEngine
-from dockrl.workers.rollout.sampling import SamplingParams
+from dockrl.engines.rollout.backend import RolloutBackend
+from dockrl.engines.rollout.rollout_engine import Completion, Request, RolloutEngine
+from dockrl.engines.rollout.sampling import SamplingParams
 
 ROLLOUT = "rollout"  # the dock consumer name of the rollout stage
 
@@ -97,7 +98,7 @@ def step_engine(model: Any, cfg: Any, pad_token_id: int, detokenize: Callable) -
 
 
 def serve_step(
-    engine: RolloutEngine, client: Any, cfg: Any, step: int, stop_token_ids: list[int], version: int
+    engine: RolloutBackend, client: Any, cfg: Any, step: int, stop_token_ids: list[int], version: int
 ) -> dict:
     """Roll out every row of step `step` from the dock with the run's sampling settings (cfg: a TrainConfig)
     and its per-row seeds, with the weights after `version` updates (each token's `policy_version`); what
@@ -126,7 +127,7 @@ def serve_step(
 
 
 def serve_from_dock(
-    engine: RolloutEngine,
+    engine: RolloutBackend,
     client: Any,
     *,
     consumer: str,

@@ -1,0 +1,1 @@
+"""Pure torch, no Ray: the work a worker does (train, rollout, reshard)."""
