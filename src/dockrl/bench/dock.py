@@ -227,8 +227,8 @@ def _run_emulated(args: argparse.Namespace) -> list[dict[str, Any]]:
     reason = unavailable()
     if reason is not None:
         raise SystemExit(f"dockrl bench dock --emulate-nodes: {reason}")
-    names = ("modes", "warehouses", "consumers", "prompts", "samples", "tokens_per_row", "prompt_tokens")
-    names += ("steps", "warmup", "timeout_s", "transport")
+    names: tuple[str, ...] = ("modes", "warehouses", "consumers", "prompts", "samples", "tokens_per_row")
+    names += ("prompt_tokens", "steps", "warmup", "timeout_s", "transport")
     passed = [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in names if getattr(args, n) is not None]
     results = []
     shapes = [(int(n), float(b)) for b in args.link_mbit.split(",") for n in args.emulate_nodes.split(",")]
@@ -261,7 +261,7 @@ def _start_ray(nodes: int):
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local benchmark cluster, as in init_ray
 
-    settings = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    settings: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, configure_logging=False)
     if nodes == 1:
         ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", **settings)
         return None
@@ -284,7 +284,7 @@ def _run_on_cluster(args: argparse.Namespace, nodes: int) -> list[dict[str, Any]
     driver_node = ray.get_runtime_context().get_node_id()
     node_ids = sorted((n["NodeID"] for n in ray.nodes() if n["Alive"]), key=lambda n: n != driver_node)
     settings = {k: getattr(args, k) for k in ("prompts", "samples", "tokens_per_row", "prompt_tokens")}
-    consumer_class = ray.remote(BenchConsumer)
+    consumer_class: Any = ray.remote(BenchConsumer)
     consumers = [
         consumer_class.options(
             num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_ids[i % nodes], soft=False)

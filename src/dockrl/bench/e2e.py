@@ -85,10 +85,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-_LARGE = dict(
+_LARGE: dict[str, Any] = dict(
     family="qwen2", hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=768
 )
-_SMALL = dict(family="qwen2", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2)  # the demo's shape
+_SMALL: dict[str, Any] = dict(
+    family="qwen2", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2
+)  # the demo's shape
 
 
 def _num_params(model_dir: Path) -> int:
@@ -229,7 +231,7 @@ def trl_child(spec_json: str) -> None:
         finally:
             generate_s.append(time.perf_counter() - start)
 
-    trainer._generate_and_score_completions = timed_generate
+    trainer._generate_and_score_completions = timed_generate  # type: ignore[method-assign]
     # Trainer.training_step (inputs prepared, generation included, forward, backward) summed per optimizer
     # step: what is left of a step is TRL's overhead (optimizer step, data loading, logging, callbacks).
     inner_step, compute = trainer.training_step, [0.0]
@@ -242,7 +244,7 @@ def trl_child(spec_json: str) -> None:
         finally:
             compute[0] += time.perf_counter() - start
 
-    trainer.training_step = timed_step
+    trainer.training_step = timed_step  # type: ignore[method-assign]
     step_ends: list[float] = []
     lengths: list[float] = []
 

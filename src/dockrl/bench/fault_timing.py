@@ -65,6 +65,7 @@ def _run_case(config: str, action: str, target: str, stage: str, name: str) -> d
     )
     fired = error_at = None
     error = ""
+    assert child.stderr is not None  # stderr=PIPE
     for line in child.stderr:
         match = re.search(r"DOCKRL_FAULTS: firing .*\(wall clock ([0-9.]+)\)", line)
         if match:

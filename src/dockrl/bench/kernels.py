@@ -20,6 +20,7 @@ others isolate one op at the micro-batch's shape.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -124,7 +125,7 @@ def _stage_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     for stage, fn in (("forward", forward), ("update", update)):
         base = None
         for variant, model in models.items():
-            seconds = _best(lambda m=model, f=fn: f(m), args.repeats)
+            seconds = _best(functools.partial(fn, model), args.repeats)
             base = base or seconds
             extra = {"compile_s": compile_s} if "compiled" in variant else {}
             out.append(_row(f"stage {stage}", variant, seconds, base, **extra))

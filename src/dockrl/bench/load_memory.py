@@ -135,7 +135,7 @@ def _worker(
     engine = TrainEngine(model_dir, device="cpu", precision="fp32", mesh=mesh, optim=ActorConfig())
     result["load_s"] = time.perf_counter() - start
     result["peak_extra"] = proc_status("VmHWM") - base
-    result["held"] = sum(p.to_local().numel() * 4 for p in engine.model.parameters())
+    result["held"] = sum(p.to_local().numel() * 4 for p in engine.model.parameters())  # type: ignore[attr-defined]
     del engine
     gc.collect()
     if args.naive:

@@ -84,7 +84,7 @@ class RewardModel(nn.Module):
     def init_weights(self, seed: int | None = None, std: float = 0.02) -> None:
         """Random init with the scheme of `Transformer.init_weights` (the head too draws from N(0, std))."""
         # Transformer.init_weights only walks named_parameters, so it applies to this module unchanged.
-        Transformer.init_weights(self, seed, std)
+        Transformer.init_weights(self, seed, std)  # type: ignore[arg-type]
 
 
 def pooled_index(input_ids: torch.Tensor, key_mask: torch.Tensor | None, args: ModelArgs) -> torch.Tensor:

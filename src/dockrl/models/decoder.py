@@ -92,6 +92,7 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     if args.rope_type == "default":
         return inv_freq
     scaling = args.rope_scaling
+    assert scaling is not None  # rope_type "llama3" comes from rope_scaling
     factor = scaling["factor"]
     low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_context_len = scaling["original_max_position_embeddings"]
@@ -144,11 +145,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_width, bias=args.attention_bias)
         self.v_proj = nn.Linear(hidden, kv_width, bias=args.attention_bias)
         self.o_proj = nn.Linear(q_width, hidden, bias=args.o_proj_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
 
     def forward(
         self,
@@ -165,7 +166,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim)  # [B, T, N, D]
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim)  # [B, T, K, D]
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # [B, K, T, D]
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), *rope)  # [B, N, T, D]
         k = apply_rope(k.transpose(1, 2), *rope)  # [B, K, T, D]
@@ -245,7 +246,9 @@ class DecoderModel(nn.Module):
         batch, seq = input_ids.shape
         x = self.embed_tokens(input_ids)  # [B, T, H]
         rope = self._rope(position_ids, x.dtype)
+        mask: torch.Tensor | None
         if write is not None and write.row_offsets is not None:
+            assert key_mask is not None, "per-row cache offsets come with a key mask"
             mask = _row_offset_mask(key_mask, write.row_offsets, seq)
         else:
             offset = 0 if write is None else write.offset
@@ -292,6 +295,10 @@ class Transformer(nn.Module):
         # An inference model under tensor parallelism all-gathers its vocab slice of the logits (set by
         # dockrl.parallel.tensor_parallel.parallelize(gather_logits=True)); None: logits as computed.
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The decoder layers, in order (typed: `model.layers` is an nn.ModuleList)."""
+        return [layer for layer in self.model.layers if isinstance(layer, DecoderLayer)]
 
     def output_weight(self) -> torch.Tensor:
         """The [V, H] LM head weight (the embedding weight when tied)."""
@@ -422,15 +429,17 @@ def _cached_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor,
-    cache: tuple,
+    mask: torch.Tensor | None,
+    cache: tuple | None,
     write: CacheWrite,
 ) -> torch.Tensor:
     """Write k, v [B, K, T, D] into this layer's cache and attend q [B, N, T, D] over its key slots, in the
     cache's dtype (a CPU rollout keeps an fp32 cache under bf16 weights: rollout_engine.cache_dtype)."""
+    assert cache is not None, "a cache write needs the layer's cache"
     dtype = cache[0].dtype
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if write.row_offsets is not None:  # continuous batching
+        assert mask is not None, "per-row offsets always come with a mask"
         k, v = _write_rows(cache, k, v, write.row_offsets, mask.shape[-1])
         return _grouped_attention(q, k, v, mask)  # [B, N, T, D]
     cache_k, cache_v = cache  # every row at the same offset

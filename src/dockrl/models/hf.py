@@ -19,7 +19,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -175,14 +175,17 @@ def load_model(
     return materialize(lambda: Transformer(args), state_dict, path, device=device, dtype=dtype)
 
 
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
 def materialize(
-    build: Callable[[], nn.Module],
+    build: Callable[[], ModuleT],
     state_dict: Mapping[str, Tensor],
     path: str | Path,
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-) -> nn.Module:
+) -> ModuleT:
     """`build()` on the meta device, then `state_dict` assigned into it strictly: buffers HF checkpoints
     carry are dropped, keys and shapes checked (errors name `path`), floating tensors cast to `dtype`."""
     state_dict = {k: v for k, v in state_dict.items() if not k.endswith(_IGNORED_SUFFIXES)}
@@ -289,7 +292,7 @@ class HFWriter:
             shard_bytes += size
         self._order = [name for shard in self.shards for name in shard]
         self._next = 0  # index into _order of the next tensor to write
-        self._file = None
+        self._file: IO[bytes] | None = None
         self._weight_map: dict[str, str] = {}
 
     def _nbytes(self, name: str) -> int:
@@ -330,6 +333,7 @@ class HFWriter:
             )
         if self._file is None:
             self._open(next(i for i, shard in enumerate(self.shards) if name in shard))
+        assert self._file is not None
         flat = tensor.detach().contiguous().reshape(-1)
         if flat.numel():
             self._file.write(flat.view(torch.uint8).numpy().data)  # the tensor's own bytes, no copy

@@ -133,6 +133,7 @@ class Tokenizer:
             for role in _SPECIAL_ROLES
         }
         template_file = path / CHAT_TEMPLATE_FILE
+        chat_template: str | None
         if template_file.is_file():
             chat_template = template_file.read_text(encoding="utf-8")
         else:

@@ -76,7 +76,7 @@ def _wandb_can_log() -> bool:
         "WANDB_API_KEY"
     ):
         return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
     try:
         return netrc.netrc().authenticators(host) is not None
     except (OSError, netrc.NetrcParseError):
@@ -149,7 +149,8 @@ class WandbLogger:
 
     def samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         rows = [[s.get(c, "") for c in SAMPLE_COLUMNS] for s in samples]
-        self.run.log({"samples": self.wandb.Table(columns=SAMPLE_COLUMNS, data=rows)}, step=step)
+        table = self.wandb.Table(columns=SAMPLE_COLUMNS, data=rows)  # type: ignore[arg-type]  # list[str | int]
+        self.run.log({"samples": table}, step=step)
 
     def close(self) -> None:
         self.run.finish()

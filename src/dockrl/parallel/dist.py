@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,8 @@ def side_group(
     _pin_gloo_interface()
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout)
-    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    # ProcessGroupGloo is a ProcessGroup at run time; torch's stubs do not say so.
+    return cast(dist.ProcessGroup, dist.ProcessGroupGloo(store, rank, world_size, timeout))
 
 
 def _pin_gloo_interface() -> None:

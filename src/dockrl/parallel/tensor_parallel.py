@@ -144,18 +144,20 @@ def parallelize(
     def copy_output(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         return copy_to_tp(output, group)
 
-    for layer in model.model.layers:
+    for layer in model.decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
         for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
             _shard_linear_rows(linear, tp_rank, tp_size)
-        attn.o_proj = RowParallelLinear(attn.o_proj, tp_rank, tp_size, group)
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, tp_rank, tp_size, group)
-        if attn.q_norm is not None:
-            attn.q_norm = HeadSharedNorm(attn.q_norm, group)
-            attn.k_norm = HeadSharedNorm(attn.k_norm, group)
+        # The parallel modules replace the plain ones in place (same call signature, sharded weights).
+        attn.o_proj = RowParallelLinear(attn.o_proj, tp_rank, tp_size, group)  # type: ignore[assignment]
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, tp_rank, tp_size, group)  # type: ignore[assignment]
+        if attn.q_norm is not None and attn.k_norm is not None:
+            attn.q_norm = HeadSharedNorm(attn.q_norm, group)  # type: ignore[assignment]
+            attn.k_norm = HeadSharedNorm(attn.k_norm, group)  # type: ignore[assignment]
         layer.input_layernorm.register_forward_hook(copy_output)
         layer.post_attention_layernorm.register_forward_hook(copy_output)
-    model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, tp_rank, tp_size, group)
+    embedding = VocabParallelEmbedding(model.model.embed_tokens, tp_rank, tp_size, group)
+    model.model.embed_tokens = embedding  # type: ignore[assignment]
     if not model.args.tie_word_embeddings:
         _shard_linear_rows(model.lm_head, tp_rank, tp_size)
     model.model.norm.register_forward_hook(copy_output)

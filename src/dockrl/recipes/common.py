@@ -105,7 +105,7 @@ class EpochSampler:
     def next_batch(self, size: int | None = None) -> list:
         """The next `size` (default batch_size) items, crossing epoch boundaries as needed."""
         size = self.batch_size if size is None else size
-        batch = []
+        batch: list = []
         while len(batch) < size:
             if self.position == len(self._order):
                 self.epoch += 1

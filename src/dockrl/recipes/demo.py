@@ -34,8 +34,10 @@ from dockrl.rewards.runner import RewardSpec
 log = logging.getLogger(__name__)
 
 # The task and model sizes of the demo: all 200 single-digit +/- problems, 40 of them held out.
-TASK = dict(num_train=160, num_test=40, max_operand=9, teacher_error=0.7, teacher_samples=4)
-MODEL = dict(family="qwen2", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512)
+TASK: dict[str, Any] = dict(num_train=160, num_test=40, max_operand=9, teacher_error=0.7, teacher_samples=4)
+MODEL: dict[str, Any] = dict(
+    family="qwen2", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512
+)
 
 
 DEMO_PARTS = ("data", "tiny-model", "sft", "grpo", "summary.json")  # what run_demo writes under its out_dir

@@ -73,7 +73,7 @@ def sft(cfg: SFTConfig) -> dict[str, Any]:
     run.write_config(to_dict(cfg))
     tokenizer = Tokenizer.from_dir(cfg.model.path)
     examples, skipped = build_examples(cfg, tokenizer, cfg.data.train_path)
-    held_out = []
+    held_out: list = []
     if cfg.data.eval_path is not None:
         held_out, _ = build_examples(cfg, tokenizer, cfg.data.eval_path, limit=cfg.data.eval_limit)
     steps_per_epoch = math.ceil(len(examples) / cfg.run.batch_size)

@@ -145,6 +145,7 @@ class _Slot:
 
     def take_result(self) -> tuple[int, Future]:
         call_id, future = self.call_id, self.future
+        assert call_id is not None and future is not None, "take_result of a slot with no call"
         self.call_id = self.future = None
         return call_id, future
 
@@ -257,7 +258,9 @@ class RewardRunner:
             wait(waiting, timeout=_POLL_S, return_when=FIRST_COMPLETED)
             for position, slot in enumerate(self._slots):
                 self._advance(position, slot, outcomes)
-        return outcomes
+        done = [outcome for outcome in outcomes if outcome is not None]
+        assert len(done) == len(outcomes), "every call ends with an outcome"
+        return done
 
     def _advance(self, position: int, slot: _Slot, outcomes: list[_Outcome | None]) -> None:
         """Move one slot along its lifecycle: finish start-up, collect a result, or kill a hung call."""
@@ -292,6 +295,7 @@ class RewardRunner:
         self._slots[position] = _Slot(self._spec_args())
 
     def _finish_startup(self, slot: _Slot) -> None:
+        assert slot.ping is not None
         exc = slot.ping.exception()
         slot.ping = None
         if exc is None:

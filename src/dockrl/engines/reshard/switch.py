@@ -26,6 +26,7 @@ Lifecycle: built once in `ActorWorker.setup`; enter / exit alternate (rollout be
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -95,6 +96,7 @@ class RolloutSwitch:
             full_shapes = {n: tuple(p.shape) for n, p in Transformer(engine.args).named_parameters()}
             model = Transformer(engine.args)
             if tp_infer > 1:
+                assert infer_group is not None, "an inference tp group comes with tp_infer > 1"
                 parallelize(model, rank % tp_infer, tp_infer, infer_group, gather_logits=True)
         # KV caches are sized from model.args: a tensor-parallel inference model describes its local heads.
         model.args = local_args(engine.args, tp_infer)
@@ -185,7 +187,7 @@ class RolloutSwitch:
         self.active = True
         return {"seconds": time.perf_counter() - start, "offloaded_bytes": float(offloaded)}
 
-    def _enter_streaming(self, train_params: dict[str, torch.Tensor]) -> None:
+    def _enter_streaming(self, train_params: Mapping[str, torch.Tensor]) -> None:
         """The streaming baseline: whole tensors, one at a time, through a flat staging bucket of bucket_bytes
         (the size the bucketed switch uses); each full bucket is handed over (the inference shards cut out)."""
         size = torch.empty((), dtype=self.dtype).element_size()
@@ -333,7 +335,7 @@ def broadcast_bucket(group: dist.ProcessGroup, buffer: torch.Tensor) -> None:
     group.broadcast([buffer], options).wait()
 
 
-def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
     out = torch.empty((size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     dist.all_gather_single(out, tensor, group=group)
     return out

@@ -301,6 +301,7 @@ class RolloutEngine:
         positions never need logits). A tensor-parallel model plugs in here.
         """
         if isinstance(cache_offset, torch.Tensor):  # decode: each row at its own length (continuous batching)
+            assert key_mask is not None, "decode masks the keys of each row"
             hidden = self.model.hidden_states_per_row(input_ids, cache, cache_offset, key_mask, position_ids)
         else:  # prefill: the rows of one prompt's samples at the same offset
             hidden = self.model.hidden_states(
@@ -322,7 +323,7 @@ class RolloutEngine:
         if len(slots) < COMPACT_BELOW * (slots[-1] + 1):
             slots = self._compact(slots)
         hi = slots[-1] + 1
-        num_keys = max(self.running[slot].length for slot in slots) + 1
+        num_keys = max(self._state(slot).length for slot in slots) + 1
         if self._settings is None or self._settings_key != hi:
             params = [_IDLE if state is None else state.request.params for state in self.running[:hi]]
             self._settings, self._settings_key = RowSettings.build(params, self.device), hi
@@ -340,7 +341,7 @@ class RolloutEngine:
         self.steps[:hi] += self.active[:hi]
         self.pending[:hi] = tokens
         for slot in slots:
-            self.running[slot].length += 1
+            self._state(slot).length += 1
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += len(slots)
         host_tokens, host_logprobs = tokens.tolist(), logprobs.tolist()
@@ -355,7 +356,7 @@ class RolloutEngine:
         targets = [slot for slot in range(count) if self.running[slot] is None]  # as many as movers
         source = torch.tensor(movers, device=self.device)
         dest = torch.tensor(targets, device=self.device)
-        written = max(self.running[slot].length for slot in movers)
+        written = max(self._state(slot).length for slot in movers)
         for layer in range(len(self.cache.k)):
             self.cache.k[layer][dest, :, :written] = self.cache.k[layer][source, :, :written]
             self.cache.v[layer][dest, :, :written] = self.cache.v[layer][source, :, :written]
@@ -379,7 +380,7 @@ class RolloutEngine:
         """Append one drawn token per slot; finish (and free) the samples that are done."""
         finished: list[Completion] = []
         for slot, token, logprob in zip(slots, tokens, logprobs):
-            state = self.running[slot]
+            state = self._state(slot)
             state.token_ids.append(token)
             state.logprobs.append(logprob)
             reason = self._finish_reason(state)
@@ -402,11 +403,18 @@ class RolloutEngine:
         match is always the newest token's). The window covers a stop string even if every character
         of it were split over 4 byte-level tokens."""
         window = 4 * max(len(s) for s in stop_strings) + 1
+        assert self.detokenize is not None  # `add` refuses stop strings without it
         text = self.detokenize(token_ids[-window:])
         return any(s in text for s in stop_strings)
 
-    def _release(self, slot: int, reason: str) -> Completion:
+    def _state(self, slot: int) -> _Running:
+        """The sample running in `slot` (callers pass running slots only)."""
         state = self.running[slot]
+        assert state is not None, f"slot {slot} is not running"
+        return state
+
+    def _release(self, slot: int, reason: str) -> Completion:
+        state = self._state(slot)
         self.running[slot] = None
         heapq.heappush(self.free, slot)
         self.active[slot] = 0

@@ -59,4 +59,4 @@ def generate(
     generations: list[Generation | None] = [None] * len(prompts)
     for completion in engine.run():
         generations[completion.tag] = completion.generation
-    return generations
+    return [generation for generation in generations if generation is not None]  # every prompt completes
