@@ -106,7 +106,9 @@ def test_paths_named_in_readme_docs_and_docstrings_exist():
 def test_the_path_check_finds_what_it_should():
     """The check cannot pass vacuously: it sees stale paths and lets non-paths through."""
     here = ROOT / "src" / "dockrl" / "recipes"
-    line = "(checkpoint/layout.py), `src/dockrl/dock/columns.py`, `workers/train/`; `dock/rows` path/to/file.py"
+    line = (
+        "(checkpoint/layout.py), `src/dockrl/dock/columns.py`, `workers/train/`; `dock/rows` path/to/file.py"
+    )
     assert _repo_paths(line) == [
         "checkpoint/layout.py",
         "src/dockrl/dock/columns.py",
@@ -114,7 +116,7 @@ def test_the_path_check_finds_what_it_should():
         "path/to/file.py",
     ]
     assert [p for p in _repo_paths(line) if _missing(p, here)] == ["checkpoint/layout.py", "workers/train/"]
-    assert _repo_paths("`config.yaml` /data/x.yaml runs/<name>/config.yaml https://a.b/c.md docs/design.md.") == [
-        "docs/design.md"
-    ]
+    assert _repo_paths(
+        "`config.yaml` /data/x.yaml runs/<name>/config.yaml https://a.b/c.md docs/design.md."
+    ) == ["docs/design.md"]
     assert not _missing("runs/demo/", ROOT)
