@@ -1,7 +1,7 @@
 """`dockrl bench faults`: seconds from a worker's death (or hang) to the run's named error, per kind and stage.
 
 For each case, runs `dockrl train` in a child process (its own local Ray) on a tiny PPO job with a reward
-model, so every worker kind exists, under DOCKRL_FAULTS (workers/faults.py): the target process is SIGKILLed
+model, so every worker kind exists, under DOCKRL_FAULTS (workers/fault_injection.py): the target process is SIGKILLed
 (or SIGSTOPped) when the driver starts the stage at step 1. The child's stderr is read as it arrives;
 `to_error_s` is the time from the fault firing to the driver's one-line error, `to_exit_s` to the child's
 exit (Ray shut down, every process of the run gone). A hang is detected after run.heartbeat_timeout_s.

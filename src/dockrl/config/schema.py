@@ -208,7 +208,7 @@ class AlgoConfig:
     name: Algorithm = setting(
         "grpo",
         "Algorithm: grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, dr_grpo, gspo, or ppo (with a critic, "
-        "see `critic`) (README, Algorithms). A preset of the settings below (config/plan.py).",
+        "see `critic`) (docs/algorithms.md). A preset of the settings below (config/step_plan.py).",
         noun="algorithm",
     )
     adv_estimator: AdvEstimator | None = setting(
@@ -465,7 +465,7 @@ class RunConfig:
         "never",
         "never; auto (continue from the newest complete checkpoint in the run directory, or start fresh when "
         "there is none); or the path of a checkpoint root (RUN_DIR/checkpoints/step_NNNNNN). A resumed run "
-        "reproduces the uninterrupted one exactly (README, Resuming and failures).",
+        "reproduces the uninterrupted one exactly (docs/checkpoints.md).",
     )
     resume_force: bool = setting(
         False, "Resume even though settings that change the computation differ from the checkpoint's."

@@ -54,7 +54,7 @@ def resolve_precision(precision: str, device: str, key: str = "run.precision") -
     """`auto` -> bf16 on cuda and on a cpu that computes bf16 natively, else fp32.
 
     On the project's avx512_bf16 CPU bf16 matmuls run at 2-4x the fp32 rate at the widths measured (hidden 128
-    and 256), and a decoder's forward and backward pass at 1.5-2x (README, "Speed against TRL")."""
+    and 256), and a decoder's forward and backward pass at 1.5-2x (docs/benchmarks.md, "Speed against TRL")."""
     if precision == "auto":
         return "bf16" if device == "cuda" or cpu_has_native_bf16() else "fp32"
     if precision not in ("fp32", "bf16"):

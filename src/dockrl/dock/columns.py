@@ -176,7 +176,7 @@ def schema() -> list[ColumnSpec]:
 
 
 def render_table() -> str:
-    """The schema as a Markdown table (README, The experience table)."""
+    """The schema as a Markdown table (docs/columns.md)."""
     rows = ["| column | dtype | one value per | written by | read by | what |", "|---|---|---|---|---|---|"]
     for spec in schema():
         readers = ", ".join(spec.readers) or "(diagnostics)"

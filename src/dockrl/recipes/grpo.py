@@ -185,7 +185,7 @@ def _save(
     data: str,
     inflight: list[Generation],
 ) -> str:
-    """A resumable checkpoint of `step` (checkpoint/layout.py): the workers write their shards and exports
+    """A resumable checkpoint of `step` (checkpoint/directory.py): the workers write their shards and exports
     into a staging directory (an asynchronous run's driver adds the generations in flight, recipes/inflight.py),
     the driver adds trainer_state.json and renames it, then prunes old ones."""
     cluster.supervisor.stage = "save"
