@@ -176,3 +176,71 @@ def test_we_load_a_peft_adapter_with_equal_logits(tmp_path):
     assert (expected - model(IDS)).abs().max().item() < PARITY_BOUND
     with adapters_disabled(model):
         assert (expected - model(IDS)).abs().max().item() > 1e-3  # the adapter is in the comparison
+
+
+def _lora_grads(model: Transformer, tp_group, tp: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss = <hidden states, fixed weights> over a batch; returns it and every adapter's whole gradient.
+
+    Under tp the final norm's output passes copy_to_tp, which sums the tp ranks' gradients (each rank's LM
+    head scores its vocab slice, a partial loss): a loss that every rank computes whole counts 1/tp per rank."""
+    from dockrl.parallel.layout import full_tensor
+
+    model.train()
+    hidden = model.hidden_states(IDS, None, None)  # [B, T, H], whole on every tp rank
+    probe = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(7))
+    loss = (hidden * probe).sum()
+    (loss / tp).backward()
+    grads = {
+        name: full_tensor(name, p.grad, tp_group) for name, p in model.named_parameters() if p.requires_grad
+    }
+    return float(loss.detach()), grads
+
+
+def _tp_worker(rank: int, world: int, port: int, out_path: str, leave) -> None:
+    import torch.distributed as dist
+
+    from dockrl.parallel.dist import init_distributed
+    from dockrl.parallel.tensor_parallel import parallelize
+
+    torch.set_num_threads(1)
+    init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=120)
+    results = {}
+    for family in ("qwen2", "qwen3"):
+        model = tiny_model(family)
+        apply_lora(model, SPEC)
+        randomize_adapters(model, seed=5)
+        with torch.no_grad():  # nonzero A too, so the row-parallel split of A is exercised
+            for _, layer in lora_layers(model):
+                layer.lora_A.mul_(3.0)
+        reference = _lora_grads(model, None, 1)
+        model.zero_grad(set_to_none=True)
+        parallelize(model, rank, world, dist.group.WORLD)
+        results[family] = (reference, _lora_grads(model, dist.group.WORLD, world))
+        with torch.no_grad(), adapters_disabled(model):
+            base = tiny_model(family)
+            results[family + "/off"] = float(
+                (model.hidden_states(IDS, None, None) - base.hidden_states(IDS, None, None)).abs().max()
+            )
+    if rank == 0:
+        torch.save(results, out_path)
+    leave(rank)
+
+
+def test_tensor_parallel_adapters_equal_one_process(tmp_path):
+    """tp=2: column-parallel bases split lora_B by rows (A replicated, its partial gradients summed), row-parallel
+    bases split lora_A by columns (B replicated, summed): loss and every adapter gradient equal the unsplit model's
+    up to fp32 reassociation (helpers.GRAD_ATOL_OF_SCALE: the tp partial sums add in another order); with the
+    adapters off the split model is its base again (row-parallel all-reduce order: same bound)."""
+    from dockrl.parallel.dist import free_port
+    from dockrl.parallel.spawn import spawn_ranks
+    from helpers import assert_grads_close
+
+    out = tmp_path / "tp.pt"
+    spawn_ranks(_tp_worker, 2, free_port(), str(out))
+    results = torch.load(out, weights_only=False)
+    for family in ("qwen2", "qwen3"):
+        (ref_loss, ref_grads), (tp_loss, tp_grads) = results[family]
+        assert len(ref_grads) == 4 * len(LINEAR_NAMES) and all("lora_" in name for name in ref_grads)
+        assert abs(tp_loss - ref_loss) <= 1e-4 * max(1.0, abs(ref_loss)), family
+        assert_grads_close(tp_grads, ref_grads, msg=family)
+        assert results[family + "/off"] < 1e-4, family

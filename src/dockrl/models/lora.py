@@ -146,10 +146,11 @@ def _is_target(name: str, module: nn.Module, spec: LoraSpec) -> bool:
     return isinstance(module, nn.Linear) and name.rpartition(".")[2] in spec.target_modules
 
 
-def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
-    """(module name, layer) of every LoRA layer of `model`."""
+def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(module name, layer) of every layer of `model` with an adapter: LoRALinear, or the tensor-parallel
+    module that took over a LoRA base (it keeps `lora_A`, `lora_B`, `lora_enabled`)."""
     for name, module in model.named_modules():
-        if isinstance(module, LoRALinear):
+        if isinstance(getattr(module, "lora_A", None), nn.Parameter):
             yield name, module
 
 
@@ -194,6 +195,7 @@ def merge_into(
 def merge_lora(model: nn.Module) -> None:
     """Fold every adapter into its base weight and turn the layers back into plain nn.Linear."""
     for _, layer in list(lora_layers(model)):
+        assert isinstance(layer, LoRALinear), "merge a model that is not tensor-parallel"
         layer.weight.copy_((layer.weight.float() + layer.adapter_delta()).to(layer.weight.dtype))
         for attr in ("lora_A", "lora_B"):
             delattr(layer, attr)

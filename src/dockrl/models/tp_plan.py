@@ -7,6 +7,8 @@ One plan serves the three families (they differ only in which biases and norms e
     gate_proj.weight, up_proj.weight          column-parallel     split dim 0
     o_proj.weight, down_proj.weight           row-parallel        split dim 1
     o_proj.bias, every RMSNorm weight         replicated          (q_norm/k_norm act per head on local heads)
+    <column>.lora_B  [out, r]                 split dim 0         (with its base's rows; lora_A replicated)
+    <row>.lora_A     [r, in]                  split dim 1         (with its base's columns; lora_B replicated)
 
 Rank r of a tp group holds the r-th of tp equal contiguous slices of each split parameter. Key/value heads
 are split, never replicated: tp must divide num_kv_heads (and num_heads, vocab_size, intermediate_size).
@@ -21,6 +23,7 @@ from dockrl.models.config import ModelArgs
 
 _ROW_SPLIT = ("embed_tokens.weight", "lm_head.weight")
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_PARALLEL = ("o_proj", "down_proj")
 _ROW_PARALLEL_WEIGHTS = ("o_proj.weight", "down_proj.weight")
 
 
@@ -28,7 +31,11 @@ def shard_dim(name: str) -> int | None:
     """The dim along which parameter `name` is split under tensor parallelism; None = replicated."""
     if name.endswith(_ROW_SPLIT):
         return 0
-    module, _, _ = name.rpartition(".")
+    module, _, leaf = name.rpartition(".")
+    if leaf == "lora_B":
+        return 0 if module.endswith(_COLUMN) else None
+    if leaf == "lora_A":
+        return 1 if module.endswith(_ROW_PARALLEL) else None
     if module.endswith(_COLUMN):
         return 0
     if name.endswith(_ROW_PARALLEL_WEIGHTS):

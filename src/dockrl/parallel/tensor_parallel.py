@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dockrl.models.decoder import RMSNorm, Transformer
+from dockrl.models.lora import LoRALinear
 from dockrl.models.tp_plan import shard_range, tp_problem
 
 
@@ -76,17 +77,36 @@ def _slice_param(param: torch.Tensor, dim: int, rank: int, size: int) -> nn.Para
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_local @ W_local^T) + b; weight [out, in/tp], bias [out] replicated."""
+    """y = all_reduce(x_local @ W_local^T) + b; weight [out, in/tp], bias [out] replicated.
+
+    With a LoRA base (dockrl.models.lora) the adapter splits like the weight: lora_A [r, in/tp] by columns,
+    lora_B [out, r] replicated, and the adapter's partial products join the all-reduce:
+    sum_ranks (x_local A_local^T) B^T = (x A^T) B^T. B's gradient is partial per rank (it sees only its rank's
+    x_local A_local^T), so B passes through copy_to_tp, which sums it over the group.
+    """
 
     def __init__(self, linear: nn.Linear, rank: int, size: int, group: dist.ProcessGroup) -> None:
         super().__init__()
         self.group = group
         self.weight = _slice_param(linear.weight, 1, rank, size)
         self.bias = linear.bias
+        self.lora_enabled = False
+        if isinstance(linear, LoRALinear):
+            self.lora_A = _slice_param(linear.lora_A, 1, rank, size)
+            self.lora_B = linear.lora_B
+            self.lora_scaling, self.lora_dropout = linear.lora_scaling, linear.lora_dropout
+            self.lora_enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in/tp] -> [..., out]."""
-        out = reduce_from_tp(F.linear(x, self.weight), self.group)
+        partial = F.linear(x, self.weight)  # [..., out]
+        if self.lora_enabled:
+            if self.training and self.lora_dropout > 0:
+                x = F.dropout(x, self.lora_dropout)
+            low = F.linear(x.to(self.lora_A.dtype), self.lora_A)  # [..., r], this rank's columns' share
+            update = F.linear(low, copy_to_tp(self.lora_B, self.group))
+            partial = partial + (self.lora_scaling * update).to(partial.dtype)
+        out = reduce_from_tp(partial, self.group)
         return out if self.bias is None else out + self.bias
 
 
@@ -124,11 +144,16 @@ class HeadSharedNorm(RMSNorm):
         return copy_to_tp(self.weight, self.group) * x.to(input_dtype)
 
 
-def _shard_linear_rows(linear: nn.Linear, rank: int, size: int) -> None:
+def _shard_linear_rows(linear: nn.Linear, rank: int, size: int, group: dist.ProcessGroup) -> None:
+    """Column-parallel: this rank's rows of W and b; a LoRA layer's lora_B rows with them, its lora_A
+    replicated with its partial gradient (this rank's output rows only) summed over the group."""
     linear.weight = _slice_param(linear.weight, 0, rank, size)
     if linear.bias is not None:
         linear.bias = _slice_param(linear.bias, 0, rank, size)
     linear.out_features = linear.weight.shape[0]
+    if isinstance(linear, LoRALinear):
+        linear.lora_B = _slice_param(linear.lora_B, 0, rank, size)
+        linear.sync_replicated, linear.replicated_factor = (lambda t: copy_to_tp(t, group)), "lora_A"
 
 
 def parallelize(
@@ -147,7 +172,7 @@ def parallelize(
     for layer in model.decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
         for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-            _shard_linear_rows(linear, tp_rank, tp_size)
+            _shard_linear_rows(linear, tp_rank, tp_size, group)
         # The parallel modules replace the plain ones in place (same call signature, sharded weights).
         attn.o_proj = RowParallelLinear(attn.o_proj, tp_rank, tp_size, group)  # type: ignore[assignment]
         mlp.down_proj = RowParallelLinear(mlp.down_proj, tp_rank, tp_size, group)  # type: ignore[assignment]
@@ -159,7 +184,7 @@ def parallelize(
     embedding = VocabParallelEmbedding(model.model.embed_tokens, tp_rank, tp_size, group)
     model.model.embed_tokens = embedding  # type: ignore[assignment]
     if not model.args.tie_word_embeddings:
-        _shard_linear_rows(model.lm_head, tp_rank, tp_size)
+        _shard_linear_rows(model.lm_head, tp_rank, tp_size, group)
     model.model.norm.register_forward_hook(copy_output)
     if gather_logits:
         model.gather_logits = lambda logits: gather_from_tp(logits, group)
