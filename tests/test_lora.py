@@ -244,3 +244,98 @@ def test_tensor_parallel_adapters_equal_one_process(tmp_path):
         assert abs(tp_loss - ref_loss) <= 1e-4 * max(1.0, abs(ref_loss)), family
         assert_grads_close(tp_grads, ref_grads, msg=family)
         assert results[family + "/off"] < 1e-4, family
+
+
+LORA_LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # (dp, tp) against (1, 1)
+
+
+def _engine_update(model_dir: str, idx: list[int], dp: int, mesh, precision: str = "fp32"):
+    """One LoRA train step on rows idx (loss: mean negative log-prob of the response tokens over all ranks'
+    tokens); returns (adapter gradients, whole; dtypes of the parameters; optimizer's parameter count)."""
+    from dockrl.config import ActorConfig
+    from dockrl.engines.train.batch import make_micro_batch
+    from dockrl.engines.train.train_engine import TrainEngine
+    from dockrl.parallel.layout import full_tensor
+
+    spec = LoraSpec(rank=4, alpha=8.0, dropout=0.0, target_modules=LINEAR_NAMES)
+    engine = TrainEngine(
+        model_dir, device="cpu", precision=precision, mesh=mesh, optim=ActorConfig(lr=1e-2), lora=spec
+    )
+    with torch.no_grad():  # nonzero B so every adapter gradient is nonzero
+        for name, param in engine.model.named_parameters():
+            if name.endswith("lora_B"):
+                local = param.to_local() if hasattr(param, "to_local") else param
+                local.fill_(0.05)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (3 + i % 4,), generator=g) for i in range(8)]
+    responses = [torch.randint(0, 256, (2 + (i * 3) % 7,), generator=g) for i in range(8)]
+    total = sum(len(r) for r in responses)
+    mb = make_micro_batch([prompts[i] for i in idx], [responses[i] for i in idx], pad_token_id=0)
+
+    def loss_fn(out, mb):
+        logp, _ = out
+        return -(logp * mb.response_mask).sum() * dp / total, {}
+
+    engine.train_step([mb], loss_fn, forward=lambda mb: engine.token_stats(mb, 1.0))
+    grads = {
+        name: full_tensor(name, p.grad, engine.tp_group).detach().clone()
+        for name, p in engine.model.named_parameters()
+        if p.requires_grad
+    }
+    frozen_grads = [
+        n for n, p in engine.model.named_parameters() if not p.requires_grad and p.grad is not None
+    ]
+    dtypes = {
+        str(p.dtype) + ("/trainable" if p.requires_grad else "/frozen") for p in engine.model.parameters()
+    }
+    num_optimized = sum(len(group["params"]) for group in engine.optimizer.param_groups)
+    return grads, frozen_grads, dtypes, num_optimized
+
+
+def _engine_worker(rank: int, world: int, port: int, model_dir: str, out_path: str, leave) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dockrl.parallel.dist import init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=120)
+    results = {}
+    for dp, tp in LORA_LAYOUTS:
+        mesh = init_device_mesh("cpu", (world // (dp * tp), dp, tp), mesh_dim_names=("rep", "dp", "tp"))
+        per_rank, dp_rank = 8 // dp, mesh["dp"].get_local_rank()
+        idx = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+        results[(dp, tp)] = _engine_update(model_dir, idx, dp, mesh["dp", "tp"])
+    results["bf16"] = _engine_update(
+        model_dir,
+        list(range(4 * (rank % 2), 4 * (rank % 2) + 4)),
+        2,
+        init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "dp"))["dp"],
+        "bf16",
+    )
+    if rank == 0:
+        torch.save(results, out_path)
+    leave(rank)
+
+
+def test_lora_engine_layouts_equal_one_process(tmp_path):
+    """The adapters of a LoRA engine under FSDP2 x tp, (dp, tp) in (2,1), (1,2), (2,2), take the gradients of
+    dp=1 x tp=1 up to fp32 reassociation (helpers.GRAD_ATOL_OF_SCALE); the base takes none and is not in the
+    optimizer; in bf16 the frozen base is held in bf16 and the adapters in fp32."""
+    from dockrl.parallel.dist import free_port
+    from dockrl.parallel.spawn import spawn_ranks
+    from helpers import assert_grads_close
+    from test_tp_equivalence import write_model
+
+    model_dir = str(write_model(tmp_path / "model", "qwen2"))
+    out = tmp_path / "engine.pt"
+    spawn_ranks(_engine_worker, 4, free_port(), model_dir, str(out))
+    results = torch.load(out, weights_only=False)
+    ref_grads, frozen, dtypes, num_optimized = _engine_update(model_dir, list(range(8)), 1, None)
+    assert num_optimized == len(ref_grads) == 4 * len(LINEAR_NAMES) and not frozen
+    assert dtypes == {"torch.float32/frozen", "torch.float32/trainable"}
+    for layout in LORA_LAYOUTS:
+        grads, frozen, _, count = results[layout]
+        assert count == num_optimized and not frozen, layout
+        assert_grads_close(grads, ref_grads, msg=layout)
+    _, frozen, dtypes, _ = results["bf16"]
+    assert dtypes == {"torch.bfloat16/frozen", "torch.float32/trainable"} and not frozen

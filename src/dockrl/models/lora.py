@@ -78,6 +78,19 @@ def resolve_targets(target_modules: str | list[str] | tuple[str, ...]) -> tuple[
     return tuple(name for name in LINEAR_NAMES if name in target_modules)
 
 
+def fresh_factors(
+    rank: int, in_features: int, out_features: int, seed: int | None, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [r, I] ~ kaiming-uniform(a=sqrt(5)) on fan_in = I, as PEFT draws it; B [O, r] = 0. fp32."""
+    if torch.device(device).type == "meta":
+        return torch.empty(rank, in_features, device="meta"), torch.empty(out_features, rank, device="meta")
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    a = torch.empty(rank, in_features, dtype=torch.float32)
+    bound = 1.0 / in_features**0.5
+    a.uniform_(-bound, bound, generator=generator)
+    return a.to(device), torch.zeros(out_features, rank, device=device)
+
+
 class LoRALinear(nn.Linear):
     """nn.Linear with a low-rank adapter (see the module docstring). Build it with `LoRALinear.wrap`."""
 
@@ -85,13 +98,9 @@ class LoRALinear(nn.Linear):
     lora_B: nn.Parameter  # [O, r] (O/tp under a column-parallel base)
 
     def init_adapter(self, rank: int, scaling: float, dropout: float, seed: int | None = None) -> None:
-        """Fresh factors: A ~ kaiming-uniform(a=sqrt(5)) as PEFT draws it, B = 0 (fp32, trainable)."""
-        generator = None if seed is None else torch.Generator().manual_seed(seed)
-        a = torch.empty(rank, self.in_features, dtype=torch.float32)
-        bound = 1.0 / self.in_features**0.5  # kaiming_uniform_(a=sqrt(5)) on fan_in = in_features
-        a.uniform_(-bound, bound, generator=generator)
-        self.lora_A = nn.Parameter(a.to(self.weight.device))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=self.weight.device))
+        """Fresh factors (`fresh_factors`; on the meta device only their shapes), fp32 and trainable."""
+        a, b = fresh_factors(rank, self.in_features, self.out_features, seed, self.weight.device)
+        self.lora_A, self.lora_B = nn.Parameter(a), nn.Parameter(b)
         self.lora_scaling = scaling
         self.lora_dropout = dropout
         self.lora_enabled = True
@@ -133,13 +142,31 @@ class LoRALinear(nn.Linear):
 
 def apply_lora(model: nn.Module, spec: LoraSpec, seed: int = 0) -> list[str]:
     """Wrap every target linear layer of `model` (a Transformer) in place, freeze every other parameter;
-    returns the adapted module names. Layer i of target t draws its A from seed + its position in the list."""
+    returns the adapted module names. The i-th adapted module draws its A with seed `adapter_seed(seed, i)`
+    (`fresh_adapters` draws the same values for a model built on the meta device)."""
     adapted = [name for name, module in model.named_modules() if _is_target(name, module, spec)]
     for param in model.parameters():
         param.requires_grad_(False)
     for index, name in enumerate(adapted):
-        LoRALinear.wrap(model.get_submodule(name), spec, seed=seed * 1_000_003 + index)  # type: ignore[arg-type]
+        LoRALinear.wrap(model.get_submodule(name), spec, seed=adapter_seed(seed, index))  # type: ignore[arg-type]
     return adapted
+
+
+def adapter_seed(seed: int, index: int) -> int:
+    """The seed of the index-th adapted module's A."""
+    return seed * 1_000_003 + index
+
+
+def fresh_adapters(model: nn.Module, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The initial adapters of `model` (LoRA applied, e.g. on the meta device) as whole CPU tensors, keyed by
+    parameter name: what `apply_lora(model, spec, seed)` draws on a real device. A sharded engine loads each
+    rank's block of these (dockrl.parallel.sharded_load's fallback), so every layout starts equal."""
+    out = {}
+    for index, (name, layer) in enumerate(lora_layers(model)):
+        rank, in_features = layer.lora_A.shape
+        a, b = fresh_factors(rank, in_features, layer.lora_B.shape[0], adapter_seed(seed, index))
+        out[f"{name}.lora_A"], out[f"{name}.lora_B"] = a, b
+    return out
 
 
 def _is_target(name: str, module: nn.Module, spec: LoraSpec) -> bool:

@@ -18,7 +18,7 @@ Without a mesh (`dockrl sft`, tests) the same code runs on one process with auto
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -31,6 +31,7 @@ from dockrl.algos.head_logprobs import head_token_stats
 from dockrl.config.schema import OptimConfig
 from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
 from dockrl.models.hf import CAUSAL_LM, CheckpointReader, ModelKind, read_config
+from dockrl.models.lora import LoraSpec, adapters_disabled, apply_lora, fresh_adapters
 from dockrl.parallel.sharded_load import load_sharded
 
 # A loss over what `forward(mb)` returned (the actor: token_stats' log-probs and entropies; the critic: values).
@@ -52,6 +53,9 @@ class TrainEngine:
         trainable: bool = True,
         kind: ModelKind = CAUSAL_LM,
         load_weights: bool = True,
+        lora: LoraSpec | None = None,
+        lora_init: Mapping[str, torch.Tensor] | None = None,
+        seed: int = 0,
     ):
         self.device = torch.device(device)
         self.precision = precision
@@ -62,6 +66,14 @@ class TrainEngine:
         # models.value.value_model_kind; its forward returns values [B, T] instead of logits).
         with torch.device("meta"):
             model = kind.build(self.args)
+        # LoRA (actor.lora): adapters on the target layers, everything else frozen and held in the compute
+        # dtype; the adapters start from `lora_init` (a PEFT adapter, model.lora_path) or fresh ones.
+        self.lora = lora
+        fallback = dict(kind.fallback(self.args)) if kind.fallback is not None else {}
+        if lora is not None:
+            apply_lora(model, lora, seed)
+            fallback.update(lora_init if lora_init is not None else fresh_adapters(model, seed))
+            _frozen_to_dtype(model, torch.bfloat16 if precision == "bf16" else torch.float32)
         # Every parameter's unsplit, unsharded shape (checkpoint blocks and Hugging Face exports use it).
         self.global_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         if not trainable:
@@ -90,7 +102,7 @@ class TrainEngine:
                 dp_rank=self.dp_rank,
                 dp=self.dp_size,
                 ignore=lambda name: kind.ignore(name, self.args),
-                fallback=kind.fallback(self.args) if kind.fallback is not None else None,
+                fallback=fallback or None,
             )
         self.optimizer = self.scheduler = None
         if trainable:
@@ -98,7 +110,7 @@ class TrainEngine:
             self.optim_cfg = optim
             model.model.checkpoint_layers = optim.activation_checkpointing
             self.optimizer = torch.optim.AdamW(
-                model.parameters(),
+                [p for p in model.parameters() if p.requires_grad],  # LoRA: the adapters only
                 lr=optim.lr,
                 betas=(optim.adam_beta1, optim.adam_beta2),
                 eps=optim.adam_eps,
@@ -142,6 +154,11 @@ class TrainEngine:
         with self.autocast():
             logp, entropy = self.model(mb.input_ids, head=head)
         return logp.view(rows, width), entropy.view(rows, width)
+
+    def adapters_off(self):
+        """A context in which the model is its base (LoRA's reference policy: the same weights, adapters off);
+        a no-op without LoRA."""
+        return adapters_disabled(self.model) if self.lora is not None else nullcontext()
 
     def autocast(self):
         """bf16 autocast for the unsharded path (FSDP2's mixed-precision policy covers the sharded one)."""
@@ -282,6 +299,15 @@ class TrainEngine:
         for name, tensor in self.model.state_dict().items():
             out[name] = full_tensor(name, tensor, self.tp_group).detach().to("cpu", torch.float32)
         return out
+
+
+def _frozen_to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Hold every frozen parameter (LoRA's base) in `dtype` (before sharding, on the meta device): it takes no
+    gradient and no optimizer state, so it needs no fp32 master copy."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not param.requires_grad and param.dtype != dtype:
+                setattr(module, name, torch.nn.Parameter(param.detach().to(dtype), requires_grad=False))
 
 
 def fully_shard_layers(model: torch.nn.Module, mesh: DeviceMesh, precision: str) -> None:
