@@ -339,3 +339,92 @@ def test_lora_engine_layouts_equal_one_process(tmp_path):
         assert_grads_close(grads, ref_grads, msg=layout)
     _, frozen, dtypes, _ = results["bf16"]
     assert dtypes == {"torch.bfloat16/frozen", "torch.float32/trainable"} and not frozen
+
+
+SWITCH_PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4)]  # (tp_train, tp_infer) on 4 ranks
+
+
+def _switch_pair(rank: int, world: int, model_dir: str, tp_train: int, tp_infer: int) -> dict:
+    """A LoRA engine with nonzero adapters enters the inference layout: each inference weight must be this
+    rank's slice of W + s B A (merged from the whole tensors here); exit restores training state bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dockrl.config import ActorConfig
+    from dockrl.engines.reshard.switch import RolloutSwitch
+    from dockrl.engines.train.train_engine import TrainEngine
+    from dockrl.parallel.layout import Layout, full_tensor
+
+    spec = LoraSpec(
+        rank=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "o_proj", "up_proj", "down_proj")
+    )
+    mesh = init_device_mesh("cpu", (world // tp_train, tp_train), mesh_dim_names=("dp", "tp"))
+    engine = TrainEngine(model_dir, device="cpu", precision="fp32", mesh=mesh, optim=ActorConfig(), lora=spec)
+    with torch.no_grad():
+        for name, param in engine.model.named_parameters():
+            if name.endswith("lora_B"):
+                param.to_local().uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(rank))
+    full = {
+        n: full_tensor(n, p, engine.tp_group).detach().clone() for n, p in engine.model.named_parameters()
+    }
+    before = {n: p.to_local().clone() for n, p in engine.model.named_parameters()}
+    infer_mesh = init_device_mesh("cpu", (world // tp_infer, tp_infer), mesh_dim_names=("replica", "tp"))
+    switch = RolloutSwitch(
+        engine,
+        rank=rank,
+        world=world,
+        tp_infer=tp_infer,
+        infer_group=infer_mesh.get_group("tp"),
+        bucket_bytes=None,
+        dtype=torch.float32,
+    )
+    switch.enter()
+    layout, worst, merged = Layout(world, tp_infer), 0.0, 0
+    for name, param in switch.model.named_parameters():
+        weight = full[name]
+        expected = merge_into(name, weight, full, spec.scaling)
+        merged += not torch.equal(expected, weight)
+        dim, start, end = layout.shard_slice(name, tuple(weight.shape), rank)
+        if dim is not None:
+            expected = expected.narrow(dim, start, end - start)
+        # Both sides: W + s (B A) in fp32, B A a dot product of r terms (its chunking may differ): at most
+        # r + 2 roundings of the magnitudes |W| + s |B| |A|, each of relative size 2^-24.
+        module = name.removesuffix(".weight")
+        magnitude = weight.abs()
+        if f"{module}.lora_A" in full:
+            magnitude = magnitude + spec.scaling * (
+                full[f"{module}.lora_B"].abs() @ full[f"{module}.lora_A"].abs()
+            )
+        if dim is not None:
+            magnitude = magnitude.narrow(dim, start, end - start)
+        bound = (spec.rank + 2) * 2.0**-24 * magnitude
+        worst = max(worst, float(((param - expected).abs() - bound).max()))
+    switch.exit()
+    bitwise = all(torch.equal(before[n], p.to_local()) for n, p in engine.model.named_parameters())
+    return {"excess": worst, "merged": merged, "bitwise": bitwise}
+
+
+def _switch_worker(rank: int, world: int, port: int, model_dir: str, out_path: str, leave) -> None:
+    from dockrl.parallel.dist import init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=120)
+    results = {pair: _switch_pair(rank, world, model_dir, *pair) for pair in SWITCH_PAIRS}
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, results)
+    if rank == 0:
+        torch.save(gathered, out_path)
+    leave(rank)
+
+
+def test_switch_merges_adapters_into_the_inference_shards(tmp_path):
+    from dockrl.parallel.dist import free_port
+    from dockrl.parallel.spawn import spawn_ranks
+    from test_tp_equivalence import write_model
+
+    model_dir = write_model(tmp_path / "model", "qwen2")
+    out = tmp_path / "switch.pt"
+    spawn_ranks(_switch_worker, 4, free_port(), str(model_dir), str(out))
+    for rank, results in enumerate(torch.load(out, weights_only=False)):
+        for pair, r in results.items():
+            assert r["excess"] <= 0.0 and r["bitwise"], (rank, pair, r)
+            assert r["merged"] == 2 * 4, (rank, pair, r)  # 2 layers x 4 adapted weights were changed

@@ -20,6 +20,11 @@ gather one whole tensor at a time on every rank, stream it into a flat staging b
 and hand the full bucket over to the inference model, which keeps its shard; `enter(naive=True)` gathers the
 whole state dict on every rank first, then cuts the inference shard out of it.
 
+LoRA (an engine built with `lora`): the inference model is the plain decoder, and each adapted weight is
+merged as it lands in its bucket: W + s B A for this rank's inference slice only, in row chunks of at most a
+quarter bucket (fp32), with the whole adapters gathered once per switch (r x (in + out) per layer, small). The
+base weight arrives in its own dtype, so the merge rounds once, to the bucket's dtype.
+
 Lifecycle: built once in `ActorWorker.setup`; enter / exit alternate (rollout between them).
 """
 
@@ -127,12 +132,14 @@ class RolloutSwitch:
         returns the bytes sent. Needs rollout.tp=1 (full tensors in every bucket)."""
         assert self.infer_layout.tp == 1, "broadcast_weights sends full tensors (rollout.tp=1)"
         train_params = dict(self.engine.model.named_parameters())
+        adapters = self._gather_adapters(train_params)
         sent = 0
         for bucket in self.buckets:
             buffer = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
             for spec in bucket.specs:
                 view = buffer[spec.offset : spec.offset + spec.numel].view(spec.shape)
                 self._gather_into(spec, train_params[spec.name], view)
+                self._merge_adapter(spec, view, adapters)
             if group is not None:
                 broadcast_bucket(group, buffer)
                 sent += buffer.numel() * buffer.element_size()
@@ -163,9 +170,11 @@ class RolloutSwitch:
                 module.reshard()
         train_params = dict(engine.model.named_parameters())
         if baseline == "streaming":
+            assert self.engine.lora is None, "the streaming baseline does not merge LoRA adapters"
             self._enter_streaming(train_params)
             return self._finish_enter(train_params, offloaded, start)
         full = {n: self._full(n, p) for n, p in train_params.items()} if naive else None
+        adapters = self._gather_adapters(train_params)
         for bucket in self.buckets:
             buffer = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
             for spec in bucket.specs:
@@ -174,6 +183,7 @@ class RolloutSwitch:
                     self._gather_into(spec, train_params[spec.name], view)
                 else:
                     self._cut_into(spec, full[spec.name], view)
+                self._merge_adapter(spec, view, adapters)
                 set_param(self.model, spec.name, view)
             self.buffers.append(buffer)
         del full
@@ -234,6 +244,36 @@ class RolloutSwitch:
         return {"seconds": time.perf_counter() - start}
 
     # ---- gathers --------------------------------------------------------------------------------
+
+    def _gather_adapters(self, train_params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every LoRA factor, whole (a collective: FSDP over dp, then tp); {} without LoRA."""
+        if self.engine.lora is None:
+            return {}
+        return {
+            name: self._full(name, param).detach()
+            for name, param in train_params.items()
+            if name.endswith((".lora_A", ".lora_B"))
+        }
+
+    def _merge_adapter(
+        self, spec: _ParamSpec, out: torch.Tensor, adapters: Mapping[str, torch.Tensor]
+    ) -> None:
+        """out (this rank's inference slice of spec.name) += s B A over the same slice, in row chunks."""
+        module = spec.name.removesuffix(".weight")
+        a, b = adapters.get(f"{module}.lora_A"), adapters.get(f"{module}.lora_B")
+        if a is None or b is None or not spec.name.endswith(".weight"):
+            return
+        scaling = self.engine.lora.scaling if self.engine.lora is not None else 1.0
+        dim, start, end = self.infer_layout.shard_slice(spec.name, spec.full_shape, self.rank)
+        if dim == 0:
+            b = b[start:end]  # [O_slice, r]
+        elif dim == 1:
+            a = a[:, start:end]  # [r, I_slice]
+        a = a.float()
+        rows = max(1, (self.bucket_bytes // 4) // max(1, 4 * out.shape[1]))
+        for r in range(0, out.shape[0], rows):
+            chunk = out[r : r + rows]
+            chunk.copy_((chunk.float() + scaling * (b[r : r + rows].float() @ a)).to(out.dtype))
 
     def _full(self, name: str, param: torch.Tensor) -> torch.Tensor:
         from dockrl.parallel.layout import full_tensor
