@@ -21,4 +21,5 @@ BENCHMARKS: dict[str, str] = {
     "e2e": "dockrl.bench.e2e",
     "logprobs": "dockrl.bench.logprob_memory",
     "kernels": "dockrl.bench.kernels",
+    "lora": "dockrl.bench.lora",
 }
