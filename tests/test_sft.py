@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dockrl.config import ConfigError, SFTConfig, load_config, validate_sft
+from dockrl.config import ConfigError, SFTConfig, load_config
+from dockrl.recipes.preflight import preflight_sft
 from dockrl.data.datasets import load_prompts, render_prompt
 from dockrl.models.hf import load_model
 from dockrl.models.tokenizer import Tokenizer
@@ -33,7 +34,7 @@ def _config(tiny_model, arithmetic_data, tmp_path, *overrides):
         "run.name=sft",
         "actor.micro_batch_size=5",  # uneven micro-batches: padding and the per-batch normaliser are exercised
     ]
-    return validate_sft(load_config(SFTConfig, None, base + list(overrides)))
+    return preflight_sft(load_config(SFTConfig, None, base + list(overrides)))
 
 
 def _examples(model_dir, path, limit=None):
