@@ -12,8 +12,8 @@ import torch
 
 from dockrl.cli import main
 from dockrl.config import ConfigError, TrainConfig, load_config
-from dockrl.recipes.preflight import preflight_train
 from dockrl.models.hf import load_state_dict
+from dockrl.recipes.preflight import preflight_train
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 ALGORITHMS = ["grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo", "gspo"]
@@ -172,6 +172,7 @@ def test_unset_loss_settings_are_the_algorithms_own(tiny_model, arithmetic_data)
 
 def test_unset_kl_coef_is_the_algorithms_own(tiny_model, arithmetic_data):
     """DAPO, GSPO and Dr. GRPO train without a reference model; the rest keep a small KL term (0.001)."""
+
     def resolved(*overrides):
         run = preflight_train(
             load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + list(overrides))

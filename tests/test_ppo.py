@@ -23,11 +23,11 @@ from dockrl.algos.ppo import (
 )
 from dockrl.cli import main
 from dockrl.config import ConfigError, CriticConfig, TrainConfig, load_config
-from dockrl.recipes.preflight import preflight_train
 from dockrl.engines.train.batch import make_micro_batch
 from dockrl.engines.train.train_engine import TrainEngine
 from dockrl.models.hf import load_state_dict, save_model
 from dockrl.models.value import load_value_model, value_model_kind
+from dockrl.recipes.preflight import preflight_train
 from helpers import close
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -22,7 +22,6 @@ from transformers import (
 from dockrl.algos.estimators import compute_advantages
 from dockrl.cli import main
 from dockrl.config import ConfigError, TrainConfig, load_config
-from dockrl.recipes.preflight import preflight_train
 from dockrl.config.schema import AlgoConfig, RewardConfig, RewardFnConfig, RewardModelConfig
 from dockrl.models.classifier import (
     RewardModel,
@@ -34,6 +33,7 @@ from dockrl.models.config import ModelArgs
 from dockrl.models.hf import load_state_dict
 from dockrl.models.tiny import make_tiny
 from dockrl.models.tokenizer import Tokenizer
+from dockrl.recipes.preflight import preflight_train
 from dockrl.workers.reward import RewardWorker
 from dockrl.workers.reward_model import RM_SCORE, RewardModelWorker, rm_token_ids, same_vocabulary
 from helpers import perturb_
@@ -272,7 +272,10 @@ def test_reward_worker_adds_weighted_model_score(functions, tiny_model, tiny_rew
     )
     algo = AlgoConfig()
     worker = RewardWorker(
-        "reward-0", 0, 1, reward=reward,
+        "reward-0",
+        0,
+        1,
+        reward=reward,
         algo=algo,
         estimator="grpo",
         tokenizer_path=str(tiny_model),

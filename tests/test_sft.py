@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from dockrl.config import ConfigError, SFTConfig, load_config
-from dockrl.recipes.preflight import preflight_sft
 from dockrl.data.datasets import load_prompts, render_prompt
 from dockrl.models.hf import load_model
 from dockrl.models.tokenizer import Tokenizer
+from dockrl.recipes.preflight import preflight_sft
 from dockrl.recipes.sft import sft
 
 # fp32 sums of ~10^3 log-probs in another order: relative error ~1e-7 x sqrt(terms); 1e-5 leaves 100x margin.
