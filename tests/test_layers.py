@@ -43,9 +43,7 @@ def _graph() -> dict[str, set[str]]:
     """dockrl module -> the dockrl modules it imports (names that are not modules, like a function, dropped)."""
     files = sorted(SRC.rglob("*.py"))
     modules = {_module_name(f) for f in files}
-    return {
-        _module_name(f): {m for m in _imports(f) if m in modules and m != _module_name(f)} for f in files
-    }
+    return {_module_name(f): {m for m in _imports(f) if m in modules and m != _module_name(f)} for f in files}
 
 
 def _package(module: str) -> str:

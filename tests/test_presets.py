@@ -73,7 +73,9 @@ def test_ratio_level_and_normalizer_are_orthogonal_to_the_name():
 
 
 def test_a_normalizer_without_effect_warns_and_unknown_values_are_errors(tmp_path):
-    with pytest.warns(UserWarning, match="algo.loss_normalizer=max_new_tokens has no effect with algo.loss_agg"):
+    with pytest.warns(
+        UserWarning, match="algo.loss_normalizer=max_new_tokens has no effect with algo.loss_agg"
+    ):
         check_train(_cfg(loss_normalizer="max_new_tokens"))
     with pytest.raises(ConfigError, match="algo.ratio_level='tokens': unknown choice"):
         check_train(_cfg(ratio_level="tokens"))

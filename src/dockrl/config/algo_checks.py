@@ -23,7 +23,6 @@ from dockrl.config.step_plan import (
     resolved_clip,
     resolved_kl_coef,
     resolved_loss_agg,
-    resolved_loss_normalizer,
 )
 
 KL_CONTROLLERS = typing.get_args(KLControl)
@@ -189,7 +188,8 @@ def _check_ratio_and_normalizer(algo: AlgoConfig) -> None:
                 key, value, "unknown choice", f"use one of {choices} (or None: the algorithm's own)"
             )
     agg = resolved_loss_agg(algo)
-    if resolved_loss_normalizer(algo) == "max_new_tokens" and agg != "seq-mean-token-sum":
+    # set explicitly (a preset's own normaliser under another aggregation is the loss_agg warning's concern)
+    if algo.loss_normalizer == "max_new_tokens" and agg != "seq-mean-token-sum":
         warnings.warn(
             f"algo.loss_normalizer=max_new_tokens has no effect with algo.loss_agg={agg}: it divides the token "
             "sums of seq-mean-token-sum (the other aggregations divide by token counts)",
