@@ -8,7 +8,7 @@ config (with its step plan) that recipes and workers read. Imports no other dock
 from dockrl.config.fields import ConfigError
 from dockrl.config.loader import apply_override, from_dict, load_config, render_docs, to_dict
 from dockrl.config.presets import ALGORITHMS, PRESETS, Preset
-from dockrl.config.resolve import Resolved, resolve, resolved_copy
+from dockrl.config.resolve import Resolved, copy_with, resolve
 from dockrl.config.schema import (
     ActorConfig,
     AlgoConfig,
@@ -56,7 +56,7 @@ __all__ = [
     "loss_plan",
     "render_docs",
     "resolve",
-    "resolved_copy",
+    "copy_with",
     "step_plan",
     "to_dict",
 ]

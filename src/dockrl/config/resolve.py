@@ -40,7 +40,7 @@ class Resolved:
         return resolve(self.cfg, found)
 
 
-def resolved_copy(cfg: T, found: Mapping[str, Any] | None = None) -> T:
+def copy_with(cfg: T, found: Mapping[str, Any] | None = None) -> T:
     """A deep copy of config `cfg` with each dotted setting of `found` set (`run.device` -> "cpu")."""
     out = copy.deepcopy(cfg)
     for key, value in (found or {}).items():
@@ -57,6 +57,6 @@ def resolved_copy(cfg: T, found: Mapping[str, Any] | None = None) -> T:
 def resolve(cfg: TrainConfig, found: Mapping[str, Any] | None = None) -> Resolved:
     """The resolved config of a checked `cfg` (config.validate.check_train) and what the preflight `found`
     (dotted key -> value); pure: reads nothing but its arguments."""
-    out = resolved_copy(cfg, found)
+    out = copy_with(cfg, found)
     out.algo.kl_coef = resolved_kl_coef(out.algo)  # the algorithm's own when unset; config.yaml shows it
     return Resolved(out, step_plan(out))

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dockrl.config.fields import config_error
-from dockrl.config.resolve import Resolved, resolve, resolved_copy
+from dockrl.config.resolve import Resolved, copy_with, resolve
 from dockrl.config.schema import DataConfig, SFTConfig, TrainConfig
 from dockrl.config.validate import check_sft, check_train
 from dockrl.errors import ConfigError
@@ -120,7 +120,7 @@ def preflight_sft(cfg: SFTConfig) -> SFTConfig:
     _check_loggers(cfg.run.loggers)
     device = resolve_device(cfg.run.device)
     precision = resolve_precision(cfg.run.precision, device)
-    return resolved_copy(cfg, {"run.device": device, "run.precision": precision})
+    return copy_with(cfg, {"run.device": device, "run.precision": precision})
 
 
 def _checkpoint_roots(cfg: TrainConfig, reference: bool) -> dict[str, Any]:
