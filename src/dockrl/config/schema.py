@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dockrl.config.fields import required, setting
-from dockrl.config.presets import AdvEstimator, Algorithm, LossAgg, LossNormalizer, RatioLevel
+from dockrl.config.presets import PRESETS, AdvEstimator, Algorithm, LossAgg, LossNormalizer, RatioLevel
 
 # Closed choices: a value outside them is an error listing them (config.loader). Those an algorithm preset
 # draws on (Algorithm, AdvEstimator, LossAgg, RatioLevel, LossNormalizer) are declared in config/presets.py.
@@ -206,8 +206,8 @@ class AlgoConfig:
 
     name: Algorithm = setting(
         "grpo",
-        "Algorithm: grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, dr_grpo, gspo, or ppo (with a critic, "
-        "see `critic`) (README, Algorithms). A preset of the settings below left unset (config/presets.py).",
+        f"Algorithm: {', '.join(PRESETS)} (README, Algorithms). A preset of the settings below left unset: "
+        "one row of config/presets.py (ppo's estimator, gae, runs a critic: see `critic`).",
         noun="algorithm",
     )
     adv_estimator: AdvEstimator | None = setting(
