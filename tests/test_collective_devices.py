@@ -47,7 +47,7 @@ def _spy(calls: list) -> None:
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, out: str, leave) -> None:
-    from dockrl.config import ActorConfig, AlgoConfig
+    from dockrl.config import ActorConfig, AlgoConfig, loss_plan
     from dockrl.engines.train.policy_update import all_reduce_sum, policy_update, whiten_rows
     from dockrl.engines.train.train_engine import TrainEngine
     from dockrl.parallel.dist import data_parallel_mesh, init_distributed
@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, leave) -
         batch,
         [0, 1],
         ["advantages"],
-        AlgoConfig(kl_coef=0.0),
+        loss_plan(AlgoConfig(kl_coef=0.0)),
         temperature=1.0,
         micro_batch_size=1,
         pad_token_id=0,

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from dockrl.cli import main
-from dockrl.config import ConfigError, TrainConfig, load_config, render_docs, validate_train
+from dockrl.config import ConfigError, TrainConfig, load_config, render_docs
+from dockrl.recipes.preflight import preflight_train
 
 
 def _base(tiny_model, arithmetic_data) -> list[str]:
@@ -34,8 +35,8 @@ def test_yaml_and_overrides(tmp_path, tiny_model, arithmetic_data):
     assert cfg.run.steps == 3 and cfg.run.prompts_per_step == 8
     assert cfg.actor.lr == pytest.approx(2e-5)
     assert cfg.reward.functions[0].name == "format" and cfg.reward.functions[0].weight == 0.5
-    validate_train(cfg)
-    from dockrl.config.validate import cpu_has_native_bf16
+    cfg = preflight_train(cfg).cfg  # the resolved copy
+    from dockrl.recipes.preflight import cpu_has_native_bf16
 
     assert cfg.run.device == "cpu" and cfg.run.precision == ("bf16" if cpu_has_native_bf16() else "fp32")
 
@@ -76,7 +77,7 @@ def test_missing_required_names_the_key():
 )
 def test_validation_errors(tiny_model, arithmetic_data, override, expected):
     with pytest.raises(ConfigError, match=expected):  # closed choices fail at load, the rest in validation
-        validate_train(load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + [override]))
+        preflight_train(load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + [override]))
 
 
 def test_missing_model_dir_and_prompt_field(tmp_path, tiny_model, arithmetic_data):
@@ -84,12 +85,12 @@ def test_missing_model_dir_and_prompt_field(tmp_path, tiny_model, arithmetic_dat
         TrainConfig, None, _base(tiny_model, arithmetic_data) + [f"model.path={tmp_path / 'nope'}"]
     )
     with pytest.raises(ConfigError, match="model.path=.*the model directory does not exist"):
-        validate_train(cfg)
+        preflight_train(cfg)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n")
     cfg = load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + [f"data.train_path={bad}"])
     with pytest.raises(ValueError, match="prompt") as err:
-        validate_train(cfg)
+        preflight_train(cfg)
     assert "bad.jsonl" in str(err.value)
 
 
@@ -188,12 +189,12 @@ def test_unknown_loggers_are_named(tiny_model, arithmetic_data):
     with pytest.raises(
         ConfigError, match=r"run.loggers=\['jsonl', 'neptune'\]: unknown logger\(s\) \['neptune'\]"
     ):
-        validate_train(cfg)
+        preflight_train(cfg)
 
 
 def test_auto_precision_takes_bf16_where_the_hardware_computes_it():
     """run.precision=auto: bf16 on cuda and on a cpu with native bf16 (at any model size), fp32 elsewhere."""
-    from dockrl.config.validate import cpu_has_native_bf16, resolve_precision
+    from dockrl.recipes.preflight import cpu_has_native_bf16, resolve_precision
 
     native = "bf16" if cpu_has_native_bf16() else "fp32"
     assert resolve_precision("auto", "cuda") == "bf16"

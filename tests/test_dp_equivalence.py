@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dockrl.config import ActorConfig, AlgoConfig
+from dockrl.config import ActorConfig, AlgoConfig, loss_plan
 from dockrl.parallel.dist import free_port
 from dockrl.parallel.spawn import spawn_ranks
 from helpers import assert_grads_close, full_grads
@@ -47,7 +47,7 @@ def run_update(
         batch,
         idx,
         ["advantages", "ref_logprobs", "old_logprobs"],
-        ALGO,
+        loss_plan(ALGO),
         temperature=1.0,
         micro_batch_size=micro_batch_size,
         max_tokens_per_micro_batch=max_tokens,
@@ -147,7 +147,7 @@ def test_rows_of_weight_zero_leave_no_trace_in_the_update(tiny_model):
             batch["update_weight"] = weights
         names = ["advantages", "ref_logprobs", "old_logprobs"]
         args = dict(temperature=1.0, micro_batch_size=2, pad_token_id=0, world_size=1)
-        return policy_update(engine, batch, idx, names, ALGO, **args), full_grads(engine)
+        return policy_update(engine, batch, idx, names, loss_plan(ALGO), **args), full_grads(engine)
 
     weights = [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
     m_dropped, g_dropped = grads(list(range(NUM_ROWS)), weights)

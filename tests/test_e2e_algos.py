@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from dockrl.cli import main
-from dockrl.config import ConfigError, TrainConfig, load_config, validate_train
+from dockrl.config import ConfigError, TrainConfig, load_config
 from dockrl.models.hf import load_state_dict
+from dockrl.recipes.preflight import preflight_train
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 ALGORITHMS = ["grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo", "gspo"]
@@ -34,7 +35,7 @@ def test_tiny_example_validates_without_warnings(algo, tiny_model, arithmetic_da
     assert cfg.algo.name == algo
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        validate_train(cfg)
+        preflight_train(cfg)
 
 
 @pytest.mark.parametrize(
@@ -92,7 +93,7 @@ def test_tiny_example_validates_without_warnings(algo, tiny_model, arithmetic_da
 )
 def test_conflicting_algorithm_settings_are_errors(overrides, expected, tiny_model, arithmetic_data):
     with pytest.raises(ConfigError, match=expected):  # closed choices fail at load, the rest in validation
-        validate_train(load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + overrides))
+        preflight_train(load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + overrides))
 
 
 @pytest.mark.parametrize(
@@ -144,18 +145,14 @@ def test_conflicting_algorithm_settings_are_errors(overrides, expected, tiny_mod
 def test_settings_without_effect_warn(overrides, expected, tiny_model, arithmetic_data):
     cfg = load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + overrides)
     with pytest.warns(UserWarning, match=expected):
-        validate_train(cfg)
+        preflight_train(cfg)
 
 
 def test_unset_loss_settings_are_the_algorithms_own(tiny_model, arithmetic_data):
-    from dockrl.config.step_plan import step_plan
-
     def loss(*overrides):
-        return step_plan(
-            validate_train(
-                load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + list(overrides))
-            )
-        ).loss
+        return preflight_train(
+            load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + list(overrides))
+        ).plan.loss
 
     two = "actor.mini_batches=2"
     assert (loss().clip_low, loss().clip_high, loss().agg) == (0.2, 0.2, "token-mean")
@@ -175,13 +172,12 @@ def test_unset_loss_settings_are_the_algorithms_own(tiny_model, arithmetic_data)
 
 def test_unset_kl_coef_is_the_algorithms_own(tiny_model, arithmetic_data):
     """DAPO, GSPO and Dr. GRPO train without a reference model; the rest keep a small KL term (0.001)."""
-    from dockrl.config.step_plan import step_plan
 
     def resolved(*overrides):
-        cfg = validate_train(
+        run = preflight_train(
             load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + list(overrides))
         )
-        plan = step_plan(cfg)
+        cfg, plan = run.cfg, run.plan
         return cfg.algo.kl_coef, plan.reference, plan.loss.kl_coef
 
     two = "actor.mini_batches=2"
@@ -197,10 +193,10 @@ def test_unset_kl_coef_is_the_algorithms_own(tiny_model, arithmetic_data):
 def test_groups_of_one_warn_only_where_a_group_baseline_is_used(tiny_model, arithmetic_data):
     ones = _base(tiny_model, arithmetic_data) + ["rollout.samples_per_prompt=1", "rollout.max_batch_size=4"]
     with pytest.warns(UserWarning, match="all zero with groups of one"):
-        validate_train(load_config(TrainConfig, None, ones))
+        preflight_train(load_config(TrainConfig, None, ones))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        validate_train(load_config(TrainConfig, None, ones + ["algo.name=reinforce_pp"]))
+        preflight_train(load_config(TrainConfig, None, ones + ["algo.name=reinforce_pp"]))
 
 
 def test_cli_rejects_dapo_with_groups_of_one_before_ray(monkeypatch, capsys, tiny_model, arithmetic_data):

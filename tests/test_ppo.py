@@ -22,11 +22,12 @@ from dockrl.algos.ppo import (
     token_level_rewards,
 )
 from dockrl.cli import main
-from dockrl.config import ConfigError, CriticConfig, TrainConfig, load_config, validate_train
+from dockrl.config import ConfigError, CriticConfig, TrainConfig, load_config
 from dockrl.engines.train.batch import make_micro_batch
 from dockrl.engines.train.train_engine import TrainEngine
 from dockrl.models.hf import load_state_dict, save_model
 from dockrl.models.value import load_value_model, value_model_kind
+from dockrl.recipes.preflight import preflight_train
 from helpers import close
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -172,12 +173,12 @@ def test_ppo_example_validates_without_warnings(tiny_model, arithmetic_data):
     assert cfg.algo.name == "ppo" and cfg.algo.kl_in_reward and cfg.algo.kl_ctrl == "adaptive"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        validate_train(cfg)
+        preflight_train(cfg)
     # PPO has no group baseline: groups of one are fine
     ones = ["rollout.samples_per_prompt=1", "rollout.max_batch_size=4", "algo.critic_warmup_steps=0"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        validate_train(
+        preflight_train(
             load_config(TrainConfig, EXAMPLES / "ppo_tiny.yaml", _paths(tiny_model, arithmetic_data) + ones)
         )
 
@@ -208,7 +209,7 @@ PPO = ["algo.name=ppo"]
 )
 def test_conflicting_ppo_settings_are_errors(overrides, expected, tiny_model, arithmetic_data):
     with pytest.raises(ConfigError, match=expected):  # closed choices fail at load, the rest in validation
-        validate_train(load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + overrides))
+        preflight_train(load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + overrides))
 
 
 @pytest.mark.parametrize(
@@ -221,7 +222,7 @@ def test_conflicting_ppo_settings_are_errors(overrides, expected, tiny_model, ar
 def test_ppo_settings_without_effect_warn(overrides, expected, tiny_model, arithmetic_data):
     cfg = load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + overrides)
     with pytest.warns(UserWarning, match=expected):
-        validate_train(cfg)
+        preflight_train(cfg)
 
 
 def test_cli_rejects_kl_in_reward_without_reference_before_ray(

@@ -10,7 +10,7 @@ the same inference weights.
 import pytest
 import torch
 
-from dockrl.config import ActorConfig
+from dockrl.config import ActorConfig, loss_plan
 from dockrl.parallel.dist import free_port
 from dockrl.parallel.spawn import spawn_ranks
 from test_tp_equivalence import ALGO, NUM_ROWS, make_rows, write_model
@@ -49,7 +49,7 @@ def _run_pair(rank: int, world: int, model_dir: str, tp_train: int, tp_infer: in
         batch,
         idx,
         ["advantages", "ref_logprobs", "old_logprobs"],
-        ALGO,
+        loss_plan(ALGO),
         temperature=TEMPERATURE,
         micro_batch_size=4,
         pad_token_id=0,

@@ -128,10 +128,11 @@ def test_restart_after_an_actor_kill_ends_with_identical_metrics(setup, referenc
 def test_a_checkpoint_root_as_model_path_keeps_the_runs_reference(
     setup, reference, tiny_model, arithmetic_data
 ):
-    from dockrl.config import TrainConfig, load_config, validate_train
+    from dockrl.config import TrainConfig, load_config
+    from dockrl.recipes.preflight import preflight_train
 
     root = reference / "checkpoints" / "step_000002"
     overrides = [f"model.path={root}", f"data.train_path={arithmetic_data['train']}"]
     with pytest.warns(UserWarning, match="KL reference stays"):
-        cfg = validate_train(load_config(TrainConfig, setup[0] / "grpo.yaml", overrides))
+        cfg = preflight_train(load_config(TrainConfig, setup[0] / "grpo.yaml", overrides)).cfg
     assert cfg.model.path == str(root / "hf") and cfg.model.ref_path == str(tiny_model)

@@ -21,7 +21,7 @@ from transformers import (
 
 from dockrl.algos.estimators import compute_advantages
 from dockrl.cli import main
-from dockrl.config import ConfigError, TrainConfig, load_config, validate_train
+from dockrl.config import ConfigError, TrainConfig, load_config
 from dockrl.config.schema import AlgoConfig, RewardConfig, RewardFnConfig, RewardModelConfig
 from dockrl.models.classifier import (
     RewardModel,
@@ -33,6 +33,7 @@ from dockrl.models.config import ModelArgs
 from dockrl.models.hf import load_state_dict
 from dockrl.models.tiny import make_tiny
 from dockrl.models.tokenizer import Tokenizer
+from dockrl.recipes.preflight import preflight_train
 from dockrl.workers.reward import RewardWorker
 from dockrl.workers.reward_model import RM_SCORE, RewardModelWorker, rm_token_ids, same_vocabulary
 from helpers import perturb_
@@ -271,7 +272,15 @@ def test_reward_worker_adds_weighted_model_score(functions, tiny_model, tiny_rew
     )
     algo = AlgoConfig()
     worker = RewardWorker(
-        "reward-0", 0, 1, reward=reward, algo=algo, tokenizer_path=str(tiny_model), client=dock, group_size=2
+        "reward-0",
+        0,
+        1,
+        reward=reward,
+        algo=algo,
+        estimator="grpo",
+        tokenizer_path=str(tiny_model),
+        client=dock,
+        group_size=2,
     )
     out = worker.score()
     rule = [2.0, 0.0, 0.0, 2.0] if functions else [0.0] * 4  # "7" right for 3+4, "4" right for 9-5
@@ -307,9 +316,9 @@ def test_example_validates_without_warnings(tiny_model, tiny_reward_model, arith
     assert cfg.reward.model.weight == 0.5 and [f.name for f in cfg.reward.functions] == ["exact_answer"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        validate_train(cfg)
+        preflight_train(cfg)
         # A reward model alone (no rule reward) is a valid config too.
-        validate_train(load_config(TrainConfig, None, overrides + ["reward.functions=[]"]))
+        preflight_train(load_config(TrainConfig, None, overrides + ["reward.functions=[]"]))
 
 
 @pytest.fixture(scope="module")
@@ -357,13 +366,13 @@ def test_bad_reward_model_settings_are_errors(
         TrainConfig, None, _overrides(tiny_model, arithmetic_data, f"reward.model.path={path}", *extra)
     )
     with pytest.raises(ConfigError, match=expected):
-        validate_train(cfg)
+        preflight_train(cfg)
 
 
 def test_reward_model_settings_without_a_path_warn(tiny_model, arithmetic_data):
     cfg = load_config(TrainConfig, None, _overrides(tiny_model, arithmetic_data, "reward.model.weight=0.5"))
     with pytest.warns(UserWarning, match="no effect without reward.model.path"):
-        validate_train(cfg)
+        preflight_train(cfg)
 
 
 def test_cli_rejects_a_causal_lm_as_reward_model_before_ray(monkeypatch, capsys, tiny_model, arithmetic_data):
@@ -431,6 +440,7 @@ def test_a_failed_reward_call_leaves_its_group_out_of_the_update(on_error, weigh
         1,
         reward=reward,
         algo=AlgoConfig(),
+        estimator="grpo",
         tokenizer_path=str(tiny_model),
         client=dock,
         group_size=2,

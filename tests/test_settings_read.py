@@ -14,7 +14,8 @@ import sys
 import typing
 from pathlib import Path
 
-from dockrl.config import SFTConfig, TrainConfig, load_config, schema, validate_sft
+from dockrl.config import SFTConfig, TrainConfig, load_config, schema
+from dockrl.recipes.preflight import preflight_sft
 from dockrl.recipes.sft import sft
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "dockrl"
@@ -163,7 +164,7 @@ def test_the_walk_sees_reads_through_names():
 
 
 def test_every_sft_setting_is_read(tiny_model, arithmetic_data, tmp_path, monkeypatch):
-    """Record every attribute read of an SFTConfig section during validate_sft + sft (dumps of the whole
+    """Record every attribute read of an SFTConfig section during preflight_sft + sft (dumps of the whole
     config to config.yaml do not count), then require each key to have been read."""
     sections = _sections(SFTConfig)
     classes = {cls for cls in sections.values() if cls is not list}
@@ -194,7 +195,7 @@ def test_every_sft_setting_is_read(tiny_model, arithmetic_data, tmp_path, monkey
         "run.progress=false",
         f"run.output_dir={tmp_path}",
     ]
-    summary = sft(validate_sft(load_config(SFTConfig, None, overrides)))
+    summary = sft(preflight_sft(load_config(SFTConfig, None, overrides)))
     assert summary["eval_examples"] == 4
     unread = [".".join(p) for p in _keys(sections) if (sections[p[:-1]].__name__, p[-1]) not in read]
     assert unread == [], f"dockrl sft never reads: {unread}"

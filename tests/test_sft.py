@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dockrl.config import ConfigError, SFTConfig, load_config, validate_sft
+from dockrl.config import ConfigError, SFTConfig, load_config
 from dockrl.data.datasets import load_prompts, render_prompt
 from dockrl.models.hf import load_model
 from dockrl.models.tokenizer import Tokenizer
+from dockrl.recipes.preflight import preflight_sft
 from dockrl.recipes.sft import sft
 
 # fp32 sums of ~10^3 log-probs in another order: relative error ~1e-7 x sqrt(terms); 1e-5 leaves 100x margin.
@@ -33,7 +34,7 @@ def _config(tiny_model, arithmetic_data, tmp_path, *overrides):
         "run.name=sft",
         "actor.micro_batch_size=5",  # uneven micro-batches: padding and the per-batch normaliser are exercised
     ]
-    return validate_sft(load_config(SFTConfig, None, base + list(overrides)))
+    return preflight_sft(load_config(SFTConfig, None, base + list(overrides)))
 
 
 def _examples(model_dir, path, limit=None):

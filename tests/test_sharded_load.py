@@ -29,7 +29,7 @@ def test_blocks_compose_tensor_parallel_and_fsdp_rows():
 
 
 def _step(engine, world: int) -> dict:
-    from dockrl.config import AlgoConfig
+    from dockrl.config import AlgoConfig, loss_plan
     from dockrl.engines.train.policy_update import policy_update
 
     g = torch.Generator().manual_seed(engine.dp_rank)
@@ -40,7 +40,7 @@ def _step(engine, world: int) -> dict:
     }
     algo = AlgoConfig(kl_coef=0.0)
     args = dict(temperature=1.0, micro_batch_size=2, pad_token_id=0, world_size=world)
-    return policy_update(engine, batch, [0, 1], ["advantages"], algo, **args)
+    return policy_update(engine, batch, [0, 1], ["advantages"], loss_plan(algo), **args)
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, out: str, leave) -> None:

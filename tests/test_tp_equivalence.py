@@ -8,7 +8,7 @@ and entropy are checked against the single-process functions, values and gradien
 import pytest
 import torch
 
-from dockrl.config import ActorConfig, AlgoConfig
+from dockrl.config import ActorConfig, AlgoConfig, loss_plan
 from dockrl.parallel.dist import free_port
 from dockrl.parallel.spawn import spawn_ranks
 from helpers import assert_grads_close, full_grads
@@ -83,7 +83,7 @@ def run_update(model_dir: str, idx: list[int], dp: int, mesh=None, precision: st
         make_rows(engine.args.vocab_size),
         idx,
         ["advantages", "ref_logprobs", "old_logprobs"],
-        ALGO,
+        loss_plan(ALGO),
         temperature=0.7,
         micro_batch_size=2,
         pad_token_id=0,

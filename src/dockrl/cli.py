@@ -22,29 +22,30 @@ from collections.abc import Callable
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from dockrl.config import TrainConfig, load_config, validate_train
+    from dockrl.config import TrainConfig, load_config
     from dockrl.recipes.grpo import train
+    from dockrl.recipes.preflight import preflight_train
 
-    cfg = validate_train(load_config(TrainConfig, args.config, args.overrides))
-    summary = train(cfg)
+    resolved = preflight_train(load_config(TrainConfig, args.config, args.overrides))
+    summary = train(resolved)
     print(json.dumps({k: v for k, v in summary.items() if k != "final_metrics"}, indent=2))
     return 0
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from dockrl.config import SFTConfig, load_config, validate_sft
+    from dockrl.config import SFTConfig, load_config
+    from dockrl.recipes.preflight import preflight_sft
     from dockrl.recipes.sft import sft
 
-    cfg = validate_sft(load_config(SFTConfig, args.config, args.overrides))
+    cfg = preflight_sft(load_config(SFTConfig, args.config, args.overrides))
     print(json.dumps(sft(cfg), indent=2))
     return 0
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from dockrl.checkpoint.directory import resolve_model_path
-    from dockrl.config.checks import check_dataset, check_model_dir
-    from dockrl.config.validate import resolve_device
     from dockrl.recipes.eval import evaluate_model_dir
+    from dockrl.recipes.preflight import check_dataset, check_model_dir, resolve_device
 
     args.model = resolve_model_path(args.model)  # a checkpoint root means its hf/ export
     check_model_dir(args.model, "--model")
@@ -72,8 +73,8 @@ def _reward_specs(names: list[str]) -> list:
     """RewardSpecs of --reward names; a file-given function (`./my_reward.py:fn`) is read here."""
     from pathlib import Path
 
-    from dockrl.config.fields import ConfigError
-    from dockrl.rewards.base import locate_reward_file
+    from dockrl.config.loader import locate_reward_file
+    from dockrl.errors import ConfigError
     from dockrl.rewards.runner import RewardSpec
 
     specs = []
@@ -348,8 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dockrl` console script."""
-    from dockrl.config.fields import ConfigError
     from dockrl.data.datasets import DatasetError
+    from dockrl.errors import ConfigError
     from dockrl.recipes.common import RunFailed
 
     args = build_parser().parse_args(argv)

@@ -26,20 +26,23 @@ from torch import Tensor
 
 from dockrl.algos.advantages import group_normalized_advantages
 
-# Estimators that need only the rewards of whole groups (what a RewardWorker holds).
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-ADV_ESTIMATORS = (*GROUP_ESTIMATORS, "gae")
-# The estimator each algorithm uses unless algo.adv_estimator overrides it.
-DEFAULT_ESTIMATOR = {
-    "grpo": "grpo",
-    "dapo": "grpo",
-    "gspo": "grpo",
-    "dr_grpo": "dr_grpo",
-    "rloo": "rloo",
-    "reinforce_pp": "reinforce_pp",
-    "reinforce_pp_baseline": "reinforce_pp_baseline",
-    "ppo": "gae",
-}
+# The estimator names and each algorithm's own estimator are declared once, in the preset table.
+from dockrl.config.presets import ADV_ESTIMATORS, DEFAULT_ESTIMATOR, GROUP_ESTIMATORS, WHITENED_ESTIMATORS
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "DEFAULT_ESTIMATOR",
+    "GROUP_ESTIMATORS",
+    "compute_advantages",
+    "gae_advantages",
+    "group_mean_advantages",
+    "kl_shaped_returns",
+    "masked_moments",
+    "needs_batch_whitening",
+    "overlong_penalty",
+    "rloo_advantages",
+    "whiten",
+]
 
 
 def _grouped(rewards: Tensor, group_size: int) -> Tensor:
@@ -96,7 +99,7 @@ def compute_advantages(
 
 def needs_batch_whitening(name: str) -> bool:
     """Whether estimator `name` whitens its advantages over all valid tokens of the step."""
-    return name in ("reinforce_pp", "reinforce_pp_baseline", "gae")
+    return name in WHITENED_ESTIMATORS
 
 
 def overlong_penalty(lengths: Tensor, max_len: int, buffer_len: int, penalty: float) -> Tensor:

@@ -14,13 +14,17 @@ the global mean, and the accumulated gradient equals one pass over the full batc
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+from dockrl.config.presets import LossAgg
+from dockrl.config.schema import KLEstimator
+
+KL_ESTIMATORS = typing.get_args(KLEstimator)  # the closed choices of algo.kl_estimator and algo.loss_agg
+AGG_MODES = typing.get_args(LossAgg)
 
 # exp() of a log-ratio beyond +-20 overflows or underflows to useless values; verl and MindSpeed clamp
 # the log-ratio at 20 and the k3 result at 10 ("low_var_kl").

@@ -17,12 +17,15 @@ Language Models from Human Preferences"), as in verl and OpenRLHF:
 
 from __future__ import annotations
 
+import typing
+
 import torch
 from torch import Tensor
 
 from dockrl.algos.estimators import masked_moments
+from dockrl.config.schema import KLControl
 
-KL_CONTROLLERS = ("fixed", "adaptive")
+KL_CONTROLLERS = typing.get_args(KLControl)
 # verl's explained-variance denominator guard: finite even when every return is the same.
 _EXPLAINED_VARIANCE_EPS = 1e-5
 

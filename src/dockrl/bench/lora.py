@@ -48,12 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> list[dict]:
     """One row per mode."""
 
-    from dockrl.config.validate import resolve_precision
     from dockrl.models.config import ModelArgs
     from dockrl.models.decoder import Transformer
     from dockrl.models.hf import save_model
     from dockrl.parallel.dist import free_port
     from dockrl.parallel.spawn import spawn_ranks
+    from dockrl.recipes.preflight import resolve_precision
 
     precision = resolve_precision(args.precision, "cpu", key="--precision")
     rows = []

@@ -110,13 +110,13 @@ def run(args: argparse.Namespace) -> dict:
 
     import torch
 
-    from dockrl.config.validate import resolve_device
     from dockrl.models.config import ModelArgs
     from dockrl.models.decoder import Transformer
     from dockrl.models.hf import save_model
     from dockrl.parallel.dist import free_port
     from dockrl.parallel.memory_plan import PlanInput, plan
     from dockrl.parallel.spawn import spawn_ranks
+    from dockrl.recipes.preflight import resolve_device
 
     args.device = resolve_device(args.device, "--device")
     world = args.dp * args.tp_train

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hidden_size, num_layers = PRESETS[args.preset]
     hidden_size = args.hidden_size or hidden_size
     num_layers = args.num_layers or num_layers
-    from dockrl.config.validate import resolve_precision
+    from dockrl.recipes.preflight import resolve_precision
 
     torch.set_num_threads(args.threads)
     args.precision = resolve_precision(args.precision, "cpu", key="--precision")

@@ -1,7 +1,14 @@
-"""Typed configs: schema, YAML loading with dotted overrides, validation before any process starts."""
+"""Typed configs: schema, YAML loading with dotted overrides, algorithm presets, pure rules, and the resolved
+config (with its step plan) that recipes and workers read. Imports no other dockrl package (but dockrl.errors).
+
+    load_config(TrainConfig, path, overrides) ─▶ check_train(cfg) ─▶ [recipes/preflight.py: files, devices]
+                                              ─▶ resolve(cfg, found) -> Resolved(cfg copy, plan), frozen
+"""
 
 from dockrl.config.fields import ConfigError
 from dockrl.config.loader import apply_override, from_dict, load_config, render_docs, to_dict
+from dockrl.config.presets import ALGORITHMS, PRESETS, Preset
+from dockrl.config.resolve import Resolved, copy_with, resolve
 from dockrl.config.schema import (
     ActorConfig,
     AlgoConfig,
@@ -17,30 +24,39 @@ from dockrl.config.schema import (
     SFTRunConfig,
     TrainConfig,
 )
-from dockrl.config.validate import resolve_device, resolve_precision, validate_sft, validate_train
+from dockrl.config.step_plan import LossPlan, StepPlan, loss_plan, step_plan
+from dockrl.config.validate import check_sft, check_train
 
 __all__ = [
+    "ALGORITHMS",
+    "PRESETS",
     "ActorConfig",
     "AlgoConfig",
     "ConfigError",
     "CriticConfig",
     "DataConfig",
     "DockConfig",
+    "LossPlan",
     "ModelConfig",
+    "Preset",
+    "Resolved",
     "RewardConfig",
     "RewardFnConfig",
     "RolloutConfig",
     "RunConfig",
     "SFTConfig",
     "SFTRunConfig",
+    "StepPlan",
     "TrainConfig",
     "apply_override",
+    "check_sft",
+    "check_train",
     "from_dict",
     "load_config",
+    "loss_plan",
     "render_docs",
-    "resolve_device",
-    "resolve_precision",
+    "resolve",
+    "copy_with",
+    "step_plan",
     "to_dict",
-    "validate_sft",
-    "validate_train",
 ]

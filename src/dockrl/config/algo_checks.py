@@ -1,24 +1,31 @@
 """Checks of the RL objective (algo.*, and PPO's critic): the algorithm's presets, its loss settings and what
-dynamic sampling needs. Called by `validate_train` before any process starts; settings without effect in a
-combination warn."""
+dynamic sampling needs. Pure rules, called by `check_train` before any process starts; settings without effect
+in a combination warn."""
 
 from __future__ import annotations
 
 import typing
 import warnings
 
-from dockrl.config.checks import check_model_dir, positive
+from dockrl.config.checks import positive
 from dockrl.config.fields import config_error
-from dockrl.config.schema import AlgoConfig, Algorithm, CriticConfig, TrainConfig
-from dockrl.config.step_plan import (
+from dockrl.config.presets import (
+    ALGORITHMS,
+    GROUP_ESTIMATORS,
     KL_REWARD_ESTIMATORS,
+    LOSS_NORMALIZERS,
     PRESETS,
+    RATIO_LEVELS,
+)
+from dockrl.config.schema import AlgoConfig, CriticConfig, KLControl, TrainConfig
+from dockrl.config.step_plan import (
     estimator_of,
     resolved_clip,
+    resolved_kl_coef,
     resolved_loss_agg,
 )
 
-ALGORITHMS = typing.get_args(Algorithm)
+KL_CONTROLLERS = typing.get_args(KLControl)
 
 
 def check_dynamic_sampling(cfg: TrainConfig) -> None:
@@ -48,8 +55,6 @@ def check_dynamic_sampling(cfg: TrainConfig) -> None:
 
 def check_algorithm(cfg: TrainConfig) -> None:
     """algo.name and the settings each algorithm needs, conflicts as errors, no-ops as warnings."""
-    from dockrl.algos.estimators import GROUP_ESTIMATORS
-
     algo, roll = cfg.algo, cfg.rollout
     if algo.name not in ALGORITHMS:
         raise config_error("algo.name", algo.name, "unknown algorithm", f"use one of {', '.join(ALGORITHMS)}")
@@ -82,7 +87,7 @@ def check_algorithm(cfg: TrainConfig) -> None:
             f"algo.name={algo.name} compares the samples of a group and needs at least 2",
             "set rollout.samples_per_prompt >= 2 (or use reinforce_pp, which needs no group)",
         )
-    if algo.name == "dapo" and algo.kl_coef > 0:  # set explicitly: DAPO's own is 0
+    if algo.name == "dapo" and resolved_kl_coef(algo) > 0:  # set explicitly: DAPO's own is 0
         raise config_error(
             "algo.kl_coef",
             algo.kl_coef,
@@ -129,12 +134,13 @@ def _check_loss_settings(cfg: TrainConfig) -> None:
                 "(a token-level range such as 0.2 lets almost every sequence through unclipped)",
                 stacklevel=4,
             )
-    wanted_agg = {"dapo": "token-mean", "dr_grpo": "seq-mean-token-sum", "gspo": "seq-mean-token-mean"}
-    if algo.name in wanted_agg and resolved_loss_agg(algo) != wanted_agg[algo.name]:
+    wanted_agg = PRESETS[algo.name].loss_agg  # the aggregation of the algorithm's paper
+    if algo.name in ("dapo", "dr_grpo", "gspo") and resolved_loss_agg(algo) != wanted_agg:
         warnings.warn(
-            f"algo.name={algo.name} is defined with algo.loss_agg={wanted_agg[algo.name]}; got {algo.loss_agg}",
+            f"algo.name={algo.name} is defined with algo.loss_agg={wanted_agg}; got {algo.loss_agg}",
             stacklevel=4,
         )
+    _check_ratio_and_normalizer(algo)
     on_policy = actor.mini_batches == 1 and actor.epochs == 1
     clip_set = algo.clip_low is not None or algo.clip_high is not None or algo.name in ("dapo", "gspo")
     if on_policy and clip_set:
@@ -162,7 +168,7 @@ def _check_loss_settings(cfg: TrainConfig) -> None:
             "biased; algo.rollout_is=tis corrects part of it, or sample untruncated",
             stacklevel=4,
         )
-    if algo.kl_estimator == "k1" and algo.kl_coef > 0 and not algo.kl_in_reward:
+    if algo.kl_estimator == "k1" and resolved_kl_coef(algo) > 0 and not algo.kl_in_reward:
         warnings.warn(
             "algo.kl_estimator=k1 in the loss has zero expected gradient (its gradient is pure noise around 0): "
             "use k3 (or k2) for a KL term in the loss; k1 is meant for a KL penalty in the reward "
@@ -171,10 +177,28 @@ def _check_loss_settings(cfg: TrainConfig) -> None:
         )
 
 
+def _check_ratio_and_normalizer(algo: AlgoConfig) -> None:
+    """algo.ratio_level and algo.loss_normalizer: known values; the normaliser acts on seq-mean-token-sum only."""
+    for key, value, choices in (
+        ("algo.ratio_level", algo.ratio_level, RATIO_LEVELS),
+        ("algo.loss_normalizer", algo.loss_normalizer, LOSS_NORMALIZERS),
+    ):
+        if value is not None and value not in choices:
+            raise config_error(
+                key, value, "unknown choice", f"use one of {choices} (or None: the algorithm's own)"
+            )
+    agg = resolved_loss_agg(algo)
+    # set explicitly (a preset's own normaliser under another aggregation is the loss_agg warning's concern)
+    if algo.loss_normalizer == "max_new_tokens" and agg != "seq-mean-token-sum":
+        warnings.warn(
+            f"algo.loss_normalizer=max_new_tokens has no effect with algo.loss_agg={agg}: it divides the token "
+            "sums of seq-mean-token-sum (the other aggregations divide by token counts)",
+            stacklevel=5,
+        )
+
+
 def _check_ppo(cfg: TrainConfig) -> None:
     """The KL-in-reward settings, and the critic's: only PPO has token rewards and a critic."""
-    from dockrl.algos.ppo import KL_CONTROLLERS
-
     algo, critic = cfg.algo, cfg.critic
     if algo.kl_ctrl not in KL_CONTROLLERS:
         raise config_error(
@@ -203,7 +227,7 @@ def _check_ppo(cfg: TrainConfig) -> None:
             "the adaptive controller adjusts the KL penalty in the reward, which is off",
             "set algo.kl_in_reward=true (algo.name=ppo), or algo.kl_ctrl=fixed",
         )
-    if algo.kl_in_reward and algo.kl_coef == 0:
+    if algo.kl_in_reward and resolved_kl_coef(algo) == 0:
         raise config_error(
             "algo.kl_in_reward",
             True,
@@ -255,5 +279,3 @@ def _check_ppo(cfg: TrainConfig) -> None:
             f"does not divide the {rows // critic.dp} rows each critic rank trains on per step",
             f"use a divisor of {rows // critic.dp}",
         )
-    if critic.path is not None:
-        check_model_dir(critic.path, "critic.path")

@@ -1,4 +1,5 @@
-"""Helpers to declare documented config fields, and the config error type.
+"""Helpers to declare documented config fields and to word config errors (ConfigError itself lives in
+dockrl/errors.py, importable from every layer; it is re-exported here and from dockrl.config).
 
 Every setting is declared once, as a dataclass field with its help text in ``metadata["doc"]``; the
 documentation (``dockrl config-docs``) is rendered from those declarations.
@@ -9,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from dockrl.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A user error in a config: the message names the setting, the value and the fix."""
+__all__ = ["ConfigError", "config_error", "required", "setting"]
 
 
 def required(doc: str) -> Any:

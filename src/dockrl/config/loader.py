@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import types
 import typing
 from pathlib import Path
@@ -47,10 +48,8 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
 
 
 def read_reward_files(functions: list, search_dirs: list[Path]) -> None:
-    """Fill `source_file` and `code` of every reward function given as a file (rewards.base.locate_reward_file),
-    so the driver ships its source to the workers; a file that is not there is a ConfigError naming it."""
-    from dockrl.rewards.base import locate_reward_file
-
+    """Fill `source_file` and `code` of every reward function given as a file (`locate_reward_file`), so the
+    driver ships its source to the workers; a file that is not there is a ConfigError naming it."""
     for i, function in enumerate(functions):
         if function.code is not None:  # a saved run's config carries its code already
             continue
@@ -60,6 +59,35 @@ def read_reward_files(functions: list, search_dirs: list[Path]) -> None:
             raise ConfigError(f"reward.functions[{i}].name={function.name!r}: {exc}") from exc
         if found is not None:
             function.source_file, function.code = str(found), found.read_text(encoding="utf-8")
+
+
+def locate_reward_file(name: str, search_dirs: list[Path]) -> Path | None:
+    """The source file of reward function `name` when it is given as a file, else None.
+
+    `path/to/file.py:function` names a file (relative paths are looked up in `search_dirs`, in order: the
+    config file's directory, then the working directory). `module:function` names a file too when `module`
+    does not import but `module.py` (dots as folders) lies in one of `search_dirs`, as a reward module next to
+    the config does. Raises ValueError for a `.py` path found nowhere, naming where it looked.
+    """
+    module, sep, _ = name.partition(":")
+    if not sep or not module:
+        return None
+    if module.endswith(".py") or "/" in module or "\\" in module:
+        candidates = [Path(module)] if Path(module).is_absolute() else [d / module for d in search_dirs]
+        for candidate in candidates:
+            if candidate.is_file():
+                return candidate.resolve()
+        raise ValueError(
+            f"reward function {name!r}: no file {module!r} in {[str(d) for d in search_dirs]} (paths are relative "
+            "to the config file's directory, then the working directory)"
+        )
+    if importlib.util.find_spec(module.partition(".")[0]) is not None:
+        return None  # importable as it is
+    for directory in search_dirs:
+        candidate = directory / (module.replace(".", "/") + ".py")
+        if candidate.is_file():
+            return candidate.resolve()
+    return None
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

@@ -11,13 +11,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dockrl.config.fields import required, setting
+from dockrl.config.presets import PRESETS, AdvEstimator, Algorithm, LossAgg, LossNormalizer, RatioLevel
 
-# Closed choices: a value outside them is an error listing them (config.loader).
-Algorithm = Literal["grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo", "gspo", "ppo"]
-AdvEstimator = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
+# Closed choices: a value outside them is an error listing them (config.loader). Those an algorithm preset
+# draws on (Algorithm, AdvEstimator, LossAgg, RatioLevel, LossNormalizer) are declared in config/presets.py.
 KLControl = Literal["fixed", "adaptive"]
 KLEstimator = Literal["k1", "k2", "k3"]
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 DockMode = Literal["dock", "single", "driver"]
 DockTransport = Literal["socket", "ray"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -207,8 +206,8 @@ class AlgoConfig:
 
     name: Algorithm = setting(
         "grpo",
-        "Algorithm: grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, dr_grpo, gspo, or ppo (with a critic, "
-        "see `critic`) (docs/algorithms.md). A preset of the settings below (config/step_plan.py).",
+        f"Algorithm: {', '.join(PRESETS)} (docs/algorithms.md). A preset of the settings below left unset: "
+        "one row of config/presets.py (ppo's estimator, gae, runs a critic: see `critic`).",
         noun="algorithm",
     )
     adv_estimator: AdvEstimator | None = setting(
@@ -292,6 +291,21 @@ class AlgoConfig:
         "Loss aggregation: token-mean, seq-mean-token-mean or seq-mean-token-sum. None: the algorithm's own "
         "(token-mean; GSPO seq-mean-token-mean; Dr. GRPO seq-mean-token-sum).",
         noun="aggregation",
+    )
+    ratio_level: RatioLevel | None = setting(
+        None,
+        "Importance ratio of the clipped surrogate: token (one ratio per token, PPO's) or sequence (one ratio "
+        "per response, exp of the mean of its tokens' log-ratios, clipped per sequence: GSPO's). None: the "
+        "algorithm's own (sequence for gspo, token for the rest).",
+        noun="ratio level",
+    )
+    loss_normalizer: LossNormalizer | None = setting(
+        None,
+        "What divides each response's token sum in loss_agg=seq-mean-token-sum: tokens (nothing more: the "
+        "aggregation's own), or max_new_tokens (the constant rollout.max_new_tokens, Dr. GRPO's: every token "
+        "of every response weighs the same whatever the lengths). The other aggregations normalise by token "
+        "counts themselves. None: the algorithm's own (max_new_tokens for dr_grpo, tokens for the rest).",
+        noun="normaliser",
     )
     adv_eps: float = setting(1e-6, "Added to the group std when normalising advantages.")
     norm_adv_by_std: bool = setting(True, "Divide group-centred rewards by the group std (GRPO).")

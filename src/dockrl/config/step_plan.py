@@ -1,16 +1,19 @@
 """The step plan: what one RL step runs and where each quantity is computed, resolved once from the config.
 
-An algorithm name (`algo.name`) is a preset of orthogonal settings; this module is the only place that reads
-it. The recipe and every worker ask the plan instead of re-deriving conditions from the config:
+An algorithm name (`algo.name`) is a preset of orthogonal settings (config/presets.py); this module is the only
+place that resolves it. The recipe and every worker receive the plan when they are built instead of
+re-deriving conditions from the config:
 
     reference        the reference model is loaded and `ref_logprobs` computed (algo.kl_coef > 0; None: the algorithm's own)
     old_logprobs     `old_logprobs` computed before the update (off-policy updates, or PPO's KL in the reward)
     estimator        the advantage estimator (algo.adv_estimator, else the algorithm's own)
     advantages_by    who computes advantages: the RewardWorker (group estimators) or the critic (GAE)
     whiten           the actor whitens advantages over every token of the step (REINFORCE++, PPO)
-    critic           PPO's CriticWorkers run
-    loss             the policy loss: aggregation, clip range, where the KL goes, sequence ratio (GSPO),
-                     Dr. GRPO's constant normaliser
+    critic           PPO's CriticWorkers run (the gae estimator needs their values)
+    kl_coef          the KL coefficient (in the loss, or the initial one of the penalty in the reward)
+    rollout_lead     steps the rollout runs ahead of the update
+    loss             the policy loss: aggregation, clip range, where the KL goes, the ratio level (token or
+                     sequence) and the loss normaliser
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from dockrl.algos.estimators import DEFAULT_ESTIMATOR, GROUP_ESTIMATORS, needs_batch_whitening
+from dockrl.config.presets import GROUP_ESTIMATORS, PRESETS, WHITENED_ESTIMATORS
 from dockrl.config.schema import AlgoConfig, TrainConfig
 
 
@@ -32,8 +35,8 @@ class LossPlan:
     kl_coef: float  # of the KL term in the loss; 0 when the KL is in the reward (PPO's kl_in_reward)
     kl_estimator: str
     entropy_coef: float
-    sequence_ratio: bool  # GSPO: one importance ratio per sequence
-    seq_len_norm: float | None  # Dr. GRPO: each row's token sum divided by this constant (max_new_tokens)
+    sequence_ratio: bool  # algo.ratio_level=sequence (GSPO): one importance ratio per sequence
+    seq_len_norm: float | None  # algo.loss_normalizer=max_new_tokens (Dr. GRPO): each row's token sum / this
     rollout_is: str = "none"  # truncated importance weights against the rollout's log-probs (tis, decoupled)
     rollout_is_cap: float = 2.0
 
@@ -54,6 +57,8 @@ class StepPlan:
     critic: bool
     critic_warmup_steps: int
     kl_in_reward: bool
+    kl_coef: float  # algo.kl_coef, else the algorithm's own
+    rollout_lead: int  # see rollout_lead()
     loss: LossPlan
 
     @property
@@ -67,34 +72,6 @@ class StepPlan:
         return step > self.critic_warmup_steps
 
 
-@dataclass(frozen=True)
-class Preset:
-    """An algorithm's own loss settings: what algo.clip_low / clip_high / loss_agg mean when left unset."""
-
-    clip_low: float
-    clip_high: float
-    loss_agg: str
-    kl_coef: float
-
-
-_PPO_LIKE = Preset(0.2, 0.2, "token-mean", 0.001)
-PRESETS = {
-    "grpo": _PPO_LIKE,
-    "rloo": _PPO_LIKE,
-    "reinforce_pp": _PPO_LIKE,
-    "reinforce_pp_baseline": _PPO_LIKE,
-    "ppo": _PPO_LIKE,
-    "dapo": Preset(0.2, 0.28, "token-mean", 0.0),  # clip-higher, no reference model (Yu et al. 2025)
-    "gspo": Preset(3e-4, 4e-4, "seq-mean-token-mean", 0.0),  # sequence-level ratios (Zheng et al. 2025)
-    "dr_grpo": Preset(0.2, 0.2, "seq-mean-token-sum", 0.0),  # a constant normaliser, no KL (Liu et al. 2025)
-}
-
-
-# Estimators whose returns take a per-token KL penalty in the reward (algo.kl_in_reward): PPO's GAE (in the
-# critic) and REINFORCE++'s returns-to-go (in the actor, before the step's whitening).
-KL_REWARD_ESTIMATORS = ("gae", "reinforce_pp", "reinforce_pp_baseline")
-
-
 def resolved_clip(algo: AlgoConfig) -> tuple[float, float]:
     """(clip_low, clip_high): the explicit values, else the algorithm's own."""
     preset = PRESETS[algo.name]
@@ -103,7 +80,7 @@ def resolved_clip(algo: AlgoConfig) -> tuple[float, float]:
 
 
 def resolved_kl_coef(algo: AlgoConfig) -> float:
-    """algo.kl_coef, else the algorithm's own (validate_train writes it into the config)."""
+    """algo.kl_coef, else the algorithm's own (config.resolve writes it into the resolved config)."""
     return PRESETS[algo.name].kl_coef if algo.kl_coef is None else algo.kl_coef
 
 
@@ -112,16 +89,29 @@ def resolved_loss_agg(algo: AlgoConfig) -> str:
     return PRESETS[algo.name].loss_agg if algo.loss_agg is None else algo.loss_agg
 
 
+def resolved_ratio_level(algo: AlgoConfig) -> str:
+    """algo.ratio_level, else the algorithm's own."""
+    return PRESETS[algo.name].ratio_level if algo.ratio_level is None else algo.ratio_level
+
+
+def resolved_loss_normalizer(algo: AlgoConfig) -> str:
+    """algo.loss_normalizer, else the algorithm's own."""
+    return PRESETS[algo.name].loss_normalizer if algo.loss_normalizer is None else algo.loss_normalizer
+
+
 def estimator_of(algo: AlgoConfig) -> str:
     """The advantage estimator: algo.adv_estimator, else the algorithm's preset."""
-    return algo.adv_estimator or DEFAULT_ESTIMATOR[algo.name]
+    return algo.adv_estimator or PRESETS[algo.name].estimator
 
 
-def loss_plan(algo: AlgoConfig, max_new_tokens: int | None) -> LossPlan:
-    """The policy loss of `algo`; `max_new_tokens` is Dr. GRPO's normaliser (required for dr_grpo)."""
-    if algo.name == "dr_grpo" and max_new_tokens is None:
+def loss_plan(algo: AlgoConfig, max_new_tokens: int | None = None) -> LossPlan:
+    """The policy loss of `algo`; `max_new_tokens` (rollout.max_new_tokens) is the constant normaliser of
+    algo.loss_normalizer=max_new_tokens (Dr. GRPO's), required with it."""
+    normalizer = resolved_loss_normalizer(algo)
+    if normalizer == "max_new_tokens" and max_new_tokens is None:
         raise ValueError(
-            "algo.name=dr_grpo normalises the loss by max_new_tokens; pass rollout.max_new_tokens"
+            f"algo.name={algo.name} normalises the loss by max_new_tokens (algo.loss_normalizer); pass "
+            "rollout.max_new_tokens"
         )
     clip_low, clip_high = resolved_clip(algo)
     return LossPlan(
@@ -131,8 +121,8 @@ def loss_plan(algo: AlgoConfig, max_new_tokens: int | None) -> LossPlan:
         kl_coef=0.0 if algo.kl_in_reward else resolved_kl_coef(algo),
         kl_estimator=algo.kl_estimator,
         entropy_coef=algo.entropy_coef,
-        sequence_ratio=algo.name == "gspo",
-        seq_len_norm=float(max_new_tokens) if algo.name == "dr_grpo" else None,
+        sequence_ratio=resolved_ratio_level(algo) == "sequence",
+        seq_len_norm=float(max_new_tokens) if normalizer == "max_new_tokens" else None,
         rollout_is=algo.rollout_is,
         rollout_is_cap=algo.rollout_is_cap,
     )
@@ -145,7 +135,7 @@ def rollout_lead(cfg: TrainConfig) -> int:
 
 
 def step_plan(cfg: TrainConfig) -> StepPlan:
-    """Resolve `cfg` (validated) into its step plan."""
+    """Resolve `cfg` (checked by config.validate.check_train) into its step plan (pure: reads nothing else)."""
     algo, actor = cfg.algo, cfg.actor
     estimator = estimator_of(algo)
     # one update per step on rows of the current policy: the sampling policy is the one being updated
@@ -160,9 +150,11 @@ def step_plan(cfg: TrainConfig) -> StepPlan:
         on_policy=on_policy,
         estimator=estimator,
         advantages_by="reward" if estimator in GROUP_ESTIMATORS else "critic",
-        whiten=needs_batch_whitening(estimator),
-        critic=algo.name == "ppo",
+        whiten=estimator in WHITENED_ESTIMATORS,
+        critic=estimator == "gae",
         critic_warmup_steps=algo.critic_warmup_steps,
         kl_in_reward=algo.kl_in_reward,
+        kl_coef=resolved_kl_coef(algo),
+        rollout_lead=rollout_lead(cfg),
         loss=loss_plan(algo, cfg.rollout.max_new_tokens),
     )

@@ -1,8 +1,10 @@
-"""Validation of job configs. Runs in the driver before Ray or any worker process starts.
+"""Pure cross-field rules of job configs: `check_train` and `check_sft` raise ConfigError or warn, and change
+nothing. They read the config only (no file, device, logger or run directory: recipes/preflight.py checks
+those, then `config.resolve` fills in what depends on them). They run in the driver before Ray or any
+worker process starts.
 
 Every error names the setting, the value and the fix. Settings that have no effect in a combination get a
-warning. `resolve_device` and `resolve_precision` turn `auto` into a concrete choice. The RL objective's checks
-live in `algo_checks.py`, the leaf checks (positive numbers, model directories, dataset files) in `checks.py`.
+warning. The RL objective's rules live in `algo_checks.py`, the leaf check of a positive number in `checks.py`.
 """
 
 from __future__ import annotations
@@ -10,63 +12,28 @@ from __future__ import annotations
 import math
 import typing
 import warnings
-from pathlib import Path
 
 from dockrl.config.algo_checks import check_algorithm, check_dynamic_sampling
-from dockrl.config.checks import check_dataset, check_model_dir, positive
-from dockrl.config.fields import ConfigError, config_error
+from dockrl.config.checks import positive
+from dockrl.config.fields import config_error
+from dockrl.config.presets import LOSS_AGGS
 from dockrl.config.schema import (
     DataConfig,
     KLEstimator,
-    LossAgg,
     RewardModelConfig,
     SFTConfig,
     TrainConfig,
 )
-from dockrl.config.step_plan import resolved_clip, resolved_kl_coef
+from dockrl.config.step_plan import estimator_of, resolved_clip, resolved_kl_coef
 
 KL_ESTIMATORS = typing.get_args(KLEstimator)
-LOSS_AGGS = typing.get_args(LossAgg)
 
 
-def resolve_device(device: str, key: str = "run.device") -> str:
-    """`auto` -> cuda when available, else cpu; `cuda` without CUDA is an error."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise config_error(key, device, "unknown device", "use cpu, cuda or auto")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise config_error(key, device, "CUDA is not available on this machine", "use cpu or auto")
-    return device
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX tiles)."""
-    import torch
-
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
-
-
-def resolve_precision(precision: str, device: str, key: str = "run.precision") -> str:
-    """`auto` -> bf16 on cuda and on a cpu that computes bf16 natively, else fp32.
-
-    On the project's avx512_bf16 CPU bf16 matmuls run at 2-4x the fp32 rate at the widths measured (hidden 128
-    and 256), and a decoder's forward and backward pass at 1.5-2x (docs/benchmarks.md, "Speed against TRL")."""
-    if precision == "auto":
-        return "bf16" if device == "cuda" or cpu_has_native_bf16() else "fp32"
-    if precision not in ("fp32", "bf16"):
-        raise config_error(key, precision, "unknown precision", "use fp32, bf16 or auto")
-    return precision
-
-
-def validate_train(cfg: TrainConfig) -> TrainConfig:
-    """Check a GRPO config; resolves run.device, run.precision and algo.kl_coef in place and returns cfg."""
+def check_train(cfg: TrainConfig) -> None:
+    """The rules of a `dockrl train` config that need nothing but the config (recipes/preflight.py runs them
+    first, then checks files and devices)."""
     run, roll, actor, algo = cfg.run, cfg.rollout, cfg.actor, cfg.algo
-    algo.kl_coef = resolved_kl_coef(algo)  # the algorithm's own when unset; the run's config.yaml shows it
-    _resolve_checkpoint_paths(cfg)
+    kl_coef = resolved_kl_coef(algo)  # the algorithm's own when unset
     for key, value in [
         ("run.steps", run.steps),
         ("run.prompts_per_step", run.prompts_per_step),
@@ -132,9 +99,9 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
         )
     if algo.loss_agg is not None and algo.loss_agg not in LOSS_AGGS:
         raise config_error("algo.loss_agg", algo.loss_agg, "unknown aggregation", f"use one of {LOSS_AGGS}")
-    if algo.kl_coef < 0:
+    if kl_coef < 0:
         raise config_error(
-            "algo.kl_coef", algo.kl_coef, "must be >= 0", "use 0 to train without a reference model"
+            "algo.kl_coef", kl_coef, "must be >= 0", "use 0 to train without a reference model"
         )
     clip_low, clip_high = resolved_clip(algo)
     if clip_low < 0 or clip_high < 0 or clip_low >= 1:
@@ -144,14 +111,14 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
             "clip ranges must be >= 0 and clip_low < 1",
             "use e.g. clip_low=0.2 clip_high=0.28",
         )
-    group_baseline = (algo.adv_estimator or algo.name) not in ("reinforce_pp", "ppo", "gae")
+    group_baseline = estimator_of(algo) not in ("reinforce_pp", "gae")
     if roll.samples_per_prompt == 1 and algo.norm_adv_by_std and group_baseline:
         warnings.warn(
             "rollout.samples_per_prompt=1: group-baseline advantages are all zero with groups of one; "
             "use samples_per_prompt >= 2 (or algo.name=reinforce_pp)",
             stacklevel=2,
         )
-    if algo.kl_coef == 0 and cfg.model.ref_path is not None:
+    if kl_coef == 0 and cfg.model.ref_path is not None:
         warnings.warn(
             "model.ref_path has no effect with algo.kl_coef=0 (no reference model is loaded)", stacklevel=2
         )
@@ -160,23 +127,13 @@ def validate_train(cfg: TrainConfig) -> TrainConfig:
     if cfg.dock.num_warehouses is not None:
         positive("dock.num_warehouses", cfg.dock.num_warehouses)
     _check_dock(cfg)
-    check_model_dir(cfg.model.path, "model.path")
-    if cfg.model.ref_path is not None:
-        check_model_dir(cfg.model.ref_path, "model.ref_path")
-    _check_data(cfg.data)
-    run.device = resolve_device(run.device)
-    run.precision = resolve_precision(run.precision, run.device)
-    _check_loggers(run.loggers)
-    _check_devices(run.device, actor.dp * actor.tp + (cfg.critic.dp if algo.name == "ppo" else 0))
+    check_data(cfg.data)
     _check_reward_model(cfg)
     _check_layouts(cfg)
-    return cfg
 
 
 def _check_resume(cfg: TrainConfig) -> None:
-    """run.resume and the checkpoint settings; a resume path must be a complete checkpoint."""
-    from dockrl.checkpoint.directory import is_checkpoint
-
+    """run.resume and the checkpoint settings (that a resume path is a complete checkpoint: the preflight)."""
     run = cfg.run
     if run.keep_checkpoints is not None:
         positive("run.keep_checkpoints", run.keep_checkpoints)
@@ -190,49 +147,11 @@ def _check_resume(cfg: TrainConfig) -> None:
             "new timestamped directory, so there is never anything to resume)",
             "set run.name, e.g. run.name=my-run",
         )
-    if run.resume not in ("never", "auto") and not is_checkpoint(run.resume):
-        raise config_error(
-            "run.resume",
-            run.resume,
-            "is not never, auto, or a complete checkpoint (a RUN_DIR/checkpoints/step_NNNNNN directory with "
-            "trainer_state.json; a *.tmp directory is an interrupted save)",
-            "use run.resume=auto, or the path of a complete checkpoint",
-        )
-
-
-def _resolve_checkpoint_paths(cfg: TrainConfig) -> None:
-    """model.path / critic.path may name a checkpoint root: load its Hugging Face exports, and keep the KL
-    reference of the run that wrote it (model.ref_path unset) instead of silently moving it to the checkpoint."""
-    from dockrl.checkpoint.directory import (
-        is_checkpoint,
-        read_trainer_state,
-        resolve_critic_path,
-        resolve_model_path,
-    )
-
-    if is_checkpoint(cfg.model.path):
-        root = cfg.model.path
-        cfg.model.path = resolve_model_path(root)
-        if cfg.model.ref_path is None and cfg.algo.kl_coef > 0:
-            cfg.model.ref_path = read_trainer_state(root)["reference_path"]
-            warnings.warn(
-                f"model.path={root} is a checkpoint: the policy starts from its hf/ export and the KL reference "
-                f"stays that run's reference {cfg.model.ref_path} (set model.ref_path to choose another)",
-                stacklevel=3,
-            )
-    if cfg.critic.path is not None and is_checkpoint(cfg.critic.path):
-        try:
-            cfg.critic.path = resolve_critic_path(cfg.critic.path)
-        except FileNotFoundError as exc:
-            raise ConfigError(f"critic.path={cfg.critic.path!r}: {exc}") from exc
 
 
 def _check_layouts(cfg: TrainConfig) -> None:
-    """Training (dp, tp) and rollout tp layouts against each other and the model; reshard settings."""
-    from dockrl.models.hf import read_config
-    from dockrl.models.tp_plan import tp_problem
-
-    actor, roll, reshard = cfg.actor, cfg.rollout, cfg.reshard
+    """Training (dp, tp) and rollout tp layouts against each other (against the model: the preflight)."""
+    actor, roll = cfg.actor, cfg.rollout
     positive("actor.tp", actor.tp)
     positive("rollout.tp", roll.tp)
     world = actor.dp * actor.tp
@@ -329,42 +248,10 @@ def _check_layouts(cfg: TrainConfig) -> None:
             f"does not divide the actor's actor.dp x actor.tp = {world} ranks",
             f"use one of {divisors} (or change actor.dp / actor.tp)",
         )
-    args = read_config(cfg.model.path)
-    for key, value in (("actor.tp", actor.tp), ("rollout.tp", roll.tp)):
-        problem = tp_problem(args, value)
-        if problem is not None:
-            raise config_error(key, value, problem, f"set {key} to a valid size")
-    numel = max(args.vocab_size, args.intermediate_size) * args.hidden_size
-    largest = 4 * numel  # fp32, the training dtype
-    if reshard.bucket_mb is not None and reshard.bucket_mb * 2**20 < largest:
-        raise config_error(
-            "reshard.bucket_mb",
-            reshard.bucket_mb,
-            f"is smaller than the model's largest tensor ({largest / 2**20:.1f} MiB in fp32)",
-            f"use reshard.bucket_mb >= {-(-largest // 2**20)} or None (automatic)",
-        )
-    if cfg.run.device == "cpu":
-        for flag in ("offload_optimizer", "offload_grads", "offload_params"):
-            if getattr(reshard, flag):
-                warnings.warn(
-                    f"reshard.{flag}=True has no effect on run.device=cpu: there is no device memory to free "
-                    "(the switch runs the same code path and moves nothing)",
-                    stacklevel=3,
-                )
-
-
-def _check_loggers(loggers: list[str]) -> None:
-    """run.loggers: known names whose packages are installed (and W&B credentials unless offline)."""
-    from dockrl.observe.loggers import logger_problem
-
-    problem = logger_problem(loggers)
-    if problem is not None:
-        raise config_error("run.loggers", loggers, *problem)
 
 
 def _check_rewards(cfg: TrainConfig) -> None:
-    from dockrl.rewards.base import resolve_reward_fn
-
+    """Something scores the rows (whether each reward function resolves: the preflight)."""
     if not cfg.reward.functions and cfg.reward.model.path is None:
         raise config_error(
             "reward.functions",
@@ -379,17 +266,10 @@ def _check_rewards(cfg: TrainConfig) -> None:
             "held-out answers are scored by reward.functions, and reward.functions is empty",
             "add a rule reward such as {name: exact_answer} or unset data.eval_path",
         )
-    for i, spec in enumerate(cfg.reward.functions):
-        try:
-            resolve_reward_fn(spec.name, spec.kwargs, spec.code, spec.source_file)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"reward.functions[{i}].name={spec.name!r}: {exc}") from exc
 
 
 def _check_reward_model(cfg: TrainConfig) -> None:
-    """reward.model: a one-output *ForSequenceClassification checkpoint with its tokenizer; GPUs to hold it."""
-    from dockrl.models.classifier import check_reward_model_dir
-
+    """reward.model's numbers (its checkpoint, tokenizer and GPUs: the preflight)."""
     rm = cfg.reward.model
     if rm.path is None:
         if rm != RewardModelConfig():
@@ -399,48 +279,10 @@ def _check_reward_model(cfg: TrainConfig) -> None:
     positive("reward.model.micro_batch_size", rm.micro_batch_size)
     if not math.isfinite(rm.weight):
         raise config_error("reward.model.weight", rm.weight, "must be finite", "use e.g. 1.0")
-    check_model_dir(rm.path, "reward.model.path")
-    try:
-        check_reward_model_dir(rm.path)
-    except (ValueError, FileNotFoundError) as exc:
-        raise ConfigError(f"reward.model.path={rm.path!r}: {exc}") from exc
-    if not (Path(rm.path) / "tokenizer.json").is_file():
-        raise config_error(
-            "reward.model.path",
-            rm.path,
-            "the directory has no tokenizer.json (responses are re-tokenized when its vocabulary differs "
-            "from the policy's)",
-            "copy the reward model's tokenizer files into it",
-        )
-    if cfg.run.device == "cuda":
-        import torch
-
-        actor_ranks, count = cfg.actor.dp * cfg.actor.tp, torch.cuda.device_count()
-        if actor_ranks + rm.num_workers > count:
-            warnings.warn(
-                f"{actor_ranks} actor ranks and reward.model.num_workers={rm.num_workers} each take a GPU; "
-                f"the driver sees {count}, so Ray must find the rest on other nodes",
-                stacklevel=3,
-            )
 
 
-def _check_devices(device: str, ranks: int) -> None:
-    if device != "cuda":
-        return
-    import torch
-
-    count = torch.cuda.device_count()
-    if ranks > count:
-        # On a multi-node cluster the driver sees only its own node; Ray places the rest.
-        warnings.warn(
-            f"the {ranks} GPU ranks (actor.dp x actor.tp, plus critic.dp with ppo) exceed the {count} GPUs "
-            "visible to the driver; Ray must find the rest",
-            stacklevel=2,
-        )
-
-
-def validate_sft(cfg: SFTConfig) -> SFTConfig:
-    """Check an SFT config; resolves device and precision in place."""
+def check_sft(cfg: SFTConfig) -> None:
+    """The rules of a `dockrl sft` config that need nothing but the config (then recipes/preflight.py)."""
     positive("run.batch_size", cfg.run.batch_size)
     positive("run.epochs", cfg.run.epochs)
     positive("actor.micro_batch_size", cfg.actor.micro_batch_size)
@@ -463,16 +305,12 @@ def validate_sft(cfg: SFTConfig) -> SFTConfig:
         )
     if cfg.data.label_field is None:
         raise config_error("data.label_field", None, "SFT needs the answer text", "name the answer field")
-    check_model_dir(cfg.model.path, "model.path")
-    _check_data(cfg.data)
-    _check_loggers(cfg.run.loggers)
-    cfg.run.device = resolve_device(cfg.run.device)
-    cfg.run.precision = resolve_precision(cfg.run.precision, cfg.run.device)
-    return cfg
+    check_data(cfg.data)
 
 
-def _check_data(data: DataConfig) -> None:
-    """The data section, shared by dockrl train and dockrl sft (both read every setting of it)."""
+def check_data(data: DataConfig) -> None:
+    """The data section, shared by dockrl train and dockrl sft (both read every setting of it; the files
+    themselves: the preflight)."""
     positive("data.max_prompt_len", data.max_prompt_len)
     if data.eval_limit is not None:
         positive("data.eval_limit", data.eval_limit)
@@ -480,9 +318,6 @@ def _check_data(data: DataConfig) -> None:
             warnings.warn(
                 f"data.eval_limit={data.eval_limit} has no effect without data.eval_path", stacklevel=4
             )
-    check_dataset(data.train_path, data.prompt_field, data.label_field, "data.train_path")
-    if data.eval_path is not None:
-        check_dataset(data.eval_path, data.prompt_field, data.label_field, "data.eval_path")
 
 
 def _check_dock(cfg: TrainConfig) -> None:
@@ -508,18 +343,3 @@ def _check_dock(cfg: TrainConfig) -> None:
             "driver's socket hub); it applies to dock.mode=dock and single",
             stacklevel=3,
         )
-    if dock.policy not in ("first", "oldest"):  # the built-ins of dockrl/dock/policies.py
-        import importlib
-
-        module, _, function = dock.policy.partition(":")
-        try:
-            found = bool(module and function) and callable(getattr(importlib.import_module(module), function))
-        except (ImportError, AttributeError):
-            found = False
-        if not found:
-            raise config_error(
-                "dock.policy",
-                dock.policy,
-                "not a built-in policy and not an importable 'module:function'",
-                "use first, oldest, or a function importable on every node",
-            )

@@ -48,7 +48,7 @@ class RunDir:
     def refuse_if_taken(self, setting: str, resume_hint: bool) -> None:
         """Raise ConfigError when this directory already holds a run: `setting` is the run-name key, and
         `resume_hint` adds run.resume=auto to the fixes."""
-        from dockrl.config.fields import ConfigError
+        from dockrl.errors import ConfigError
 
         if not self.holds_run():
             return

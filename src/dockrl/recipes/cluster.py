@@ -1,6 +1,6 @@
 """Cluster: everything one attempt of a run starts on Ray, started together and stopped together.
 
-Cluster.start(cfg, resume_from) ──▶ dock (controller + warehouses) ──▶ actor, reward[, reward_model,
+Cluster.start(resolved, resume_from) ──▶ dock (controller + warehouses) ──▶ actor, reward[, reward_model,
                                     critic] worker groups ──▶ setup (from the checkpoint when resuming)
 every actor is watched by one Supervisor (heartbeats; a death or hang becomes a named WorkerFailure)
 close(): the normal end (reward process pools are stopped politely, then every actor is killed)
@@ -14,8 +14,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from dockrl.config.resolve import Resolved
 from dockrl.config.schema import RunConfig, TrainConfig
-from dockrl.config.step_plan import rollout_lead, step_plan
+from dockrl.config.step_plan import StepPlan
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.launch import Dock, launch_dock
 from dockrl.workers.actor import ActorGroup
@@ -55,6 +56,7 @@ class Cluster:
 
     dock: Docks
     client: Any
+    plan: StepPlan  # the run's step plan, which every worker was built with
     actors: ActorGroup
     rewards: RewardGroup
     reward_models: RewardModelGroup | None
@@ -66,7 +68,7 @@ class Cluster:
     @classmethod
     def start(
         cls,
-        cfg: TrainConfig,
+        resolved: Resolved,
         *,
         resume_from: str | None = None,
         kl_coef: float | None = None,
@@ -74,13 +76,14 @@ class Cluster:
     ) -> Cluster:
         """Launch and set up everything (from checkpoint `resume_from` when given); on any failure on the way,
         kill what was started and re-raise."""
+        cfg, plan = resolved.cfg, resolved.plan
         supervisor = Supervisor(cfg.run.heartbeat_timeout_s, faults=faults)
         started: dict[str, Any] = {}
         try:
             # Asynchronous runs keep k+1 docks: step t trains in one while steps t+1..t+k generate in the others.
             dock = Docks([])
             started["dock"] = dock
-            for index in range(1 + rollout_lead(cfg)):
+            for index in range(1 + plan.rollout_lead):
                 prefix = "dockrl" if index == 0 else f"dockrl-ahead{index}"
                 dock.docks.append(
                     launch_dock(
@@ -95,10 +98,10 @@ class Cluster:
                 )
                 _watch_dock(supervisor, dock.docks[-1])
             # Every group's processes start side by side (imports dominate), then each is waited for.
-            started["actors"], started["rewards"] = _start_workers(cfg, dock, supervisor)
+            started["actors"], started["rewards"] = _start_workers(cfg, plan, dock, supervisor)
             started["reward_models"] = _start_reward_models(cfg, dock, supervisor)
-            started["critic"] = _start_critic(cfg, dock, supervisor)
-            started["rollouts"] = _start_rollouts(cfg, dock, supervisor)
+            started["critic"] = _start_critic(cfg, plan, dock, supervisor)
+            started["rollouts"] = _start_rollouts(cfg, plan, dock, supervisor)
             for group in started.values():
                 if isinstance(group, WorkerGroup):
                     group.wait_started()
@@ -112,7 +115,7 @@ class Cluster:
             if started["rollouts"] is not None:
                 _connect_weight_sync(started["actors"], started["rollouts"])
             supervisor.stage = None
-            return cls(client=dock.client(), supervisor=supervisor, **started)
+            return cls(client=dock.client(), plan=plan, supervisor=supervisor, **started)
         except BaseException:
             supervisor.kill_all()
             for name, part in started.items():
@@ -187,7 +190,9 @@ def _watch_dock(supervisor: Supervisor, dock: Any) -> None:
         supervisor.watch(name, actor, where, method=method, pid=ident["pid"])
 
 
-def _start_workers(cfg: TrainConfig, dock, supervisor: Supervisor) -> tuple[ActorGroup, RewardGroup]:
+def _start_workers(
+    cfg: TrainConfig, plan: StepPlan, dock, supervisor: Supervisor
+) -> tuple[ActorGroup, RewardGroup]:
     # PPO's actor does not update during the critic's warm-up steps.
     rl_steps = max(1, cfg.run.steps - cfg.algo.critic_warmup_steps)
     num_actor_ranks = cfg.actor.dp * cfg.actor.tp
@@ -201,6 +206,7 @@ def _start_workers(cfg: TrainConfig, dock, supervisor: Supervisor) -> tuple[Acto
         gpu=True,
         distributed=True,
         cfg=cfg,
+        plan=plan,
         client=dock.client(),
         total_optimizer_steps=rl_steps * cfg.actor.mini_batches * cfg.actor.epochs,
         num_threads=_threads_per_rank(cfg, num_actor_ranks),
@@ -215,6 +221,7 @@ def _start_workers(cfg: TrainConfig, dock, supervisor: Supervisor) -> tuple[Acto
         gpu=False,
         reward=cfg.reward,
         algo=cfg.algo,
+        estimator=plan.estimator if plan.advantages_by == "reward" else None,
         tokenizer_path=cfg.model.path,
         client=dock.client(),
         group_size=cfg.rollout.samples_per_prompt,
@@ -246,9 +253,9 @@ def _start_reward_models(cfg: TrainConfig, dock, supervisor: Supervisor) -> Rewa
     )
 
 
-def _start_critic(cfg: TrainConfig, dock, supervisor: Supervisor) -> CriticGroup | None:
+def _start_critic(cfg: TrainConfig, plan: StepPlan, dock, supervisor: Supervisor) -> CriticGroup | None:
     """PPO's CriticWorkers (critic.dp ranks in their own process group; one GPU each on cuda), else None."""
-    if not step_plan(cfg).critic:
+    if not plan.critic:
         return None
     critic = cfg.critic
     return _group(
@@ -261,13 +268,14 @@ def _start_critic(cfg: TrainConfig, dock, supervisor: Supervisor) -> CriticGroup
         gpu=True,
         distributed=True,
         cfg=cfg,
+        plan=plan,
         client=dock.client(),
         total_optimizer_steps=cfg.run.steps * critic.mini_batches * critic.epochs,
         num_threads=_threads_per_rank(cfg, critic.dp),
     )
 
 
-def _start_rollouts(cfg: TrainConfig, dock, supervisor: Supervisor) -> RolloutGroup | None:
+def _start_rollouts(cfg: TrainConfig, plan: StepPlan, dock, supervisor: Supervisor) -> RolloutGroup | None:
     """rollout.placement=separate: rollout.replicas RolloutWorkers (one GPU each on cuda), else None."""
     if cfg.rollout.placement != "separate":
         return None
@@ -280,6 +288,7 @@ def _start_rollouts(cfg: TrainConfig, dock, supervisor: Supervisor) -> RolloutGr
         place=cfg.placement.rollout,
         gpu=True,
         cfg=cfg,
+        plan=plan,
         client=dock.client(),
     )
 

@@ -22,12 +22,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dockrl.config import SFTConfig, TrainConfig, load_config, validate_sft, validate_train
+from dockrl.config import SFTConfig, TrainConfig, load_config
 from dockrl.data.synthetic import write_task
 from dockrl.models.tiny import make_tiny
 from dockrl.observe.run_dir import RunDir
 from dockrl.recipes.eval import evaluate_model_dir
 from dockrl.recipes.grpo import train
+from dockrl.recipes.preflight import preflight_sft, preflight_train
 from dockrl.recipes.sft import sft
 from dockrl.rewards.runner import RewardSpec
 
@@ -77,7 +78,7 @@ def run_demo(
             f"run.seed={seed}",
         ],
     )
-    sft_summary = sft(validate_sft(sft_cfg))
+    sft_summary = sft(preflight_sft(sft_cfg))
     warm = sft_summary["checkpoint"]
 
     def accuracy(model: str) -> float:
@@ -101,7 +102,7 @@ def run_demo(
             *(overrides or []),
         ],
     )
-    grpo_summary = train(validate_train(grpo_cfg))
+    grpo_summary = train(preflight_train(grpo_cfg))
     after = accuracy(grpo_summary["checkpoint"])
     summary = {
         "accuracy_before_grpo": before,

@@ -30,8 +30,9 @@ import torch
 from dockrl.checkpoint import directory
 from dockrl.checkpoint.state import data_fingerprint
 from dockrl.config.loader import to_dict
+from dockrl.config.resolve import Resolved
 from dockrl.config.schema import TrainConfig
-from dockrl.config.step_plan import StepPlan, rollout_lead, step_plan
+from dockrl.config.step_plan import StepPlan, rollout_lead
 from dockrl.dock.columns import RESPONSE_IDS
 from dockrl.dock.errors import DockError
 from dockrl.dock.metrics import bytes_moved, driver_bytes
@@ -61,13 +62,14 @@ from dockrl.workers.supervisor import WorkerFailure
 log = logging.getLogger(__name__)
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run a validated GRPO config; returns the summary (also written to the run directory).
+def train(resolved: Resolved) -> dict[str, Any]:
+    """Run a resolved GRPO config (recipes/preflight.py); returns the summary (also written to the run directory).
 
     Resumes from a checkpoint with run.resume (recipes/resume.py). A worker or dock actor that dies or hangs
     stops the run within seconds with a RunFailed naming it, or, with run.max_restarts, restarts every worker
     and the dock and resumes from the newest checkpoint.
     """
+    cfg = resolved.cfg
     run = RunDir(cfg.run.output_dir, cfg.run.name)
     tokenizer = Tokenizer.from_dir(cfg.model.path)
     train_prompts, skipped = _encode(cfg, cfg.data.train_path, tokenizer)
@@ -76,8 +78,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     )
     data = data_fingerprint([(p.ids, p.label) for p in train_prompts])
     point = plan_resume(cfg, run, data)  # before Ray starts: a changed config is refused here
-    if point is not None and cfg.model.ref_path is None:
-        cfg.model.ref_path = point.state["reference_path"]  # the KL reference of the run being resumed
+    if point is not None and cfg.model.ref_path is None:  # the KL reference of the run being resumed
+        resolved = resolved.with_found({"model.ref_path": point.state["reference_path"]})
+        cfg = resolved.cfg
     run.write_config(to_dict(cfg))
     init_ray(cfg.run.ray_address)
     check_placement(cfg)  # placement.* against the nodes' resources, before any worker starts
@@ -92,7 +95,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         cluster: Cluster | None = None
         try:
             cluster = Cluster.start(
-                cfg,
+                resolved,
                 resume_from=None if point is None else str(point.path),
                 kl_coef=None if point is None else point.kl_coef,
                 faults=faults,
@@ -147,7 +150,7 @@ def _run_steps(
     generations (step -> Generation; those of the checkpoint resumed from, at first)."""
     progress = _progress(cfg, first_step - 1)
     restarts = len(summary["restarts"])
-    plan = step_plan(cfg)
+    plan = cluster.plan
     with run.loggers(
         cfg.run.loggers, to_dict(cfg), first_step
     ):  # jsonl, and tensorboard/wandb/mlflow if asked

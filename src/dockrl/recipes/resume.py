@@ -26,9 +26,9 @@ from dockrl.checkpoint.state import (
     rng_states,
     set_rng_states,
 )
-from dockrl.config.fields import ConfigError
 from dockrl.config.loader import to_dict
 from dockrl.config.schema import TrainConfig
+from dockrl.errors import ConfigError
 from dockrl.observe.run_dir import RunDir
 from dockrl.recipes.common import EpochSampler
 

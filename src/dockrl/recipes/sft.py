@@ -65,7 +65,7 @@ def build_examples(
 
 
 def sft(cfg: SFTConfig) -> dict[str, Any]:
-    """Run a validated SFT config; returns the summary with the checkpoint path (and held-out loss and token
+    """Run a checked SFT config (recipes/preflight.py: preflight_sft); returns the summary with the checkpoint path (and held-out loss and token
     accuracy when data.eval_path is set)."""
     torch.manual_seed(cfg.run.seed)
     run = RunDir(cfg.run.output_dir, cfg.run.name)

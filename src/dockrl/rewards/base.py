@@ -18,25 +18,12 @@ import inspect
 import sys
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from dockrl.rewards.builtin import BUILTIN_REWARDS
+from dockrl.rewards.result import RewardFn, RewardResult
 
-@dataclass
-class RewardResult:
-    """Score of one sample plus optional named sub-scores (logged as ``<fn name>/<component>``).
-
-    Attributes:
-        score: the value the reward function contributes (before its weight).
-        components: diagnostics such as ``{"correct": 1.0, "format": 0.0}``; not summed into the score.
-    """
-
-    score: float
-    components: dict[str, float] = field(default_factory=dict)
-
-
-RewardFn = Callable[[str, str, Any], RewardResult | float]
+__all__ = ["RewardFn", "RewardResult", "resolve_reward_fn", "warmup_of"]
 
 
 def warmup_of(fn: RewardFn) -> Callable[[], Any] | None:
@@ -44,13 +31,6 @@ def warmup_of(fn: RewardFn) -> Callable[[], Any] | None:
     target = fn.func if isinstance(fn, functools.partial) else fn
     warmup = getattr(target, "warmup", None)
     return warmup if callable(warmup) else None
-
-
-def _builtin_rewards() -> dict[str, Callable[..., RewardResult]]:
-    # Imported late: builtin.py imports RewardResult from this module.
-    from dockrl.rewards.builtin import BUILTIN_REWARDS
-
-    return BUILTIN_REWARDS
 
 
 def _import_function(name: str) -> Callable[..., Any]:
@@ -72,35 +52,6 @@ def _import_function(name: str) -> Callable[..., Any]:
     if not callable(fn):
         raise ValueError(f"reward function {name!r} is a {type(fn).__name__}, not a callable")
     return fn
-
-
-def locate_reward_file(name: str, search_dirs: list[Path]) -> Path | None:
-    """The source file of reward function `name` when it is given as a file, else None.
-
-    `path/to/file.py:function` names a file (relative paths are looked up in `search_dirs`, in order: the
-    config file's directory, then the working directory). `module:function` names a file too when `module`
-    does not import but `module.py` (dots as folders) lies in one of `search_dirs`, as a reward module next to
-    the config does. Raises ValueError for a `.py` path found nowhere, naming where it looked.
-    """
-    module, sep, _ = name.partition(":")
-    if not sep or not module:
-        return None
-    if module.endswith(".py") or "/" in module or "\\" in module:
-        candidates = [Path(module)] if Path(module).is_absolute() else [d / module for d in search_dirs]
-        for candidate in candidates:
-            if candidate.is_file():
-                return candidate.resolve()
-        raise ValueError(
-            f"reward function {name!r}: no file {module!r} in {[str(d) for d in search_dirs]} (paths are relative "
-            "to the config file's directory, then the working directory)"
-        )
-    if importlib.util.find_spec(module.partition(".")[0]) is not None:
-        return None  # importable as it is
-    for directory in search_dirs:
-        candidate = directory / (module.replace(".", "/") + ".py")
-        if candidate.is_file():
-            return candidate.resolve()
-    return None
 
 
 def _function_from_code(name: str, code: str, origin: str) -> Callable[..., Any]:
@@ -135,7 +86,7 @@ def resolve_reward_fn(
         name: a built-in name ("exact_answer", "math_verify", "format"), "package.module:function", or a
             file's "path/to/file.py:function" (whose source is `code`).
         kwargs: extra keyword arguments passed on every call (e.g. ``{"pattern": ...}`` for "format").
-        code: the source of the reward's file, read once by the driver (`locate_reward_file`) and shipped to
+        code: the source of the reward's file, read once by the driver (`config.loader.locate_reward_file`) and shipped to
             every worker and reward process, so the file need not exist where they run.
         origin: that file's path, for tracebacks and errors.
 
@@ -148,7 +99,7 @@ def resolve_reward_fn(
     elif ":" in name:
         fn = _import_function(name)
     else:
-        builtins = _builtin_rewards()
+        builtins = BUILTIN_REWARDS
         if name not in builtins:
             raise ValueError(
                 f"unknown reward function {name!r}; built-ins are {sorted(builtins)}, "

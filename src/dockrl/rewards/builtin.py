@@ -12,7 +12,7 @@ import threading
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from dockrl.rewards.base import RewardResult
+from dockrl.rewards.result import RewardResult
 
 # A plain decimal number: optional sign, optional thousands commas ("1,234"), optional fraction.
 _NUMBER = r"[-+]?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)"

@@ -24,7 +24,7 @@ from dockrl.algos.losses import kl_penalty
 from dockrl.checkpoint.directory import ACTOR, HF
 from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
 from dockrl.config.schema import TrainConfig
-from dockrl.config.step_plan import step_plan
+from dockrl.config.step_plan import StepPlan
 from dockrl.dock.client import DockClient
 from dockrl.dock.columns import (
     ADVANTAGES,
@@ -65,10 +65,12 @@ class ActorWorker(Worker):
         world_size: int,
         *,
         cfg: TrainConfig,
+        plan: StepPlan,
         client: DockClient,
         total_optimizer_steps: int,
         num_threads: int | None = None,
     ):
+        """`cfg` and `plan`: the run's resolved config and its step plan (config.Resolved), read, never changed."""
         super().__init__(name, rank, world_size, num_threads)
         self.cfg = cfg
         self.client = client
@@ -76,7 +78,7 @@ class ActorWorker(Worker):
         rows = cfg.run.prompts_per_step * cfg.rollout.samples_per_prompt
         self.dp = world_size // cfg.actor.tp  # tensor-parallel peers train on the same rows
         self.rows_per_rank = rows // self.dp
-        self.plan = step_plan(cfg)
+        self.plan = plan
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
 
     def setup(self, resume_from: str | None = None) -> SetupResult:
@@ -247,13 +249,12 @@ class ActorWorker(Worker):
                         batch,
                         idx,
                         per_token_names,
-                        self.cfg.algo,
+                        self.plan.loss,
                         temperature=self.temperature,
                         micro_batch_size=actor.micro_batch_size,
                         max_tokens_per_micro_batch=actor.max_tokens_per_micro_batch,
                         pad_token_id=self.pad_token_id,
                         world_size=self.dp,
-                        max_new_tokens=self.cfg.rollout.max_new_tokens,
                     )
                 )
         self.rollout_stale = True
@@ -273,14 +274,14 @@ class ActorWorker(Worker):
         shaped, kl_sum, tokens = [], 0.0, 0
         for adv, old, ref in zip(batch[ADVANTAGES], batch[OLD_LOGPROBS], batch[REF_LOGPROBS]):
             kl = kl_penalty(old.float(), ref.float(), algo.kl_estimator)  # [R]
-            shaped.append(kl_shaped_returns(adv.float(), kl, algo.kl_coef))
+            shaped.append(kl_shaped_returns(adv.float(), kl, self.plan.kl_coef))
             kl_sum, tokens = kl_sum + float(kl.sum()), tokens + len(kl)
         totals = all_reduce_sum(
             torch.tensor([kl_sum, float(tokens)], dtype=torch.float64), self.policy.dp_group
         )
         return shaped, {
             "reward/kl_penalty": totals[0].item() / max(totals[1].item(), 1.0),
-            "reward/kl_coef": algo.kl_coef,
+            "reward/kl_coef": self.plan.kl_coef,
         }
 
     # ---- checkpoints and evaluation ------------------------------------------------------------

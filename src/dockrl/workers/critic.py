@@ -35,6 +35,7 @@ from dockrl.algos.ppo import (
 from dockrl.checkpoint.directory import CRITIC, HF
 from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
 from dockrl.config.schema import TrainConfig
+from dockrl.config.step_plan import StepPlan
 from dockrl.dock.client import DockClient
 from dockrl.dock.columns import (
     ADVANTAGES,
@@ -63,7 +64,7 @@ SUMMED_METRICS = ("value_loss", "value_clipfrac", "vpred_mean")
 
 
 class CriticWorker(Worker):
-    """Value model on one critic rank; stages are driven by the GRPO recipe when algo.name=ppo."""
+    """Value model on one critic rank; stages are driven by the GRPO recipe when the plan runs a critic (ppo)."""
 
     def __init__(
         self,
@@ -72,19 +73,21 @@ class CriticWorker(Worker):
         world_size: int,
         *,
         cfg: TrainConfig,
+        plan: StepPlan,
         client: DockClient,
         total_optimizer_steps: int,
         num_threads: int | None = None,
     ):
+        """`cfg` and `plan`: the run's resolved config and its step plan (config.Resolved), read, never changed."""
         super().__init__(name, rank, world_size, num_threads)
-        self.cfg, self.client = cfg, client
+        self.cfg, self.plan, self.client = cfg, plan, client
         self.total_optimizer_steps = total_optimizer_steps
         self.rows = cfg.run.prompts_per_step * cfg.rollout.samples_per_prompt
         self.rows_per_rank = self.rows // world_size
         # Every rank sees the same all-reduced KL each step, so their controllers stay identical.
         algo = cfg.algo
         self.kl_ctrl = KLController(
-            algo.kl_ctrl, algo.kl_coef, target=algo.kl_target, horizon=algo.kl_horizon
+            algo.kl_ctrl, plan.kl_coef, target=algo.kl_target, horizon=algo.kl_horizon
         )
 
     def setup(self, resume_from: str | None = None, kl_coef: float | None = None) -> SetupResult:

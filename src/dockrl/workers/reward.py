@@ -17,13 +17,8 @@ from typing import Any
 
 import torch
 
-from dockrl.algos.estimators import (
-    GROUP_ESTIMATORS,
-    compute_advantages,
-    overlong_penalty,
-)
+from dockrl.algos.estimators import compute_advantages, overlong_penalty
 from dockrl.config.schema import AlgoConfig, RewardConfig
-from dockrl.config.step_plan import estimator_of
 from dockrl.dock.client import DockClient
 from dockrl.dock.columns import (
     ADVANTAGES,
@@ -68,18 +63,21 @@ class RewardWorker(Worker):
         *,
         reward: RewardConfig,
         algo: AlgoConfig,
+        estimator: str | None,
         tokenizer_path: str,
         client: DockClient,
         group_size: int,
         log_samples: int = 0,
         max_new_tokens: int | None = None,
     ):
+        """`estimator`: the group estimator of the run's step plan (StepPlan.estimator) when the reward workers
+        compute advantages (StepPlan.advantages_by == "reward"), None when the critic does (gae)."""
         super().__init__(name, rank, world_size, num_threads=1)
         self.cfg, self.algo, self.client, self.group_size = reward, algo, client, group_size
         self.log_samples = log_samples
         # The overlong-shaping limit (rollout.max_new_tokens); needed when algo.overlong_buffer_len > 0.
         self.max_new_tokens = max_new_tokens
-        self.estimator = estimator_of(algo)
+        self.estimator = estimator
         self.tokenizer = Tokenizer.from_dir(tokenizer_path)
         specs = reward_specs(reward)
         self.runner = (
@@ -125,7 +123,7 @@ class RewardWorker(Worker):
             weights = self._update_weights(len(rows), stats.get("failed", []))
             dropped_groups += weights[::n].count(0.0)
             out: dict[str, list] = {REWARD: list(scores), UPDATE_WEIGHT: weights}
-            if self.estimator in GROUP_ESTIMATORS:  # gae (ppo): the critic turns rewards into advantages
+            if self.estimator is not None:  # None (gae, ppo): the critic turns rewards into advantages
                 adv = compute_advantages(
                     self.estimator,
                     torch.tensor(scores, dtype=torch.float32),

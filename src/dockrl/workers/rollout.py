@@ -25,7 +25,7 @@ import ray
 import torch
 
 from dockrl.config.schema import TrainConfig
-from dockrl.config.step_plan import rollout_lead
+from dockrl.config.step_plan import StepPlan
 from dockrl.dock.client import DockClient
 from dockrl.engines.reshard.switch import broadcast_bucket, full_model_buckets, set_param
 from dockrl.engines.rollout.dock_feed import serve_step, step_engine
@@ -46,9 +46,12 @@ class RolloutWorker(Worker):
 
     threads = {WEIGHTS_THREAD: 1}  # weights arrive while a step generates (rollout.max_staleness >= 2)
 
-    def __init__(self, name: str, rank: int, world_size: int, *, cfg: TrainConfig, client: DockClient):
+    def __init__(
+        self, name: str, rank: int, world_size: int, *, cfg: TrainConfig, plan: StepPlan, client: DockClient
+    ):
+        """`cfg` and `plan`: the run's resolved config and its step plan (config.Resolved), read, never changed."""
         super().__init__(name, rank, world_size)
-        self.cfg, self.client = cfg, client
+        self.cfg, self.plan, self.client = cfg, plan, client
         self.sync_group = None
         self.version = -1  # updates behind the weights in the model's buffers; -1: none received yet
         self.staged: dict[int, list[torch.Tensor]] = {}  # version -> received copy not yet taken
@@ -90,12 +93,12 @@ class RolloutWorker(Worker):
     def receive_weights(self, version: int) -> float:
         """Receive the trainer's weights after `version` updates, bucket by bucket; returns the seconds."""
         start = time.perf_counter()
-        staging = rollout_lead(self.cfg) >= 2
+        staging = self.plan.rollout_lead >= 2
         with self.arrived:
             if not staging and self.generating:
                 raise RuntimeError(
                     f"{self.name}: weights of version {version} arrived while a step generates, with the rollout "
-                    f"{rollout_lead(self.cfg)} steps ahead (the recipe syncs between steps then)"
+                    f"{self.plan.rollout_lead} steps ahead (the recipe syncs between steps then)"
                 )
             target = self.buffers
             if staging:

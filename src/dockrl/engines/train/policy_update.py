@@ -15,8 +15,7 @@ import torch.distributed as dist
 
 from dockrl.algos.estimators import masked_moments, whiten
 from dockrl.algos.losses import policy_loss
-from dockrl.config.schema import AlgoConfig
-from dockrl.config.step_plan import LossPlan, loss_plan
+from dockrl.config.step_plan import LossPlan
 from dockrl.dock.columns import (
     ADVANTAGES,
     OLD_LOGPROBS,
@@ -61,22 +60,20 @@ def policy_update(
     batch: dict[str, list],
     idx: list[int],
     per_token_names: list[str],
-    algo: AlgoConfig,
+    plan: LossPlan,
     *,
     temperature: float,
     micro_batch_size: int,
     max_tokens_per_micro_batch: int = 0,
     pad_token_id: int,
     world_size: int,
-    max_new_tokens: int | None = None,
 ) -> dict[str, float] | None:
-    """Train on rows `idx` of `batch` (prompt_ids, response_ids, advantages [, ref_logprobs, old_logprobs]);
-    returns the step's metrics, or None when no rank had a row (the LR schedule still advances).
+    """Train on rows `idx` of `batch` (prompt_ids, response_ids, advantages [, ref_logprobs, old_logprobs]) with
+    the policy loss `plan` (the run's StepPlan.loss, resolved in config); returns the step's metrics, or None
+    when no rank had a row (the LR schedule still advances).
 
     `world_size` is the number of data-parallel ranks; tensor-parallel peers train on the same rows.
-    `max_new_tokens` (the generation limit) is Dr. GRPO's constant loss normaliser; required for dr_grpo.
     """
-    plan = loss_plan(algo, max_new_tokens)
     # Rows a failed reward call left out (reward.on_error=drop_group) weigh 0: masked out of the loss and
     # of its token and sequence counts.
     weights = [float(batch[UPDATE_WEIGHT][i]) for i in idx] if UPDATE_WEIGHT in batch else [1.0] * len(idx)

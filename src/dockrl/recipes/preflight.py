@@ -1,0 +1,292 @@
+"""Preflight: the checks of a job config that touch the machine, and the resolution that depends on them. Runs
+in the driver before Ray or any worker process starts, so every user error is a ConfigError naming the setting.
+
+    preflight_train(cfg) -> Resolved
+        check_train(cfg)            the pure rules (config/validate.py)
+        checkpoint roots            model.path / critic.path naming a checkpoint: the directories it holds
+        files                       resume checkpoint, reward functions, dock policy, model dirs, datasets
+        device, precision           run.device / run.precision auto -> what this machine computes with
+        resolve(cfg, found)         the frozen Resolved (config/resolve.py); the user's cfg is never changed
+        loggers, GPUs, reward model, the model's shapes against the layouts
+    preflight_sft(cfg) -> SFTConfig  the same for `dockrl sft`: a resolved copy of cfg
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from pathlib import Path
+from typing import Any
+
+from dockrl.config.fields import config_error
+from dockrl.config.resolve import Resolved, copy_with, resolve
+from dockrl.config.schema import DataConfig, SFTConfig, TrainConfig
+from dockrl.config.validate import check_sft, check_train
+from dockrl.errors import ConfigError
+
+
+def resolve_device(device: str, key: str = "run.device") -> str:
+    """`auto` -> cuda when available, else cpu; `cuda` without CUDA is an error."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise config_error(key, device, "unknown device", "use cpu, cuda or auto")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise config_error(key, device, "CUDA is not available on this machine", "use cpu or auto")
+    return device
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX tiles)."""
+    import torch
+
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
+def resolve_precision(precision: str, device: str, key: str = "run.precision") -> str:
+    """`auto` -> bf16 on cuda and on a cpu that computes bf16 natively, else fp32.
+
+    On the project's avx512_bf16 CPU bf16 matmuls run at 2-4x the fp32 rate at the widths measured (hidden 128
+    and 256), and a decoder's forward and backward pass at 1.5-2x (README, "Speed against TRL")."""
+    if precision == "auto":
+        return "bf16" if device == "cuda" or cpu_has_native_bf16() else "fp32"
+    if precision not in ("fp32", "bf16"):
+        raise config_error(key, precision, "unknown precision", "use fp32, bf16 or auto")
+    return precision
+
+
+def check_model_dir(path: str, key: str) -> None:
+    """A model directory must exist and hold config.json."""
+    p = Path(path)
+    if not p.is_dir():
+        raise config_error(
+            key,
+            path,
+            "the model directory does not exist",
+            "pass a Hugging Face checkpoint directory (build a tiny one with `dockrl make-tiny DIR`)",
+        )
+    if not (p / "config.json").is_file():
+        raise config_error(
+            key, path, "the directory has no config.json", "pass a Hugging Face checkpoint directory"
+        )
+
+
+def check_dataset(path: str, prompt_field: str, label_field: str | None, key: str) -> None:
+    """The dataset file must exist and its first row must hold the prompt (and label) field."""
+    from dockrl.data.datasets import load_prompts
+
+    if not Path(path).is_file():
+        raise config_error(key, path, "the dataset file does not exist", "pass a .jsonl or .parquet file")
+    load_prompts(path, prompt_field=prompt_field, label_field=label_field, limit=1)
+
+
+def preflight_train(cfg: TrainConfig) -> Resolved:
+    """Check a `dockrl train` config (the pure rules, then files, devices and loggers) and resolve it; `cfg`
+    itself is not changed. Raises ConfigError (or the dataset's ValueError) naming the setting."""
+    check_train(cfg)
+    plan = resolve(cfg).plan  # what the run needs (a reference model, a critic), before anything is found
+    found = _checkpoint_roots(cfg, plan.reference)
+    _check_resume_path(cfg)
+    _check_reward_functions(cfg)
+    _check_dock_policy(cfg)
+    check_model_dir(found.get("model.path", cfg.model.path), "model.path")
+    ref_path = found.get("model.ref_path", cfg.model.ref_path)
+    if ref_path is not None:
+        check_model_dir(ref_path, "model.ref_path")
+    if plan.critic and cfg.critic.path is not None:
+        check_model_dir(found.get("critic.path", cfg.critic.path), "critic.path")
+    _check_data_files(cfg.data)
+    found["run.device"] = resolve_device(cfg.run.device)
+    found["run.precision"] = resolve_precision(cfg.run.precision, found["run.device"])
+    resolved = resolve(cfg, found)
+    run_cfg = resolved.cfg
+    _check_loggers(run_cfg.run.loggers)
+    actor = run_cfg.actor
+    _check_devices(run_cfg.run.device, actor.dp * actor.tp + (run_cfg.critic.dp if plan.critic else 0))
+    _check_reward_model_files(run_cfg)
+    _check_model_layouts(run_cfg)
+    return resolved
+
+
+def preflight_sft(cfg: SFTConfig) -> SFTConfig:
+    """Check a `dockrl sft` config (the pure rules, then files, devices and loggers); returns a resolved copy
+    (run.device and run.precision never auto), `cfg` itself is not changed."""
+    check_sft(cfg)
+    check_model_dir(cfg.model.path, "model.path")
+    _check_data_files(cfg.data)
+    _check_loggers(cfg.run.loggers)
+    device = resolve_device(cfg.run.device)
+    precision = resolve_precision(cfg.run.precision, device)
+    return copy_with(cfg, {"run.device": device, "run.precision": precision})
+
+
+def _checkpoint_roots(cfg: TrainConfig, reference: bool) -> dict[str, Any]:
+    """model.path / critic.path may name a checkpoint root: load its Hugging Face exports, and keep the KL
+    reference of the run that wrote it (model.ref_path unset) instead of silently moving it to the checkpoint.
+    Returns the settings found (dotted key -> value)."""
+    from dockrl.checkpoint.directory import (
+        is_checkpoint,
+        read_trainer_state,
+        resolve_critic_path,
+        resolve_model_path,
+    )
+
+    found: dict[str, Any] = {}
+    if is_checkpoint(cfg.model.path):
+        root = cfg.model.path
+        found["model.path"] = resolve_model_path(root)
+        if cfg.model.ref_path is None and reference:
+            found["model.ref_path"] = read_trainer_state(root)["reference_path"]
+            warnings.warn(
+                f"model.path={root} is a checkpoint: the policy starts from its hf/ export and the KL reference "
+                f"stays that run's reference {found['model.ref_path']} (set model.ref_path to choose another)",
+                stacklevel=3,
+            )
+    if cfg.critic.path is not None and is_checkpoint(cfg.critic.path):
+        try:
+            found["critic.path"] = resolve_critic_path(cfg.critic.path)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"critic.path={cfg.critic.path!r}: {exc}") from exc
+    return found
+
+
+def _check_resume_path(cfg: TrainConfig) -> None:
+    """A run.resume path must be a complete checkpoint."""
+    from dockrl.checkpoint.directory import is_checkpoint
+
+    run = cfg.run
+    if run.resume not in ("never", "auto") and not is_checkpoint(run.resume):
+        raise config_error(
+            "run.resume",
+            run.resume,
+            "is not never, auto, or a complete checkpoint (a RUN_DIR/checkpoints/step_NNNNNN directory with "
+            "trainer_state.json; a *.tmp directory is an interrupted save)",
+            "use run.resume=auto, or the path of a complete checkpoint",
+        )
+
+
+def _check_reward_functions(cfg: TrainConfig) -> None:
+    """Every reward function resolves (imports, and accepts its kwargs) here, not on the first sample."""
+    from dockrl.rewards.base import resolve_reward_fn
+
+    for i, spec in enumerate(cfg.reward.functions):
+        try:
+            resolve_reward_fn(spec.name, spec.kwargs, spec.code, spec.source_file)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"reward.functions[{i}].name={spec.name!r}: {exc}") from exc
+
+
+def _check_dock_policy(cfg: TrainConfig) -> None:
+    """dock.policy: a built-in (dockrl/dock/policies.py) or an importable 'module:function'."""
+    dock = cfg.dock
+    if dock.policy in ("first", "oldest"):
+        return
+    module, _, function = dock.policy.partition(":")
+    try:
+        found = bool(module and function) and callable(getattr(importlib.import_module(module), function))
+    except (ImportError, AttributeError):
+        found = False
+    if not found:
+        raise config_error(
+            "dock.policy",
+            dock.policy,
+            "not a built-in policy and not an importable 'module:function'",
+            "use first, oldest, or a function importable on every node",
+        )
+
+
+def _check_data_files(data: DataConfig) -> None:
+    """The dataset files exist and hold the prompt (and label) field."""
+    check_dataset(data.train_path, data.prompt_field, data.label_field, "data.train_path")
+    if data.eval_path is not None:
+        check_dataset(data.eval_path, data.prompt_field, data.label_field, "data.eval_path")
+
+
+def _check_loggers(loggers: list[str]) -> None:
+    """run.loggers: known names whose packages are installed (and W&B credentials unless offline)."""
+    from dockrl.observe.loggers import logger_problem
+
+    problem = logger_problem(loggers)
+    if problem is not None:
+        raise config_error("run.loggers", loggers, *problem)
+
+
+def _check_devices(device: str, ranks: int) -> None:
+    if device != "cuda":
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    if ranks > count:
+        # On a multi-node cluster the driver sees only its own node; Ray places the rest.
+        warnings.warn(
+            f"the {ranks} GPU ranks (actor.dp x actor.tp, plus critic.dp with ppo) exceed the {count} GPUs "
+            "visible to the driver; Ray must find the rest",
+            stacklevel=2,
+        )
+
+
+def _check_reward_model_files(cfg: TrainConfig) -> None:
+    """reward.model: a one-output *ForSequenceClassification checkpoint with its tokenizer; GPUs to hold it."""
+    from dockrl.models.classifier import check_reward_model_dir
+
+    rm = cfg.reward.model
+    if rm.path is None:
+        return
+    check_model_dir(rm.path, "reward.model.path")
+    try:
+        check_reward_model_dir(rm.path)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"reward.model.path={rm.path!r}: {exc}") from exc
+    if not (Path(rm.path) / "tokenizer.json").is_file():
+        raise config_error(
+            "reward.model.path",
+            rm.path,
+            "the directory has no tokenizer.json (responses are re-tokenized when its vocabulary differs "
+            "from the policy's)",
+            "copy the reward model's tokenizer files into it",
+        )
+    if cfg.run.device == "cuda":
+        import torch
+
+        actor_ranks, count = cfg.actor.dp * cfg.actor.tp, torch.cuda.device_count()
+        if actor_ranks + rm.num_workers > count:
+            warnings.warn(
+                f"{actor_ranks} actor ranks and reward.model.num_workers={rm.num_workers} each take a GPU; "
+                f"the driver sees {count}, so Ray must find the rest on other nodes",
+                stacklevel=3,
+            )
+
+
+def _check_model_layouts(cfg: TrainConfig) -> None:
+    """The model's shapes against the training and rollout tp sizes and reshard.bucket_mb; the reshard
+    offload flags against the resolved device."""
+    from dockrl.models.hf import read_config
+    from dockrl.models.tp_plan import tp_problem
+
+    actor, roll, reshard = cfg.actor, cfg.rollout, cfg.reshard
+    args = read_config(cfg.model.path)
+    for key, value in (("actor.tp", actor.tp), ("rollout.tp", roll.tp)):
+        problem = tp_problem(args, value)
+        if problem is not None:
+            raise config_error(key, value, problem, f"set {key} to a valid size")
+    numel = max(args.vocab_size, args.intermediate_size) * args.hidden_size
+    largest = 4 * numel  # fp32, the training dtype
+    if reshard.bucket_mb is not None and reshard.bucket_mb * 2**20 < largest:
+        raise config_error(
+            "reshard.bucket_mb",
+            reshard.bucket_mb,
+            f"is smaller than the model's largest tensor ({largest / 2**20:.1f} MiB in fp32)",
+            f"use reshard.bucket_mb >= {-(-largest // 2**20)} or None (automatic)",
+        )
+    if cfg.run.device == "cpu":
+        for flag in ("offload_optimizer", "offload_grads", "offload_params"):
+            if getattr(reshard, flag):
+                warnings.warn(
+                    f"reshard.{flag}=True has no effect on run.device=cpu: there is no device memory to free "
+                    "(the switch runs the same code path and moves nothing)",
+                    stacklevel=3,
+                )
