@@ -141,9 +141,12 @@ def _check_loss_settings(cfg: TrainConfig) -> None:
             stacklevel=4,
         )
     _check_ratio_and_normalizer(algo)
-    on_policy = actor.mini_batches == 1 and actor.epochs == 1
+    # One update per step clips against the current policy (ratio 1), unless a stale row's old log-probs are
+    # the rollout's own (algo.old_logprobs=rollout with rollout.max_staleness > 0): then the clip acts.
+    single_update = actor.mini_batches == 1 and actor.epochs == 1
+    stale_rollout_old = cfg.rollout.max_staleness > 0 and algo.old_logprobs == "rollout"
     clip_set = algo.clip_low is not None or algo.clip_high is not None or algo.name in ("dapo", "gspo")
-    if on_policy and clip_set:
+    if single_update and not stale_rollout_old and clip_set:
         warnings.warn(
             f"the ratio clip (algo.clip_low={clip_low:g}, algo.clip_high={clip_high:g}) never acts: with "
             "actor.mini_batches=1 and actor.epochs=1 the update is exactly on-policy and every importance ratio "

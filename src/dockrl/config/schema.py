@@ -261,13 +261,14 @@ class AlgoConfig:
     )
     rollout_is: Literal["none", "tis", "decoupled"] = setting(
         "none",
-        "Correct for the rollout engine's sampling distribution differing from the trainer's: tis weighs each "
-        "token's surrogate by min(exp(old - rollout log-prob), rollout_is_cap) (truncated importance sampling); "
-        "decoupled is the decoupled-PPO objective (clip against the proximal policy, computed by the old "
-        "log-prob stage, times the same truncated weight; the same numbers as tis while rollout and update "
-        "alternate, it matters once rollout runs ahead of the update); none uses no correction. The rollout's "
-        "log-probs depend on its batch composition at rounding level, so with tis or decoupled runs repeat to "
-        "rounding, not bit for bit.",
+        "Correct for the policy that sampled the rows (the rollout engine's, possibly stale weights) differing "
+        "from the old policy the update clips against (the trainer's log-probs before the update): each "
+        "token's surrogate is weighted by w = exp(old - rollout log-prob). tis truncates it, min(w, "
+        "rollout_is_cap) (truncated importance sampling, Yao et al. 2025); decoupled is decoupled PPO (AReaL, "
+        "arXiv 2505.24298: old is the proximal policy, the rollout the behaviour policy) and masks out the "
+        "tokens whose w exceeds rollout_is_cap (weight 0) instead of truncating them; none uses no "
+        "correction. The rollout's log-probs depend on its batch composition at rounding level, so with tis or "
+        "decoupled runs repeat to rounding, not bit for bit.",
         noun="correction",
     )
     rollout_is_cap: float = setting(2.0, "Cap of the importance weight of algo.rollout_is (>= 1).")

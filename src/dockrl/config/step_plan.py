@@ -37,7 +37,9 @@ class LossPlan:
     entropy_coef: float
     sequence_ratio: bool  # algo.ratio_level=sequence (GSPO): one importance ratio per sequence
     seq_len_norm: float | None  # algo.loss_normalizer=max_new_tokens (Dr. GRPO): each row's token sum / this
-    rollout_is: str = "none"  # truncated importance weights against the rollout's log-probs (tis, decoupled)
+    rollout_is: str = (
+        "none"  # importance weights old / rollout: tis truncates them, decoupled masks above the cap
+    )
     rollout_is_cap: float = 2.0
 
 
@@ -50,7 +52,10 @@ class StepPlan:
     old_from_rollout: (
         bool  # an off-policy update takes its old log-probs from the rollout (algo.old_logprobs)
     )
-    on_policy: bool
+    on_policy: bool  # one update per step (single_update) on rows the current weights sampled
+    single_update: (
+        bool  # one optimizer step per RL step: the old policy is the current one (old = logp.detach())
+    )
     estimator: str
     advantages_by: Literal["reward", "critic"]
     whiten: bool
@@ -138,16 +143,18 @@ def step_plan(cfg: TrainConfig) -> StepPlan:
     """Resolve `cfg` (checked by config.validate.check_train) into its step plan (pure: reads nothing else)."""
     algo, actor = cfg.algo, cfg.actor
     estimator = estimator_of(algo)
-    # one update per step on rows of the current policy: the sampling policy is the one being updated
-    on_policy = actor.mini_batches == 1 and actor.epochs == 1 and cfg.rollout.max_staleness == 0
+    # One optimizer step per RL step: the policy before the update is the current one, so its log-probs are
+    # the update's own (detached) and an old log-prob pass would compute the same numbers again. On-policy
+    # besides: the current weights also sampled the rows.
+    single_update = actor.mini_batches == 1 and actor.epochs == 1
+    on_policy = single_update and cfg.rollout.max_staleness == 0
     from_rollout = not on_policy and algo.old_logprobs == "rollout"
     return StepPlan(
         reference=resolved_kl_coef(algo) > 0,
-        old_logprobs=(not on_policy and not from_rollout)
-        or algo.kl_in_reward
-        or algo.rollout_is == "decoupled",
+        old_logprobs=(not single_update and not from_rollout) or algo.kl_in_reward,
         old_from_rollout=from_rollout,
         on_policy=on_policy,
+        single_update=single_update,
         estimator=estimator,
         advantages_by="reward" if estimator in GROUP_ESTIMATORS else "critic",
         whiten=estimator in WHITENED_ESTIMATORS,

@@ -212,8 +212,8 @@ def _check_layouts(cfg: TrainConfig) -> None:
         )
     algo = cfg.algo
     if algo.old_logprobs == "rollout":
-        if algo.kl_in_reward or algo.rollout_is == "decoupled":
-            what = "algo.kl_in_reward" if algo.kl_in_reward else "algo.rollout_is=decoupled"
+        if algo.kl_in_reward or algo.rollout_is != "none":
+            what = "algo.kl_in_reward" if algo.kl_in_reward else f"algo.rollout_is={algo.rollout_is}"
             raise config_error(
                 "algo.old_logprobs",
                 "rollout",
@@ -226,6 +226,20 @@ def _check_layouts(cfg: TrainConfig) -> None:
                 "actor.epochs=1, rollout.max_staleness=0): the update's old log-probs are its current ones",
                 stacklevel=3,
             )
+    single_update = cfg.actor.mini_batches == 1 and cfg.actor.epochs == 1
+    if (
+        roll.max_staleness
+        and single_update
+        and algo.rollout_is == "none"
+        and algo.old_logprobs == "recompute"
+    ):
+        warnings.warn(
+            f"rollout.max_staleness={roll.max_staleness} with algo.rollout_is=none: rows sampled by weights up to "
+            f"{roll.max_staleness} updates old train uncorrected (one update per step clips against the current "
+            "policy, so the clip never acts); set algo.rollout_is=tis or decoupled to weight them by "
+            "current / behaviour policy",
+            stacklevel=3,
+        )
     if roll.max_staleness and (cfg.algo.name == "ppo" or cfg.algo.dynamic_sampling):
         what = "algo.name=ppo" if cfg.algo.name == "ppo" else "algo.dynamic_sampling"
         raise config_error(

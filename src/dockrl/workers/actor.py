@@ -222,7 +222,7 @@ class ActorWorker(Worker):
         actor, use_ref = self.cfg.actor, self.ref is not None
         columns = [PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, ADVANTAGES, ROLLOUT_LOGPROBS]
         columns += [REF_LOGPROBS] if use_ref else []
-        columns += [] if self.plan.on_policy or self.plan.old_from_rollout else [OLD_LOGPROBS]
+        columns += [] if self.plan.single_update or self.plan.old_from_rollout else [OLD_LOGPROBS]
         # REINFORCE++'s KL in the reward reads the sampling policy's log-probs even when the update is
         # on-policy (the loss then keeps ratio 1 exactly: it does not read them).
         extra = [OLD_LOGPROBS] if self.plan.actor_shapes_kl and OLD_LOGPROBS not in columns else []

@@ -112,6 +112,16 @@ def policy_update(
     return out
 
 
+def importance_weights(raw: torch.Tensor, plan: LossPlan) -> torch.Tensor:
+    """The per-token weights of algo.rollout_is from raw = pi_old / pi_rollout [B, T-1]:
+    tis truncates them at the cap (Yao et al. 2025: min(raw, cap)); decoupled (decoupled PPO, AReaL, arXiv
+    2505.24298: pi_old is the proximal policy, the rollout's the behaviour policy) masks out the tokens whose
+    weight exceeds the cap (weight 0) and keeps the others as they are."""
+    if plan.rollout_is == "decoupled":
+        return torch.where(raw <= plan.rollout_is_cap, raw, torch.zeros_like(raw))
+    return raw.clamp(max=plan.rollout_is_cap)
+
+
 def _loss_fn(
     plan: LossPlan,
     global_tokens: float,
@@ -125,11 +135,11 @@ def _loss_fn(
     ) -> tuple[torch.Tensor, dict[str, float]]:
         logp, all_entropy = stats  # [B, T-1] each
         entropy = all_entropy if plan.entropy_coef > 0 else None
-        # Exactly on-policy (one mini-batch, one epoch): old log-probs equal the current ones.
+        # One optimizer step per RL step (one mini-batch, one epoch): the old policy is the current one.
         old = mb.per_token.get(OLD_LOGPROBS, logp.detach())
         rollout = mb.per_token.get(ROLLOUT_LOGPROBS)  # [B, T-1], the sampling engine's
         raw_weights = None if rollout is None or plan.rollout_is == "none" else (old - rollout).exp()
-        is_weights = None if raw_weights is None else raw_weights.clamp(max=plan.rollout_is_cap)
+        is_weights = None if raw_weights is None else importance_weights(raw_weights, plan)
         out = policy_loss(
             logp,
             old,
