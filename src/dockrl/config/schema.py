@@ -36,6 +36,11 @@ class ModelConfig:
         "Reference model directory for the KL term; None uses `model.path`, or, when `model.path` is a "
         "checkpoint root, the reference that checkpoint's run used (the KL reference never moves silently).",
     )
+    lora_path: str | None = setting(
+        None,
+        "A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) to start the actor's "
+        "adapters from; its rank, alpha and targets are the run's (actor.lora keys left unset or equal).",
+    )
 
 
 @dataclass
@@ -178,6 +183,32 @@ class OptimConfig:
     )
 
 
+# The decoder's linear layers that can take LoRA adapters (the LM head never does, as in PEFT's all-linear).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = "all-linear"
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the actor (docs/lora.md): adapters train, the base stays frozen."""
+
+    rank: int = setting(
+        0,
+        "Adapter rank r; 0 trains every weight (full fine-tuning). With r > 0 only the adapters train (fp32, "
+        "AdamW), the base is frozen in the compute dtype, and the KL reference is the base with the adapters "
+        "off (no second copy of the model).",
+    )
+    alpha: float | None = setting(
+        None, "Scale numerator: an adapter adds (alpha / rank) B A; None: 2 x rank."
+    )
+    dropout: float | None = setting(None, "Dropout on an adapter's input while training; None: 0.")
+    target_modules: str | list[str] | None = setting(
+        None,
+        f"Linear layers that take adapters: {ALL_LINEAR} or a list of {', '.join(LORA_TARGETS)}; None: "
+        f"{ALL_LINEAR}.",
+    )
+
+
 @dataclass
 class ActorConfig(OptimConfig):
     """Training of the policy (and the colocated reference model)."""
@@ -197,6 +228,9 @@ class ActorConfig(OptimConfig):
         1,
         "Tensor-parallel degree of training (column/row-parallel linears, vocab-parallel embedding and LM "
         "head); must divide the model's num_heads, num_kv_heads (split, never replicated), vocab and MLP width.",
+    )
+    lora: LoraConfig = field(
+        default_factory=LoraConfig, metadata={"doc": "LoRA adapters (rank 0: full fine-tuning)."}
     )
 
 

@@ -12,6 +12,7 @@ re-deriving conditions from the config:
     critic           PPO's CriticWorkers run (the gae estimator needs their values)
     kl_coef          the KL coefficient (in the loss, or the initial one of the penalty in the reward)
     rollout_lead     steps the rollout runs ahead of the update
+    lora             actor.lora resolved (rank, alpha, dropout, targets), or None for full fine-tuning
     loss             the policy loss: aggregation, clip range, where the KL goes, the ratio level (token or
                      sequence) and the loss normaliser
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from dockrl.config.lora_checks import LoraSettings, check_lora
 from dockrl.config.presets import GROUP_ESTIMATORS, PRESETS, WHITENED_ESTIMATORS
 from dockrl.config.schema import AlgoConfig, TrainConfig
 
@@ -65,6 +67,12 @@ class StepPlan:
     kl_coef: float  # algo.kl_coef, else the algorithm's own
     rollout_lead: int  # see rollout_lead()
     loss: LossPlan
+    lora: LoraSettings | None = None  # actor.lora resolved; None: full fine-tuning
+
+    @property
+    def reference_is_base(self) -> bool:
+        """LoRA: the KL reference is the policy with its adapters off (no second model is loaded)."""
+        return self.lora is not None
 
     @property
     def actor_shapes_kl(self) -> bool:
@@ -164,4 +172,5 @@ def step_plan(cfg: TrainConfig) -> StepPlan:
         kl_coef=resolved_kl_coef(algo),
         rollout_lead=rollout_lead(cfg),
         loss=loss_plan(algo, cfg.rollout.max_new_tokens),
+        lora=check_lora(actor.lora, has_critic=estimator == "gae"),
     )

@@ -16,6 +16,7 @@ import warnings
 from dockrl.config.algo_checks import check_algorithm, check_dynamic_sampling
 from dockrl.config.checks import positive
 from dockrl.config.fields import config_error
+from dockrl.config.lora_checks import check_lora
 from dockrl.config.presets import LOSS_AGGS
 from dockrl.config.schema import (
     DataConfig,
@@ -117,6 +118,14 @@ def check_train(cfg: TrainConfig) -> None:
             "rollout.samples_per_prompt=1: group-baseline advantages are all zero with groups of one; "
             "use samples_per_prompt >= 2 (or algo.name=reinforce_pp)",
             stacklevel=2,
+        )
+    lora = check_lora(actor.lora, has_critic=estimator_of(algo) == "gae")
+    if lora is not None and cfg.model.ref_path is not None:
+        raise config_error(
+            "model.ref_path",
+            cfg.model.ref_path,
+            "with actor.lora the KL reference is the base model with the adapters off (no second model)",
+            "remove model.ref_path",
         )
     if kl_coef == 0 and cfg.model.ref_path is not None:
         warnings.warn(
@@ -317,6 +326,13 @@ def check_sft(cfg: SFTConfig) -> None:
         raise config_error(
             "model.ref_path", cfg.model.ref_path, "SFT has no reference model", "remove model.ref_path"
         )
+    if cfg.actor.lora.rank != 0 or cfg.model.lora_path is not None:
+        key, value = (
+            ("actor.lora.rank", cfg.actor.lora.rank)
+            if cfg.actor.lora.rank
+            else ("model.lora_path", cfg.model.lora_path)
+        )
+        raise config_error(key, value, "dockrl sft trains every weight (LoRA SFT is not built)", "remove it")
     if cfg.data.label_field is None:
         raise config_error("data.label_field", None, "SFT needs the answer text", "name the answer field")
     check_data(cfg.data)

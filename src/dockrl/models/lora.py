@@ -35,12 +35,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dockrl.config.lora_checks import resolve_targets as _resolve_targets
+from dockrl.config.schema import LORA_TARGETS
+
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-ALL_LINEAR = "all-linear"
-# The decoder's linear layers that take adapters (the LM head never does, as in PEFT's all-linear).
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEAR_NAMES = LORA_TARGETS  # the decoder's linear layers that take adapters (never the LM head)
 
 
 @dataclass(frozen=True)
@@ -60,22 +61,8 @@ class LoraSpec:
 
 
 def resolve_targets(target_modules: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    """`all-linear` or a list of short module names -> the tuple of names adapted; raises ValueError naming
-    each name that matches no linear layer of the decoder, with the names that do."""
-    if isinstance(target_modules, str):
-        if target_modules != ALL_LINEAR:
-            raise ValueError(
-                f"actor.lora.target_modules={target_modules!r} is not a list; use {ALL_LINEAR!r} or a list "
-                f"of {list(LINEAR_NAMES)}"
-            )
-        return LINEAR_NAMES
-    unknown = [name for name in target_modules if name not in LINEAR_NAMES]
-    if unknown or not target_modules:
-        raise ValueError(
-            f"actor.lora.target_modules={list(target_modules)} names {unknown or 'no module'}: the model's "
-            f"linear layers are {list(LINEAR_NAMES)} (or use {ALL_LINEAR!r})"
-        )
-    return tuple(name for name in LINEAR_NAMES if name in target_modules)
+    """`all-linear` or a list of short layer names -> the names adapted (config.lora_checks.resolve_targets)."""
+    return _resolve_targets(target_modules, "actor.lora.target_modules")
 
 
 def fresh_factors(

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dockrl.config.fields import config_error
+from dockrl.config.lora_checks import resolve_targets
 from dockrl.config.resolve import Resolved, copy_with, resolve
 from dockrl.config.schema import DataConfig, SFTConfig, TrainConfig
 from dockrl.config.validate import check_sft, check_train
@@ -99,6 +100,7 @@ def preflight_train(cfg: TrainConfig) -> Resolved:
     if plan.critic and cfg.critic.path is not None:
         check_model_dir(found.get("critic.path", cfg.critic.path), "critic.path")
     _check_data_files(cfg.data)
+    found.update(_lora_adapter(cfg))
     found["run.device"] = resolve_device(cfg.run.device)
     found["run.precision"] = resolve_precision(cfg.run.precision, found["run.device"])
     resolved = resolve(cfg, found)
@@ -121,6 +123,55 @@ def preflight_sft(cfg: SFTConfig) -> SFTConfig:
     device = resolve_device(cfg.run.device)
     precision = resolve_precision(cfg.run.precision, device)
     return copy_with(cfg, {"run.device": device, "run.precision": precision})
+
+
+def _lora_adapter(cfg: TrainConfig) -> dict[str, Any]:
+    """model.lora_path: the PEFT adapter's rank, alpha, dropout and targets become actor.lora's (a key the
+    user set must agree); {} without one."""
+    from dockrl.models.lora import read_peft_spec
+
+    if cfg.model.lora_path is None:
+        return {}
+    try:
+        spec = read_peft_spec(cfg.model.lora_path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise config_error(
+            "model.lora_path",
+            cfg.model.lora_path,
+            f"not a usable PEFT adapter ({exc})",
+            "point it at a directory PEFT's save_pretrained wrote",
+        ) from None
+    adapter = {
+        "rank": spec.rank,
+        "alpha": spec.alpha,
+        "dropout": spec.dropout,
+        "target_modules": list(spec.target_modules),
+    }
+    lora = cfg.actor.lora
+    for key, value in adapter.items():
+        mine = getattr(lora, key)
+        if key == "rank" and mine == 0 or mine is None:
+            continue
+        same = (
+            list(resolve_targets(mine, "actor.lora.target_modules")) == value
+            if key == "target_modules"
+            else mine == value
+        )
+        if not same:
+            raise config_error(
+                f"actor.lora.{key}",
+                mine,
+                f"differs from the adapter's {value} in model.lora_path",
+                "leave it unset (the adapter's is used) or match it",
+            )
+    if cfg.model.ref_path is not None:
+        raise config_error(
+            "model.ref_path",
+            cfg.model.ref_path,
+            "with a LoRA adapter the KL reference is the base model with the adapters off",
+            "remove model.ref_path",
+        )
+    return {f"actor.lora.{key}": value for key, value in adapter.items()}
 
 
 def _checkpoint_roots(cfg: TrainConfig, reference: bool) -> dict[str, Any]:
