@@ -428,3 +428,51 @@ def test_switch_merges_adapters_into_the_inference_shards(tmp_path):
         for pair, r in results.items():
             assert r["excess"] <= 0.0 and r["bitwise"], (rank, pair, r)
             assert r["merged"] == 2 * 4, (rank, pair, r)  # 2 layers x 4 adapted weights were changed
+
+
+def _train_cfg(overrides: list[str]):
+    from dockrl.config import TrainConfig
+    from dockrl.config.loader import load_config
+
+    required = ["model.path=/m", "data.train_path=/d.jsonl", "run.steps=1", "run.prompts_per_step=2"]
+    return load_config(TrainConfig, None, [*required, *overrides])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["actor.lora.alpha=16"],
+            r"actor.lora.rank=0: is full fine-tuning, so actor.lora.alpha would do nothing",
+        ),
+        (["actor.lora.rank=-1"], r"actor.lora.rank=-1: must be >= 0"),
+        (["actor.lora.rank=8", "actor.lora.alpha=0"], r"actor.lora.alpha=0.0: must be > 0"),
+        (["actor.lora.rank=8", "actor.lora.dropout=1.0"], r"actor.lora.dropout=1.0: must be in \[0, 1\)"),
+        (
+            ["actor.lora.rank=8", "actor.lora.target_modules=[q_proj, attn]"],
+            r"actor.lora.target_modules=\['q_proj', 'attn'\]: names \['attn'\]; the model's linear layers are "
+            r"\['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj'\]",
+        ),
+        (["actor.lora.rank=8", "algo.name=ppo"], r"actor.lora.rank=8: LoRA with a critic \(algo.name=ppo\)"),
+        (
+            ["actor.lora.rank=8", "model.ref_path=/r"],
+            r"model.ref_path='/r': with actor.lora the KL reference",
+        ),
+    ],
+)
+def test_lora_settings_are_checked_by_name(overrides, message):
+    from dockrl.config.validate import check_train
+    from dockrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        check_train(_train_cfg(overrides))
+
+
+def test_the_plan_carries_the_resolved_lora_settings():
+    from dockrl.config.step_plan import step_plan
+
+    assert step_plan(_train_cfg([])).lora is None
+    plan = step_plan(_train_cfg(["actor.lora.rank=4", "actor.lora.target_modules=[v_proj, q_proj]"]))
+    assert plan.lora is not None and plan.reference_is_base
+    assert (plan.lora.rank, plan.lora.alpha, plan.lora.dropout) == (4, 8.0, 0.0)
+    assert plan.lora.target_modules == ("q_proj", "v_proj")
