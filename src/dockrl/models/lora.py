@@ -270,6 +270,20 @@ def read_peft_spec(path: str | Path) -> LoraSpec:
     )
 
 
+def read_peft_adapters(path: str | Path) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a PEFT directory keyed as dockrl names them (`<module>.lora_A`, `.lora_B`), fp32:
+    the `lora_init` of a sharded engine (each rank takes its block)."""
+    tensors = load_file(str(Path(path) / ADAPTER_WEIGHTS_FILE))
+    out = {}
+    for key, value in tensors.items():
+        if not (key.startswith(PEFT_PREFIX) and key.endswith((".lora_A.weight", ".lora_B.weight"))):
+            raise ValueError(
+                f"model.lora_path={path}: unexpected tensor {key} (dockrl reads plain LoRA adapters)"
+            )
+        out[key.removeprefix(PEFT_PREFIX).removesuffix(".weight")] = value.float()
+    return out
+
+
 @torch.no_grad()
 def load_peft(model: nn.Module, path: str | Path) -> LoraSpec:
     """Apply the PEFT adapter directory `path` to `model` (a base Transformer: adapters are added) and return
