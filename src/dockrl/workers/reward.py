@@ -24,7 +24,7 @@ from dockrl.algos.estimators import (
 )
 from dockrl.config.schema import AlgoConfig, RewardConfig
 from dockrl.config.step_plan import estimator_of
-from dockrl.dock.client import DockClient
+from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import (
     ADVANTAGES,
     LABEL,
@@ -36,12 +36,11 @@ from dockrl.dock.columns import (
     UPDATE_WEIGHT,
     reward_component,
 )
+from dockrl.dock.stages import Stage
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.rewards.runner import RewardRunner, RewardSpec
 from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.results import ScoreResult
-
-REWARD_STAGE = "reward"  # the dock consumer of score()
 
 
 def reward_specs(cfg: RewardConfig) -> list[RewardSpec]:
@@ -69,7 +68,7 @@ class RewardWorker(Worker):
         reward: RewardConfig,
         algo: AlgoConfig,
         tokenizer_path: str,
-        client: DockClient,
+        client: DockChoice,
         group_size: int,
         log_samples: int = 0,
         max_new_tokens: int | None = None,
@@ -105,7 +104,7 @@ class RewardWorker(Worker):
         columns += [RM_SCORE] if self.rm_weight is not None else []
         while True:
             got = self.client.get(
-                REWARD_STAGE,
+                Stage.REWARD,
                 columns,
                 self.cfg.groups_per_pull * n,
                 whole_groups=True,
@@ -135,7 +134,7 @@ class RewardWorker(Worker):
                 )
                 out[ADVANTAGES] = [torch.full((len(r),), float(a)) for r, a in zip(batch[RESPONSE_IDS], adv)]
             out.update({reward_component(k): v for k, v in components.items()})
-            self.client.put(rows, out)
+            self.client.put(Stage.REWARD, rows, out)
             rewards += scores
             scored_rows += rows
             versions += [
