@@ -31,7 +31,7 @@ SCENARIO = textwrap.dedent(
 
         @ray.remote(num_cpus=0)
         def produce(client, rows):
-            client.put(rows, {"response_ids": [[row] * 3 for row in rows]})
+            client.put("rollout", rows, {"response_ids": [[row] * 3 for row in rows]})
             return ray.get_runtime_context().get_node_id(), client.home
 
         @ray.remote(num_cpus=0)
@@ -47,7 +47,7 @@ SCENARIO = textwrap.dedent(
         client = dock.client()
         rows = client.add_groups([[1, 2], [3, 4], [5, 6], [7, 8]], list("abcd"), 2)
         consumers = [
-            consume.options(scheduling_strategy=on(n)).remote(dock.client(), f"reward-{i}")
+            consume.options(scheduling_strategy=on(n)).remote(dock.client(), ["reward", "reward_model"][i])
             for i, n in enumerate(nodes)
         ]
         produced = ray.get(

@@ -210,7 +210,7 @@ def test_undeclared_columns_are_refused_naming_the_declared_ones(capsys):
 
     client = DockClient(None, [None])  # the check comes before any request
     with pytest.raises(DockError, match=r"put of undeclared column\(s\) \['respons_ids'\].*'response_ids'"):
-        client.put([0], {"respons_ids": [[1]]})
+        client.put("rollout", [0], {"respons_ids": [[1]]})
     with pytest.raises(DockError, match=r"get of undeclared column\(s\) \['old_logprob'\]"):
         client.get("update", [PROMPT_IDS, "old_logprob"], 1)
     with pytest.raises(DockError, match="add_groups of undeclared"):

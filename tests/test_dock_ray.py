@@ -66,7 +66,7 @@ def produce(client, seed: int) -> list[int]:
         rng.shuffle(rows)
         for row in rows:
             time.sleep(rng.uniform(0.0, 0.01))
-            client.put([row], {"response_ids": [response_of(row)]})
+            client.put("rollout", [row], {"response_ids": [response_of(row)]})
             written.append(row)
     return written
 
@@ -77,7 +77,7 @@ def score(client) -> list[tuple[list[int], list[list[int]], list[list[int]], lis
     columns = ["prompt_ids", "response_ids", "label"]
     while (got := client.get("reward", columns, GROUP_SIZE, whole_groups=True)) is not None:
         rows, batch = got
-        client.put(rows, {"reward": [float(row) for row in rows]})
+        client.put("reward", rows, {"reward": [float(row) for row in rows]})
         seen.append(
             (
                 rows,
@@ -97,7 +97,7 @@ class Trainer:
 
     def run(self) -> list[tuple[list[int], list[float], list[list[int]]]]:
         seen = []
-        while (got := self.client.get("train", ["response_ids", "reward"], 6)) is not None:
+        while (got := self.client.get("critic_update", ["response_ids", "reward"], 6)) is not None:
             rows, batch = got
             seen.append((rows, batch["reward"], [t.tolist() for t in batch["response_ids"]]))
         return seen
@@ -135,7 +135,7 @@ def test_concurrent_producers_and_consumers_serve_every_row_exactly_once(ray_ses
         assert responses == [response_of(row).tolist() for row in batch_rows]
 
     stats = client.stats()
-    assert stats["consumed"] == {"rollout": NUM_ROWS, "reward": NUM_ROWS, "train": NUM_ROWS}
+    assert stats["consumed"] == {"rollout": NUM_ROWS, "reward": NUM_ROWS, "critic_update": NUM_ROWS}
     # Responses live where their producer put them (which producer took which groups is up to timing).
     locations = ray.get(dock.controller.locations.remote(rows, ["response_ids"]), timeout=10)["response_ids"]
     assert sorted(locations[row] for row in written[0]) == [0] * len(written[0])
@@ -155,11 +155,11 @@ def test_add_groups_spreads_groups_round_robin_and_replicates_prompt_and_label(r
     assert ray_session.get(dock.controller.locations.remote(rows_next, ["prompt_ids"]), timeout=10) == {
         "prompt_ids": [1] * 4  # the cursor continues across calls
     }
-    got_rows, batch = client.get("c", ["prompt_ids", "label"], 16)
+    got_rows, batch = client.get("reward", ["prompt_ids", "label"], 16)
     assert got_rows == list(range(16))
     assert [t.tolist() for t in batch["prompt_ids"][3:5]] == [prompt_of(0).tolist(), prompt_of(1).tolist()]
     assert batch["label"][::4] == ["label-0", "label-1", "label-2", "label-3"]
-    assert client.all_consumed("c") and client.get("c", ["label"], 4) is None
+    assert client.all_consumed("reward") and client.get("reward", ["label"], 4) is None
 
 
 def test_rows_put_by_a_client_are_recorded_at_its_home_warehouse(ray_session, dock, client):
@@ -168,9 +168,9 @@ def test_rows_put_by_a_client_are_recorded_at_its_home_warehouse(ray_session, do
     node = ray_session.get_runtime_context().get_node_id()
     remote_first = DockClient(dock.controller, dock.warehouses, warehouse_nodes=["some-other-node", node])
     assert remote_first.home == 1  # the only warehouse on this node
-    remote_first.put(rows[:2], {"response_ids": [response_of(0), response_of(1)]})
+    remote_first.put("rollout", rows[:2], {"response_ids": [response_of(0), response_of(1)]})
     assert DockClient(dock.controller, dock.warehouses, warehouse_nodes=["a", "b"]).home == 0  # none here
-    dock.client(home=0).put(rows[2:], {"response_ids": [response_of(2), response_of(3)]})
+    dock.client(home=0).put("rollout", rows[2:], {"response_ids": [response_of(2), response_of(3)]})
     locations = ray_session.get(dock.controller.locations.remote(rows, ["response_ids"]), timeout=10)
     assert locations == {"response_ids": [1, 1, 0, 0]}
     held = [w["cells"] for w in client.stats()["warehouses"]]
@@ -190,12 +190,12 @@ def test_get_that_cannot_be_served_times_out_naming_consumer_and_ready_counts(cl
     add_prompts(client, num_groups=1)
     start = time.monotonic()
     with pytest.raises(DockTimeoutError) as error:
-        client.get("critic", ["prompt_ids", "values"], 4, timeout_s=0.5)
+        client.get("critic_update", ["prompt_ids", "values"], 4, timeout_s=0.5)
     assert time.monotonic() - start < 2.0
     message = str(error.value)
-    assert "'critic'" in message and "asked for 4 rows" in message
+    assert "'critic_update'" in message and "asked for 4 rows" in message
     assert "{'prompt_ids': 4, 'values': 0}" in message
-    assert "consumed by 'critic': 0 of 4 rows" in message
+    assert "consumed by 'critic_update': 0 of 4 rows" in message
 
 
 def test_killed_warehouse_turns_get_into_dock_error_naming_it(ray_session, dock, client):
@@ -207,10 +207,12 @@ def test_killed_warehouse_turns_get_into_dock_error_naming_it(ray_session, dock,
     ray_session.kill(doomed)
     start = time.monotonic()
     with pytest.raises(WarehouseDiedError, match=r"dock warehouse 1 on node \w+ died .*\[4, 5, 6, 7\]"):
-        fragile.get("c", ["prompt_ids"], 8)
+        fragile.get("rollout", ["prompt_ids"], 8)
     assert time.monotonic() - start < 10.0
     with pytest.raises(DockError, match="dock warehouse 1"):
-        DockClient(dock.controller, [dock.warehouses[0], doomed], home=1).put([0], {"reward": [1.0]})
+        DockClient(dock.controller, [dock.warehouses[0], doomed], home=1).put(
+            "reward", [0], {"reward": [1.0]}
+        )
 
 
 def test_warehouse_killed_mid_step_fails_a_waiting_consumer_naming_it_and_its_rows(ray_session, dock):
@@ -220,7 +222,7 @@ def test_warehouse_killed_mid_step_fails_a_waiting_consumer_naming_it_and_its_ro
     )
     fragile.reset()
     fragile.add_groups([[1, 2], [3]], ["a", "b"], GROUP_SIZE)  # group 1 (rows 4-7) lives on the doomed one
-    fragile.put([0, 1, 2, 3], {"response_ids": [[1]] * 4})
+    fragile.put("rollout", [0, 1, 2, 3], {"response_ids": [[1]] * 4})
     killer = ThreadPoolExecutor(1)
     killer.submit(lambda: (time.sleep(0.5), ray_session.kill(doomed)))
     start = time.monotonic()
@@ -237,7 +239,7 @@ def test_killed_warehouse_of_a_socket_dock_is_named_with_its_rows(ray_session):
     try:
         client = dock.client(home=0)
         client.add_groups([[1, 2], [3]], ["a", "b"], GROUP_SIZE)  # group 1 (rows 4-7) on warehouse 1
-        client.put([0, 1, 2, 3], {"response_ids": [[1]] * 4})
+        client.put("rollout", [0, 1, 2, 3], {"response_ids": [[1]] * 4})
         ray_session.kill(dock.warehouses[1])
         start = time.monotonic()
         with pytest.raises(WarehouseDiedError, match=r"dock warehouse 1 .* rows affected: \[4, 5, 6, 7\]"):
@@ -274,7 +276,7 @@ def test_comparison_modes_serve_the_same_interface(ray_session, mode, transport)
         worker = pickle.loads(pickle.dumps(central.client()))  # as a worker would get it
         got_rows, batch = worker.get("rollout", ["prompt_ids"], GROUP_SIZE, whole_groups=True)
         assert got_rows == rows[:GROUP_SIZE] and batch["prompt_ids"][0].tolist() == prompt_of(0).tolist()
-        worker.put(got_rows, {"response_ids": [response_of(r) for r in got_rows]})
+        worker.put("rollout", got_rows, {"response_ids": [response_of(r) for r in got_rows]})
         with pytest.raises(DockTimeoutError, match=r"rows not ready: \[4, 5, 6, 7\]"):
             worker.get("reward", ["response_ids"], 8, timeout_s=0.3)
         got_rows, batch = worker.get("reward", ["response_ids", "label"], 8, min_count=1)
@@ -302,11 +304,11 @@ def test_comparison_modes_serve_the_same_interface(ray_session, mode, transport)
 def test_dock_stats_report_traffic_latency_and_driver_bytes(dock, client):
     rows = add_prompts(client, num_groups=2)
     worker = dock.client(home=1)
-    worker.put(rows, {"response_ids": [response_of(r) for r in rows]})
-    rows_got, batch = worker.get("train", ["response_ids"], 8, balance_over=2)
+    worker.put("rollout", rows, {"response_ids": [response_of(r) for r in rows]})
+    rows_got, batch = worker.get("update", ["response_ids"], 8, balance_over=2)
     assert len(rows_got) == 4
     stats = client.stats()
-    assert stats["ready"]["response_ids"] == 8 and stats["consumed"] == {"train": 8}
+    assert stats["ready"]["response_ids"] == 8 and stats["consumed"] == {"update": 8}
     group_1 = GROUP_SIZE * (prompt_of(1).nbytes + sys.getsizeof("label-1"))  # round-robin: group 1 is here
     assert stats["warehouses"][1]["bytes_in"] == group_1 + sum(response_of(r).nbytes for r in rows)
     assert stats["warehouses"][1]["bytes_out"] == sum(t.nbytes for t in batch["response_ids"])

@@ -23,6 +23,7 @@ from dockrl.algos.estimators import compute_advantages
 from dockrl.cli import main
 from dockrl.config import ConfigError, TrainConfig, load_config
 from dockrl.config.schema import AlgoConfig, RewardConfig, RewardFnConfig, RewardModelConfig
+from dockrl.dock.columns import check_get, check_put
 from dockrl.models.classifier import (
     RewardModel,
     check_reward_model_dir,
@@ -184,6 +185,7 @@ class FakeDock:
         self.pulls: list[tuple[str, list[int]]] = []
 
     def get(self, consumer, columns, count, *, whole_groups, min_count):
+        check_get(consumer, columns)  # the real clients' schema check
         assert whole_groups and min_count == self.group_size and count % self.group_size == 0
         start = self.served.get(consumer, 0)
         if start == len(self.table):
@@ -195,7 +197,8 @@ class FakeDock:
         self.pulls.append((consumer, rows))
         return rows, {c: [self.table[r][c] for r in rows] for c in columns}
 
-    def put(self, rows, batch):
+    def put(self, producer, rows, batch):
+        check_put(producer, batch)  # the real clients' schema check
         for column, values in batch.items():
             for row, value in zip(rows, values):
                 assert column not in self.table[row], f"{column} of row {row} written twice"

@@ -48,7 +48,8 @@ class FakeDock:
         self.log.append(("get", rows))
         return rows, {"prompt_ids": [prompt for _, prompt in taken]}
 
-    def put(self, rows, batch):
+    def put(self, producer, rows, batch):
+        assert producer == "rollout"
         self.log.append(("put", rows))
         for row, ids, logprobs in zip(rows, batch["response_ids"], batch["rollout_logprobs"]):
             assert row not in self.responses
@@ -151,7 +152,7 @@ def test_partial_rollout_continues_cut_rows_under_each_passes_weights():
         if cut_groups:
             client.drop([g * GROUP + i for g in cut_groups for i in range(GROUP)])
         got = client.get(
-            f"check{version}",
+            "checkpoint",  # reads every column; its marks go with the reset below
             ["prompt_ids", "response_ids", "rollout_logprobs", "policy_version"],
             64,
             min_count=1,

@@ -201,7 +201,11 @@ def _cmd_columns(args: argparse.Namespace) -> int:
 
     print("# The experience table\n")
     print("Every column of the transfer dock, declared once in `src/dockrl/dock/columns.py` (this page is")
-    print("rendered from it by `dockrl columns`). The dock's clients reject any other column name.\n")
+    print(
+        "rendered from it by `dockrl columns`). The dock's clients reject any other column name, a get by a"
+    )
+    print("stage not among a column's readers and a put by a stage other than its producer (the checkpoint")
+    print("stage reads every column and writes it back on resume; stages: `src/dockrl/dock/stages.py`).\n")
     print(render_table())
     return 0
 

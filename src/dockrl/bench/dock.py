@@ -3,11 +3,12 @@
 ```
  driver --add_groups(prompts x samples)--> dock
  consumer i (one Ray actor per data-parallel rank, on node i mod nodes), four threads each:
-   rollout : whole groups of prompt_ids -> response_ids [R] int32 + rollout_logprobs [R] float32
-   reward  : whole groups of prompt_ids, response_ids, label -> reward
-   logprob : rows/consumers balanced by tokens, prompt_ids + response_ids -> old_logprobs [R] float32
-   update  : rows/consumers balanced, response_ids + old_logprobs + rollout_logprobs + reward -> (nothing)
+   rollout      : whole groups of prompt_ids -> response_ids [R] int32 + rollout_logprobs [R] float32
+   reward       : whole groups of prompt_ids, response_ids, label -> reward, update_weight
+   old_logprobs : rows/consumers balanced by tokens, prompt_ids + response_ids -> old_logprobs [R] float32
+   update       : rows/consumers balanced, response_ids + old_logprobs + rollout_logprobs + update_weight
 ```
+Each thread is the dock Stage of its name, reading and writing only what that stage does (dock/columns.py).
 
 Response lengths R are long-tailed (lognormal, sigma 1, clipped at 4x the mean) with mean
 tokens_per_row - prompt_tokens. For each node count (a local Ray runtime, or a 2-node
@@ -24,9 +25,19 @@ import sys
 import time
 from typing import Any
 
-from dockrl.dock.columns import LABEL, OLD_LOGPROBS, PROMPT_IDS, RESPONSE_IDS, REWARD, ROLLOUT_LOGPROBS
+from dockrl.dock.api import DockAPI
+from dockrl.dock.columns import (
+    LABEL,
+    OLD_LOGPROBS,
+    PROMPT_IDS,
+    RESPONSE_IDS,
+    REWARD,
+    ROLLOUT_LOGPROBS,
+    UPDATE_WEIGHT,
+)
+from dockrl.dock.stages import Stage
 
-STAGE_NAMES = ("rollout", "reward", "logprob", "update")
+STAGES = (Stage.ROLLOUT, Stage.REWARD, Stage.OLD_LOGPROBS, Stage.UPDATE)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,9 +98,9 @@ class BenchConsumer:
 
     def __init__(self, index: int, num_consumers: int, args: dict) -> None:
         self.index, self.num_consumers, self.args = index, num_consumers, args
-        self.client = None
+        self.client: DockAPI | None = None
 
-    def set_client(self, client) -> None:
+    def set_client(self, client: DockAPI) -> None:
         """The client of the dock under test, given once per configuration as a worker gets it at start-up
         (unpickling a client resolves Ray actor handles, which is not per-step work)."""
         self.client = client
@@ -105,15 +116,17 @@ class BenchConsumer:
         from concurrent.futures import ThreadPoolExecutor
 
         client = self.client
-        with ThreadPoolExecutor(len(STAGE_NAMES)) as pool:
-            futures = [pool.submit(getattr(self, f"_{name}"), client, step) for name in STAGE_NAMES]
+        with ThreadPoolExecutor(len(STAGES)) as pool:
+            futures = [pool.submit(getattr(self, f"_{stage}"), client, step) for stage in STAGES]
             return [x for f in futures for x in f.result()]
 
-    def _loop(self, client, consumer: str, columns: list[str], count: int, work, **options) -> list[float]:
+    def _loop(
+        self, client: DockAPI, stage: Stage, columns: list[str], count: int, work, **options
+    ) -> list[float]:
         latencies = []
         while True:
             t0 = time.perf_counter()
-            got = client.get(consumer, columns, count, **options)
+            got = client.get(stage, columns, count, **options)
             latencies.append(time.perf_counter() - t0)
             if got is None:
                 return latencies
@@ -121,10 +134,10 @@ class BenchConsumer:
             out = work(rows, batch)
             if out:
                 t0 = time.perf_counter()
-                client.put(rows, out)
+                client.put(stage, rows, out)
                 latencies.append(time.perf_counter() - t0)
 
-    def _rollout(self, client, step: int) -> list[float]:
+    def _rollout(self, client: DockAPI, step: int) -> list[float]:
         import numpy as np
 
         mean = self.args["tokens_per_row"] - self.args["prompt_tokens"]
@@ -137,32 +150,37 @@ class BenchConsumer:
             }
 
         g = self.args["samples"]
-        return self._loop(client, "rollout", [PROMPT_IDS], 2 * g, generate, whole_groups=True, min_count=g)
+        return self._loop(
+            client, Stage.ROLLOUT, [PROMPT_IDS], 2 * g, generate, whole_groups=True, min_count=g
+        )
 
-    def _reward(self, client, step: int) -> list[float]:
+    def _reward(self, client: DockAPI, step: int) -> list[float]:
         def score(rows, batch):
-            return {REWARD: [float(len(r) % 2) for r in batch[RESPONSE_IDS]]}
+            return {
+                REWARD: [float(len(r) % 2) for r in batch[RESPONSE_IDS]],
+                UPDATE_WEIGHT: [1.0] * len(rows),
+            }
 
         g = self.args["samples"]
         columns = [PROMPT_IDS, RESPONSE_IDS, LABEL]
-        return self._loop(client, "reward", columns, g, score, whole_groups=True)
+        return self._loop(client, Stage.REWARD, columns, g, score, whole_groups=True)
 
     def _per_rank(self) -> int:
         return -(-self.args["prompts"] * self.args["samples"] // self.num_consumers)
 
-    def _logprob(self, client, step: int) -> list[float]:
+    def _old_logprobs(self, client: DockAPI, step: int) -> list[float]:
         def logprobs(rows, batch):
             return {OLD_LOGPROBS: [r.astype("float32") * 0 - 1 for r in batch[RESPONSE_IDS]]}
 
         columns = [PROMPT_IDS, RESPONSE_IDS]
         n = self._per_rank()
-        return self._loop(client, "logprob", columns, n, logprobs, balance_over=self.num_consumers)
+        return self._loop(client, Stage.OLD_LOGPROBS, columns, n, logprobs, balance_over=self.num_consumers)
 
-    def _update(self, client, step: int) -> list[float]:
-        columns = [RESPONSE_IDS, OLD_LOGPROBS, ROLLOUT_LOGPROBS, REWARD]
+    def _update(self, client: DockAPI, step: int) -> list[float]:
+        columns = [RESPONSE_IDS, OLD_LOGPROBS, ROLLOUT_LOGPROBS, UPDATE_WEIGHT]
         n = self._per_rank()
         return self._loop(
-            client, "update", columns, n, lambda rows, batch: None, balance_over=self.num_consumers
+            client, Stage.UPDATE, columns, n, lambda rows, batch: None, balance_over=self.num_consumers
         )
 
 

@@ -8,8 +8,8 @@
 
 `CentralDock` is the store (a DockController and a Warehouse in one object, one lock). In `single` mode it
 is a Ray actor; in `driver` mode it lives in the driver process and a ServiceHub (transport.py, the same hub
-the dock's actors use) serves it to workers over authenticated connections. `CentralClient` offers DockClient's methods
-(add_groups, put, get, all_consumed, stats, reset) over either transport, so recipes and benchmarks do not
+the dock's actors use) serves it to workers over authenticated connections. `CentralClient` offers the DockAPI (api.py;
+add_groups, put, get, all_consumed, stats, reset, ...) over either transport, so recipes and benchmarks do not
 care which mode runs. Used for benchmarks and as a fallback; `dock` mode is the scalable one.
 """
 
@@ -20,10 +20,11 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from dockrl.dock.columns import LABEL, PROMPT_IDS, check_columns
+from dockrl.dock.columns import LABEL, PROMPT_IDS, check_get, check_put
 from dockrl.dock.errors import DockError, DockTimeoutError, WarehouseDiedError
 from dockrl.dock.metrics import ClientCounters, batch_nbytes
 from dockrl.dock.shared import SharedController
+from dockrl.dock.stages import Stage, as_stage
 from dockrl.dock.transport import BadMessage, Lost, NoReply, SocketTransport
 from dockrl.dock.warehouse import Warehouse
 
@@ -144,9 +145,11 @@ class ActorTransport:
 
 
 class CentralClient(ClientCounters):
-    """DockClient's interface over a CentralDock (single or driver mode)."""
+    """The DockAPI (api.py) over a CentralDock (single or driver mode)."""
 
-    def __init__(self, transport: Any, mode: str, *, get_timeout_s: float = 300.0):
+    def __init__(
+        self, transport: HubTransport | ActorTransport, mode: str, *, get_timeout_s: float = 300.0
+    ) -> None:
         self.transport, self.mode = transport, mode
         self.get_timeout_s = get_timeout_s
         self._reset_counters()
@@ -155,7 +158,7 @@ class CentralClient(ClientCounters):
         self, prompts: list, labels: list, group_size: int, *, extra: dict[str, list] | None = None
     ) -> list[int]:
         """As DockClient.add_groups (one store, so no round-robin)."""
-        check_columns(extra or {}, "add_groups")
+        check_put(Stage.DRIVER, [PROMPT_IDS, LABEL, *(extra or {})], "add_groups")
         per_prompt = {PROMPT_IDS: prompts, LABEL: labels, **(extra or {})}
         for name, values in per_prompt.items():
             if len(values) != len(prompts):
@@ -171,22 +174,32 @@ class CentralClient(ClientCounters):
             "add_groups", [group_size] * len(prompts), [len(p) for p in prompts], dict(batch)
         )
 
-    def put(self, rows: list[int], batch: dict[str, list]) -> None:
+    def put(self, producer: Stage, rows: list[int], batch: dict[str, list]) -> None:
         """As DockClient.put."""
-        check_columns(batch, "put")
+        check_put(producer, batch)
         t0 = time.perf_counter()
         self.transport.request("put", rows, batch)
         self.bytes_put += batch_nbytes(batch)
         self.latency.record("put", time.perf_counter() - t0)
 
     def get(
-        self, consumer: str, columns: list[str], count: int, *, timeout_s: float | None = None, **options
+        self,
+        consumer: Stage,
+        columns: list[str],
+        count: int,
+        *,
+        whole_groups: bool = False,
+        min_count: int | None = None,
+        timeout_s: float | None = None,
+        balance_over: int = 1,
+        policy: str | None = None,
     ) -> tuple[list[int], dict[str, list]] | None:
-        """As DockClient.get (options: whole_groups, min_count, balance_over, policy)."""
-        check_columns(columns, "get")
+        """As DockClient.get."""
+        consumer = check_get(consumer, columns).value  # the store keys its bitmaps by the plain name
         timeout_s = self.get_timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
-        options = {k: v for k, v in options.items() if v is not None}
+        options = dict(whole_groups=whole_groups, min_count=min_count, balance_over=balance_over)
+        options = {k: v for k, v in {**options, "policy": policy}.items() if v is not None}
         while True:
             wait_s = max(0.0, min(WAIT_SLICE_S, start + timeout_s - time.monotonic()))
             rows, value = self.transport.request(
@@ -210,9 +223,11 @@ class CentralClient(ClientCounters):
         """As DockClient.drop."""
         return self.transport.request("ask", "drop", rows)
 
-    def all_consumed(self, consumer: str) -> bool:
+    def all_consumed(self, consumer: Stage) -> bool:
         """As DockClient.all_consumed."""
-        return self.transport.request("ask", "all_consumed", consumer)
+        return self.transport.request(
+            "ask", "all_consumed", as_stage(consumer, "all_consumed: consumer").value
+        )
 
     def ages(self) -> list[int]:
         """As DockClient.ages."""
@@ -225,9 +240,10 @@ class CentralClient(ClientCounters):
         stats["client"] = self.client_stats()
         return stats
 
-    def reset(self, keep_unfinished: str | None = None, served_by: str | None = None) -> list[int]:
+    def reset(self, keep_unfinished: str | None = None, served_by: Stage | None = None) -> list[int]:
         """As DockClient.reset."""
-        kept = self.transport.request("reset", keep_unfinished, served_by)
+        served = None if served_by is None else as_stage(served_by, "reset: served_by").value
+        kept = self.transport.request("reset", keep_unfinished, served)
         self.bytes_put = self.bytes_got = 0
         return kept
 

@@ -1,20 +1,23 @@
-"""DockChoice: the clients of several docks, one of them selected; everything else is the selected client's.
+"""DockChoice: the clients of several docks, one of them selected; every DockAPI call goes to the selected one.
 
 Asynchronous training (rollout.max_staleness=1) keeps two docks: while the actor trains on step t's rows in
 one, the rollout replicas and reward workers fill the other with step t+1's. Every worker gets a DockChoice
-as its client and the recipe tells each group which dock a stage reads (`Worker.select_dock`), so a worker's
-code never knows there are two.
+as its client and the recipe tells each group which dock a stage reads (`WorkerGroup.select_dock`), so a
+worker's code never knows there are two. A synchronous run's choice holds its one dock.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dockrl.dock.api import DockAPI
+from dockrl.dock.stages import Stage
 
 
 class DockChoice:
-    """A client-shaped view of `clients[selected]`."""
+    """The DockAPI of `clients[selected]` (see api.py), plus `select`."""
 
-    def __init__(self, clients: list[Any]) -> None:
+    def __init__(self, clients: list[DockAPI]) -> None:
+        if not clients:
+            raise ValueError("DockChoice needs at least one dock client")
         self.clients, self.selected = list(clients), 0
 
     def select(self, index: int) -> None:
@@ -23,7 +26,65 @@ class DockChoice:
             raise IndexError(f"dock {index} of {len(self.clients)}")
         self.selected = index
 
-    def __getattr__(self, name: str) -> Any:
-        if name in ("clients", "selected"):  # during unpickling, before __dict__ is filled
-            raise AttributeError(name)
-        return getattr(self.clients[self.selected], name)
+    @property
+    def current(self) -> DockAPI:
+        """The selected dock's client."""
+        return self.clients[self.selected]
+
+    def add_groups(
+        self, prompts: list, labels: list, group_size: int, *, extra: dict[str, list] | None = None
+    ) -> list[int]:
+        """DockAPI.add_groups on the selected dock."""
+        return self.current.add_groups(prompts, labels, group_size, extra=extra)
+
+    def put(self, producer: Stage, rows: list[int], batch: dict[str, list]) -> None:
+        """DockAPI.put on the selected dock."""
+        self.current.put(producer, rows, batch)
+
+    def get(
+        self,
+        consumer: Stage,
+        columns: list[str],
+        count: int,
+        *,
+        whole_groups: bool = False,
+        min_count: int | None = None,
+        timeout_s: float | None = None,
+        balance_over: int = 1,
+        policy: str | None = None,
+    ) -> tuple[list[int], dict[str, list]] | None:
+        """DockAPI.get on the selected dock."""
+        return self.current.get(
+            consumer,
+            columns,
+            count,
+            whole_groups=whole_groups,
+            min_count=min_count,
+            timeout_s=timeout_s,
+            balance_over=balance_over,
+            policy=policy,
+        )
+
+    def drop(self, rows: list[int]) -> int:
+        """DockAPI.drop on the selected dock."""
+        return self.current.drop(rows)
+
+    def all_consumed(self, consumer: Stage) -> bool:
+        """DockAPI.all_consumed on the selected dock."""
+        return self.current.all_consumed(consumer)
+
+    def ages(self) -> list[int]:
+        """DockAPI.ages on the selected dock."""
+        return self.current.ages()
+
+    def stats(self) -> dict:
+        """DockAPI.stats on the selected dock."""
+        return self.current.stats()
+
+    def reset(self, keep_unfinished: str | None = None, served_by: Stage | None = None) -> list[int]:
+        """DockAPI.reset on the selected dock."""
+        return self.current.reset(keep_unfinished, served_by)
+
+    def check_warehouses(self) -> None:
+        """DockAPI.check_warehouses on the selected dock."""
+        self.current.check_warehouses()

@@ -29,9 +29,10 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from dockrl.dock.columns import LABEL, PROMPT_IDS, check_columns
+from dockrl.dock.columns import LABEL, PROMPT_IDS, check_get, check_put
 from dockrl.dock.errors import DockError, DockTimeoutError, StaleHandleError, WarehouseDiedError
 from dockrl.dock.metrics import ClientCounters, batch_nbytes
+from dockrl.dock.stages import Stage, as_stage
 from dockrl.dock.transport import BadMessage, Lost, NoReply, RayTransport, SocketTransport
 from dockrl.dock.warehouse import check_batch, lengths_of
 
@@ -39,7 +40,7 @@ HEALTH_CHECK_S = 2.0
 
 
 class DockClient(ClientCounters):
-    """Puts and gets rows of the current step's table.
+    """Puts and gets rows of the current step's table (dock mode's DockAPI, see api.py).
 
     Args:
         controller: handle to the DockController actor.
@@ -127,7 +128,7 @@ class DockClient(ClientCounters):
         Groups are spread round-robin over the warehouses (the driver is not a producer node).
         """
         extra = extra or {}
-        check_columns(extra, "add_groups")
+        check_put(Stage.DRIVER, [PROMPT_IDS, LABEL, *extra], "add_groups")
         for name, values in {"labels": labels, **extra}.items():
             if len(values) != len(prompts):
                 raise ValueError(f"add_groups: {name} has {len(values)} values for {len(prompts)} prompts")
@@ -147,10 +148,11 @@ class DockClient(ClientCounters):
         self.bytes_put += sum(batch_nbytes(b) for _, b in puts.values())
         return rows
 
-    def put(self, rows: list[int], batch: dict[str, list]) -> None:
-        """Write `batch[column][i]` for row `rows[i]` to the home warehouse; visible to `get` on return."""
+    def put(self, producer: Stage, rows: list[int], batch: dict[str, list]) -> None:
+        """Stage `producer` writes `batch[column][i]` for row `rows[i]` to the home warehouse; visible to `get`
+        on return. A column `producer` does not write (columns.py) is refused before any request."""
         t0 = time.perf_counter()
-        check_columns(batch, "put")
+        check_put(producer, batch)
         check_batch(rows, batch, "the dock")
         self._put_many({self.home: (rows, batch)})
         self.bytes_put += batch_nbytes(batch)
@@ -179,7 +181,7 @@ class DockClient(ClientCounters):
 
     def get(
         self,
-        consumer: str,
+        consumer: Stage,
         columns: list[str],
         count: int,
         *,
@@ -189,13 +191,14 @@ class DockClient(ClientCounters):
         balance_over: int = 1,
         policy: str | None = None,
     ) -> tuple[list[int], dict[str, list]] | None:
-        """Take up to `count` rows for `consumer` (see DockController.allocate) and fetch their `columns`.
+        """Take up to `count` rows for stage `consumer` (see DockController.allocate) and fetch their `columns`.
 
         Blocks until served; returns (rows, {column: values in row order}), or None once `consumer` has
-        consumed every row of the table. Raises DockTimeoutError after `timeout_s` (default get_timeout_s),
-        WarehouseDiedError as soon as a health check finds a dead warehouse.
+        consumed every row of the table. Raises DockError at once for a column `consumer` does not read
+        (columns.py), DockTimeoutError after `timeout_s` (default get_timeout_s), WarehouseDiedError as soon
+        as a health check finds a dead warehouse.
         """
-        check_columns(columns, "get")
+        consumer = check_get(consumer, columns).value  # the controller keys its bitmaps by the plain name
         timeout_s = self.get_timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
         deadline = start + timeout_s
@@ -268,9 +271,9 @@ class DockClient(ClientCounters):
         """Take rows out of the step (see DockController.drop); their payload stays until the reset."""
         return self._call_controller("drop", rows)
 
-    def all_consumed(self, consumer: str) -> bool:
+    def all_consumed(self, consumer: Stage) -> bool:
         """True iff the table has rows and `consumer` has taken them all."""
-        return self._call_controller("all_consumed", consumer)
+        return self._call_controller("all_consumed", as_stage(consumer, "all_consumed: consumer").value)
 
     # ---------------------------------------------------------------- driver
 
@@ -290,7 +293,7 @@ class DockClient(ClientCounters):
         stats["client"] = self.client_stats()
         return stats
 
-    def reset(self, keep_unfinished: str | None = None, served_by: str | None = None) -> list[int]:
+    def reset(self, keep_unfinished: str | None = None, served_by: Stage | None = None) -> list[int]:
         """Start the next step's table: controller reset, then every warehouse cleared. Call between steps.
 
         keep_unfinished: a column name; groups with a row lacking it survive, renumbered (partial rollout,
@@ -298,7 +301,8 @@ class DockClient(ClientCounters):
         the kept old row ids (new id = index). Checks for stale handles.
         """
         self.check_handles()
-        kept = self._call_controller("reset", keep_unfinished, served_by)
+        served = None if served_by is None else as_stage(served_by, "reset: served_by").value
+        kept = self._call_controller("reset", keep_unfinished, served)
         refs = {w: self._request(w, "clear", kept) for w in range(len(self.warehouses))}
         self._gather(refs, {w: [] for w in refs}, "clear")
         self.bytes_put = self.bytes_got = 0

@@ -1,13 +1,15 @@
 """The experience table's columns, declared once: name, dtype, per-row or per-token, producer and readers.
 
-Every producer and consumer (recipes, workers, benchmarks) names columns through these constants, and the
-dock's clients reject a put or get of a column declared nowhere here, naming it and the declared ones: a typo
-is an error at the call, never a 600-second wait for a column nobody writes.
+Every producer and consumer (recipes, workers, benchmarks) names columns through these constants and itself
+as a `Stage` (stages.py). Every dock client checks each put and get against this schema before any request:
+a column declared nowhere, a get by a stage that is not among the column's readers, or a put by a stage that
+is not its producer raises a DockError naming the column, the stage and the declared ones. A typo or a
+wrong stage is an error at the call, never a 600-second wait for a column nobody writes.
 
-Stages (who writes and reads): driver (prompts), rollout (the actor's generation), reward_model, reward (the
-RewardWorker), reference / old (the actor's log-prob stages), critic_values / critic_update (PPO's critic),
-update (the actor's optimizer steps). `reward/<component>` is a family: each reward function's components.
-Per-token columns hold one value per response token (ragged, unpadded); `prompt_ids` one per prompt token.
+`reward/<component>` is a family: each reward function's components. Per-token columns hold one value per
+response token (ragged, unpadded); `prompt_ids` one per prompt token. The checkpoint stage (a save of the rows
+in flight, recipes/inflight.py) reads every column, and a resume writes them back: it is a reader of every
+column, and may put any column.
 """
 
 from __future__ import annotations
@@ -16,25 +18,29 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dockrl.dock.errors import DockError
+from dockrl.dock.stages import Stage, as_stage
 
 
 @dataclass(frozen=True)
 class ColumnSpec:
-    """One declared column (see the module docstring)."""
+    """One declared column (see the module docstring). `producers`: the stages that put it (one, but for
+    `advantages`); `readers`: the stages that get it (the checkpoint among them)."""
 
     name: str
     dtype: str
     per: str  # "row", "token" (one per response token) or "prompt token"
-    producer: str
-    readers: tuple[str, ...]
+    producers: tuple[Stage, ...]
+    readers: tuple[Stage, ...]
     doc: str
 
 
 _SCHEMA: dict[str, ColumnSpec] = {}
 
 
-def _declare(name: str, dtype: str, per: str, producer: str, readers: tuple[str, ...], doc: str) -> str:
-    _SCHEMA[name] = ColumnSpec(name, dtype, per, producer, readers, doc)
+def _declare(
+    name: str, dtype: str, per: str, producers: tuple[Stage, ...], readers: tuple[Stage, ...], doc: str
+) -> str:
+    _SCHEMA[name] = ColumnSpec(name, dtype, per, producers, (*readers, Stage.CHECKPOINT), doc)
     return name
 
 
@@ -42,35 +48,52 @@ PROMPT_IDS = _declare(
     "prompt_ids",
     "int64",
     "prompt token",
-    "driver",
-    ("rollout", "reward", "reward_model", "reference", "old", "critic_values", "critic_update", "update"),
+    (Stage.DRIVER,),
+    (
+        Stage.ROLLOUT,
+        Stage.REWARD,
+        Stage.REWARD_MODEL,
+        Stage.REFERENCE,
+        Stage.OLD_LOGPROBS,
+        Stage.CRITIC_VALUES,
+        Stage.CRITIC_UPDATE,
+        Stage.UPDATE,
+    ),
     "the prompt, rendered with the chat template and tokenized",
 )
 LABEL = _declare(
-    "label", "object", "row", "driver", ("reward",), "the ground truth handed to reward functions"
+    "label", "object", "row", (Stage.DRIVER,), (Stage.REWARD,), "the ground truth handed to reward functions"
 )
 RESPONSE_IDS = _declare(
     "response_ids",
     "int64",
     "token",
-    "rollout",
-    ("reward", "reward_model", "reference", "old", "critic_values", "critic_update", "update"),
+    (Stage.ROLLOUT,),
+    (
+        Stage.REWARD,
+        Stage.REWARD_MODEL,
+        Stage.REFERENCE,
+        Stage.OLD_LOGPROBS,
+        Stage.CRITIC_VALUES,
+        Stage.CRITIC_UPDATE,
+        Stage.UPDATE,
+    ),
     "the sampled response tokens",
 )
 ROLLOUT_LOGPROBS = _declare(
     "rollout_logprobs",
     "float32",
     "token",
-    "rollout",
-    ("update",),
+    (Stage.ROLLOUT,),
+    (Stage.UPDATE,),
     "log-probs of the sampled tokens under the rollout model (the rollout/trainer mismatch, algo.rollout_is)",
 )
 POLICY_VERSION = _declare(
     "policy_version",
     "int64",
     "token",
-    "rollout",
-    ("reward",),
+    (Stage.ROLLOUT,),
+    (Stage.REWARD,),
     "the trainer updates before the weights that sampled each token (0: the initial weights); the row's "
     "staleness at update t is t - 1 - its oldest version, at most rollout.max_staleness",
 )
@@ -78,70 +101,87 @@ PARTIAL_IDS = _declare(
     "partial_ids",
     "int64",
     "token",
-    "rollout",
-    ("rollout",),
+    (Stage.ROLLOUT,),
+    (Stage.ROLLOUT,),
     "rollout.partial: the tokens of a response interrupted at the pass's token budget, continued next step",
 )
 PARTIAL_LOGPROBS = _declare(
-    "partial_logprobs", "float32", "token", "rollout", ("rollout",), "rollout.partial: their log-probs"
+    "partial_logprobs",
+    "float32",
+    "token",
+    (Stage.ROLLOUT,),
+    (Stage.ROLLOUT,),
+    "rollout.partial: their log-probs",
 )
 PARTIAL_VERSIONS = _declare(
     "partial_versions",
     "int64",
     "token",
-    "rollout",
-    ("rollout",),
+    (Stage.ROLLOUT,),
+    (Stage.ROLLOUT,),
     "rollout.partial: their policy versions (one pass per version, so their count of distinct values is the "
     "row's passes so far)",
 )
-RM_SCORE = _declare("rm_score", "float32", "row", "reward_model", ("reward",), "the reward model's raw score")
+RM_SCORE = _declare(
+    "rm_score", "float32", "row", (Stage.REWARD_MODEL,), (Stage.REWARD,), "the reward model's raw score"
+)
 REWARD = _declare(
     "reward",
     "float32",
     "row",
-    "reward",
-    ("critic_update",),
+    (Stage.REWARD,),
+    (Stage.CRITIC_UPDATE,),
     "the total reward: weighted rule rewards (+ reward model)",
 )
 REF_LOGPROBS = _declare(
     "ref_logprobs",
     "float32",
     "token",
-    "reference",
-    ("update", "critic_update"),
+    (Stage.REFERENCE,),
+    (Stage.UPDATE, Stage.CRITIC_UPDATE),
     "the reference model's log-probs",
 )
 OLD_LOGPROBS = _declare(
     "old_logprobs",
     "float32",
     "token",
-    "old",
-    ("update", "critic_update"),
+    (Stage.OLD_LOGPROBS,),
+    (Stage.UPDATE, Stage.CRITIC_UPDATE),
     "the policy's log-probs before the update (off-policy updates, PPO's KL in the reward)",
 )
 UPDATE_WEIGHT = _declare(
     "update_weight",
     "float32",
     "row",
-    "reward",
-    ("update",),
+    (Stage.REWARD,),
+    (Stage.UPDATE,),
     "1, or 0 for the rows of a group the update leaves out (a reward call of the group failed, "
     "reward.on_error=drop_group): their tokens are masked out of the loss and its normalisers",
 )
-VALUES = _declare("values", "float32", "token", "critic_values", ("critic_update",), "the critic's values")
+VALUES = _declare(
+    "values", "float32", "token", (Stage.CRITIC_VALUES,), (Stage.CRITIC_UPDATE,), "the critic's values"
+)
 ADVANTAGES = _declare(
     "advantages",
     "float32",
     "token",
-    "reward (group estimators) or critic_update (GAE)",
-    ("update",),
-    "per-token advantages",
+    (Stage.REWARD, Stage.CRITIC_UPDATE),
+    (Stage.UPDATE,),
+    "per-token advantages: the reward stage's (group estimators) or critic_update's (GAE)",
 )
 RETURNS = _declare(
-    "returns", "float32", "token", "critic_update", (), "GAE returns (the critic's regression target)"
+    "returns", "float32", "token", (Stage.CRITIC_UPDATE,), (), "GAE returns (the critic's regression target)"
 )
 
-REWARD_COMPONENT_PREFIX = "reward/"  # the family `reward/<component>`: float32 per row, written by reward
+REWARD_COMPONENT_PREFIX = "reward/"  # the family `reward/<component>`: float32 per row
+_COMPONENT = ColumnSpec(
+    REWARD_COMPONENT_PREFIX + "<component>",
+    "float32",
+    "row",
+    (Stage.REWARD,),
+    (Stage.CHECKPOINT,),  # metrics come from the reward workers' results, not from the dock
+    "each reward function's components, e.g. `reward/exact_answer/correct`, `reward/rm`, `reward/overlong`",
+)
 
 # Length metadata the controller keeps per row (for length-balanced allocation), derived from these columns.
 PROMPT_LEN, RESPONSE_LEN = "prompt_len", "response_len"
@@ -170,6 +210,44 @@ def check_columns(names: Iterable[str], operation: str) -> None:
         )
 
 
+def spec_of(name: str) -> ColumnSpec:
+    """The declaration of a declared column (`reward/<component>` columns share one)."""
+    return _SCHEMA.get(name) or _COMPONENT
+
+
+def check_get(consumer: Stage | str, columns: Iterable[str]) -> Stage:
+    """Before a get: every column declared and `consumer` a dock stage among each column's readers; returns
+    the consumer as a Stage. Raises DockError naming the column, the stage and the declared readers."""
+    columns = list(columns)
+    check_columns(columns, "get")
+    stage = as_stage(consumer, "dock get: consumer")
+    for name in columns:
+        readers = spec_of(name).readers
+        if stage not in readers:
+            raise DockError(
+                f"dock get of column {name!r} by stage '{stage}': its declared readers are "
+                f"{[str(r) for r in readers]} (dockrl/dock/columns.py)"
+            )
+    return stage
+
+
+def check_put(producer: Stage | str, columns: Iterable[str], operation: str = "put") -> Stage:
+    """Before a put (or add_groups): every column declared and `producer` a dock stage declared as its
+    producer (or the checkpoint, which writes back what it saved); returns the producer as a Stage. Raises
+    DockError naming the column, the stage and the declared producers."""
+    columns = list(columns)
+    check_columns(columns, operation)
+    stage = as_stage(producer, f"dock {operation}: producer")
+    for name in columns:
+        producers = spec_of(name).producers
+        if stage not in producers and stage is not Stage.CHECKPOINT:
+            raise DockError(
+                f"dock {operation} of column {name!r} by stage '{stage}': it is written by "
+                f"{[str(p) for p in producers]} (dockrl/dock/columns.py)"
+            )
+    return stage
+
+
 def schema() -> list[ColumnSpec]:
     """Every declared column, in declaration order."""
     return list(_SCHEMA.values())
@@ -178,13 +256,8 @@ def schema() -> list[ColumnSpec]:
 def render_table() -> str:
     """The schema as a Markdown table (docs/columns.md)."""
     rows = ["| column | dtype | one value per | written by | read by | what |", "|---|---|---|---|---|---|"]
-    for spec in schema():
-        readers = ", ".join(spec.readers) or "(diagnostics)"
-        rows.append(
-            f"| `{spec.name}` | {spec.dtype} | {spec.per} | {spec.producer} | {readers} | {spec.doc} |"
-        )
-    rows.append(
-        f"| `{REWARD_COMPONENT_PREFIX}<component>` | float32 | row | reward | (metrics) | each reward function's "
-        "components, e.g. `reward/exact_answer/correct`, `reward/rm`, `reward/overlong` |"
-    )
+    for spec in [*schema(), _COMPONENT]:
+        written = " or ".join(spec.producers)
+        readers = ", ".join(spec.readers)
+        rows.append(f"| `{spec.name}` | {spec.dtype} | {spec.per} | {written} | {readers} | {spec.doc} |")
     return "\n".join(rows)

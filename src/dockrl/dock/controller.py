@@ -13,6 +13,8 @@ on which warehouse, and which rows each consumer has already taken. A producer's
 while its payload travels to the warehouse (in the central modes the warehouse calls it after storing);
 consumers' clients call `allocate` and then fetch the payload straight from the warehouses named in the
 `Allocation` (a warehouse waits briefly for payload still in flight). The controller never calls anyone.
+A consumer is named by its Stage's value (stages.py); the clients check it against the column schema before
+they ask, so the controller keeps one bitmap per name and checks nothing about it.
 SharedController (shared.py) makes it thread-safe and adds the long poll the clients use.
 
 Lifecycle of one training step's table:

@@ -123,7 +123,9 @@ def _finite_or_none(value: Any) -> Any:
 
 
 class StageTimer:
-    """Wall-clock timings of named stages: `with timer("rollout"): ...` -> {"timing/rollout": seconds}."""
+    """Wall-clock timings of named stages: `with timer(Stage.ROLLOUT): ...` -> {"timing/rollout": seconds}.
+
+    A name is a dockrl.dock.stages.Stage (a StrEnum: the member and its value are one label)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}

@@ -18,7 +18,8 @@ from dockrl.config.resolve import Resolved
 from dockrl.config.schema import RunConfig, TrainConfig
 from dockrl.config.step_plan import StepPlan
 from dockrl.dock.choice import DockChoice
-from dockrl.dock.launch import Dock, launch_dock
+from dockrl.dock.launch import CentralDockHandle, Dock, launch_dock
+from dockrl.dock.stages import Stage
 from dockrl.workers.actor import ActorGroup
 from dockrl.workers.critic import CriticGroup
 from dockrl.workers.fault_injection import FaultInjector, process_identity
@@ -37,12 +38,11 @@ class Docks:
     """The run's docks (rollout.max_staleness + 1 of them: step t trains in dock t mod (k+1) while the next k
     steps generate in the others); `client()` gives a worker its client of them."""
 
-    docks: list[Any]
+    docks: list[Dock | CentralDockHandle]
 
-    def client(self) -> Any:
-        """The dock's client, or a DockChoice over both docks' clients (dock/choice.py)."""
-        if len(self.docks) == 1:
-            return self.docks[0].client()
+    def client(self) -> DockChoice:
+        """A DockChoice over the docks' clients (dock/choice.py; dock 0 selected; one dock in a synchronous
+        run)."""
         return DockChoice([d.client() for d in self.docks])
 
     def shutdown(self) -> None:
@@ -55,7 +55,7 @@ class Cluster:
     """The dock, the worker groups and their supervisor of one run attempt."""
 
     dock: Docks
-    client: Any
+    client: DockChoice
     plan: StepPlan  # the run's step plan, which every worker was built with
     actors: ActorGroup
     rewards: RewardGroup
@@ -105,7 +105,7 @@ class Cluster:
             for group in started.values():
                 if isinstance(group, WorkerGroup):
                     group.wait_started()
-            supervisor.step, supervisor.stage = None, "setup"
+            supervisor.step, supervisor.stage = None, Stage.SETUP
             setup = started["actors"].setup(resume_from)
             if started["critic"] is not None:
                 started["critic"].setup(resume_from, kl_coef).wait()
@@ -174,7 +174,7 @@ def check_placement(cfg: TrainConfig) -> None:
 _BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory", "accelerator_type"}
 
 
-def _watch_dock(supervisor: Supervisor, dock: Any) -> None:
+def _watch_dock(supervisor: Supervisor, dock: Dock | CentralDockHandle) -> None:
     """Heartbeats of the dock's actors (controller and warehouses, or single mode's buffer)."""
     import ray
 

@@ -296,7 +296,7 @@ def _start_generation(cfg: TrainConfig, step: int, sampler: EpochSampler, cluste
     synced_s = sync_rollout_weights(cluster, version)
     for group in (cluster.rollouts, cluster.rewards, cluster.reward_models):
         if group is not None:
-            group.call("select_dock", dock)
+            group.select_dock(dock)
     started = time.perf_counter()
     model_scoring = cluster.reward_models.score() if cluster.reward_models is not None else None
     pending = (cluster.rollouts.generate(step, version), cluster.rewards.score(), model_scoring)
@@ -329,7 +329,7 @@ def _async_step(
         if step + k <= last:
             ahead[step + k] = _start_generation(cfg, step + k, sampler, cluster)
         timer.add("start_next", time.perf_counter() - wait_start)
-        actors.call("select_dock", current.dock)
+        actors.select_dock(current.dock)
         _logprob_stages(plan, actors, timer)
         with timer("update"):
             updates = actors.update().wait()

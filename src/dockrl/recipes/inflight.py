@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import (
     LABEL,
     PARTIAL_IDS,
@@ -35,11 +36,12 @@ from dockrl.dock.columns import (
     RESPONSE_IDS,
     ROLLOUT_LOGPROBS,
 )
+from dockrl.dock.stages import Stage
 from dockrl.recipes.common import EncodedPrompt
 from dockrl.workers.results import GenerateResult, ScoreResult
 
 INFLIGHT = "inflight.pt"
-DUMP_CONSUMER = "checkpoint"  # the dock consumer name of save_inflight's read (other stages never see it)
+DUMP_CONSUMER = Stage.CHECKPOINT  # the stage of save_inflight's reads and load_inflight's puts
 FORMAT = 1
 
 
@@ -71,7 +73,7 @@ class Generation:
 
 
 def save_inflight(
-    root: Path, generations: list[Generation], client: Any, timeout_s: float, *, carried: bool = False
+    root: Path, generations: list[Generation], client: DockChoice, timeout_s: float, *, carried: bool = False
 ) -> int:
     """Wait for every generation, then write their docks' rows and results (and with `carried`, partial
     rollout's carried groups) to root/inflight.pt; returns the number of rows written. `client` is the
@@ -111,7 +113,7 @@ _FINISHED = [PROMPT_IDS, LABEL, RESPONSE_IDS, ROLLOUT_LOGPROBS, POLICY_VERSION]
 _CUT = [PROMPT_IDS, LABEL, PARTIAL_IDS, PARTIAL_LOGPROBS, PARTIAL_VERSIONS]
 
 
-def _read_carried(client: Any, timeout_s: float) -> dict[str, Any] | None:
+def _read_carried(client: DockChoice, timeout_s: float) -> dict[str, Any] | None:
     """The carried groups of a partial-rollout dock between steps: ages, finished rows, cut rows."""
     ages = client.ages()
     if not ages:
@@ -121,7 +123,7 @@ def _read_carried(client: Any, timeout_s: float) -> dict[str, Any] | None:
     for part, columns, marker in (("finished", _FINISHED, RESPONSE_IDS), ("cut", _CUT, PARTIAL_IDS)):
         got = None
         if ready.get(marker, 0):
-            got = client.get(f"{DUMP_CONSUMER}-{part}", columns, len(ages), min_count=1, timeout_s=timeout_s)
+            got = client.get(DUMP_CONSUMER, columns, len(ages), min_count=1, timeout_s=timeout_s)
         parts[part] = {"rows": [], "columns": {}} if got is None else {"rows": got[0], "columns": got[1]}
     # A row continued and finished still holds its old partial columns: cut rows are those without a response.
     finished = set(parts["finished"]["rows"])
@@ -134,7 +136,7 @@ def _read_carried(client: Any, timeout_s: float) -> dict[str, Any] | None:
     return {"ages": ages, **parts}
 
 
-def _restore_carried(kept: dict[str, Any], client: Any, group_size: int) -> None:
+def _restore_carried(kept: dict[str, Any], client: DockChoice, group_size: int) -> None:
     """Rebuild the carried groups with their row numbers and ages: groups are added oldest first, one age at a
     time, each followed by the reset that ages them (as the original steps did)."""
     from dockrl.engines.rollout.dock_feed import ROLLOUT
@@ -156,13 +158,13 @@ def _restore_carried(kept: dict[str, Any], client: Any, group_size: int) -> None
                 old = [g * n + i for g in groups for i in range(n) if part[2] in cells[g * n + i]]
                 new = [rows[groups.index(r // n) * n + r % n] for r in old]
                 if old:
-                    client.put(new, {c: [cells[r][c] for r in old] for c in part[2:]})
+                    client.put(DUMP_CONSUMER, new, {c: [cells[r][c] for r in old] for c in part[2:]})
         client.reset(keep_unfinished=RESPONSE_IDS, served_by=ROLLOUT)
     if client.ages() != ages:
         raise ValueError(f"carried groups restored with ages {client.ages()}, saved {ages}")
 
 
-def load_inflight(root: Path, client: Any, group_size: int) -> dict[int, Generation]:
+def load_inflight(root: Path, client: DockChoice, group_size: int) -> dict[int, Generation]:
     """The finished generations of checkpoint `root` (step -> Generation), their rows put back into their
     docks; {} when the checkpoint has none (a synchronous run's)."""
     path = root / INFLIGHT
@@ -185,7 +187,7 @@ def load_inflight(root: Path, client: Any, group_size: int) -> dict[int, Generat
             )
         rest = {c: v for c, v in record["columns"].items() if c not in (PROMPT_IDS, LABEL)}
         if rows and rest:
-            client.put(rows, rest)
+            client.put(DUMP_CONSUMER, rows, rest)
         results = (
             [GenerateResult(**g) for g in record["generate"]],
             [ScoreResult(**s) for s in record["score"]],

@@ -25,7 +25,7 @@ from dockrl.checkpoint.directory import ACTOR, HF
 from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
 from dockrl.config.schema import TrainConfig
 from dockrl.config.step_plan import StepPlan
-from dockrl.dock.client import DockClient
+from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import (
     ADVANTAGES,
     OLD_LOGPROBS,
@@ -35,6 +35,7 @@ from dockrl.dock.columns import (
     ROLLOUT_LOGPROBS,
     UPDATE_WEIGHT,
 )
+from dockrl.dock.stages import Stage
 from dockrl.engines.reshard.switch import RolloutSwitch, offload_flags
 from dockrl.engines.rollout.dock_feed import serve_step, step_engine
 from dockrl.engines.rollout.rollout_engine import RolloutEngine
@@ -50,10 +51,6 @@ from dockrl.workers.results import GenerateResult, LogprobResult, SetupResult, U
 # Measured on the first mini-batch of an update (see ActorWorker.update).
 MISMATCH_METRICS = ("rollout/logprob_abs_diff", "rollout/kl")
 
-REF = "ref"
-OLD = "old"
-UPDATE = "update"
-
 
 class ActorWorker(Worker):
     """Policy + reference + rollout model on one rank; stages are driven by the GRPO recipe."""
@@ -66,7 +63,7 @@ class ActorWorker(Worker):
         *,
         cfg: TrainConfig,
         plan: StepPlan,
-        client: DockClient,
+        client: DockChoice,
         total_optimizer_steps: int,
         num_threads: int | None = None,
     ):
@@ -192,16 +189,16 @@ class ActorWorker(Worker):
 
     def compute_ref(self) -> LogprobResult:
         """Reference-model log-probs of this rank's share of rows -> `ref_logprobs`."""
-        return self._logprob_stage(REF, self.ref, REF_LOGPROBS)
+        return self._logprob_stage(Stage.REFERENCE, self.ref, REF_LOGPROBS)
 
     def compute_old(self) -> LogprobResult:
         """Current-policy log-probs before the update (needed when the update is off-policy) -> `old_logprobs`."""
-        return self._logprob_stage(OLD, self.policy, OLD_LOGPROBS)
+        return self._logprob_stage(Stage.OLD_LOGPROBS, self.policy, OLD_LOGPROBS)
 
-    def _logprob_stage(self, consumer: str, engine: TrainEngine, column: str) -> LogprobResult:
+    def _logprob_stage(self, stage: Stage, engine: TrainEngine, column: str) -> LogprobResult:
         # The dp ranks of a stage get near-equal token counts (length balance, dock.policies.balanced_partition).
         columns = [PROMPT_IDS, RESPONSE_IDS]
-        got = self.train_client.get(consumer, columns, self.rows_per_rank, balance_over=self.dp)
+        got = self.train_client.get(stage, columns, self.rows_per_rank, balance_over=self.dp)
         rows, batch = got if got is not None else _no_rows(columns)  # rollout.partial: fewer rows than ranks
         logps, _ = engine.logprobs(
             batch[PROMPT_IDS],
@@ -212,7 +209,7 @@ class ActorWorker(Worker):
             pad_token_id=self.pad_token_id,
         )
         if rows:
-            self.train_client.put(rows, {column: logps})
+            self.train_client.put(stage, rows, {column: logps})
         return LogprobResult(len(rows), sum(len(r) for r in batch[RESPONSE_IDS]))
 
     # ---- update --------------------------------------------------------------------------------
@@ -226,7 +223,7 @@ class ActorWorker(Worker):
         # REINFORCE++'s KL in the reward reads the sampling policy's log-probs even when the update is
         # on-policy (the loss then keeps ratio 1 exactly: it does not read them).
         extra = [OLD_LOGPROBS] if self.plan.actor_shapes_kl and OLD_LOGPROBS not in columns else []
-        got = self.train_client.get(UPDATE, columns + extra, self.rows_per_rank, balance_over=self.dp)
+        got = self.train_client.get(Stage.UPDATE, columns + extra, self.rows_per_rank, balance_over=self.dp)
         rows, batch = got if got is not None else _no_rows(columns + extra)  # rollout.partial: see _no_rows
         reward_kl: dict[str, float] = {}
         if self.plan.actor_shapes_kl:

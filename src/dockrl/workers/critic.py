@@ -36,7 +36,7 @@ from dockrl.checkpoint.directory import CRITIC, HF
 from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
 from dockrl.config.schema import TrainConfig
 from dockrl.config.step_plan import StepPlan
-from dockrl.dock.client import DockClient
+from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import (
     ADVANTAGES,
     OLD_LOGPROBS,
@@ -47,6 +47,7 @@ from dockrl.dock.columns import (
     REWARD,
     VALUES,
 )
+from dockrl.dock.stages import Stage
 from dockrl.engines.train.batch import MicroBatch, make_micro_batch, split_indices
 from dockrl.engines.train.policy_update import all_reduce_sum
 from dockrl.engines.train.train_engine import TrainEngine
@@ -55,8 +56,6 @@ from dockrl.parallel.dist import data_parallel_mesh
 from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.results import CriticState, LogprobResult, SetupResult, UpdateResult
 
-VALUES_STAGE = "critic_values"  # the dock consumers of this worker's two stages
-UPDATE_STAGE = "critic_update"
 # Right padding never reaches a real token (causal attention) and padded values are dropped: any id will do.
 PAD_TOKEN_ID = 0
 # Summed over micro-batches and ranks; each is already weighted by its share of the mini-batch's tokens.
@@ -74,7 +73,7 @@ class CriticWorker(Worker):
         *,
         cfg: TrainConfig,
         plan: StepPlan,
-        client: DockClient,
+        client: DockChoice,
         total_optimizer_steps: int,
         num_threads: int | None = None,
     ):
@@ -114,9 +113,11 @@ class CriticWorker(Worker):
     def compute_values(self) -> LogprobResult:
         """Values of this rank's share of rows -> `values` [R] per row."""
         rows, batch = self.client.get(
-            VALUES_STAGE, [PROMPT_IDS, RESPONSE_IDS], self.rows_per_rank, balance_over=self.world_size
+            Stage.CRITIC_VALUES, [PROMPT_IDS, RESPONSE_IDS], self.rows_per_rank, balance_over=self.world_size
         )
-        self.client.put(rows, {VALUES: self._values(batch[PROMPT_IDS], batch[RESPONSE_IDS])})
+        self.client.put(
+            Stage.CRITIC_VALUES, rows, {VALUES: self._values(batch[PROMPT_IDS], batch[RESPONSE_IDS])}
+        )
         return LogprobResult(len(rows), sum(len(r) for r in batch[RESPONSE_IDS]))
 
     @torch.no_grad()
@@ -142,7 +143,9 @@ class CriticWorker(Worker):
         algo = self.cfg.algo
         columns = [PROMPT_IDS, RESPONSE_IDS, REWARD, VALUES]
         columns += [REF_LOGPROBS, OLD_LOGPROBS] if algo.kl_in_reward else []
-        rows, batch = self.client.get(UPDATE_STAGE, columns, self.rows_per_rank, balance_over=self.world_size)
+        rows, batch = self.client.get(
+            Stage.CRITIC_UPDATE, columns, self.rows_per_rank, balance_over=self.world_size
+        )
         start = time.perf_counter()
         values, mask = pad_rows(batch[VALUES])  # [B, R] over this rank's rows
         kl = None
@@ -156,7 +159,7 @@ class CriticWorker(Worker):
         lengths = [len(v) for v in batch[VALUES]]
         batch[RETURNS] = [returns[i, :n].clone() for i, n in enumerate(lengths)]
         row_advantages = [advantages[i, :n].clone() for i, n in enumerate(lengths)]
-        self.client.put(rows, {ADVANTAGES: row_advantages, RETURNS: batch[RETURNS]})
+        self.client.put(Stage.CRITIC_UPDATE, rows, {ADVANTAGES: row_advantages, RETURNS: batch[RETURNS]})
         metrics = self._step_stats(values, returns, advantages, mask, kl, kl_coef)
         if kl is not None:
             self.kl_ctrl.update(metrics["reward/kl_penalty"], self.rows)

@@ -24,6 +24,7 @@ from typing import Any, Generic, TypeVar
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from dockrl.dock.choice import DockChoice
 from dockrl.parallel.dist import free_port, host_ip, init_distributed
 from dockrl.workers.fault_injection import process_identity
 from dockrl.workers.supervisor import HEALTH_GROUP, POLL_S, Supervisor, WorkerError, WorkerFailure
@@ -45,6 +46,8 @@ class Worker:
         self.name, self.rank, self.world_size = name, rank, world_size
         if num_threads:
             torch.set_num_threads(num_threads)
+
+    client: DockChoice  # set by the subclasses that use the dock
 
     def select_dock(self, index: int) -> None:
         """Asynchronous runs: point this worker's dock client at dock `index` (see dock/choice.py)."""
@@ -95,7 +98,7 @@ class WorkerGroup:
 
     Stages start typed: `group.start(ActorWorker.update)` runs that method on every rank and returns a
     `Pending[UpdateResult]` (the worker classes' groups wrap this as `actors.update()`); `call`/`call_async`
-    take a method name, for generic tools and tests."""
+    take a method name, for generic tools and tests (recipes call the typed methods only)."""
 
     worker: type | None = None
 
@@ -253,6 +256,12 @@ class WorkerGroup:
             if self.supervisor is not None:
                 self.supervisor.running(worker, None)
         return results
+
+    def select_dock(self, dock: int) -> None:
+        """Asynchronous runs: every rank's dock client reads and writes dock `dock` from now on (a DockChoice).
+        Waits until every rank has switched: a rank still running a stage (a generation of another dock)
+        switches when that stage ends, since a worker runs its stage methods one at a time."""
+        self.start(Worker.select_dock, dock).wait()
 
     def shutdown(self) -> None:
         """Kill the actors (their process groups go with them)."""

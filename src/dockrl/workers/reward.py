@@ -19,7 +19,7 @@ import torch
 
 from dockrl.algos.estimators import compute_advantages, overlong_penalty
 from dockrl.config.schema import AlgoConfig, RewardConfig
-from dockrl.dock.client import DockClient
+from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import (
     ADVANTAGES,
     LABEL,
@@ -31,12 +31,11 @@ from dockrl.dock.columns import (
     UPDATE_WEIGHT,
     reward_component,
 )
+from dockrl.dock.stages import Stage
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.rewards.runner import RewardRunner, RewardSpec
 from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.results import ScoreResult
-
-REWARD_STAGE = "reward"  # the dock consumer of score()
 
 
 def reward_specs(cfg: RewardConfig) -> list[RewardSpec]:
@@ -65,7 +64,7 @@ class RewardWorker(Worker):
         algo: AlgoConfig,
         estimator: str | None,
         tokenizer_path: str,
-        client: DockClient,
+        client: DockChoice,
         group_size: int,
         log_samples: int = 0,
         max_new_tokens: int | None = None,
@@ -103,7 +102,7 @@ class RewardWorker(Worker):
         columns += [RM_SCORE] if self.rm_weight is not None else []
         while True:
             got = self.client.get(
-                REWARD_STAGE,
+                Stage.REWARD,
                 columns,
                 self.cfg.groups_per_pull * n,
                 whole_groups=True,
@@ -133,7 +132,7 @@ class RewardWorker(Worker):
                 )
                 out[ADVANTAGES] = [torch.full((len(r),), float(a)) for r, a in zip(batch[RESPONSE_IDS], adv)]
             out.update({reward_component(k): v for k, v in components.items()})
-            self.client.put(rows, out)
+            self.client.put(Stage.REWARD, rows, out)
             rewards += scores
             scored_rows += rows
             versions += [

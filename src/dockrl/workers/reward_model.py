@@ -30,14 +30,13 @@ import torch
 from tokenizers import Tokenizer as BackendTokenizer
 
 from dockrl.config.schema import RewardModelConfig
-from dockrl.dock.client import DockClient
+from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import PROMPT_IDS, RESPONSE_IDS, RM_SCORE
+from dockrl.dock.stages import Stage
 from dockrl.models.classifier import load_reward_model
 from dockrl.models.tokenizer import TOKENIZER_FILE, Tokenizer
 from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.results import ModelScoreResult
-
-RM_CONSUMER = "reward_model"
 
 
 def same_vocabulary(policy_dir: str | Path, reward_model_dir: str | Path) -> bool:
@@ -73,7 +72,7 @@ class RewardModelWorker(Worker):
         *,
         model: RewardModelConfig,
         policy_path: str,
-        client: DockClient,
+        client: DockChoice,
         group_size: int,
         groups_per_pull: int,
         device: str,
@@ -98,7 +97,7 @@ class RewardModelWorker(Worker):
         busy_s = 0.0
         while True:
             got = self.client.get(
-                RM_CONSUMER,
+                Stage.REWARD_MODEL,
                 [PROMPT_IDS, RESPONSE_IDS],
                 self.groups_per_pull * n,
                 whole_groups=True,
@@ -119,7 +118,7 @@ class RewardModelWorker(Worker):
                     f"reward model {self.cfg.path} gave non-finite scores for rows {bad[:5]}; with "
                     "run.precision=bf16 try run.precision=fp32"
                 )
-            self.client.put(rows, {RM_SCORE: values})
+            self.client.put(Stage.REWARD_MODEL, rows, {RM_SCORE: values})
             scores += values
             busy_s += time.perf_counter() - start
         return ModelScoreResult(scores, busy_s)

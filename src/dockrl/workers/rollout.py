@@ -26,7 +26,7 @@ import torch
 
 from dockrl.config.schema import TrainConfig
 from dockrl.config.step_plan import StepPlan
-from dockrl.dock.client import DockClient
+from dockrl.dock.choice import DockChoice
 from dockrl.engines.reshard.switch import broadcast_bucket, full_model_buckets, set_param
 from dockrl.engines.rollout.dock_feed import serve_step, step_engine
 from dockrl.engines.rollout.rollout_engine import RolloutEngine
@@ -47,7 +47,7 @@ class RolloutWorker(Worker):
     threads = {WEIGHTS_THREAD: 1}  # weights arrive while a step generates (rollout.max_staleness >= 2)
 
     def __init__(
-        self, name: str, rank: int, world_size: int, *, cfg: TrainConfig, plan: StepPlan, client: DockClient
+        self, name: str, rank: int, world_size: int, *, cfg: TrainConfig, plan: StepPlan, client: DockChoice
     ):
         """`cfg` and `plan`: the run's resolved config and its step plan (config.Resolved), read, never changed."""
         super().__init__(name, rank, world_size)

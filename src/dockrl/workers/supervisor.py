@@ -21,6 +21,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from dockrl.dock.stages import Stage
 from dockrl.workers.fault_injection import FaultInjector
 
 POLL_S = 1.0  # how often a waiting driver checks heartbeats, and the longest a death goes unnoticed
@@ -37,7 +38,7 @@ class WorkerFailure(WorkerError):
     Attributes: worker (e.g. "actor-1"), cause ("died", "hung: ..."), where (group, rank, node), step, stage.
     """
 
-    def __init__(self, worker: str, cause: str, where: str, step: int | None, stage: str | None):
+    def __init__(self, worker: str, cause: str, where: str, step: int | None, stage: Stage | str | None):
         self.worker, self.cause, self.where, self.step, self.stage = worker, cause, where, step, stage
         at = f" at step {step}" if step is not None else " at start-up"
         super().__init__(f"{worker} ({where}) {cause}{at}, stage {stage or 'none'}")
@@ -57,12 +58,17 @@ class _Watched:
 
 @dataclass
 class Supervisor:
-    """Heartbeats of every actor of one run attempt; `step` and `stage` are set by the recipe."""
+    """Heartbeats of every actor of one run attempt; `step` and `stage` are set by the recipe.
+
+    stage: where the driver is: a Stage of its own (setup, step, eval, save), or the worker method it last
+    started on a group (WorkerGroup sets it: `compute_ref`, `update`, ...; the names fault injection and the
+    errors use for a worker's stage).
+    """
 
     heartbeat_timeout_s: float = 30.0
     faults: FaultInjector | None = None
     step: int | None = None
-    stage: str | None = None
+    stage: Stage | str | None = None
     _watched: dict[str, _Watched] = field(default_factory=dict)
     _last_check: float = 0.0
 
@@ -75,7 +81,7 @@ class Supervisor:
         if self.faults is not None and pid is not None:
             self.faults.register(name, pid)
 
-    def at(self, stage: str | None, when: str) -> None:
+    def at(self, stage: Stage | str | None, when: str) -> None:
         """The driver is at `when` (before, during, after, commit) of `stage`: injected faults may fire."""
         if self.faults is not None and stage is not None:
             self.faults.at(stage, self.step, when)

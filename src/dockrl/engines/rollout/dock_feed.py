@@ -12,7 +12,7 @@
 
 Rows are written back the step they finish, so reward workers (which pull whole groups) start on early
 groups while later ones still generate. The client is passed in (anything with DockClient's `get` and
-`put`), so tests drive this loop with a fake.
+`put`, a DockAPI), so tests drive this loop with a fake.
 
 Partial rollout (rollout.partial, `Partial` here) gives each response a token budget per pass:
 ```
@@ -23,7 +23,7 @@ Partial rollout (rollout.partial, `Partial` here) gives each response a token bu
  a sample cut at its budget             -> partial_ids / partial_logprobs / partial_versions, row reported
 ```
 The driver then takes the groups of cut rows out of the step (their finished rows too) and the dock keeps
-them for the next step (DockController.reset(keep_unfinished=response_ids, served_by="rollout")).
+them for the next step (DockController.reset(keep_unfinished=response_ids, served_by=Stage.ROLLOUT)).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from dockrl.dock.api import DockAPI
 from dockrl.dock.columns import (
     PARTIAL_IDS,
     PARTIAL_LOGPROBS,
@@ -45,11 +46,12 @@ from dockrl.dock.columns import (
     ROLLOUT_LOGPROBS,
 )
 from dockrl.dock.errors import DockTimeoutError
+from dockrl.dock.stages import Stage
 from dockrl.engines.rollout.backend import RolloutBackend
 from dockrl.engines.rollout.rollout_engine import Completion, Request, RolloutEngine
 from dockrl.engines.rollout.sampling import SamplingParams
 
-ROLLOUT = "rollout"  # the dock consumer name of the rollout stage
+ROLLOUT = Stage.ROLLOUT  # the stage this loop reads and writes the dock as
 
 
 CARRIED = [PROMPT_IDS, PARTIAL_IDS, PARTIAL_LOGPROBS, PARTIAL_VERSIONS]  # what a carried row is served with
@@ -98,7 +100,7 @@ def step_engine(model: Any, cfg: Any, pad_token_id: int, detokenize: Callable) -
 
 
 def serve_step(
-    engine: RolloutBackend, client: Any, cfg: Any, step: int, stop_token_ids: list[int], version: int
+    engine: RolloutBackend, client: DockAPI, cfg: Any, step: int, stop_token_ids: list[int], version: int
 ) -> dict:
     """Roll out every row of step `step` from the dock with the run's sampling settings (cfg: a TrainConfig)
     and its per-row seeds, with the weights after `version` updates (each token's `policy_version`); what
@@ -128,9 +130,9 @@ def serve_step(
 
 def serve_from_dock(
     engine: RolloutBackend,
-    client: Any,
+    client: DockAPI,
     *,
-    consumer: str,
+    consumer: Stage,
     params: SamplingParams,
     group_size: int,
     groups_per_pull: int,
@@ -138,7 +140,8 @@ def serve_from_dock(
     version: int | None = None,
     partial: Partial | None = None,
 ) -> dict[str, Any]:
-    """Generate a response for every row `consumer` gets from the dock; returns lengths and counts.
+    """Generate a response for every row `consumer` gets from the dock (and puts as); returns lengths and
+    counts.
 
     row_seed(row) gives each row's sampling seed, so a row's response does not depend on which rank or
     batch serves it. With `version`, each response token's policy_version is put beside it. With `partial`
@@ -180,8 +183,8 @@ def serve_from_dock(
         completions = engine.step()
         if completions:
             finished, cut = _split(completions, prefixes, version, partial)
-            _put(client, finished, RESPONSE_IDS, ROLLOUT_LOGPROBS, POLICY_VERSION)
-            _put(client, cut, PARTIAL_IDS, PARTIAL_LOGPROBS, PARTIAL_VERSIONS)
+            _put(client, consumer, finished, RESPONSE_IDS, ROLLOUT_LOGPROBS, POLICY_VERSION)
+            _put(client, consumer, cut, PARTIAL_IDS, PARTIAL_LOGPROBS, PARTIAL_VERSIONS)
             num_puts += 1
             interrupted += [out.row for out in cut]
             lengths += [len(out.ids) for out in finished]
@@ -197,7 +200,7 @@ def serve_from_dock(
 
 
 def _pull(
-    client: Any, consumer: str, count: int, group_size: int, busy: bool
+    client: DockAPI, consumer: Stage, count: int, group_size: int, busy: bool
 ) -> tuple[str, tuple[list[int], dict[str, list]] | None]:
     """("rows", got), ("done", None) once every row was served, or ("later", None) when a busy engine's
     poll found nothing ready yet (it keeps decoding and asks again next step)."""
@@ -250,7 +253,7 @@ class _Sample:
     reason: str
 
 
-def _pull_carried(client: Any, consumer: str, count: int) -> tuple[str, tuple | None]:
+def _pull_carried(client: DockAPI, consumer: Stage, count: int) -> tuple[str, tuple | None]:
     """("rows", got) for up to `count` carried rows, ("done", None) once every row was served, or ("none",
     None) when no carried row is left (they are all ready when the pass starts: a single poll tells)."""
     try:
@@ -302,11 +305,13 @@ def _split(
     return finished, cut
 
 
-def _put(client: Any, samples: list[_Sample], ids: str, logprobs: str, versions: str) -> None:
+def _put(
+    client: DockAPI, producer: Stage, samples: list[_Sample], ids: str, logprobs: str, versions: str
+) -> None:
     """Write `samples` to the columns named (the response's, or a cut response's partial ones)."""
     if not samples:
         return
     batch = {ids: [s.ids for s in samples], logprobs: [s.logprobs for s in samples]}
     if samples[0].versions is not None:
         batch[versions] = [s.versions for s in samples]
-    client.put([s.row for s in samples], batch)
+    client.put(producer, [s.row for s in samples], batch)
