@@ -42,6 +42,7 @@ from dockrl.engines.rollout.rollout_engine import RolloutEngine
 from dockrl.engines.rollout.sampler import SamplingParams, generate
 from dockrl.engines.train.policy_update import all_reduce_sum, policy_update, whiten_rows
 from dockrl.engines.train.train_engine import TrainEngine
+from dockrl.models.lora import LoraSpec, read_peft_adapters
 from dockrl.models.tokenizer import Tokenizer, first_token_id, stop_token_ids
 from dockrl.parallel.dist import free_port, host_ip, inference_mesh, side_group, training_mesh
 from dockrl.parallel.replica import ReplicaClient
@@ -90,11 +91,12 @@ class ActorWorker(Worker):
             total_optimizer_steps=self.total_optimizer_steps,
             load_weights=resume_from is None,
             **common,
+            **self._lora_args(),
         )
         if resume_from is not None:
             load_engine(self.policy, Path(resume_from) / ACTOR)
-        self.ref = None
-        if self.plan.reference:
+        self.ref = None  # LoRA: the reference is the policy with its adapters off (compute_ref)
+        if self.plan.reference and not self.plan.reference_is_base:
             self.ref = TrainEngine(cfg.model.ref_path or cfg.model.path, trainable=False, **common)
         self._setup_switch(mesh)
         self.rollout_engine: RolloutEngine | None = None  # built at a generate; see reshard.free_kv_cache
@@ -102,6 +104,19 @@ class ActorWorker(Worker):
         self.pad_token_id = first_token_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
         self.stop_token_ids = stop_token_ids(self.tokenizer.eos_token_id, self.policy.args.eos_token_id)
         return SetupResult(self.policy.args.num_params(), str(self.device), self.where())
+
+    def _lora_args(self) -> dict:
+        """TrainEngine's LoRA arguments: the plan's adapters, started from model.lora_path's when set."""
+        lora = self.plan.lora
+        if lora is None:
+            return {}
+        spec = LoraSpec(lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+        path = self.cfg.model.lora_path
+        return {
+            "lora": spec,
+            "lora_init": None if path is None else read_peft_adapters(path),
+            "seed": self.cfg.run.seed,
+        }
 
     def _setup_switch(self, train_mesh) -> None:
         """The rollout model (tp_infer-parallel, weights only while in rollout) and the dock views per layout."""
@@ -188,7 +203,11 @@ class ActorWorker(Worker):
     # ---- log-prob stages -----------------------------------------------------------------------
 
     def compute_ref(self) -> LogprobResult:
-        """Reference-model log-probs of this rank's share of rows -> `ref_logprobs`."""
+        """Reference-model log-probs of this rank's share of rows -> `ref_logprobs` (LoRA: the policy's base,
+        adapters off)."""
+        if self.ref is None:
+            with self.policy.adapters_off():
+                return self._logprob_stage(Stage.REFERENCE, self.policy, REF_LOGPROBS)
         return self._logprob_stage(Stage.REFERENCE, self.ref, REF_LOGPROBS)
 
     def compute_old(self) -> LogprobResult:
