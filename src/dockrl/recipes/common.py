@@ -118,4 +118,3 @@ class EpochSampler:
 
 class RunFailed(RuntimeError):
     """A run stopped on a worker or dock failure; the message says which, where, and how to resume."""
-

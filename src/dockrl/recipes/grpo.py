@@ -10,7 +10,7 @@
       ├─▶ critic ranks : pull rows/dp ─▶ values ─▶ put values        (ppo; overlaps the log-prob stages)
       ├─▶ critic ranks : pull rows/dp ─▶ token rewards, GAE ─▶ put advantages, returns ─▶ value updates   ┐ (ppo)
       ├─▶ actor ranks  : pull rows/dp ─▶ mini-batches x epochs of clipped-surrogate updates            ┘ overlap
-      └── StepRecord ─▶ metrics, samples, eval, checkpoint; dock reset
+      └── dock stats, reset ─▶ StepRecord ─▶ metrics, samples, eval, checkpoint
 
 PPO (algo.name=ppo) adds the critic group (workers/critic.py); its reward workers put only `reward`, and the
 actor skips its update during the first algo.critic_warmup_steps steps.
