@@ -104,7 +104,9 @@ def test_stage_values_are_the_timing_metric_names():
     for stage in (Stage.REFERENCE, Stage.OLD_LOGPROBS, Stage.UPDATE, Stage.STEP, Stage.ROLLOUT):
         timer.add(stage, 1.0)
     timer.add("update", 1.0)  # a plain name and its Stage are one label
-    assert timer.metrics() == {
+    from dockrl.observe.metric_names import timing
+
+    assert {timing(stage): seconds for stage, seconds in timer.seconds.items()} == {
         "timing/reference": 1.0,
         "timing/old_logprobs": 1.0,
         "timing/update": 2.0,

@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from dockrl.observe import metric_names as names
+
 MODES = {
     "sync": ["rollout.placement=colocated", "rollout.max_staleness=0"],
     "sep": ["rollout.placement=separate", "rollout.max_staleness=0"],
@@ -84,11 +86,10 @@ def _row(run_dir: Path, mode: str) -> dict[str, Any]:
     def mean(key: str) -> float:
         return mean_after_first(metrics, key)
 
-    step = mean("timing/step")
-    train = mean("timing/reference") + mean("timing/old_logprobs") + mean("timing/update")
-    generating = (
-        mean("timing/rollout_busy") if "timing/rollout_busy" in metrics[-1] else mean("timing/rollout")
-    )
+    step = mean(names.TIMING_STEP)
+    train = mean(names.TIMING_REFERENCE) + mean(names.TIMING_OLD_LOGPROBS) + mean(names.TIMING_UPDATE)
+    busy = names.TIMING_ROLLOUT_BUSY
+    generating = mean(busy) if busy in metrics[-1] else mean(names.TIMING_ROLLOUT)
     return {
         "mode": mode,
         "steps": len(metrics),
@@ -97,8 +98,9 @@ def _row(run_dir: Path, mode: str) -> dict[str, Any]:
         "train_busy_s": train,
         "rollout_idle": max(0.0, 1 - generating / step),
         "trainer_idle": max(0.0, 1 - train / step),
-        "staleness_max": max(m.get("async/staleness_max", 0.0) for m in metrics),
-        "rows_trained_mean": mean("dock/rows"),
-        "response_length_mean": mean("response_length/mean"),
-        "reward_mean": metrics[-1].get("reward/mean"),  # None: partial rollout finished no group that step
+        "staleness_max": max(m.get(names.STALENESS_MAX, 0.0) for m in metrics),
+        "rows_trained_mean": mean(names.DOCK_ROWS),
+        "response_length_mean": mean(names.RESPONSE_LENGTH_MEAN),
+        # None: partial rollout finished no group that step
+        "reward_mean": metrics[-1].get(names.REWARD_MEAN),
     }

@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from dockrl.observe import metric_names as names
+
 # A GRPO step of the tests' size: 2 actor ranks (dp=2), 8 prompts x 4 samples.
 BASE_CONFIG = (
     "rollout: {samples_per_prompt: 4, max_new_tokens: 16, groups_per_pull: 2}\n"
@@ -104,9 +106,9 @@ def _row(run_dir: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "nodes": args.emulate_nodes,
         "link_mbit": args.link_mbit,
         "steps": len(metrics),
-        "step_s": mean("timing/step"),
-        "driver_bytes": mean("dock/driver_bytes"),
-        "dock_bytes_moved": mean("dock/bytes_moved"),
-        "reward_mean": metrics[-1]["reward/mean"],
+        "step_s": mean(names.TIMING_STEP),
+        "driver_bytes": mean(names.DOCK_DRIVER_BYTES),
+        "dock_bytes_moved": mean(names.DOCK_BYTES_MOVED),
+        "reward_mean": metrics[-1][names.REWARD_MEAN],
         "worker_nodes": summary["worker_nodes"],
     }

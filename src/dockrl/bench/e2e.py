@@ -31,6 +31,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from dockrl.dock.stages import Stage
+from dockrl.observe import metric_names as names
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Workload size and which systems."""
@@ -124,21 +127,24 @@ def _dockrl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> d
     def median(key: str) -> float:
         return statistics.median(r.get(key, 0.0) for r in timed)
 
-    stages = {name: median(f"timing/{name}") for name in ("rollout", "reference", "old_logprobs", "update")}
-    step = median("timing/step")
+    timed_stages = (Stage.ROLLOUT, Stage.REFERENCE, Stage.OLD_LOGPROBS, Stage.UPDATE)
+    stages = {name: median(names.timing(name)) for name in timed_stages}
+    step = median(names.TIMING_STEP)
     import yaml
 
     resolved = yaml.safe_load((root / "runs" / "dockrl" / "config.yaml").read_text())
-    tokens = median("tokens/prompt") + median("tokens/response")
+    tokens = median(names.TOKENS_PROMPT) + median(names.TOKENS_RESPONSE)
     work = {"rollout": 2, "reference": 2, "old_logprobs": 2, "update": 6}  # x params x tokens
     params = _num_params(model)
     return {
         "precision": resolved["run"]["precision"],
         "step_s": step,
-        "response_tokens_per_s": statistics.median(r["tokens/response"] / r["timing/step"] for r in timed),
+        "response_tokens_per_s": statistics.median(
+            r[names.TOKENS_RESPONSE] / r[names.TIMING_STEP] for r in timed
+        ),
         **{f"{name}_s": seconds for name, seconds in stages.items()},
         "overhead_s": step - sum(stages.values()),
-        "response_length_mean": median("response_length/mean"),
+        "response_length_mean": median(names.RESPONSE_LENGTH_MEAN),
         "tokens_per_step": tokens,
         "peak_share": {
             name: _peak_share(work[name] * params * tokens, seconds, args.peak_gflops)

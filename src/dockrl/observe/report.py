@@ -17,60 +17,62 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dockrl.observe import metric_names as names
+
 # (file, title, [(metric, label)], y-axis label); a figure is drawn when any run has any of its metrics.
 LINE_PLOTS = [
     (
         "reward.png",
         "Reward and accuracy",
-        [("reward/mean", "reward mean"), ("train/accuracy", "train accuracy")],
+        [(names.REWARD_MEAN, "reward mean"), (names.TRAIN_ACCURACY, "train accuracy")],
         "",
     ),
     (
         "length.png",
         "Response length",
-        [("response_length/mean", "mean"), ("response_length/max", "max")],
+        [(names.RESPONSE_LENGTH_MEAN, "mean"), (names.RESPONSE_LENGTH_MAX, "max")],
         "tokens",
     ),
     (
         "truncated.png",
         "Responses cut at max_new_tokens",
-        [("response_length/truncated_frac", "share")],
+        [(names.RESPONSE_TRUNCATED_FRAC, "share")],
         "share",
     ),
     (
         "kl_entropy.png",
         "KL to the reference and entropy",
-        [("actor/kl", "KL"), ("actor/entropy", "entropy")],
+        [(names.ACTOR_KL, "KL"), (names.ACTOR_ENTROPY, "entropy")],
         "nats",
     ),
     (
         "clip.png",
         "Share of tokens the ratio clip acted on",
-        [("actor/clip_frac", "all"), ("actor/clip_frac_high", "above 1 + clip_high")],
+        [(names.ACTOR_CLIP_FRAC, "all"), (names.ACTOR_CLIP_FRAC_HIGH, "above 1 + clip_high")],
         "share",
     ),
-    ("grad_norm.png", "Gradient norm (before clipping)", [("actor/grad_norm", "grad norm")], ""),
+    ("grad_norm.png", "Gradient norm (before clipping)", [(names.ACTOR_GRAD_NORM, "grad norm")], ""),
     (
         "throughput.png",
         "Throughput",
         [
-            ("throughput/tokens_per_s", "step tokens/s"),
-            ("throughput/rollout_tokens_per_s", "rollout tokens/s"),
-            ("throughput/update_tokens_per_s", "update tokens/s"),
+            (names.THROUGHPUT_TOKENS_PER_S, "step tokens/s"),
+            (names.THROUGHPUT_ROLLOUT_TOKENS_PER_S, "rollout tokens/s"),
+            (names.THROUGHPUT_UPDATE_TOKENS_PER_S, "update tokens/s"),
         ],
         "tokens/s",
     ),
-    ("eval.png", "Held-out accuracy", [("eval/accuracy", "eval accuracy")], ""),
+    ("eval.png", "Held-out accuracy", [(names.EVAL_ACCURACY, "eval accuracy")], ""),
 ]
 # Stages of the step timeline that do not overlap one another (the reward's time past the rollout's is its own).
 TIMELINE = [
-    ("timing/weight_sync", "weight sync"),
-    ("timing/rollout", "rollout (incl. switch)"),
+    (names.TIMING_WEIGHT_SYNC, "weight sync"),
+    (names.TIMING_ROLLOUT, "rollout (incl. switch)"),
     ("reward_after_rollout", "reward after rollout"),
-    ("timing/reference", "reference"),
-    ("timing/old_logprobs", "old log-probs"),
-    ("timing/critic_values", "critic values"),
-    ("timing/update", "update"),
+    (names.TIMING_REFERENCE, "reference"),
+    (names.TIMING_OLD_LOGPROBS, "old log-probs"),
+    (names.TIMING_CRITIC_VALUES, "critic values"),
+    (names.TIMING_UPDATE, "update"),
     ("other", "other"),
 ]
 SAMPLES_SHOWN = 8
@@ -164,8 +166,8 @@ def _line_plot(runs: list[Run], path: Path, title: str, metrics: list[tuple[str,
         axis.plot(
             steps, values, style, color=colour, marker="o" if len(steps) < 25 else None, ms=3, label=name
         )
-        std_key = key.replace("/mean", "/std")
-        if len(runs) == 1 and key.endswith("/mean") and run.series(std_key)[0]:  # +- one std
+        std_key = key.replace(f"/{names.MEAN}", f"/{names.STD}")
+        if len(runs) == 1 and key.endswith(f"/{names.MEAN}") and run.series(std_key)[0]:  # +- one std
             _, std = run.series(std_key)
             lower = [v - s for v, s in zip(values, std)]
             upper = [v + s for v, s in zip(values, std)]
@@ -185,17 +187,17 @@ def _timeline(run: Run, path: Path) -> bool:
     """Stacked bars of each step's non-overlapping stages; 'other' is the rest of timing/step."""
     import matplotlib.pyplot as plt
 
-    rows = [m for m in run.metrics if m.get("timing/step") is not None]
+    rows = [m for m in run.metrics if m.get(names.TIMING_STEP) is not None]
     if not rows:
         return False
     steps = [m["step"] for m in rows]
 
     def part(m: dict, key: str) -> float:
         if key == "reward_after_rollout":
-            return max(0.0, (m.get("timing/reward") or 0.0) - (m.get("timing/rollout") or 0.0))
+            return max(0.0, (m.get(names.TIMING_REWARD) or 0.0) - (m.get(names.TIMING_ROLLOUT) or 0.0))
         if key == "other":
             known = sum(part(m, k) for k, _ in TIMELINE if k != "other")
-            return max(0.0, m["timing/step"] - known)
+            return max(0.0, m[names.TIMING_STEP] - known)
         return float(m.get(key) or 0.0)
 
     figure, axis = plt.subplots(figsize=(7, 3.6), dpi=110)
@@ -233,10 +235,10 @@ def _html(runs: list[Run], plots: list[str]) -> str:
         last = run.metrics[-1] if run.metrics else {}
         algo = (run.config.get("algo") or {}).get("name", "")
         model = (run.config.get("model") or {}).get("path", "")
-        eval_acc = run.summary.get("eval_accuracy", last.get("eval/accuracy"))
+        eval_acc = run.summary.get("eval_accuracy", last.get(names.EVAL_ACCURACY))
         parts.append(
             f"<tr><td>{esc(run.name)}</td><td>{esc(str(algo))}</td><td>{esc(str(model))}</td>"
-            f"<td>{len(run.metrics)}</td><td>{_fmt(last.get('reward/mean'))}</td><td>{_fmt(eval_acc)}</td></tr>"
+            f"<td>{len(run.metrics)}</td><td>{_fmt(last.get(names.REWARD_MEAN))}</td><td>{_fmt(eval_acc)}</td></tr>"
         )
     parts.append("</table><h2>Plots</h2>")
     parts += [f"<img src='report/{esc(p)}' alt='{esc(p)}'>" for p in plots]

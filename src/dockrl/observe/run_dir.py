@@ -123,9 +123,8 @@ def _finite_or_none(value: Any) -> Any:
 
 
 class StageTimer:
-    """Wall-clock timings of named stages: `with timer(Stage.ROLLOUT): ...` -> {"timing/rollout": seconds}.
-
-    A name is a dockrl.dock.stages.Stage (a StrEnum: the member and its value are one label)."""
+    """Wall-clock timings of named stages: `with timer("rollout"): ...` adds to seconds["rollout"] (logged as
+    timing/rollout by recipes/step_metrics.py)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -141,7 +140,3 @@ class StageTimer:
     def add(self, name: str, seconds: float) -> None:
         """Add a duration measured elsewhere (stages that overlap, or repeat within a step)."""
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-
-    def metrics(self) -> dict[str, float]:
-        """Timings as `timing/<stage>` metrics."""
-        return {f"timing/{k}": v for k, v in self.seconds.items()}

@@ -1,11 +1,10 @@
-"""Pieces shared by the recipes: Ray start-up, prompt encoding, the epoch sampler, metric summaries."""
+"""Pieces shared by the recipes: Ray start-up, prompt encoding, the epoch sampler."""
 
 from __future__ import annotations
 
 import logging
 import os
 import random
-import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,15 +118,3 @@ class EpochSampler:
 
 class RunFailed(RuntimeError):
     """A run stopped on a worker or dock failure; the message says which, where, and how to resume."""
-
-
-def describe(values: list[float], prefix: str) -> dict[str, float]:
-    """mean/std/min/max of a list as `prefix/<stat>` metrics (empty lists give nothing)."""
-    if not values:
-        return {}
-    return {
-        f"{prefix}/mean": statistics.fmean(values),
-        f"{prefix}/std": statistics.pstdev(values) if len(values) > 1 else 0.0,
-        f"{prefix}/min": float(min(values)),
-        f"{prefix}/max": float(max(values)),
-    }

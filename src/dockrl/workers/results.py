@@ -7,7 +7,7 @@
     CriticWorker.update -> UpdateResult       RewardModelWorker.score -> ModelScoreResult
     CriticWorker.save -> CriticState          ActorWorker.save -> str (the checkpoint path)
 
-One record per rank; the recipe combines them (recipes/grpo.py `_metrics`). Metric dicts that are already
+One record per rank; recipes/step_metrics.py combines them. Metric dicts that are already
 all-reduced across a group's ranks say so.
 """
 

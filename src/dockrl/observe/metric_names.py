@@ -1,0 +1,105 @@
+"""The names of the figures an RL run logs per step (metrics.jsonl keys), declared once.
+
+    recipes/step_metrics.py   writes them from a step's StepRecord
+    recipes/grpo.py           adds the run loop's own (epoch, restarts, eval)
+    observe/report.py, bench/ read them back from metrics.jsonl
+
+Names are `section/name`. A worker's update metrics arrive as its own keys (actor keys without a section are
+logged as actor/<key>); the actor keys the report draws are named here too.
+"""
+
+from __future__ import annotations
+
+from dockrl.dock.stages import Stage
+
+MEAN, STD, MIN, MAX = "mean", "std", "min", "max"  # the summaries of a per-row figure (describe)
+
+# per-row rewards and answers
+REWARD = "reward"  # reward/mean, reward/std, reward/min, reward/max
+REWARD_MEAN = f"{REWARD}/{MEAN}"
+REWARD_STD = f"{REWARD}/{STD}"
+REWARD_RM = "reward/rm"  # mean raw reward-model score
+REWARD_OVERLONG_PENALTY = "reward/overlong_penalty"  # DAPO overlong shaping: mean penalty (<= 0)
+REWARD_OVERLONG_FRAC = "reward/overlong_frac"  # share of rows penalised
+REWARD_TIMEOUTS = "reward/timeouts"
+REWARD_ERRORS = "reward/errors"
+REWARD_DROPPED_GROUPS = "reward/dropped_groups"  # reward.on_error=drop_group
+TRAIN_ACCURACY = "train/accuracy"
+
+# per-row response lengths (tokens)
+RESPONSE_LENGTH = "response_length"  # response_length/mean, /std, /min, /max
+RESPONSE_LENGTH_MEAN = f"{RESPONSE_LENGTH}/{MEAN}"
+RESPONSE_LENGTH_MAX = f"{RESPONSE_LENGTH}/{MAX}"
+RESPONSE_TRUNCATED_FRAC = f"{RESPONSE_LENGTH}/truncated_frac"  # cut at rollout.max_new_tokens
+
+# the actor's update (all-reduced across its ranks)
+ACTOR_PREFIX = "actor/"
+ACTOR_KL = "actor/kl"
+ACTOR_ENTROPY = "actor/entropy"
+ACTOR_CLIP_FRAC = "actor/clip_frac"
+ACTOR_CLIP_FRAC_HIGH = "actor/clip_frac_high"
+ACTOR_GRAD_NORM = "actor/grad_norm"
+
+# wall time of the stages a step schedule times (observe.run_dir.StageTimer names), logged as timing/<stage>
+TIMING_PREFIX = "timing/"
+# The stages are dockrl.dock.stages.Stage, one vocabulary with the dock's consumers and the supervisor's stages.
+# Timed: step (the whole step), weight_sync (separate placement: weights sent to the replicas), rollout (from
+# the start of generation to its end, the switch included), reward_model and reward (from the start of
+# generation to the last score), start_next (async: starting step t+k's generation), reference, old_logprobs,
+# critic_values (what is left of it after the log-prob stages), update.
+
+
+def timing(stage: str) -> str:
+    """The metric name of a timed stage: timing/<stage>."""
+    return f"{TIMING_PREFIX}{stage}"
+
+
+TIMING_STEP = timing(Stage.STEP)
+TIMING_WEIGHT_SYNC = timing(Stage.WEIGHT_SYNC)
+TIMING_ROLLOUT = timing(Stage.ROLLOUT)
+TIMING_REWARD = timing(Stage.REWARD)
+TIMING_REFERENCE = timing(Stage.REFERENCE)
+TIMING_OLD_LOGPROBS = timing(Stage.OLD_LOGPROBS)
+TIMING_CRITIC_VALUES = timing(Stage.CRITIC_VALUES)
+TIMING_UPDATE = timing(Stage.UPDATE)
+TIMING_RESHARD_TO_ROLLOUT = timing("reshard_to_rollout")  # the slowest rank's switch, inside timing/rollout
+TIMING_ROLLOUT_BUSY = timing("rollout_busy")  # separate replicas: their own generating time
+
+# tokens per second of wall time
+THROUGHPUT_TOKENS_PER_S = "throughput/tokens_per_s"  # prompt + response tokens over the step
+THROUGHPUT_ROLLOUT_TOKENS_PER_S = "throughput/rollout_tokens_per_s"  # response tokens over the rollout
+THROUGHPUT_UPDATE_TOKENS_PER_S = "throughput/update_tokens_per_s"
+THROUGHPUT_REFERENCE_TOKENS_PER_S = "throughput/reference_tokens_per_s"
+TOKENS_PROMPT = "tokens/prompt"  # prompt tokens of the step's rows (a prompt counts once per sample)
+TOKENS_RESPONSE = "tokens/response"
+
+# the transfer dock over the step
+DOCK_BYTES_IN_WAREHOUSES = "dock/bytes_in_warehouses"
+DOCK_BYTES_MOVED = "dock/bytes_moved"  # put + got at the warehouses
+DOCK_DRIVER_BYTES = "dock/driver_bytes"  # payload through the driver
+DOCK_ROWS = "dock/rows"  # rows scored (and trained on)
+
+
+def dock_p99(op: str) -> str:
+    """The metric name of a controller op's p99 service time: dock/<op>_p99_ms."""
+    return f"dock/{op}_p99_ms"
+
+
+# asynchronous and partial rollout
+STALENESS_MEAN = "async/staleness_mean"  # updates the trained policy is ahead of a row's oldest token
+STALENESS_MAX = "async/staleness_max"
+ROLLOUT_INTERRUPTED = "rollout/interrupted"  # partial: rows cut this step
+ROLLOUT_CONTINUED = "rollout/continued"  # partial: carried rows continued this step
+
+# DAPO dynamic sampling
+DAPO_ROUNDS = "dapo/rounds"
+DAPO_GENERATED_GROUPS = "dapo/generated_groups"
+DAPO_INFORMATIVE_GROUPS = "dapo/informative_groups"
+DAPO_FILLED_GROUPS = "dapo/filled_groups"
+DAPO_DROPPED_GROUPS = "dapo/dropped_groups"
+
+# the run loop's own
+TRAIN_EPOCH = "train/epoch"  # epochs of the prompt set drawn so far
+RUN_RESTARTS = "run/restarts"
+EVAL_ACCURACY = "eval/accuracy"
+EVAL_REWARD_MEAN = "eval/reward_mean"
