@@ -12,6 +12,7 @@ re-deriving conditions from the config:
     critic           PPO's CriticWorkers run (the gae estimator needs their values)
     kl_coef          the KL coefficient (in the loss, or the initial one of the penalty in the reward)
     rollout_lead     steps the rollout runs ahead of the update
+    schedule         the step schedule: sync, async (k steps ahead) or partial, and dynamic-sampling rounds
     lora             actor.lora resolved (rank, alpha, dropout, targets), or None for full fine-tuning
     loss             the policy loss: aggregation, clip range, where the KL goes, the ratio level (token or
                      sequence) and the loss normaliser
@@ -24,6 +25,7 @@ from typing import Literal
 
 from dockrl.config.lora_checks import LoraSettings, check_lora
 from dockrl.config.presets import GROUP_ESTIMATORS, PRESETS, WHITENED_ESTIMATORS
+from dockrl.config.schedule import Schedule, schedule_of
 from dockrl.config.schema import AlgoConfig, TrainConfig
 
 
@@ -67,6 +69,7 @@ class StepPlan:
     kl_coef: float  # algo.kl_coef, else the algorithm's own
     rollout_lead: int  # see rollout_lead()
     loss: LossPlan
+    schedule: Schedule  # which step schedule runs (sync, async k, partial; dynamic-sampling rounds)
     lora: LoraSettings | None = None  # actor.lora resolved; None: full fine-tuning
 
     @property
@@ -172,5 +175,6 @@ def step_plan(cfg: TrainConfig) -> StepPlan:
         kl_coef=resolved_kl_coef(algo),
         rollout_lead=rollout_lead(cfg),
         loss=loss_plan(algo, cfg.rollout.max_new_tokens),
+        schedule=schedule_of(cfg),
         lora=check_lora(actor.lora, has_critic=estimator == "gae"),
     )

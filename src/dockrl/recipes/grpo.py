@@ -16,7 +16,7 @@ PPO (algo.name=ppo) adds the critic group (workers/critic.py); its reward worker
 actor skips its update during the first algo.critic_warmup_steps steps.
 
 This file is the run loop: start the cluster, run the steps, evaluate, log, checkpoint, restart on a worker
-failure. The step itself is a schedule, picked once from config/schedule.py:
+failure. The step itself is a schedule, decided once in the step plan (config/schedule.py):
 
     sync, partial ─▶ recipes/sync_step.py    the stages above back to back (dynamic sampling: rounds)
     async (k)     ─▶ recipes/async_step.py   the rollout k steps ahead of the update, in docks of its own
@@ -36,7 +36,7 @@ from dockrl.checkpoint import directory
 from dockrl.checkpoint.state import data_fingerprint
 from dockrl.config.loader import to_dict
 from dockrl.config.resolve import Resolved
-from dockrl.config.schedule import Schedule, schedule_of
+from dockrl.config.schedule import Schedule
 from dockrl.config.schema import TrainConfig
 from dockrl.config.step_plan import StepPlan
 from dockrl.dock.errors import DockError
@@ -155,7 +155,7 @@ def _run_steps(
     generations (step -> Generation; those of the checkpoint resumed from, at first)."""
     progress = _progress(cfg, first_step - 1)
     restarts = len(summary["restarts"])
-    schedule = schedule_of(cfg)
+    schedule = cluster.plan.schedule
     take_step = _step_function(cfg, cluster.plan, schedule, sampler, cluster, ahead)
     with run.loggers(
         cfg.run.loggers, to_dict(cfg), first_step
