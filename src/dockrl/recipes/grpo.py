@@ -386,7 +386,8 @@ def _sample_until_full(cfg, step, batch, sampler, cluster: Cluster, timer: Stage
     for rounds in range(1, cfg.algo.max_sampling_rounds + 1):
         round_gen, round_scored, _ = _round(cfg, step, batch, cluster, timer)
         gen, scored = gen + round_gen, scored + round_scored
-        groups = group_rewards([r for s in scored for r in s.rows], [x for s in scored for x in s.rewards], n)
+        rows, weights = [r for s in scored for r in s.rows], [w for s in scored for w in s.weights]
+        groups = group_rewards(rows, [x for s in scored for x in s.accuracy], n, weights)
         missing = target - select_groups(groups, target, fill=False).informative
         if missing <= 0 or rounds == cfg.algo.max_sampling_rounds:
             break
