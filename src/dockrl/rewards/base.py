@@ -103,6 +103,18 @@ def locate_reward_file(name: str, search_dirs: list[Path]) -> Path | None:
     return None
 
 
+def names_a_file(name: str, origin: str | None = None) -> bool:
+    """True when reward `name` refers to a source file, the only kind of name shipped `code` may stand for:
+    `path/to/file.py:function`, or `module:function` read from `origin`, a file `.../module.py` (dots as
+    folders), as `locate_reward_file` finds a module next to the config."""
+    module, sep, attr = name.partition(":")
+    if not sep or not module or not attr:
+        return False
+    if module.endswith(".py") or "/" in module or "\\" in module:
+        return True
+    return origin is not None and Path(origin).as_posix().endswith("/" + module.replace(".", "/") + ".py")
+
+
 def _function_from_code(name: str, code: str, origin: str) -> Callable[..., Any]:
     """Attribute `function` of `origin:function` from the file's source `code`, run as a module of its own
     (under a name derived from the source, so every process gets the same module)."""
@@ -136,14 +148,22 @@ def resolve_reward_fn(
             file's "path/to/file.py:function" (whose source is `code`).
         kwargs: extra keyword arguments passed on every call (e.g. ``{"pattern": ...}`` for "format").
         code: the source of the reward's file, read once by the driver (`locate_reward_file`) and shipped to
-            every worker and reward process, so the file need not exist where they run.
+            every worker and reward process, so the file need not exist where they run. Only with a `name`
+            that refers to a file (`names_a_file`): a built-in or importable name never runs shipped code.
         origin: that file's path, for tracebacks and errors.
 
     Raises:
         ValueError: unknown built-in (lists the built-ins), module that fails to import (names the path
-            and the import error), missing attribute, or kwargs the function does not accept.
+            and the import error), missing attribute, kwargs the function does not accept, or `code` with a
+            name that is not a file's.
     """
     if code is not None:
+        if not names_a_file(name, origin):
+            raise ValueError(
+                f"reward function {name!r} comes with `code`, which runs only for a file reference "
+                "('path/to/file.py:function'); a built-in or importable name runs what it names: remove `code` "
+                "(the loader fills it in from the file)"
+            )
         fn = _function_from_code(name, code, origin or name.rpartition(":")[0])
     elif ":" in name:
         fn = _import_function(name)
