@@ -16,6 +16,7 @@ for minutes does not look hung; stage methods still run one at a time.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import Any, Generic, TypeVar
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from dockrl.checkpoint.shared_dir import Probe, check_probe
 from dockrl.parallel.dist import free_port, host_ip, init_distributed
 from dockrl.workers.fault_injection import process_identity
 from dockrl.workers.supervisor import HEALTH_GROUP, POLL_S, Supervisor, WorkerError, WorkerFailure
@@ -68,6 +70,10 @@ class Worker:
     def identity(self) -> dict[str, Any]:
         """Node address and id, and process id, for naming this worker in errors."""
         return process_identity()
+
+    def check_output_dir(self, probe: Probe) -> None:
+        """Raise unless this worker's node sees the driver's run.output_dir (checkpoint/shared_dir.py)."""
+        check_probe(probe, node=f"{socket.gethostname()} ({process_identity()['node_ip']})")
 
     @ray.method(concurrency_group=HEALTH_GROUP)
     def heartbeat(self) -> float:
@@ -185,6 +191,10 @@ class WorkerGroup:
     def start(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> Pending[T]:
         """Start worker method `method` (a function of the worker class, e.g. ActorWorker.update) on every rank."""
         return Pending(self, method.__name__, self.call_async(method.__name__, *args, **kwargs))
+
+    def check_output_dir(self, probe: Probe) -> Pending[None]:
+        """Every rank checks that its node sees the driver's run.output_dir (the probe file)."""
+        return self.start(Worker.check_output_dir, probe)
 
     def start_ranks(self, method: Callable[..., T], per_rank_args: list[tuple]) -> Pending[T]:
         """Start `method` with different positional arguments per rank."""
