@@ -187,7 +187,7 @@ def _watch_dock(supervisor: Supervisor, dock: Any) -> None:
     identities = ray.get([a.__ray_call__.remote(process_identity) for _, a in actors], timeout=60)
     for (name, actor), ident in zip(actors, identities):
         where = f"dock, node {ident['node_ip']} {ident['node_id'][:8]}, pid {ident['pid']}"
-        supervisor.watch(name, actor, where, method=method, pid=ident["pid"])
+        supervisor.watch(name, actor, where, method=method, pid=ident["pid"], node_ip=ident["node_ip"])
 
 
 def _start_workers(cfg: TrainConfig, dock, supervisor: Supervisor) -> tuple[ActorGroup, RewardGroup]:

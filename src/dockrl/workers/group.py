@@ -161,7 +161,7 @@ class WorkerGroup:
         if supervisor is not None:
             for rank, (actor, ident) in enumerate(zip(self.actors, ids)):
                 where = f"{self.name} rank {rank}, node {ident['node_ip']} {ident['node_id'][:8]}, pid {ident['pid']}"
-                supervisor.watch(self.names[rank], actor, where, pid=ident["pid"])
+                supervisor.watch(self.names[rank], actor, where, pid=ident["pid"], node_ip=ident["node_ip"])
         if distributed:
             addr, port = self._wait([self.actors[0].rendezvous.remote()], "rendezvous", [0], deadline)[0]
             joining = self.start(Worker.join_group, addr, port, device, self.timeout_s)
