@@ -46,11 +46,24 @@ def _reference(q, k, v, grad_out):
     return out.detach(), {"q": q64.grad, "k": k64.grad, "v": v64.grad}, mags
 
 
+def _worst(actual, expected, magnitude):
+    """The largest error relative to its element's magnitude."""
+    return ((actual.double() - expected).abs() / (magnitude + 1e-30)).max().item()
+
+
 def _within(name, actual, expected, magnitude):
-    err = (actual.double() - expected).abs()
-    worst = (err / (magnitude + 1e-30)).max().item()
+    worst = _worst(actual, expected, magnitude)
     assert worst <= BOUND, f"{name}: error reaches {worst:.3g} of its magnitude (bound {BOUND:.3g})"
     assert magnitude.max() > 0.1, f"{name}: a test of nothing"
+
+
+def _inputs(batch, heads, kv_heads, seq, dim):
+    """bf16 q, k, v (leaves with gradients) and grad_out, seeded by `seq`."""
+    gen = torch.Generator().manual_seed(seq)
+    q = torch.randn(batch, heads, seq, dim, generator=gen).mul(2).bfloat16().requires_grad_()
+    k = torch.randn(batch, kv_heads, seq, dim, generator=gen).mul(2).bfloat16().requires_grad_()
+    v = torch.randn(batch, kv_heads, seq, dim, generator=gen).bfloat16().requires_grad_()
+    return q, k, v, torch.randn(batch, heads, seq, dim, generator=gen).bfloat16()
 
 
 @pytest.mark.parametrize(
@@ -64,11 +77,7 @@ def test_bf16_cpu_attention_and_gradients_match_float64(
     """Grouped queries (1 to 4 per kv head), lengths that split into uneven query blocks, one token, and row
     chunks of one (block_elements=64) or all rows."""
     monkeypatch.setattr(attention, "_BLOCK_ELEMENTS", block_elements)
-    gen = torch.Generator().manual_seed(seq)
-    q = torch.randn(batch, heads, seq, dim, generator=gen).mul(2).bfloat16().requires_grad_()
-    k = torch.randn(batch, kv_heads, seq, dim, generator=gen).mul(2).bfloat16().requires_grad_()
-    v = torch.randn(batch, kv_heads, seq, dim, generator=gen).bfloat16().requires_grad_()
-    grad_out = torch.randn(batch, heads, seq, dim, generator=gen).bfloat16()
+    q, k, v, grad_out = _inputs(batch, heads, kv_heads, seq, dim)
     out = causal_attention(q, k, v)
     out.backward(grad_out)
     expected_out, expected_grads, mags = _reference(q, k, v, grad_out)
@@ -76,6 +85,31 @@ def test_bf16_cpu_attention_and_gradients_match_float64(
     _within("out", out, expected_out, mags["out"])
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         _within(f"grad {name}", tensor.grad, expected_grads[name], mags[name])
+
+
+def _unscaled_probs(q_blk, k_c, bias):
+    """A broken backward's probabilities: the scores without their 1/sqrt(D)."""
+    keys = k_c[:, : bias.shape[1]].transpose(1, 2)
+    return torch.softmax(torch.baddbmm(bias, q_blk, keys), dim=-1)
+
+
+def _bias_one_key_late(start, end, num_groups):
+    """A broken backward's mask: each query also sees the next key (a wrong index)."""
+    query_pos = torch.arange(start, end).repeat(num_groups)
+    future = torch.arange(end)[None, :] > query_pos[:, None] + 1
+    return torch.zeros(future.shape).masked_fill_(future, float("-inf"))
+
+
+@pytest.mark.parametrize("broken", [("_block_probs", _unscaled_probs), ("_causal_bias", _bias_one_key_late)])
+def test_the_bounds_fail_a_broken_backward(broken, monkeypatch):
+    """The check above, run against a backward with a missing scale or an off-by-one mask, must fail: the bounds
+    are not so loose that a wrong gradient passes."""
+    monkeypatch.setattr(attention, *broken)
+    q, k, v, grad_out = _inputs(3, 4, 2, 37, 16)
+    causal_attention(q, k, v).backward(grad_out)
+    _, expected_grads, mags = _reference(q, k, v, grad_out)
+    for name, tensor in (("q", q), ("k", k)):
+        assert _worst(tensor.grad, expected_grads[name], mags[name]) > BOUND, name
 
 
 def test_query_blocks_cover_every_token_once():

@@ -63,6 +63,51 @@ def test_saving_a_step_again_keeps_the_abandoned_one(tmp_path):
     assert [s for s, _ in directory.complete_checkpoints(checkpoints)] == [4]
 
 
+def test_commit_fsyncs_every_file_and_directory_before_the_rename(tmp_path, monkeypatch):
+    """A power loss after the rename must not leave a torn file in a complete checkpoint: the shards, hf/,
+    inflight.pt and trainer_state.json, and every directory holding them, are fsynced before os.replace."""
+    import os
+
+    staging = directory.begin(tmp_path / "checkpoints", 7)
+    for relative in (
+        "actor/__0_0.distcp",
+        "actor/.metadata",
+        "hf/model.safetensors",
+        "hf/config.json",
+        "critic/hf/model.safetensors",
+        "inflight.pt",
+    ):
+        (staging / relative).parent.mkdir(parents=True, exist_ok=True)
+        (staging / relative).write_bytes(b"x")
+    events: list[tuple[str, str]] = []
+    opened: dict[int, str] = {}
+    real_open, real_fsync, real_replace = os.open, os.fsync, os.replace
+
+    def spy_open(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        opened[fd] = os.path.realpath(path)
+        return fd
+
+    def spy_fsync(fd):
+        events.append(("fsync", opened.get(fd, f"fd {fd}")))
+        return real_fsync(fd)
+
+    def spy_replace(src, dst):
+        events.append(("replace", os.path.realpath(src)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "open", spy_open)
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "replace", spy_replace)
+    final = directory.commit(staging, {"step": 7})
+    renamed = events.index(("replace", os.path.realpath(staging)))
+    synced_before = {path for kind, path in events[:renamed] if kind == "fsync"}
+    committed = [final, *final.rglob("*")]
+    assert len(committed) == 12  # the root, 4 directories, 7 files (trainer_state.json among them)
+    for path in committed:
+        assert os.path.realpath(staging / path.relative_to(final)) in synced_before, path
+
+
 def test_paths_resolve_a_checkpoint_root_to_its_exports(tmp_path):
     final = _save(tmp_path, 2)
     assert directory.resolve_model_path(str(final)) == str(final / "hf")

@@ -1,11 +1,15 @@
-"""The dock's socket transport without Ray: replies never answer the wrong request, errors come back."""
+"""The dock's socket transport without Ray: replies never answer the wrong request, errors come back, a
+connection that does not authenticate is bounded in time and number, and every frame is authenticated."""
 
+import multiprocessing
+import pickle
+import socket
 import time
 
 import pytest
 
-from dockrl.dock import DockClient, DockError
-from dockrl.dock.transport import ServiceHub, SocketTransport
+from dockrl.dock import DockClient, DockError, transport
+from dockrl.dock.transport import BadFrame, ServiceHub, SocketTransport
 
 
 class Counter:
@@ -53,4 +57,120 @@ def test_remote_errors_and_unpicklable_replies_come_back_as_errors():
     with pytest.raises(TypeError, match="unpicklable"):
         transport.call("unpicklable", timeout_s=5.0)
     assert transport.call("get_cells", {}, timeout_s=5.0) == {"calls": [1]}  # the connection still works
+    hub.close()
+
+
+# ---------------------------------------------------------------- handshake bounds and frame authentication
+
+
+class _Unpickled(Exception):
+    """Raised by a payload's unpickling: it shows the receiver unpickled a frame it should have refused."""
+
+
+def _explode():
+    raise _Unpickled("a refused frame was unpickled")
+
+
+class _Bomb:
+    def __reduce__(self):
+        return (_explode, ())
+
+
+def _raw_connection(hub) -> socket.socket:
+    return socket.create_connection(hub.address, timeout=5.0)
+
+
+def test_a_connection_that_never_authenticates_is_dropped(monkeypatch):
+    """The hub shuts a connection that has not finished the handshake within CONNECT_TIMEOUT_S."""
+    monkeypatch.setattr(transport, "CONNECT_TIMEOUT_S", 0.5)
+    hub = socket_hub(Counter())
+    idle = _raw_connection(hub)
+    start = time.monotonic()
+    received = b""
+    while chunk := idle.recv(4096):  # the challenge, then end of stream when the hub gives up
+        received += chunk
+    assert received and time.monotonic() - start < 4.0
+    idle.close()
+    assert SocketTransport(hub.address, hub.authkey).call("get_cells", {}, timeout_s=5.0) == {"calls": [1]}
+    hub.close()
+
+
+def test_unauthenticated_connections_are_capped(monkeypatch):
+    """With MAX_HANDSHAKES=2, a third unauthenticated connection gets no challenge while two are pending; it
+    is served once one of them times out."""
+    monkeypatch.setattr(transport, "MAX_HANDSHAKES", 2)
+    monkeypatch.setattr(transport, "CONNECT_TIMEOUT_S", 1.0)
+    hub = socket_hub(Counter())
+    first, second = _raw_connection(hub), _raw_connection(hub)
+    assert first.recv(4096) and second.recv(4096)  # both got a challenge
+    third = _raw_connection(hub)
+    third.settimeout(0.5)
+    with pytest.raises(socket.timeout):
+        third.recv(4096)
+    third.settimeout(5.0)
+    assert third.recv(4096)  # a slot freed when the first two timed out
+    for sock in (first, second, third):
+        sock.close()
+    hub.close()
+
+
+class _Recorder:
+    """A connection's send side that keeps the frames."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def send_bytes(self, data: bytes) -> None:
+        self.frames.append(bytes(data))
+
+
+def _frames(key: bytes, direction: bytes, *messages) -> list[bytes]:
+    """The frames a channel with `key` sends for `messages`, in order."""
+    recorder = _Recorder()
+    channel = transport._Channel(recorder, key, direction, b"?")
+    for message in messages:
+        channel.send(message)
+    return recorder.frames
+
+
+@pytest.mark.parametrize("attack", ["tampered", "replayed", "reordered", "reflected", "other_session"])
+def test_frames_that_fail_authentication_are_refused_before_unpickling(attack):
+    """Every frame carries HMAC(session key, direction | sequence number | payload): a changed byte, a frame
+    sent again, two frames swapped, the hub's own frame sent back to it, or a frame of another connection
+    (another session key) is refused with BadFrame before its payload (here one that raises when unpickled)
+    is read, and the connection is closed."""
+    key = b"k" * 32
+    first, second = _frames(key, transport._TO_HUB, ("get_cells", ({},), {}), ("get_cells", (_Bomb(),), {}))
+    deliveries = {
+        "tampered": [first, second[:-1] + bytes([second[-1] ^ 1])],
+        "replayed": [first, first],
+        "reordered": [second, first],
+        "reflected": _frames(key, transport._TO_CLIENT, ("get_cells", (_Bomb(),), {})),
+        "other_session": _frames(b"x" * 32, transport._TO_HUB, ("get_cells", (_Bomb(),), {})),
+    }[attack]
+    hub_end, attacker = multiprocessing.Pipe()
+    hub = transport._Channel(hub_end, key, transport._TO_CLIENT, transport._TO_HUB)
+    for data in deliveries:
+        attacker.send_bytes(data)
+    if deliveries[0] is first:
+        assert hub.recv() == ("get_cells", ({},), {})  # the genuine first frame is accepted, once
+    with pytest.raises(BadFrame, match="failed authentication"):
+        hub.recv()
+    assert hub_end.closed
+
+
+def test_the_hub_refuses_an_injected_frame_and_closes_the_connection():
+    """On a live connection, a frame injected without the session key never reaches the target."""
+    counter = Counter()
+    hub = socket_hub(counter)
+    client = SocketTransport(hub.address, hub.authkey)
+    assert client.call("get_cells", {}, timeout_s=5.0) == {"calls": [1]}
+    channel = client._threads.channel
+    payload = pickle.dumps(("get_cells", (_Bomb(),), {}))
+    channel.connection.send_bytes(b"\0" * 32 + payload)  # a forged tag
+    assert channel.connection.poll(5.0)
+    with pytest.raises(EOFError):  # the hub closed the connection without answering
+        channel.connection.recv_bytes()
+    assert counter.calls == 1
+    assert SocketTransport(hub.address, hub.authkey).call("get_cells", {}, timeout_s=5.0) == {"calls": [2]}
     hub.close()

@@ -1,10 +1,24 @@
 """Training's log-probs from hidden states and the LM head in chunks (dockrl.algos.head_logprobs): values and
-gradients against float64 logits, and the memory of the pass at Qwen2.5's vocabulary.
+gradients against float64, and the memory of the pass at Qwen2.5's vocabulary.
 
-Tolerances: the fused path computes the same fp32 quantities as the naive one in another order. A logit is a sum
-of H products, so its fp32 rounding is at most about H * eps * sum_k |h_k w_k| (eps = 2^-23); the log-sum-exp
-and the gradients are built from those logits with O(1) more roundings each. The bounds below are that
-worst case, times 4 for the steps after the matmul.
+Tolerances are per element, from a first-order rounding analysis of what the fused path computes (u: the unit
+roundoff of fp32, 2^-24; u_b: that of bf16, 2^-8; A = |h| |W|.T / T, the logits computed on absolute values):
+
+  logit z_ij              (H + 1) u A_ij against float64 logits (H products summed, one division by T)  = e_ij
+                          (bf16: the reference takes the bf16 matmul's own logits, so e_ij = u |z_ij|)
+  lse_i, m_i = sum p z    the logits' errors weighted by d lse/dz = p and d m/dz = p (1 + |z - m|), plus
+                          the roundings of the exp, the sums of V terms and the log: (V + 8 + S + |lse|) u
+                          for lse, (2V + 8) u (S + Q) + u |m| for m (S = sum p |z - peak|, Q = sum p (z - peak)^2)
+  p_ij = exp(z - lse)     relative: e_ij + err(lse_i) + u |z - lse| + u
+  dz = (g_logp (onehot - p) - g_H p (z - m)) / T
+                          p (relative err(p) + 4u) (|g_logp| + |g_H| |z - m|) + p |g_H| (e_ij + err(m_i)), over T,
+                          + 2u |dz|; in bf16 dz is cast to bf16 before its matmuls: + u_b |dz|
+  grad_h = dz @ W         err(dz) @ |W| + ((V + 1) u + u_b) (|dz| @ |W|)   (the same backward on |values|;
+                          u_b only in bf16, where the matmuls' outputs are bf16)
+  grad_W = sum dz.T @ h   err(dz).T @ |h| + ((N + 1) u + u_b) (|dz|.T @ |h|), the chunks summed in fp32
+
+with |dz| bounded by D = (|g_logp| (onehot + p) + |g_H| p |z - m|) / T. A backward with a wrong sign or a missing
+factor is off by O(1) of D; the tests run the check once against such broken backwards and require it to fail.
 """
 
 from __future__ import annotations
@@ -12,17 +26,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import dockrl.algos.head_logprobs as head_logprobs
 from dockrl.algos.head_logprobs import head_token_stats
 from dockrl.bench.logprob_memory import measure
 
-EPS32 = torch.finfo(torch.float32).eps
-
-
-def _reference(hidden, weight, targets, temperature):
-    """float64 log-probs and entropies [N] from whole logits."""
-    z = (hidden.double() @ weight.double().T) / temperature  # [N, V]
-    logp_all = torch.log_softmax(z, dim=-1)
-    return logp_all.gather(-1, targets[:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+U32 = 2.0**-24  # fp32 unit roundoff
+U16 = 2.0**-8  # bf16 unit roundoff
 
 
 def _inputs(tokens=509, hidden=64, vocab=1000, seed=0):
@@ -32,50 +41,123 @@ def _inputs(tokens=509, hidden=64, vocab=1000, seed=0):
     return h, w, torch.randint(0, vocab, (tokens,), generator=g), torch.randn(2, tokens, generator=g)
 
 
+def _reference_and_bounds(z, h, w, targets, temperature, g_logp, g_entropy, logit_error, u_out):
+    """float64 (values, bounds) of log-probs [N], entropies [N], grad h [N, H] and grad W [V, H] from logits z
+    [N, V] (already / T) with per-logit errors `logit_error` [N, V]; `u_out`: the rounding of dz and of the
+    matmuls' outputs (0 when they stay fp32). See the module docstring."""
+    h, w, g_logp, g_entropy = h.double(), w.double(), g_logp.double()[:, None], g_entropy.double()[:, None]
+    num_tokens, vocab = z.shape
+    onehot = torch.nn.functional.one_hot(targets, vocab).double()  # [N, V]
+    lse = torch.logsumexp(z, -1, keepdim=True)  # [N, 1]
+    p = (z - lse).exp()  # [N, V]
+    m = (p * z).sum(-1, keepdim=True)  # [N, 1]
+    logp, entropy = (z - lse).gather(-1, targets[:, None]), lse - m
+    from_peak = (z - z.max(-1, keepdim=True).values).abs()
+    s, q = (p * from_peak).sum(-1, keepdim=True), (p * from_peak**2).sum(-1, keepdim=True)
+    err_lse = (p * logit_error).sum(-1, keepdim=True) + (vocab + 8 + s) * U32 + U32 * lse.abs()
+    err_m = (p * (1 + (z - m).abs()) * logit_error).sum(-1, keepdim=True)
+    err_m = err_m + (2 * vocab + 8) * U32 * (s + q) + U32 * m.abs()
+    err_p = logit_error + err_lse + U32 * ((z - lse).abs() + 1)  # relative, [N, V]
+    coef = g_logp.abs() + g_entropy.abs() * (z - m).abs()  # bounds |g_logp + g_H (z - m)|
+    dz = (g_logp * (onehot - p) - g_entropy * p * (z - m)) / temperature
+    dz_mag = (g_logp.abs() * (onehot + p) + g_entropy.abs() * p * (z - m).abs()) / temperature  # D
+    err_dz = p * ((err_p + 4 * U32) * coef + g_entropy.abs() * (logit_error + err_m)) / temperature
+    err_dz = err_dz + (2 * U32 + u_out) * dz_mag
+    values = {"logp": logp.squeeze(-1), "entropy": entropy.squeeze(-1), "grad_h": dz @ w, "grad_w": dz.T @ h}
+    bounds = {
+        "logp": (logit_error.gather(-1, targets[:, None]) + err_lse + U32 * logp.abs()).squeeze(-1),
+        "entropy": (err_lse + err_m + U32 * entropy.abs()).squeeze(-1),
+        "grad_h": err_dz @ w.abs() + ((vocab + 1) * U32 + u_out) * (dz_mag @ w.abs()),
+        "grad_w": err_dz.T @ h.abs() + ((num_tokens + 1) * U32 + u_out) * (dz_mag.T @ h.abs()),
+    }
+    return values, bounds
+
+
+def _worst(actual, values, bounds):
+    """The largest error / bound over each quantity's elements (<= 1: within its rounding)."""
+    return {k: ((actual[k].double() - values[k]).abs() / bounds[k]).max().item() for k in values}
+
+
+def _no_inverse_temperature(h, w, targets, lse, mean_z, temperature, *args):
+    """A broken backward: dz without its 1/T factor."""
+    return _CHUNK_GRAD(h, w, targets, lse, mean_z, temperature, *args) * temperature
+
+
+def _flipped_entropy_sign(h, w, targets, lse, mean_z, temperature, vocab_start, grad_logp, grad_entropy):
+    """A broken backward: the entropy's gradient with the wrong sign."""
+    flipped = None if grad_entropy is None else -grad_entropy
+    return _CHUNK_GRAD(h, w, targets, lse, mean_z, temperature, vocab_start, grad_logp, flipped)
+
+
+_CHUNK_GRAD = head_logprobs._chunk_grad
+
+
+def _fused(h, w, targets, temperature, coef, terms, chunk, autocast=False):
+    """Run the fused pass and its backward on copies of h, w: {logp, entropy, grad_h, grad_w}."""
+    fused_h, fused_w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logp, entropy = head_token_stats(fused_h, fused_w, targets, temperature, chunk=chunk)
+    loss = (logp * coef[0]).sum() * (terms != "entropy") + (entropy * coef[1]).sum() * (terms != "logp")
+    loss.backward()
+    return {"logp": logp, "entropy": entropy, "grad_h": fused_h.grad, "grad_w": fused_w.grad}
+
+
+def _loss_coefficients(coef, terms):
+    """(g_logp, g_H) [N] each: d loss / d logp and d loss / d entropy of the tests' losses."""
+    return coef[0] * (terms != "entropy"), coef[1] * (terms != "logp")
+
+
 @pytest.mark.parametrize("terms", ["both", "logp", "entropy"])
-def test_values_and_gradients_match_float64_logits(terms):
+def test_values_and_gradients_match_float64_logits(terms, monkeypatch):
     """509 tokens in chunks of 100 (the last one ragged), temperature 0.7; the loss weighs log-probs and/or
-    entropies by random coefficients, so every gradient path is checked."""
+    entropies by random coefficients, so every gradient path is checked, each element within its own bound."""
     h, w, targets, coef = _inputs()
     temperature = 0.7
-    fused_h, fused_w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    logp, entropy = head_token_stats(fused_h, fused_w, targets, temperature, chunk=100)
-    ref_h, ref_w = h.double().requires_grad_(True), w.double().requires_grad_(True)
-    ref_logp, ref_entropy = _reference(ref_h, ref_w, targets, temperature)
+    z = (h.double() @ w.double().T) / temperature  # [N, V]
+    logit_error = (h.shape[1] + 1) * U32 * (h.double().abs() @ w.double().abs().T) / temperature
+    values, bounds = _reference_and_bounds(
+        z, h, w, targets, temperature, *_loss_coefficients(coef, terms), logit_error, 0.0
+    )
 
-    def loss(lp, en):
-        return {"both": (lp * coef[0]).sum() + (en * coef[1]).sum(), "logp": (lp * coef[0]).sum()}.get(
-            terms, (en * coef[1]).sum()
-        )
+    def worst():
+        return _worst(_fused(h, w, targets, temperature, coef, terms, chunk=100), values, bounds)
 
-    loss(logp, entropy).backward()
-    loss(ref_logp, ref_entropy).backward()
-    logit_error = h.shape[1] * EPS32 * ((h.abs() @ w.abs().T).max() / temperature)  # worst case of one logit
-    assert (logp.double() - ref_logp).abs().max() <= 4 * logit_error
-    assert (entropy.double() - ref_entropy).abs().max() <= 4 * logit_error * ref_entropy.abs().max()
-    # d/dh = dz @ W / T and d/dW = dz.T @ h / T with |dz| <= 1 + |coef| (1 + |z|): bound each sum's rounding.
-    dz_bound = (1 + coef.abs().max()) * (1 + (h.abs() @ w.abs().T).max() / temperature)
-    grad_h_bound = 4 * (logit_error * dz_bound) * w.abs().sum(0).max() / temperature
-    grad_w_bound = 4 * (logit_error * dz_bound) * h.abs().sum(0).max() / temperature
-    assert (fused_h.grad.double() - ref_h.grad).abs().max() <= grad_h_bound
-    assert (fused_w.grad.double() - ref_w.grad).abs().max() <= grad_w_bound
-    assert fused_h.grad.abs().max() > 0.01 and fused_w.grad.abs().max() > 0.01  # the bounds are not vacuous
+    assert max(worst().values()) <= 1
+    assert (
+        values["grad_h"].abs().max() > 0.1 and values["grad_w"].abs().max() > 0.1
+    )  # the bounds are not vacuous
+    broken = [_no_inverse_temperature] + ([_flipped_entropy_sign] if terms != "logp" else [])
+    for chunk_grad in broken:  # the check fails on a wrong backward
+        monkeypatch.setattr(head_logprobs, "_chunk_grad", chunk_grad)
+        ratios = worst()
+        assert ratios["grad_h"] > 1 and ratios["grad_w"] > 1, (chunk_grad.__name__, ratios)
 
 
-def test_bf16_autocast_computes_the_head_in_bf16():
+def test_bf16_autocast_computes_the_head_in_bf16(monkeypatch):
     """Under bf16 autocast the matmuls run in bf16 as F.linear would, the statistics in fp32; gradients come back
-    in the inputs' dtype (fp32 master weights). bf16 logits carry a relative rounding of 2^-8 each."""
+    in the inputs' dtype (fp32 master weights). The reference is float64 on the logits the bf16 matmul gives
+    (the same call on the same chunk as the fused path: the same bits), so a logit carries only the fp32
+    division by T; dz is rounded to bf16 before its matmuls and their outputs are bf16 (u_b each)."""
     h, w, targets, coef = _inputs(tokens=64, vocab=300)
-    fused_h, fused_w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        logp, entropy = head_token_stats(fused_h, fused_w, targets, 1.0, chunk=16)
-    ((logp * coef[0]).sum() + (entropy * coef[1]).sum()).backward()
-    assert logp.dtype == torch.float32 and fused_w.grad.dtype == torch.float32
-    bf16_logits = (h.bfloat16() @ w.bfloat16().T).double()  # what the matmul gives, rounded to bf16
-    ref_logp = torch.log_softmax(bf16_logits, -1).gather(-1, targets[:, None]).squeeze(-1)
-    # Summation order inside the bf16 matmul may differ by one bf16 rounding per logit.
-    bound = 2 * torch.finfo(torch.bfloat16).eps * bf16_logits.abs().max()
-    assert (logp.double() - ref_logp).abs().max() <= bound
+    temperature, chunk = 0.7, 16
+    hb, wb = h.bfloat16(), w.bfloat16()
+    z = torch.cat([hb[i : i + chunk] @ wb.T for i in range(0, len(hb), chunk)]).double() / temperature
+    g_logp, g_entropy = _loss_coefficients(coef, "both")
+    values, bounds = _reference_and_bounds(
+        z, hb, wb, targets, temperature, g_logp, g_entropy, U32 * z.abs(), U16
+    )
+
+    def fused():
+        return _fused(h, w, targets, temperature, coef, "both", chunk=chunk, autocast=True)
+
+    out = fused()
+    assert out["logp"].dtype == torch.float32 and out["grad_w"].dtype == torch.float32
+    assert max(_worst(out, values, bounds).values()) <= 1
+    assert values["grad_h"].abs().max() > 0.1 and values["grad_w"].abs().max() > 0.1
+    for chunk_grad in (_no_inverse_temperature, _flipped_entropy_sign):  # the check fails on a wrong backward
+        monkeypatch.setattr(head_logprobs, "_chunk_grad", chunk_grad)
+        ratios = _worst(fused(), values, bounds)
+        assert ratios["grad_h"] > 1 and ratios["grad_w"] > 1, (chunk_grad.__name__, ratios)
 
 
 def test_log_probs_at_qwen_vocabulary_stay_under_a_gigabyte():

@@ -28,6 +28,7 @@ from dockrl.engines.train.train_engine import TrainEngine
 from dockrl.models.hf import load_state_dict, save_model
 from dockrl.models.value import load_value_model, value_model_kind
 from dockrl.recipes.preflight import preflight_train
+from dockrl.workers.critic import CriticWorker
 from helpers import close
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -154,6 +155,74 @@ def test_critic_engine_values_ignore_padding_and_training_fits_returns(tiny_mode
 
     losses = [engine.train_step([mb], loss_fn)["value_loss"] for _ in range(15)]
     assert losses[-1] < 0.1 * losses[0], losses
+
+
+class _CriticDock:
+    """DockClient's get/put for one critic rank: every row at once, stage after stage."""
+
+    def __init__(self, columns: dict[str, list]) -> None:
+        self.table = [dict(zip(columns, values)) for values in zip(*columns.values())]
+
+    def get(self, consumer, columns, count, *, balance_over):
+        assert count == len(self.table) and balance_over == 1
+        return list(range(count)), {c: [row[c] for row in self.table] for c in columns}
+
+    def put(self, rows, batch):
+        for column, values in batch.items():
+            for row, value in zip(rows, values):
+                self.table[row][column] = value
+
+
+def _critic_step(
+    tiny_model, arithmetic_data, num_groups: int, weights: list[float]
+) -> tuple[dict, _CriticDock]:
+    """One critic step (values, GAE, one optimizer step with micro-batches of one row) on the first
+    `num_groups` groups of two rows; returns its metrics and the dock."""
+    extra = [f"run.prompts_per_step={num_groups}", "critic.micro_batch_size=1", "critic.mini_batches=1"]
+    cfg = load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + ["algo.name=ppo", *extra])
+    rows = 2 * num_groups
+    dock = _CriticDock(
+        {
+            "prompt_ids": [
+                torch.tensor([3, 4, 5]),
+                torch.tensor([3, 4, 5]),
+                torch.tensor([6, 7]),
+                torch.tensor([6, 7]),
+            ],
+            "response_ids": [
+                torch.tensor([8, 9]),
+                torch.tensor([10, 11, 12]),
+                torch.tensor([13]),
+                torch.tensor([14, 15]),
+            ],
+            "reward": [1.0, 0.0, 0.0, 1.0],
+            "update_weight": weights,
+        }
+    )
+    dock.table = dock.table[:rows]
+    worker = CriticWorker("critic-0", 0, 1, cfg=cfg, client=dock, total_optimizer_steps=1)
+    worker.engine = TrainEngine(
+        tiny_model, device="cpu", precision="fp32", optim=cfg.critic, kind=value_model_kind(cfg.run.seed)
+    )
+    worker.compute_values()
+    return worker.update().metrics, dock
+
+
+def test_critic_leaves_rows_of_weight_0_out_of_its_loss_and_figures(tiny_model, arithmetic_data):
+    """Group 2 (rows 2-3) was dropped for a failed reward (update_weight 0). The step's value loss is the hand
+    value 0.5 mean (V - R)^2 over rows 0-1's tokens (R: the score on every token, gamma = lam = 1; before the
+    optimizer step V is the values stage's own, so the clip never binds), and every critic figure equals a
+    step without group 2: masked rows add exact zeros, and micro-batches of one row compute the same bits."""
+    metrics, dock = _critic_step(tiny_model, arithmetic_data, 2, [1.0, 1.0, 0.0, 0.0])
+    alone, _ = _critic_step(tiny_model, arithmetic_data, 1, [1.0, 1.0])
+    kept = dock.table[:2]
+    squared = [(float(v) - row["reward"]) ** 2 for row in kept for v in row["values"]]
+    assert [row["returns"].tolist() for row in kept] == [[1.0, 1.0], [0.0, 0.0, 0.0]]
+    # fp32, relative: a square 3u (the subtraction, the square), a row's sum of <= 3 of them 2u, the / 5 u
+    assert metrics["critic/value_loss"] == pytest.approx(0.5 * sum(squared) / 5, rel=8 * 2.0**-24, abs=0)
+    for key in alone:
+        if key != "critic/update_s":
+            assert metrics[key] == alone[key], key
 
 
 # ---------------------------------------------------------------- config

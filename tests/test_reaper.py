@@ -103,3 +103,33 @@ def test_a_dead_drivers_descendants_die_even_without_the_run_id(tmp_path):
         driver.kill()
         if pid_file.exists() and os.path.exists(f"/proc/{pid_file.read_text()}"):
             os.kill(int(pid_file.read_text()), 9)
+
+
+def _env_of_a_child() -> str:
+    """DOCKRL_RUN_ID as a new child process of this interpreter sees it."""
+    code = f"import os; print(os.environ.get({RUN_ID_ENV!r}))"
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def test_the_run_id_marks_rays_processes_but_not_the_drivers_later_children(monkeypatch):
+    """init_ray's local Ray: the processes ray.init starts (its daemons, which start the workers) carry the run
+    id, so the reaper finds them; afterwards the id is gone from the driver's environment, so a process the
+    interpreter starts later (a notebook's subprocess) is not the run's. ray.init is a stand-in that starts one
+    process, and the reaper process is not started (its id is set as start_reaper sets it)."""
+    import ray
+
+    from dockrl.recipes import common
+    from dockrl.workers import reaper
+
+    monkeypatch.delenv(RUN_ID_ENV, raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    run_id = uuid.uuid4().hex
+    monkeypatch.setattr(reaper, "start_reaper", lambda: os.environ.__setitem__(RUN_ID_ENV, run_id) or run_id)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    daemons: list[str] = []
+    monkeypatch.setattr(ray, "init", lambda **kwargs: daemons.append(_env_of_a_child()))
+    common.init_ray(None)
+    assert daemons == [run_id]
+    assert RUN_ID_ENV not in os.environ and _env_of_a_child() == "None"

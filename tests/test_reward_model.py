@@ -34,6 +34,7 @@ from dockrl.models.config import ModelArgs
 from dockrl.models.hf import load_state_dict
 from dockrl.models.tiny import make_tiny
 from dockrl.models.tokenizer import Tokenizer
+from dockrl.recipes.dynamic_sampling import group_rewards, select_groups
 from dockrl.recipes.preflight import preflight_train
 from dockrl.workers.reward import RewardWorker
 from dockrl.workers.reward_model import RM_SCORE, RewardModelWorker, rm_token_ids, same_vocabulary
@@ -299,6 +300,39 @@ def test_reward_worker_adds_weighted_model_score(functions, tiny_model, tiny_rew
     worker.close()
 
 
+def test_dynamic_sampling_reads_correctness_before_shaping_and_the_update_weights(tiny_model):
+    """DAPO keeps a group when some but not all answers are correct. Rows 0-1 both answer 3+4 wrong ("6", "5")
+    with responses of different lengths, so the overlong penalty spreads their totals; rows 2-3 answer 9-5 one
+    right, one wrong. ScoreResult.accuracy is exact_answer/correct, the filter's input: only group 2 is
+    informative (filtering on the totals kept both)."""
+    tokenizer = Tokenizer.from_dir(tiny_model)
+    columns = _group_rows(tokenizer)
+    columns["response_ids"][0] = torch.tensor(tokenizer.encode("6<|im_end|>"))
+    columns["response_ids"][1] = torch.tensor(tokenizer.encode("my answer is 5<|im_end|>"))
+    lengths = [len(r) for r in columns["response_ids"]]
+    assert lengths[1] > lengths[0] + 1 and lengths[0] <= 2  # only row 1 is inside the overlong buffer
+    dock = FakeDock(columns, group_size=2)
+    reward = RewardConfig(functions=[RewardFnConfig(name="exact_answer")], num_processes=0)
+    algo = AlgoConfig(overlong_buffer_len=lengths[1] - 2, overlong_penalty=1.0)
+    worker = RewardWorker(
+        "reward-0",
+        0,
+        1,
+        reward=reward,
+        algo=algo,
+        tokenizer_path=str(tiny_model),
+        client=dock,
+        group_size=2,
+        max_new_tokens=lengths[1],
+    )
+    out = worker.score()
+    worker.close()
+    assert out.rewards[0] == 0.0 and out.rewards[1] == -1.0  # all wrong, but the totals differ
+    assert out.accuracy == [0.0, 0.0, 0.0, 1.0] and out.weights == [1.0] * 4
+    assert select_groups(group_rewards(out.rows, out.rewards, 2), 2, fill=False).keep == [0, 2]
+    assert select_groups(group_rewards(out.rows, out.accuracy, 2, out.weights), 2, fill=False).keep == [2]
+
+
 # ---------------------------------------------------------------- config errors before Ray
 
 
@@ -450,6 +484,7 @@ def test_a_failed_reward_call_leaves_its_group_out_of_the_update(on_error, weigh
     )
     out = worker.score()
     assert [row["update_weight"] for row in dock.table] == weights
+    assert out.weights == weights  # what dynamic sampling reads to leave a dropped group uninformative
     assert out.errors == 1 and out.dropped_groups == (1 if on_error == "drop_group" else 0)
     assert out.rewards == [1.0, 1.0, 0.0, 1.0]  # the failed call scores 0 in the reward either way
     worker.close()

@@ -6,6 +6,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import yaml
 
 from dockrl.rewards import (
     RewardResult,
@@ -244,7 +245,10 @@ def test_a_file_given_function_is_found_read_and_shipped(tmp_path, monkeypatch):
     with RewardRunner(specs[:1], num_processes=1) as runner:
         totals, components, _ = runner.score(["p", "p"], ["ab", "abc"], [None, None])
     assert totals == [1.0, 0.0] and components["./my_reward.py:fn/length"] == [2.0, 3.0]
-    assert resolve_reward_fn(specs[1].name, code=specs[1].code)("p", "abcd", None).score == 1.0
+    assert (
+        resolve_reward_fn(specs[1].name, code=specs[1].code, origin=specs[1].origin)("p", "abcd", None).score
+        == 1.0
+    )
     # A path that is nowhere, and a file that fails to import, are errors naming the file.
     (configs / "run.yaml").write_text("reward: {functions: [{name: ./missing.py:fn}]}\n")
     with pytest.raises(
@@ -253,3 +257,30 @@ def test_a_file_given_function_is_found_read_and_shipped(tmp_path, monkeypatch):
         load_config(TrainConfig, configs / "run.yaml", base)
     with pytest.raises(ValueError, match=r"importing /x/bad.py failed: ZeroDivisionError"):
         resolve_reward_fn("/x/bad.py:fn", code="1 / 0\n", origin="/x/bad.py")
+
+
+@pytest.mark.parametrize("name", ["exact_answer", "os.path:join", "my_reward:fn"])
+def test_code_runs_only_for_a_file_reference(name, tmp_path, monkeypatch):
+    """A config whose `code` stands next to a built-in, an importable module, or a module name with no file it
+    was read from is refused before anything runs: the code would write a marker file."""
+    from dockrl.config import TrainConfig, load_config
+    from dockrl.config.fields import ConfigError
+
+    marker = tmp_path / "ran"
+    code = f"open({str(marker)!r}, 'w').close()\ndef fn(prompt, response, label):\n    return 1.0\n"
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"reward": {"functions": [{"name": name, "code": code}]}}))
+    monkeypatch.chdir(tmp_path)
+    base = ["model.path=m", "data.train_path=d.jsonl", "run.steps=1", "run.prompts_per_step=1"]
+    with pytest.raises(
+        ConfigError, match=r"reward.functions\[0\].code: set with name=.*not a file reference"
+    ):
+        load_config(TrainConfig, config, base)
+    with pytest.raises(ValueError, match="runs only for a file reference"):
+        resolve_reward_fn(name, code=code)
+    assert not marker.exists()
+    # The same code under a file reference runs (a saved run's config.yaml on resume).
+    assert resolve_reward_fn("./my_reward.py:fn", code=code, origin=str(tmp_path / "my_reward.py"))(
+        "p", "r", None
+    )
+    assert marker.exists()

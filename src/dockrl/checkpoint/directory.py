@@ -8,9 +8,11 @@
     RUN_DIR/checkpoints/step_000040/        after the rename: complete
 
 Lifecycle: `begin` clears a stale staging directory and makes a fresh one; the workers write their parts;
-`commit` writes trainer_state.json, fsyncs it and renames the directory (an atomic rename on one file
-system), then `prune` deletes the oldest complete checkpoints beyond `keep`, only ever after the new one is
-complete. A kill at any moment leaves either the previous complete checkpoints or the new one as well.
+`commit` writes trainer_state.json, fsyncs every file and directory of the staging directory (the workers'
+DCP shards, `hf/`, the driver's inflight.pt, trainer_state.json) and renames it (an atomic rename on one file
+system), so after a power loss a complete checkpoint holds no torn file; then `prune` deletes the oldest
+complete checkpoints beyond `keep`, only ever after the new one is complete. A kill at any moment leaves
+either the previous complete checkpoints or the new one as well.
 
 `resolve_model_path` / `resolve_critic_path` let `model.path`, `critic.path` and `dockrl eval --model` take
 a checkpoint root (`step_NNNNNN/`) as well as a Hugging Face directory.
@@ -80,8 +82,7 @@ def commit(staging: Path, trainer_state: dict[str, Any]) -> Path:
     with open(state_file, "w", encoding="utf-8") as f:
         json.dump(trainer_state, f, indent=1, sort_keys=True)
         f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    fsync_tree(staging)  # every file's data and every directory entry on disk before the rename
     final = staging.with_name(staging.name.removesuffix(STAGING_SUFFIX))
     if final.exists():
         abandon(final)
@@ -146,6 +147,25 @@ def resolve_critic_path(path: str) -> str:
             "set critic.path to a causal-LM or critic directory"
         )
     return str(critic)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, then every directory, deepest first (`root` last)."""
+    directories = []
+    for current, _, files in os.walk(root):
+        directories.append(Path(current))
+        for name in files:
+            _fsync_file(Path(current) / name)
+    for path in reversed(directories):
+        _fsync_dir(path)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
+from dockrl.checkpoint.directory import fsync_tree
 from dockrl.models.hf import LM_HEAD_KEY, HFWriter
 from dockrl.models.tp_plan import shard_dim
 
@@ -123,6 +124,7 @@ def export_hf(
         del whole
     if is_writer:
         writer.finish(dtype, tokenizer_dir)
+        fsync_tree(Path(path))  # on the node that wrote it (the driver's commit fsyncs again, from its node)
     dist.barrier()
 
 

@@ -51,6 +51,13 @@ def check_dynamic_sampling(cfg: TrainConfig) -> None:
         )
     if algo.max_sampling_rounds < 1:
         raise config_error("algo.max_sampling_rounds", algo.max_sampling_rounds, "must be >= 1", "use e.g. 3")
+    if not cfg.reward.functions:
+        raise config_error(
+            "algo.dynamic_sampling",
+            True,
+            "keeps groups whose rule rewards (or <fn>/correct) differ, and reward.functions=[] gives none",
+            "add a rule reward function (e.g. exact_answer), or use algo.dynamic_sampling=false",
+        )
 
 
 def check_algorithm(cfg: TrainConfig) -> None:

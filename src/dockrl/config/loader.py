@@ -4,7 +4,9 @@
 
 Unknown keys are errors that suggest the nearest valid key; values are checked against the field types
 (`int`, `float`, `str`, `bool`, `Literal[...]` (closed choices: the error lists them), `X | None`,
-`list[Dataclass]`, `dict`). No interpolation, no exec.
+`list[Dataclass]`, `dict`). No interpolation. A config is code, though: a reward function names a module to
+import or a file whose source is read here and runs in every reward process (`code` runs only for a file
+reference; README, "Rewards").
 """
 
 from __future__ import annotations
@@ -49,9 +51,16 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
 
 def read_reward_files(functions: list, search_dirs: list[Path]) -> None:
     """Fill `source_file` and `code` of every reward function given as a file (`locate_reward_file`), so the
-    driver ships its source to the workers; a file that is not there is a ConfigError naming it."""
+    driver ships its source to the workers; a file that is not there is a ConfigError naming it. Shipped `code`
+    is accepted only for a name that refers to a file (`names_a_file`)."""
     for i, function in enumerate(functions):
-        if function.code is not None:  # a saved run's config carries its code already
+        if function.code is not None:  # a saved run's config carries its file's code already
+            if not names_a_file(function.name, function.source_file):
+                raise ConfigError(
+                    f"reward.functions[{i}].code: set with name={function.name!r}, which is not a file "
+                    "reference; `code` runs only for 'path/to/file.py:function' (the loader fills it in): "
+                    "remove `code`"
+                )
             continue
         try:
             found = locate_reward_file(function.name, search_dirs)
@@ -59,6 +68,18 @@ def read_reward_files(functions: list, search_dirs: list[Path]) -> None:
             raise ConfigError(f"reward.functions[{i}].name={function.name!r}: {exc}") from exc
         if found is not None:
             function.source_file, function.code = str(found), found.read_text(encoding="utf-8")
+
+
+def names_a_file(name: str, origin: str | None = None) -> bool:
+    """True when reward `name` refers to a source file, the only kind of name shipped `code` may stand for:
+    `path/to/file.py:function`, or `module:function` read from `origin`, a file `.../module.py` (dots as
+    folders), as `locate_reward_file` finds a module next to the config."""
+    module, sep, attr = name.partition(":")
+    if not sep or not module or not attr:
+        return False
+    if module.endswith(".py") or "/" in module or "\\" in module:
+        return True
+    return origin is not None and Path(origin).as_posix().endswith("/" + module.replace(".", "/") + ".py")
 
 
 def locate_reward_file(name: str, search_dirs: list[Path]) -> Path | None:

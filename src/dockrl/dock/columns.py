@@ -154,7 +154,7 @@ UPDATE_WEIGHT = _declare(
     "float32",
     "row",
     (Stage.REWARD,),
-    (Stage.UPDATE,),
+    (Stage.UPDATE, Stage.CRITIC_UPDATE),
     "1, or 0 for the rows of a group the update leaves out (a reward call of the group failed, "
     "reward.on_error=drop_group): their tokens are masked out of the loss and its normalisers",
 )

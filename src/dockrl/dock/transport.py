@@ -16,12 +16,23 @@ Why sockets: a Ray actor call costs ~1-2 ms of scheduling and object-store work 
 Ray actors (placement, lifecycle, names, incarnations); only the request path changes. A hub serves each
 connection on its own thread (handshake included, so a stalled client blocks nobody else), so the target
 must be thread-safe (Warehouse and SharedController are). Every wait is bounded: connecting and the
-handshake by CONNECT_TIMEOUT_S, replies by the caller's timeout, a peer whose node vanished mid-message by
-TCP keepalive / user timeout. No Ray import at module level: the central modes (driver hub) use it too.
+handshake by CONNECT_TIMEOUT_S (the hub drops a connection that has not authenticated by then, and runs at
+most MAX_HANDSHAKES handshakes at once; later connections wait in the listen backlog), replies by the
+caller's timeout, a peer whose node vanished mid-message by TCP keepalive / user timeout. No Ray import at
+module level: the central modes (driver hub) use it too.
+
+Authentication: the hub's random key (shipped to clients inside their pickled transports) authenticates both
+ends with multiprocessing's HMAC challenge in both directions; each end then sends a fresh nonce, and every
+frame after that carries HMAC-SHA256(session key, direction | sequence number | payload), checked before the
+payload is unpickled. A tampered, replayed (from this or another connection) or reordered frame raises
+BadFrame and closes the connection. Frames are not encrypted: a dock carries rollouts, not secrets, but the
+key must stay private (any holder can run code in the hub's process through pickle).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import pickle
 import secrets
 import socket
@@ -32,6 +43,10 @@ from multiprocessing.connection import Client, Connection, answer_challenge, del
 from typing import Any
 
 CONNECT_TIMEOUT_S = 30.0
+MAX_HANDSHAKES = 64  # unauthenticated connections a hub serves at once
+_TAG_BYTES = 32  # HMAC-SHA256
+_NONCE_BYTES = 16
+_TO_HUB, _TO_CLIENT = b"C", b"S"  # frame directions
 _connector = ThreadPoolExecutor(8, thread_name_prefix="dock-connect")  # bounded connect + handshake
 
 
@@ -47,18 +62,84 @@ class BadMessage(Exception):
     """A message arrived whole but could not be unpickled (the connection is still usable)."""
 
 
-def _send(connection: Connection, obj: Any) -> None:
-    # Plain pickle, not Connection.send: torch registers ForkingPickler reductions that would move tensors
-    # into shared memory and pass file descriptors, which only works between related processes.
-    connection.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+class BadFrame(Lost):
+    """A frame failed authentication (tampered, replayed or out of order); its connection is closed unread."""
 
 
-def _recv(connection: Connection) -> Any:
-    data = connection.recv_bytes()  # OSError / EOFError: the connection is gone
+class _Channel:
+    """One authenticated connection: frames are tag | payload, tag = HMAC(session key, direction | seq |
+    payload), with a sequence number per direction that both ends count from 0."""
+
+    def __init__(
+        self, connection: Connection, key: bytes, send_direction: bytes, recv_direction: bytes
+    ) -> None:
+        self.connection, self.key = connection, key
+        self.send_direction, self.recv_direction = send_direction, recv_direction
+        self.sent = self.received = 0
+
+    def _tag(self, direction: bytes, seq: int, payload: bytes) -> bytes:
+        return hmac.new(self.key, direction + seq.to_bytes(8, "big") + payload, hashlib.sha256).digest()
+
+    def send(self, obj: Any) -> None:
+        """Pickle `obj` and send it as the next frame."""
+        # Plain pickle, not Connection.send: torch registers ForkingPickler reductions that would move tensors
+        # into shared memory and pass file descriptors, which only works between related processes.
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        self.connection.send_bytes(self._tag(self.send_direction, self.sent, payload) + payload)
+        self.sent += 1
+
+    def recv(self) -> Any:
+        """The next frame's object; BadFrame (connection closed) if it is not the next authentic frame."""
+        data = self.connection.recv_bytes()  # OSError / EOFError: the connection is gone
+        tag, payload = data[:_TAG_BYTES], data[_TAG_BYTES:]
+        if not hmac.compare_digest(tag, self._tag(self.recv_direction, self.received, payload)):
+            self.connection.close()
+            raise BadFrame(
+                f"dock frame #{self.received} failed authentication (tampered, replayed or out of order); "
+                "the connection was closed without unpickling it"
+            )
+        self.received += 1
+        try:
+            return pickle.loads(payload)
+        except Exception as error:  # noqa: BLE001 - e.g. a class the receiver cannot import
+            raise BadMessage(f"{type(error).__name__}: {error}") from error
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.connection.close()
+
+
+def _session_key(authkey: bytes, hub_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(authkey, b"dockrl-session" + hub_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def _hub_channel(connection: Connection, authkey: bytes) -> _Channel:
+    """The hub's side of the handshake: challenge both ways, then the nonces (hub's first)."""
+    deliver_challenge(connection, authkey)
+    answer_challenge(connection, authkey)
+    hub_nonce = secrets.token_bytes(_NONCE_BYTES)
+    connection.send_bytes(hub_nonce)
+    client_nonce = connection.recv_bytes(_NONCE_BYTES)
+    return _Channel(connection, _session_key(authkey, hub_nonce, client_nonce), _TO_CLIENT, _TO_HUB)
+
+
+def _client_channel(address: tuple, authkey: bytes) -> _Channel:
+    """Connect to a hub and run the client's side of the handshake."""
+    connection = Client(address, authkey=authkey)
+    hub_nonce = connection.recv_bytes(_NONCE_BYTES)
+    client_nonce = secrets.token_bytes(_NONCE_BYTES)
+    connection.send_bytes(client_nonce)
+    _tune(connection)
+    return _Channel(connection, _session_key(authkey, hub_nonce, client_nonce), _TO_HUB, _TO_CLIENT)
+
+
+def _shutdown(connection: Connection) -> None:
+    """End a connection's pending reads and writes from another thread (its handshake ran out of time)."""
     try:
-        return pickle.loads(data)
-    except Exception as error:  # noqa: BLE001 - e.g. a class the receiver cannot import
-        raise BadMessage(f"{type(error).__name__}: {error}") from error
+        with socket.fromfd(connection.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed
+        pass
 
 
 def node_ip() -> str:
@@ -96,6 +177,7 @@ class ServiceHub:
         self.address = self._socket.getsockname()[:2]
         ServiceHub._local[self.address] = target
         self._closed = False
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         threading.Thread(target=self._accept, name="dock-hub-accept", daemon=True).start()
 
     @classmethod
@@ -105,27 +187,41 @@ class ServiceHub:
 
     def _accept(self) -> None:
         while not self._closed:
+            self._handshakes.acquire()  # released when the connection has authenticated or failed to
             try:
                 sock, _ = self._socket.accept()
             except OSError:
+                self._handshakes.release()
                 if self._closed:
                     return
                 continue
             threading.Thread(target=self._serve, args=(sock,), name="dock-hub", daemon=True).start()
 
+    def _handshake(self, connection: Connection) -> _Channel | None:
+        """The channel of an authenticated connection, or None (bad key, or no handshake within
+        CONNECT_TIMEOUT_S: the connection is shut down)."""
+        watchdog = threading.Timer(CONNECT_TIMEOUT_S, _shutdown, args=(connection,))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            return _hub_channel(connection, self.authkey)
+        except Exception:  # noqa: BLE001 - a failed handshake ends only this connection
+            return None
+        finally:
+            watchdog.cancel()
+            self._handshakes.release()
+
     def _serve(self, sock: socket.socket) -> None:
         sock.setblocking(True)
         with Connection(sock.detach()) as connection:
-            try:  # the handshake of multiprocessing.connection.Listener, here on this connection's thread
-                deliver_challenge(connection, self.authkey)
-                answer_challenge(connection, self.authkey)
-            except Exception:  # noqa: BLE001 - a failed handshake ends only this connection
+            channel = self._handshake(connection)
+            if channel is None:
                 return
             _tune(connection)
             while True:
                 try:
-                    method, args, kwargs = _recv(connection)
-                except (EOFError, OSError):
+                    method, args, kwargs = channel.recv()
+                except (EOFError, OSError, BadFrame):  # a bad frame: the channel closed the connection
                     return
                 except BadMessage as error:
                     reply = ("error", TypeError(f"the dock could not unpickle a request: {error}"))
@@ -135,13 +231,11 @@ class ServiceHub:
                     except Exception as error:  # noqa: BLE001 - sent back and re-raised in the client
                         reply = ("error", error)
                 try:
-                    _send(connection, reply)
+                    channel.send(reply)
                 except (OSError, ValueError):
                     return
                 except Exception as error:  # noqa: BLE001 - an unpicklable reply: say so instead
-                    _send(
-                        connection, ("error", TypeError(f"{method} returned an unpicklable value: {error}"))
-                    )
+                    channel.send(("error", TypeError(f"{method} returned an unpicklable value: {error}")))
 
     def close(self) -> None:
         """Stop accepting connections (open ones end when their clients go away)."""
@@ -166,15 +260,18 @@ class _Done:
 
 
 class _SocketPending:
-    def __init__(self, transport: SocketTransport, connection: Connection) -> None:
-        self.transport, self.connection = transport, connection
+    def __init__(self, transport: SocketTransport, channel: _Channel) -> None:
+        self.transport, self.channel = transport, channel
 
     def result(self, timeout_s: float) -> Any:
         try:
-            if not self.connection.poll(max(0.0, timeout_s)):
+            if not self.channel.connection.poll(max(0.0, timeout_s)):
                 self.abandon()  # its late reply must not answer the next request
                 raise NoReply()
-            status, value = _recv(self.connection)
+            status, value = self.channel.recv()
+        except BadFrame:
+            self.abandon()
+            raise
         except (OSError, EOFError) as error:
             self.abandon()
             raise Lost(repr(error)) from error
@@ -184,7 +281,7 @@ class _SocketPending:
 
     def abandon(self) -> None:
         """Give up on this reply: close the connection, so the next request opens a fresh one."""
-        self.transport._drop(self.connection)
+        self.transport._drop(self.channel)
 
 
 class SocketTransport:
@@ -212,36 +309,36 @@ class SocketTransport:
                 return _Done("ok", getattr(local, method)(*args, **kwargs))
             except Exception as error:  # noqa: BLE001 - raised by result(), like a remote error
                 return _Done("error", error)
-        connection = getattr(self._threads, "connection", None)
+        channel = getattr(self._threads, "channel", None)
         try:
-            if connection is None:
-                connection = self._threads.connection = self._connect()
-            _send(connection, (method, args, kwargs))
+            if channel is None:
+                channel = self._threads.channel = self._connect()
+            channel.send((method, args, kwargs))
         except Lost as error:  # no connection could be made
             return _Done("error", error)
         except (OSError, EOFError) as error:
-            self._drop(connection)
+            self._drop(channel)
             return _Done("error", Lost(repr(error)))
-        return _SocketPending(self, connection)
+        return _SocketPending(self, channel)
 
     def call(self, method: str, *args, timeout_s: float, **kwargs) -> Any:
         """request + result."""
         return self.request(method, *args, **kwargs).result(timeout_s)
 
-    def _connect(self) -> Connection:
-        future = _connector.submit(Client, self.address, authkey=self.authkey)
+    def _connect(self) -> _Channel:
+        future = _connector.submit(_client_channel, self.address, self.authkey)
         try:
-            return _tune(future.result(timeout=CONNECT_TIMEOUT_S))
+            return future.result(timeout=CONNECT_TIMEOUT_S)
         except FutureTimeout:
             raise Lost(f"no connection to {self.address} within {CONNECT_TIMEOUT_S:g} s") from None
         except Exception as error:  # noqa: BLE001 - refused, reset, failed handshake: the peer is not there
             raise Lost(repr(error)) from error
 
-    def _drop(self, connection: Connection) -> None:
-        if getattr(self._threads, "connection", None) is connection:
-            self._threads.connection = None
+    def _drop(self, channel: _Channel) -> None:
+        if getattr(self._threads, "channel", None) is channel:
+            self._threads.channel = None
         try:
-            connection.close()
+            channel.close()
         except OSError:
             pass
 

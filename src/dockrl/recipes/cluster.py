@@ -1,7 +1,8 @@
 """Cluster: everything one attempt of a run starts on Ray, started together and stopped together.
 
 Cluster.start(resolved, resume_from) ──▶ dock (controller + warehouses) ──▶ actor, reward[, reward_model,
-                                    critic] worker groups ──▶ setup (from the checkpoint when resuming)
+                                    critic] worker groups ──▶ every actor and critic node sees run.output_dir
+                                    (checkpoint/shared_dir.py) ──▶ setup (from the checkpoint when resuming)
 every actor is watched by one Supervisor (heartbeats; a death or hang becomes a named WorkerFailure)
 close(): the normal end (reward process pools are stopped politely, then every actor is killed)
 kill():  after a failure (every actor is killed at once; nothing waits on a worker that may be stuck)
@@ -14,6 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from dockrl.checkpoint.shared_dir import remove_probe, write_probe
 from dockrl.config.resolve import Resolved
 from dockrl.config.schema import RunConfig, TrainConfig
 from dockrl.config.step_plan import StepPlan
@@ -105,6 +107,7 @@ class Cluster:
             for group in started.values():
                 if isinstance(group, WorkerGroup):
                     group.wait_started()
+            _check_output_dir(cfg, started["actors"], started["critic"])
             supervisor.step, supervisor.stage = None, Stage.SETUP
             setup = started["actors"].setup(resume_from)
             if started["critic"] is not None:
@@ -187,7 +190,7 @@ def _watch_dock(supervisor: Supervisor, dock: Dock | CentralDockHandle) -> None:
     identities = ray.get([a.__ray_call__.remote(process_identity) for _, a in actors], timeout=60)
     for (name, actor), ident in zip(actors, identities):
         where = f"dock, node {ident['node_ip']} {ident['node_id'][:8]}, pid {ident['pid']}"
-        supervisor.watch(name, actor, where, method=method, pid=ident["pid"])
+        supervisor.watch(name, actor, where, method=method, pid=ident["pid"], node_ip=ident["node_ip"])
 
 
 def _start_workers(
@@ -291,6 +294,16 @@ def _start_rollouts(cfg: TrainConfig, plan: StepPlan, dock, supervisor: Supervis
         plan=plan,
         client=dock.client(),
     )
+
+
+def _check_output_dir(cfg: TrainConfig, *groups: WorkerGroup | None) -> None:
+    """Every node with training ranks (they write checkpoint shards) must see the driver's run.output_dir."""
+    probe = write_probe(cfg.run.output_dir)
+    try:
+        for pending in [group.check_output_dir(probe) for group in groups if group is not None]:
+            pending.wait()
+    finally:
+        remove_probe(probe)
 
 
 def _connect_weight_sync(actors: ActorGroup, rollouts: RolloutGroup) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -25,17 +26,18 @@ def init_ray(address: str | None) -> None:
     if address:
         ray.init(address=address, log_to_driver=True, configure_logging=False)
     else:
-        if os.path.isdir("/proc/self"):
-            from dockrl.workers.reaper import start_reaper
+        from dockrl.workers.reaper import reaped_ray_start
 
-            start_reaper()
-        ray.init(
-            address="local",  # a new local Ray, never a cluster left behind on this machine by `ray start`
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            configure_logging=False,
-            log_to_driver=True,
-        )
+        # Ray's daemons inherit the reaper's run id; the driver's later children do not (the id leaves
+        # os.environ once Ray runs).
+        with reaped_ray_start() if os.path.isdir("/proc/self") else contextlib.nullcontext():
+            ray.init(
+                address="local",  # a new local Ray, never a cluster left behind on this machine by `ray start`
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                configure_logging=False,
+                log_to_driver=True,
+            )
 
 
 @dataclass

@@ -1,7 +1,11 @@
 """DAPO dynamic sampling: keep generating until the step's batch is full of groups that carry a signal.
 
-A group whose samples all got the same reward has zero advantage everywhere: it costs a full update and
-teaches nothing. With `algo.dynamic_sampling`, the driver runs rollout rounds:
+A group whose samples are all correct or all wrong teaches nothing about correctness. As in DAPO, a group is
+informative when some but not all of its answers are correct: the filter reads the rule reward's `<fn>/correct`
+component when a reward function reports one, else the rule reward itself, both before reward-model and
+overlong shaping (a length penalty spreads the rewards of an all-wrong group without making it informative).
+A group left out of the update for a failed reward call (update weight 0) is never informative.
+With `algo.dynamic_sampling`, the driver runs rollout rounds:
 
     round 1: the step's prompts_per_step prompts  ─▶ generate + score (overlapped, through the dock)
     round r: as many new prompts as informative groups are still missing ─▶ generate + score
@@ -49,9 +53,20 @@ def select_groups(groups: dict[int, list[float]], target: int, *, fill: bool) ->
     )
 
 
-def group_rewards(rows: list[int], rewards: list[float], group_size: int) -> dict[int, list[float]]:
-    """first row id -> rewards of its rows, from the (row, reward) pairs the reward workers report."""
+def group_rewards(
+    rows: list[int], rewards: list[float], group_size: int, weights: list[float] | None = None
+) -> dict[int, list[float]]:
+    """first row id -> the filter values of its rows, from the (row, value) pairs the reward workers report
+    (ScoreResult.accuracy). `weights`: each row's update weight; a group with a weight-0 row is left out of the
+    update, so its values read as zeros (no spread: never informative, only a filler)."""
     groups: dict[int, list[float]] = {}
-    for row, reward in sorted(zip(rows, rewards)):
-        groups.setdefault(row - row % group_size, []).append(reward)
-    return groups
+    dropped: set[int] = set()
+    for i, (row, reward) in enumerate(zip(rows, rewards)):
+        first = row - row % group_size
+        groups.setdefault(first, []).append((row, reward))
+        if weights is not None and weights[i] == 0.0:
+            dropped.add(first)
+    return {
+        first: [0.0 if first in dropped else r for _, r in sorted(pairs)]
+        for first, pairs in sorted(groups.items())
+    }

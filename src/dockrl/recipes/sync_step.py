@@ -147,7 +147,10 @@ def _sample_until_full(
     for rounds in range(1, most + 1):
         round_gen, round_scored, _ = _round(cfg, schedule, step, batch, cluster, timer)
         gen, scored = gen + round_gen, scored + round_scored
-        groups = group_rewards([r for s in scored for r in s.rows], [x for s in scored for x in s.rewards], n)
+        # DAPO keeps a group whose answers are partly right: correctness before any shaping, never a group
+        # left out for a failed reward (recipes/dynamic_sampling.py).
+        rows, weights = [r for s in scored for r in s.rows], [w for s in scored for w in s.weights]
+        groups = group_rewards(rows, [x for s in scored for x in s.accuracy], n, weights)
         missing = target - select_groups(groups, target, fill=False).informative
         if missing <= 0 or rounds == most:
             break

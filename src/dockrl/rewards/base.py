@@ -20,6 +20,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from dockrl.config.loader import names_a_file
 from dockrl.rewards.builtin import BUILTIN_REWARDS
 from dockrl.rewards.result import RewardFn, RewardResult
 
@@ -86,15 +87,24 @@ def resolve_reward_fn(
         name: a built-in name ("exact_answer", "math_verify", "format"), "package.module:function", or a
             file's "path/to/file.py:function" (whose source is `code`).
         kwargs: extra keyword arguments passed on every call (e.g. ``{"pattern": ...}`` for "format").
-        code: the source of the reward's file, read once by the driver (`config.loader.locate_reward_file`) and shipped to
-            every worker and reward process, so the file need not exist where they run.
+        code: the source of the reward's file, read once by the driver (`config.loader.locate_reward_file`) and
+            shipped to every worker and reward process, so the file need not exist where they run. Only with a
+            `name` that refers to a file (`config.loader.names_a_file`): a built-in or importable name never
+            runs shipped code.
         origin: that file's path, for tracebacks and errors.
 
     Raises:
         ValueError: unknown built-in (lists the built-ins), module that fails to import (names the path
-            and the import error), missing attribute, or kwargs the function does not accept.
+            and the import error), missing attribute, kwargs the function does not accept, or `code` with a
+            name that is not a file's.
     """
     if code is not None:
+        if not names_a_file(name, origin):
+            raise ValueError(
+                f"reward function {name!r} comes with `code`, which runs only for a file reference "
+                "('path/to/file.py:function'); a built-in or importable name runs what it names: remove `code` "
+                "(the loader fills it in from the file)"
+            )
         fn = _function_from_code(name, code, origin or name.rpartition(":")[0])
     elif ":" in name:
         fn = _import_function(name)

@@ -6,11 +6,12 @@ every stage pulling exactly rows/dp rows from the dock (length-balanced, so the 
 
     setup(resume_from?) ──▶ [compute_values ──▶ update ──▶ save?] x steps
                │                  │
-               │                  pull reward, values [, ref_logprobs, old_logprobs] ─▶ token rewards (the
-               │                  sequence reward on the last token, minus kl_coef x per-token KL with
-               │                  algo.kl_in_reward) ─▶ GAE ─▶ put advantages, returns ─▶ epochs x mini-batches
-               │                  of clipped value loss on the same rows (the actor's update, waiting for
-               │                  `advantages`, runs meanwhile and whitens them over every token of the step)
+               │                  pull reward, update_weight, values [, ref_logprobs, old_logprobs] ─▶ token
+               │                  rewards (the sequence reward on the last token, minus kl_coef x per-token KL
+               │                  with algo.kl_in_reward) ─▶ GAE ─▶ put advantages, returns ─▶ epochs x
+               │                  mini-batches of clipped value loss on the same rows, rows of update_weight 0
+               │                  masked out (the actor's update, waiting for `advantages`, runs meanwhile and
+               │                  whitens them over every token of the step)
                pull prompt_ids, response_ids ─▶ V(state before each response token) ─▶ put values
 
 Shapes: B rows, T tokens of a micro-batch (shifted grid T-1, see engines.train.batch).
@@ -45,6 +46,7 @@ from dockrl.dock.columns import (
     RESPONSE_IDS,
     RETURNS,
     REWARD,
+    UPDATE_WEIGHT,
     VALUES,
 )
 from dockrl.dock.stages import Stage
@@ -141,13 +143,16 @@ class CriticWorker(Worker):
         reward and the coefficient it was weighted with (then adapted for the next step by the controller).
         """
         algo = self.cfg.algo
-        columns = [PROMPT_IDS, RESPONSE_IDS, REWARD, VALUES]
+        columns = [PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, REWARD, VALUES]
         columns += [REF_LOGPROBS, OLD_LOGPROBS] if algo.kl_in_reward else []
         rows, batch = self.client.get(
             Stage.CRITIC_UPDATE, columns, self.rows_per_rank, balance_over=self.world_size
         )
         start = time.perf_counter()
         values, mask = pad_rows(batch[VALUES])  # [B, R] over this rank's rows
+        # Rows a failed reward call left out (reward.on_error=drop_group) weigh 0, as in the actor's update:
+        # their GAE is computed (rows are independent) but they enter no loss, figure or KL controller.
+        counted = mask * _row_weights(batch)[:, None]  # [B, R] float
         kl = None
         if algo.kl_in_reward:
             old, ref = pad_rows(batch[OLD_LOGPROBS])[0], pad_rows(batch[REF_LOGPROBS])[0]
@@ -160,7 +165,7 @@ class CriticWorker(Worker):
         batch[RETURNS] = [returns[i, :n].clone() for i, n in enumerate(lengths)]
         row_advantages = [advantages[i, :n].clone() for i, n in enumerate(lengths)]
         self.client.put(Stage.CRITIC_UPDATE, rows, {ADVANTAGES: row_advantages, RETURNS: batch[RETURNS]})
-        metrics = self._step_stats(values, returns, advantages, mask, kl, kl_coef)
+        metrics = self._step_stats(values, returns, advantages, counted, kl, kl_coef)
         if kl is not None:
             self.kl_ctrl.update(metrics["reward/kl_penalty"], self.rows)
         history = [
@@ -183,7 +188,8 @@ class CriticWorker(Worker):
         kl_coef: float,
     ) -> dict[str, float]:
         """Whole-step figures before training (all [B, R] in): explained variance, means of values, returns,
-        advantages and the KL in the reward, summed over the critic ranks."""
+        advantages and the KL in the reward, summed over the critic ranks. `mask`: 1 where a token counts (0 on
+        padding and on rows left out of the update), float or bool."""
         mask_f = mask.double()
         sums = [mask_f.sum(), (values * mask_f).sum(), (returns * mask_f).sum(), (advantages * mask_f).sum()]
         sums.append((kl * mask_f).sum() if kl is not None else mask_f.new_zeros(()))
@@ -202,9 +208,12 @@ class CriticWorker(Worker):
         return metrics
 
     def _train_mini_batch(self, batch: dict[str, list], idx: list[int]) -> dict[str, float]:
-        """One critic optimizer step on rows `idx`: token-mean clipped value loss over the mini-batch (all ranks)."""
-        local_tokens = sum(len(batch[VALUES][i]) for i in idx)
+        """One critic optimizer step on rows `idx`: token-mean clipped value loss over the mini-batch (all ranks);
+        rows of weight 0 are masked out of the loss and its token count."""
+        weights = _row_weights(batch)[idx].tolist()
+        local_tokens = sum(len(batch[VALUES][i]) * w for i, w in zip(idx, weights))
         global_tokens = all_reduce_sum(torch.tensor([float(local_tokens)]), self.engine.dp_group)[0].item()
+        global_tokens = max(global_tokens, 1.0)  # every row left out: a zero loss
         micro_batches = [
             make_micro_batch(
                 [batch[PROMPT_IDS][idx[j]] for j in chunk],
@@ -212,6 +221,7 @@ class CriticWorker(Worker):
                 pad_token_id=PAD_TOKEN_ID,
                 device=self.engine.device,
                 per_token={name: [batch[name][idx[j]] for j in chunk] for name in (VALUES, RETURNS)},
+                response_masks=[torch.full((len(batch[VALUES][idx[j]]),), weights[j]) for j in chunk],
             )
             for chunk in split_indices(len(idx), self.cfg.critic.micro_batch_size)
         ]
@@ -243,6 +253,11 @@ class CriticWorker(Worker):
         save_engine(self.engine, Path(path) / CRITIC)
         export_hf(self.engine, Path(path) / CRITIC / HF, tokenizer_dir=self.cfg.model.path)
         return CriticState(self.kl_ctrl.value)
+
+
+def _row_weights(batch: dict[str, list]) -> torch.Tensor:
+    """update_weight of each row [B] fp32: 1, or 0 for a row the update leaves out."""
+    return torch.tensor([float(w) for w in batch[UPDATE_WEIGHT]], dtype=torch.float32)
 
 
 def _mini_batches(num_rows: int, num_mini_batches: int) -> list[list[int]]:

@@ -14,7 +14,9 @@ Each fault is ACTION:TARGET:STAGE:STEP[:WHEN]:
 
 A fault fires at most once per driver process, so a run that restarts (run.max_restarts) replays the step
 undisturbed. The processes are real and the kills are real signals: nothing is simulated. Faults need the
-target on the driver's machine (local Ray); unset DOCKRL_FAULTS injects nothing.
+target on the driver's node (local Ray): a fault signals a pid on the driver's machine, so a target
+registered on another node is refused (RemoteFaultTarget) as soon as it registers. Unset DOCKRL_FAULTS
+injects nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ log = logging.getLogger(__name__)
 ENV = "DOCKRL_FAULTS"
 ACTIONS = ("kill", "hang", "pause")
 WHENS = ("before", "during", "after", "commit")
+
+
+class RemoteFaultTarget(ValueError):
+    """A fault's target runs on another node than the driver: its pid means nothing here."""
 
 
 @dataclass(frozen=True)
@@ -78,14 +84,31 @@ def parse_faults(text: str | None) -> list[Fault]:
 class FaultInjector:
     """Fires the faults of DOCKRL_FAULTS (or `faults`) when the driver reaches their stage and step."""
 
-    def __init__(self, faults: list[Fault] | None = None):
+    def __init__(self, faults: list[Fault] | None = None, driver_ip: str | None = None):
         self.faults = parse_faults(os.environ.get(ENV)) if faults is None else faults
         self.fired: set[Fault] = set()
         self.pids: dict[str, int] = {}  # target name -> pid, registered as processes start
+        self._driver_ip = driver_ip  # this process's Ray node address (looked up when first needed)
 
-    def register(self, name: str, pid: int) -> None:
-        """Make process `pid` reachable as target `name`."""
+    def register(self, name: str, pid: int, node_ip: str | None = None) -> None:
+        """Make process `pid` on node `node_ip` (None: this one) reachable as target `name`; a target of a
+        scheduled fault on another node raises RemoteFaultTarget."""
+        if node_ip is not None and any(f.target == name for f in self.faults):
+            driver_ip = self.driver_ip()
+            if node_ip != driver_ip:
+                raise RemoteFaultTarget(
+                    f"{ENV} targets {name!r}, which runs on node {node_ip}, not on the driver's node {driver_ip}: "
+                    f"a fault signals a pid on the driver's machine; target a process on this node, or unset {ENV}"
+                )
         self.pids[name] = pid
+
+    def driver_ip(self) -> str:
+        """The driver's Ray node address."""
+        if self._driver_ip is None:
+            import ray
+
+            self._driver_ip = ray.util.get_node_ip_address()
+        return self._driver_ip
 
     def at(self, stage: str, step: int | None, when: str) -> None:
         """The driver is at `when` of `stage` in `step`: fire what is due."""

@@ -16,6 +16,7 @@ for minutes does not look hung; stage methods still run one at a time.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import Any, Generic, TypeVar
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from dockrl.checkpoint.shared_dir import Probe, check_probe
 from dockrl.dock.choice import DockChoice
 from dockrl.parallel.dist import free_port, host_ip, init_distributed
 from dockrl.workers.fault_injection import process_identity
@@ -71,6 +73,10 @@ class Worker:
     def identity(self) -> dict[str, Any]:
         """Node address and id, and process id, for naming this worker in errors."""
         return process_identity()
+
+    def check_output_dir(self, probe: Probe) -> None:
+        """Raise unless this worker's node sees the driver's run.output_dir (checkpoint/shared_dir.py)."""
+        check_probe(probe, node=f"{socket.gethostname()} ({process_identity()['node_ip']})")
 
     @ray.method(concurrency_group=HEALTH_GROUP)
     def heartbeat(self) -> float:
@@ -158,7 +164,7 @@ class WorkerGroup:
         if supervisor is not None:
             for rank, (actor, ident) in enumerate(zip(self.actors, ids)):
                 where = f"{self.name} rank {rank}, node {ident['node_ip']} {ident['node_id'][:8]}, pid {ident['pid']}"
-                supervisor.watch(self.names[rank], actor, where, pid=ident["pid"])
+                supervisor.watch(self.names[rank], actor, where, pid=ident["pid"], node_ip=ident["node_ip"])
         if distributed:
             addr, port = self._wait([self.actors[0].rendezvous.remote()], "rendezvous", [0], deadline)[0]
             joining = self.start(Worker.join_group, addr, port, device, self.timeout_s)
@@ -188,6 +194,10 @@ class WorkerGroup:
     def start(self, method: Callable[..., T], *args: Any, **kwargs: Any) -> Pending[T]:
         """Start worker method `method` (a function of the worker class, e.g. ActorWorker.update) on every rank."""
         return Pending(self, method.__name__, self.call_async(method.__name__, *args, **kwargs))
+
+    def check_output_dir(self, probe: Probe) -> Pending[None]:
+        """Every rank checks that its node sees the driver's run.output_dir (the probe file)."""
+        return self.start(Worker.check_output_dir, probe)
 
     def start_ranks(self, method: Callable[..., T], per_rank_args: list[tuple]) -> Pending[T]:
         """Start `method` with different positional arguments per rank."""

@@ -1,6 +1,8 @@
 """Reaper: when a driver that started its own local Ray dies (even by SIGKILL), no process of its run survives.
 
-    driver ── os.environ[RUN_ID_ENV] = id ──▶ ray.init(local): daemons and workers inherit the id
+    driver ── os.environ[RUN_ID_ENV] = id ──▶ ray.init(local): daemons and workers inherit the id ──▶ the id
+       │                                           leaves os.environ (`reaped_ray_start`): later children of the
+       │                                           interpreter (a notebook's subprocesses) are not the run's
        │
        └── pipe ──▶ reaper process: while the pipe is open, notes the driver's descendants every WATCH_S
                       driver gone (EOF) ─▶ SIGKILL every process whose environment carries the id, and every
@@ -24,12 +26,25 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 RUN_ID_ENV = "DOCKRL_RUN_ID"
 SWEEP_S = 10.0  # the longest the reaper keeps sweeping
 QUIET_S = 1.0  # it stops once no process of the run has been seen for this long
 WATCH_S = 1.0  # how often it notes the driver's descendants while the driver lives
+
+
+@contextmanager
+def reaped_ray_start() -> Iterator[str]:
+    """Start the reaper; the processes started inside the block (Ray's daemons, and the workers they start
+    later) carry its run id, and the id leaves os.environ when the block ends. Yields the id."""
+    run_id = start_reaper()
+    try:
+        yield run_id
+    finally:
+        os.environ.pop(RUN_ID_ENV, None)
 
 
 def start_reaper() -> str:

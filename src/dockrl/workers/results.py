@@ -74,6 +74,10 @@ class ScoreResult:
     samples: list[dict[str, Any]] = field(default_factory=list)  # a few rows for samples.jsonl
     dropped_groups: int = 0  # groups left out of the update for a failed reward call (reward.on_error)
     versions: list[int] = field(default_factory=list)  # the oldest policy_version of each scored row
+    # What DAPO dynamic sampling filters on, per row: <fn>/correct when a function reports it, else the rule
+    # reward before reward-model and overlong shaping.
+    accuracy: list[float] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)  # update_weight of each row (0: its group is left out)
 
 
 @dataclass

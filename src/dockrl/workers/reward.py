@@ -98,6 +98,8 @@ class RewardWorker(Worker):
         timeouts = errors = dropped_groups = 0
         samples: list[dict[str, Any]] = []
         versions: list[int] = []
+        accuracy: list[float] = []  # what dynamic sampling filters on (ScoreResult.accuracy)
+        row_weights: list[float] = []
         columns = [PROMPT_IDS, RESPONSE_IDS, LABEL, POLICY_VERSION]
         columns += [RM_SCORE] if self.rm_weight is not None else []
         while True:
@@ -115,12 +117,15 @@ class RewardWorker(Worker):
             prompts = [self.tokenizer.decode(p.tolist()) for p in batch[PROMPT_IDS]]
             responses = [self.tokenizer.decode(r.tolist()) for r in batch[RESPONSE_IDS]]
             scores, components, stats = self._rule_rewards(prompts, responses, batch[LABEL])
+            key = accuracy_key(components)
+            accuracy += components[key] if key is not None else scores
             if self.rm_weight is not None:
                 scores, components = self._add_model_score(scores, components, batch[RM_SCORE])
             if self.algo.overlong_buffer_len > 0:
                 scores, components = self._shape_overlong(scores, components, batch[RESPONSE_IDS])
             weights = self._update_weights(len(rows), stats.get("failed", []))
             dropped_groups += weights[::n].count(0.0)
+            row_weights += weights
             out: dict[str, list] = {REWARD: list(scores), UPDATE_WEIGHT: weights}
             if self.estimator is not None:  # None (gae, ppo): the critic turns rewards into advantages
                 adv = compute_advantages(
@@ -140,7 +145,6 @@ class RewardWorker(Worker):
             ]
             overlong += components.get("overlong", [])
             rm += components.get("rm", [])
-            key = accuracy_key(components)
             if key is not None:
                 correct += components[key]
             timeouts += stats.get("timeouts", 0)
@@ -156,7 +160,18 @@ class RewardWorker(Worker):
                     }
                 )
         return ScoreResult(
-            rewards, scored_rows, correct, overlong, rm, timeouts, errors, samples, dropped_groups, versions
+            rewards,
+            scored_rows,
+            correct,
+            overlong,
+            rm,
+            timeouts,
+            errors,
+            samples,
+            dropped_groups,
+            versions,
+            accuracy=accuracy,
+            weights=row_weights,
         )
 
     def _update_weights(self, num_rows: int, failed: list[int]) -> list[float]:

@@ -73,13 +73,20 @@ class Supervisor:
     _last_check: float = 0.0
 
     def watch(
-        self, name: str, handle: Any, where: str, method: str = "heartbeat", pid: int | None = None
+        self,
+        name: str,
+        handle: Any,
+        where: str,
+        method: str = "heartbeat",
+        pid: int | None = None,
+        node_ip: str | None = None,
     ) -> None:
         """Watch actor `handle`, named `name` in errors, described by `where` (group, rank, node);
-        `method` answers heartbeats (Worker.heartbeat, or a dock actor's get_incarnation)."""
+        `method` answers heartbeats (Worker.heartbeat, or a dock actor's get_incarnation). `pid` and `node_ip`:
+        where injected faults reach it."""
         self._watched[name] = _Watched(name, handle, where, method)
         if self.faults is not None and pid is not None:
-            self.faults.register(name, pid)
+            self.faults.register(name, pid, node_ip)
 
     def at(self, stage: Stage | str | None, when: str) -> None:
         """The driver is at `when` (before, during, after, commit) of `stage`: injected faults may fire."""
