@@ -134,7 +134,7 @@ def _dockrl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> d
 
     resolved = yaml.safe_load((root / "runs" / "dockrl" / "config.yaml").read_text())
     tokens = median(names.TOKENS_PROMPT) + median(names.TOKENS_RESPONSE)
-    work = {"rollout": 2, "reference": 2, "old_logprobs": 2, "update": 6}  # x params x tokens
+    work = {Stage.ROLLOUT: 2, Stage.REFERENCE: 2, Stage.OLD_LOGPROBS: 2, Stage.UPDATE: 6}  # x params x tokens
     params = _num_params(model)
     return {
         "precision": resolved["run"]["precision"],
