@@ -109,3 +109,36 @@ def test_data_fingerprint_sees_a_changed_prompt_or_label():
     assert data_fingerprint(items) == data_fingerprint([([1, 2, 3], "5"), ([4, 5], 7)])
     assert data_fingerprint(items) != data_fingerprint([([1, 2, 3], "5"), ([4, 5], 8)])
     assert data_fingerprint(items) != data_fingerprint(items[::-1])
+
+
+class _OneDockClient:
+    """The driver's client as save_inflight sees it: one dock of `num_rows` rows, of which `peek` returns
+    `readable` (a consuming read repeated at a second save returned none)."""
+
+    def __init__(self, num_rows: int, readable: int) -> None:
+        self.num_rows, self.readable = num_rows, readable
+
+    def select(self, dock: int) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"num_rows": self.num_rows, "num_groups": self.num_rows // 4, "ready": {"response_ids": 16}}
+
+    def peek(self, columns: list[str]):
+        rows = list(range(self.readable))
+        return rows, {c: [[7]] * len(rows) for c in columns}
+
+
+@pytest.mark.parametrize("readable", [0, 12])
+def test_a_step_in_flight_read_without_all_its_rows_is_never_saved(tmp_path, readable):
+    from dockrl.recipes.common import EncodedPrompt
+    from dockrl.recipes.inflight import Generation, InflightSaveError, save_inflight
+
+    batch = [EncodedPrompt(ids=[1, 2], text="1+1", label="2", index=i) for i in range(4)]  # 4 groups of 4
+    generation = Generation(3, 0, 0, batch, 0.0, 0.0, None, results=([], [], 0.0))
+    with pytest.raises(
+        InflightSaveError, match=f"step 3, in flight in dock 0, holds 16 rows .* {readable} could"
+    ):
+        save_inflight(tmp_path, [generation], _OneDockClient(16, readable))
+    assert not (tmp_path / "inflight.pt").exists()
+    assert save_inflight(tmp_path, [generation], _OneDockClient(16, 16)) == 16

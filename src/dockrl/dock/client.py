@@ -222,6 +222,15 @@ class DockClient(ClientCounters):
                 raise self._timeout_error(consumer, columns, count, whole_groups, min_count, timeout_s)
             self.check_warehouses()  # a dead warehouse is named within HEALTH_CHECK_S, not at the timeout
 
+    def peek(self, columns: list[str]) -> tuple[list[int], dict[str, list]]:
+        """Every row whose `columns` are all ready, with their values, consuming nothing (see
+        DockController.peek): (rows ascending, {column: values in row order}); no wait."""
+        check_columns(columns, "peek")
+        allocation = self._call_controller("peek", columns)
+        if not allocation.rows:
+            return [], {column: [] for column in columns}
+        return allocation.rows, self._fetch("a peek", allocation)
+
     def _fetch(self, consumer: str, allocation) -> dict[str, list]:
         """One get_cells call per warehouse holding part of the allocation, reassembled in row order."""
         requests: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))

@@ -192,9 +192,10 @@ def _save(
     staging = directory.begin(run.checkpoints, step)
     actor_save = cluster.actors.save(str(staging))
     critic_state = cluster.critic.save(str(staging)).wait()[0] if cluster.critic is not None else None
-    if inflight or cfg.rollout.partial:
-        timeout_s = cfg.dock.get_timeout_s
-        save_inflight(staging, inflight, cluster.client, timeout_s, carried=cfg.rollout.partial)
+    if (
+        inflight or cfg.rollout.partial
+    ):  # raises InflightSaveError rather than commit a checkpoint that lacks rows
+        save_inflight(staging, inflight, cluster.client, carried=cfg.rollout.partial)
     actor_save.wait()
     cluster.supervisor.at("save", "commit")
     state = trainer_state(cfg, step, sampler, data, critic_state.kl_coef if critic_state else None)
