@@ -135,3 +135,32 @@ def test_a_checkpoint_root_as_model_path_keeps_the_runs_reference(
     with pytest.warns(UserWarning, match="KL reference stays"):
         cfg = validate_train(load_config(TrainConfig, setup[0] / "grpo.yaml", overrides))
     assert cfg.model.path == str(root / "hf") and cfg.model.ref_path == str(tiny_model)
+
+
+def test_a_second_resume_after_two_driver_kills_repeats_the_run_exactly(setup, reference, tiny_model):
+    """kill -9 of the driver, run.resume=auto, kill -9 again, run.resume=auto again. The second resume loads a
+    checkpoint the first resumed run wrote: the config it records must still be the user's (a resumed run once
+    wrote its resolved KL reference into model.ref_path, so every second resume was refused as a config
+    change); the reference itself is recorded as trainer_state's reference_path. run.save_every=1 (a neutral
+    key) makes each attempt commit a checkpoint before its kill: the first attempt step 1, the second step 2."""
+    from dockrl.checkpoint.directory import newest_checkpoint, read_trainer_state
+
+    root, args = setup
+    args = [*args, "run.name=twice", "run.save_every=1"]
+    checkpoints = root / "twice" / "checkpoints"
+    for attempt, killed_at in enumerate((2, 3)):
+        resume = ["run.resume=auto"] if attempt else []
+        fault = {"DOCKRL_FAULTS": f"kill:driver:save:{killed_at}:commit"}
+        killed, marker = run_cli([*args, *resume], env=fault, timeout=600)
+        assert killed.returncode == -9, killed.stderr[-2000:]
+        assert wait_gone(marker, within_s=SWEEP_S + 5) == []
+        assert newest_checkpoint(checkpoints).name == f"step_{killed_at - 1:06d}"
+    state = read_trainer_state(checkpoints / "step_000002")  # written by the resumed run
+    assert state["config"]["model.ref_path"] is None and state["reference_path"] == str(tiny_model)
+
+    assert main([*args, "run.resume=auto"]) == 0
+    resumed, expected = computed_metrics(root / "twice"), computed_metrics(reference)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    assert resumed == expected, metric_differences(resumed, expected)
+    final, ref = _final_weights(root / "twice"), _final_weights(reference)
+    assert all(torch.equal(final[k], ref[k]) for k in ref)

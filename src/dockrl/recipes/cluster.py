@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from dockrl.config.schema import RunConfig, TrainConfig
@@ -60,6 +60,7 @@ class Cluster:
     reward_models: RewardModelGroup | None
     critic: CriticGroup | None
     supervisor: Supervisor
+    reference_path: str  # the KL reference the actors load (recipes/resume.reference_path)
     rollouts: RolloutGroup | None = None  # rollout.placement=separate
     rollout_version: int = -1  # actor updates behind the rollouts' weights; -1: none sent yet
 
@@ -71,9 +72,14 @@ class Cluster:
         resume_from: str | None = None,
         kl_coef: float | None = None,
         faults: FaultInjector | None = None,
+        reference_path: str | None = None,
     ) -> Cluster:
-        """Launch and set up everything (from checkpoint `resume_from` when given); on any failure on the way,
-        kill what was started and re-raise."""
+        """Launch and set up everything (from checkpoint `resume_from` when given; the actors' KL reference
+        is `reference_path`, default model.ref_path or model.path); on any failure on the way, kill what was
+        started and re-raise."""
+        reference_path = reference_path or cfg.model.ref_path or cfg.model.path
+        if reference_path != (cfg.model.ref_path or cfg.model.path):
+            cfg = replace(cfg, model=replace(cfg.model, ref_path=reference_path))  # the workers' copy only
         supervisor = Supervisor(cfg.run.heartbeat_timeout_s, faults=faults)
         started: dict[str, Any] = {}
         try:
@@ -112,7 +118,12 @@ class Cluster:
             if started["rollouts"] is not None:
                 _connect_weight_sync(started["actors"], started["rollouts"])
             supervisor.stage = None
-            return cls(client=dock.client(), supervisor=supervisor, **started)
+            return cls(
+                client=dock.client(),
+                supervisor=supervisor,
+                reference_path=reference_path,
+                **started,
+            )
         except BaseException:
             supervisor.kill_all()
             for name, part in started.items():

@@ -50,7 +50,13 @@ from dockrl.recipes.common import (
 from dockrl.recipes.dynamic_sampling import group_rewards, select_groups
 from dockrl.recipes.eval import score_answers
 from dockrl.recipes.inflight import Generation, load_inflight, save_inflight
-from dockrl.recipes.resume import newest, plan_resume, restore, trainer_state
+from dockrl.recipes.resume import (
+    newest,
+    plan_resume,
+    reference_path,
+    restore,
+    trainer_state,
+)
 from dockrl.workers.actor import ActorGroup
 from dockrl.workers.fault_injection import FaultInjector
 from dockrl.workers.group import WorkerError
@@ -76,8 +82,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     )
     data = data_fingerprint([(p.ids, p.label) for p in train_prompts])
     point = plan_resume(cfg, run, data)  # before Ray starts: a changed config is refused here
-    if point is not None and cfg.model.ref_path is None:
-        cfg.model.ref_path = point.state["reference_path"]  # the KL reference of the run being resumed
+    reference = reference_path(cfg, point)  # the run's config stays the user's: the next resume compares it
     run.write_config(to_dict(cfg))
     init_ray(cfg.run.ray_address)
     check_placement(cfg)  # placement.* against the nodes' resources, before any worker starts
@@ -96,6 +101,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 resume_from=None if point is None else str(point.path),
                 kl_coef=None if point is None else point.kl_coef,
                 faults=faults,
+                reference_path=reference,
             )
             summary["worker_nodes"] = cluster.worker_nodes()
             ahead = {}  # an asynchronous run's generations in flight at the checkpoint, back in their docks
@@ -192,13 +198,13 @@ def _save(
     staging = directory.begin(run.checkpoints, step)
     actor_save = cluster.actors.save(str(staging))
     critic_state = cluster.critic.save(str(staging)).wait()[0] if cluster.critic is not None else None
-    if (
-        inflight or cfg.rollout.partial
-    ):  # raises InflightSaveError rather than commit a checkpoint that lacks rows
+    # save_inflight raises InflightSaveError rather than let a checkpoint that lacks rows be committed.
+    if inflight or cfg.rollout.partial:
         save_inflight(staging, inflight, cluster.client, carried=cfg.rollout.partial)
     actor_save.wait()
     cluster.supervisor.at("save", "commit")
-    state = trainer_state(cfg, step, sampler, data, critic_state.kl_coef if critic_state else None)
+    kl_coef = critic_state.kl_coef if critic_state else None
+    state = trainer_state(cfg, step, sampler, data, kl_coef, cluster.reference_path)
     final = directory.commit(staging, state)
     directory.prune(run.checkpoints, cfg.run.keep_checkpoints)
     return str(final)

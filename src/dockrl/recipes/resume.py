@@ -2,6 +2,7 @@
 
     plan_resume(cfg, run)        before Ray starts: run.resume -> a checkpoint root or None; a config whose
                                  computation differs from the checkpoint's is refused here, keys named
+    reference_path(cfg, point)   the KL reference the run loads (the config is never rewritten with it)
     trainer_state(...)           what the driver writes into trainer_state.json at each save
     restore(point, run, sampler) the driver's side of resuming: sampler position, RNG states, metrics and
                                  samples trimmed to the checkpoint's step; returns the first step to run
@@ -93,10 +94,29 @@ def check_compatible(cfg: TrainConfig, point: ResumePoint, data_fingerprint: str
     )
 
 
+def reference_path(cfg: TrainConfig, point: ResumePoint | None) -> str:
+    """The KL reference this run loads: model.ref_path when set, else the reference of the run it resumes
+    (which never moves silently, even when run.resume_force accepted a changed model.path), else model.path.
+
+    Resolved the same way on every run and never written into the config: the config a checkpoint records
+    stays the user's, so the next resume compares the user's settings with the user's settings (a resolved
+    path written into model.ref_path made every second resume a "config change"); trainer_state.json records
+    the resolved path as reference_path."""
+    if cfg.model.ref_path is not None:
+        return cfg.model.ref_path
+    return cfg.model.path if point is None else point.state["reference_path"]
+
+
 def trainer_state(
-    cfg: TrainConfig, step: int, sampler: EpochSampler, data_fingerprint: str, kl_coef: float | None
+    cfg: TrainConfig,
+    step: int,
+    sampler: EpochSampler,
+    data_fingerprint: str,
+    kl_coef: float | None,
+    reference: str,
 ) -> dict[str, Any]:
-    """The driver's state at the end of `step` (trainer_state.json)."""
+    """The driver's state at the end of `step` (trainer_state.json); `reference`: the KL reference the run
+    loads (`reference_path`)."""
     computation = computation_config(to_dict(cfg))
     return {
         "step": step,
@@ -105,7 +125,7 @@ def trainer_state(
         "rng": rng_states(),
         "kl_coef": kl_coef,
         # DAPO's dynamic sampling keeps no state across steps: the sampler position covers its extra prompts.
-        "reference_path": cfg.model.ref_path or cfg.model.path,
+        "reference_path": reference,
         "config": computation,
         "config_hash": config_hash(computation),
     }
