@@ -142,3 +142,46 @@ def test_a_step_in_flight_read_without_all_its_rows_is_never_saved(tmp_path, rea
         save_inflight(tmp_path, [generation], _OneDockClient(16, readable))
     assert not (tmp_path / "inflight.pt").exists()
     assert save_inflight(tmp_path, [generation], _OneDockClient(16, 16)) == 16
+
+
+def test_resuming_an_older_checkpoint_abandons_the_later_ones_and_pruning_spares_the_new_one(tmp_path):
+    """Resume from step 40 of a run that reached 50 (it diverged), then save every 5 with keep_checkpoints=1:
+    the old 45 and 50 are renamed, never deleted, before the first step; the new 45 is the newest of the
+    directory and survives its own prune (ranked by step against the old 50 it would have been doomed)."""
+    from dockrl.observe.run_dir import RunDir
+    from dockrl.recipes.resume import ResumePoint, newest, timeline_head
+
+    run = RunDir(tmp_path, "diverged")
+    for step in (40, 45, 50):
+        _save(run.checkpoints, step, timeline="old")
+    origin = ResumePoint(directory.step_dir(run.checkpoints, 40), {"step": 40})
+    abandoned = directory.abandon_from(run.checkpoints, 40, origin.path)
+    assert sorted(p.name for p in abandoned) == ["step_000045.abandoned", "step_000050.abandoned"]
+    assert [s for s, _ in directory.complete_checkpoints(run.checkpoints)] == [40]
+    assert timeline_head(run, origin).path == origin.path  # a restart before the first save
+    new = _save(run.checkpoints, 45, timeline="new")
+    assert directory.prune(run.checkpoints, keep=1, newest=new) == [origin.path]
+    assert newest(run).state["timeline"] == "new" and timeline_head(run, origin).path == new
+    # `newest` protects the just-written checkpoint even where ranking by step would doom it
+    _save(run.checkpoints, 60, timeline="other")
+    assert directory.prune(run.checkpoints, keep=1, newest=new) == []
+    assert directory.abandon_from(run.checkpoints, 45, new) == [run.checkpoints / "step_000060.abandoned"]
+
+
+def test_a_restart_before_the_first_save_continues_from_another_runs_checkpoint(tmp_path):
+    """run.resume=<another run's checkpoint>: until this run saves, its timeline stands at that checkpoint
+    (older checkpoints of this directory belong to an earlier timeline); the same step here is abandoned."""
+    from dockrl.observe.run_dir import RunDir
+    from dockrl.recipes.resume import ResumePoint, timeline_head
+
+    source = _save(RunDir(tmp_path, "a").checkpoints, 40)
+    run = RunDir(tmp_path, "b")
+    assert timeline_head(run, None) is None  # a fresh run without checkpoints starts at step 1
+    old = _save(run.checkpoints, 20)
+    _save(run.checkpoints, 40)
+    origin = ResumePoint(source, {"step": 40})
+    assert directory.abandon_from(run.checkpoints, 40, source) == [run.checkpoints / "step_000040.abandoned"]
+    assert timeline_head(run, origin) is origin and timeline_head(run, None).path == old
+    assert timeline_head(run, origin).path == source
+    mine = _save(run.checkpoints, 42)
+    assert timeline_head(run, origin).path == mine

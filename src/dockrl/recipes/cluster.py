@@ -63,6 +63,8 @@ class Cluster:
     reference_path: str  # the KL reference the actors load (recipes/resume.reference_path)
     rollouts: RolloutGroup | None = None  # rollout.placement=separate
     rollout_version: int = -1  # actor updates behind the rollouts' weights; -1: none sent yet
+    # The checkpoint the next save descends from: the one this attempt resumed from, then each one it saved.
+    parent_checkpoint: str | None = None
 
     @classmethod
     def start(
@@ -122,6 +124,7 @@ class Cluster:
                 client=dock.client(),
                 supervisor=supervisor,
                 reference_path=reference_path,
+                parent_checkpoint=resume_from,
                 **started,
             )
         except BaseException:

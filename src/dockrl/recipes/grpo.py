@@ -51,10 +51,11 @@ from dockrl.recipes.dynamic_sampling import group_rewards, select_groups
 from dockrl.recipes.eval import score_answers
 from dockrl.recipes.inflight import Generation, load_inflight, save_inflight
 from dockrl.recipes.resume import (
-    newest,
+    ResumePoint,
     plan_resume,
     reference_path,
     restore,
+    timeline_head,
     trainer_state,
 )
 from dockrl.workers.actor import ActorGroup
@@ -82,6 +83,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     )
     data = data_fingerprint([(p.ids, p.label) for p in train_prompts])
     point = plan_resume(cfg, run, data)  # before Ray starts: a changed config is refused here
+    origin = point  # where this timeline starts; restarts continue from its newest checkpoint (timeline_head)
     reference = reference_path(cfg, point)  # the run's config stays the user's: the next resume compares it
     run.write_config(to_dict(cfg))
     init_ray(cfg.run.ray_address)
@@ -115,8 +117,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 cluster.kill()
             restarts = summary["restarts"]
             if not isinstance(failure, WorkerFailure) or len(restarts) >= cfg.run.max_restarts:
-                raise _run_failed(failure, run) from None
-            point, fresh = newest(run), True
+                raise _run_failed(failure, run, timeline_head(run, origin)) from None
+            point, fresh = timeline_head(run, origin), True
             restarts.append({"cause": str(failure), "resume_from": str(point.path) if point else None})
             log.warning(
                 "restart %d of run.max_restarts=%d after: %s; resuming from %s",
@@ -204,9 +206,12 @@ def _save(
     actor_save.wait()
     cluster.supervisor.at("save", "commit")
     kl_coef = critic_state.kl_coef if critic_state else None
-    state = trainer_state(cfg, step, sampler, data, kl_coef, cluster.reference_path)
+    state = trainer_state(
+        cfg, step, sampler, data, kl_coef, cluster.reference_path, cluster.parent_checkpoint
+    )
     final = directory.commit(staging, state)
-    directory.prune(run.checkpoints, cfg.run.keep_checkpoints)
+    cluster.parent_checkpoint = str(final)
+    directory.prune(run.checkpoints, cfg.run.keep_checkpoints, newest=final)
     return str(final)
 
 
@@ -222,17 +227,21 @@ def _root_cause(exc: Exception, cluster: Cluster | None) -> Exception:
     return exc
 
 
-def _run_failed(exc: Exception, run: RunDir) -> RunFailed:
-    """The one-line error a failed run ends with: what failed, and how to resume it."""
+def _run_failed(exc: Exception, run: RunDir, head: ResumePoint | None) -> RunFailed:
+    """The one-line error a failed run ends with: what failed, and how to resume it (`head`: the newest
+    checkpoint of the run's timeline, recipes/resume.timeline_head)."""
     details = getattr(exc, "remote_traceback", None)
     errors = run.path / "errors.log"
     with open(errors, "a") as f:
         f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {exc}\n{details or ''}\n")
-    point = newest(run)
-    where = f"newest checkpoint: step {point.step}" if point else "no checkpoint yet: it starts over"
+    if head is None:
+        resume = "run.resume=auto (no checkpoint yet: it starts over)"
+    elif head.path.resolve().parent == run.checkpoints.resolve():
+        resume = f"run.resume=auto (newest checkpoint: step {head.step})"
+    else:  # resumed from another run's checkpoint and failed before its own first save
+        resume = f"run.resume={head.path} (no checkpoint of this run yet)"
     return RunFailed(
-        f"{exc}. Resume with: dockrl train ... run.name={run.path.name} run.resume=auto ({where}); "
-        f"details in {errors}"
+        f"{exc}. Resume with: dockrl train ... run.name={run.path.name} {resume}; details in {errors}"
     )
 
 

@@ -1,7 +1,9 @@
 """Resuming a run exactly: which checkpoint, whether its config still matches, and the driver's state.
 
     plan_resume(cfg, run)        before Ray starts: run.resume -> a checkpoint root or None; a config whose
-                                 computation differs from the checkpoint's is refused here, keys named
+                                 computation differs from the checkpoint's is refused here, keys named;
+                                 the later checkpoints of this run directory are abandoned (a new timeline)
+    timeline_head(run, origin)   what a restart continues from: this timeline's newest checkpoint, or origin
     reference_path(cfg, point)   the KL reference the run loads (the config is never rewritten with it)
     trainer_state(...)           what the driver writes into trainer_state.json at each save
     restore(point, run, sampler) the driver's side of resuming: sampler position, RNG states, metrics and
@@ -72,6 +74,16 @@ def plan_resume(cfg: TrainConfig, run: RunDir, data_fingerprint: str) -> ResumeP
         path = Path(mode)
     point = ResumePoint(path, directory.read_trainer_state(path))
     check_compatible(cfg, point, data_fingerprint)
+    abandoned = directory.abandon_from(run.checkpoints, point.step, point.path)
+    if abandoned:
+        log.warning(
+            "run.resume=%s starts a new timeline at step %d: the later checkpoints of %s are renamed, kept "
+            "and never resumed from: %s",
+            mode,
+            point.step,
+            run.checkpoints,
+            ", ".join(p.name for p in abandoned),
+        )
     return point
 
 
@@ -114,9 +126,10 @@ def trainer_state(
     data_fingerprint: str,
     kl_coef: float | None,
     reference: str,
+    parent: str | None,
 ) -> dict[str, Any]:
     """The driver's state at the end of `step` (trainer_state.json); `reference`: the KL reference the run
-    loads (`reference_path`)."""
+    loads (`reference_path`); `parent`: the checkpoint this one descends from (None: the run's start)."""
     computation = computation_config(to_dict(cfg))
     return {
         "step": step,
@@ -126,6 +139,7 @@ def trainer_state(
         "kl_coef": kl_coef,
         # DAPO's dynamic sampling keeps no state across steps: the sampler position covers its extra prompts.
         "reference_path": reference,
+        "parent": parent,
         "config": computation,
         "config_hash": config_hash(computation),
     }
@@ -149,3 +163,14 @@ def newest(run: RunDir) -> ResumePoint | None:
     """The newest complete checkpoint of this run directory, or None."""
     path = directory.newest_checkpoint(run.checkpoints)
     return None if path is None else ResumePoint(path, directory.read_trainer_state(path))
+
+
+def timeline_head(run: RunDir, origin: ResumePoint | None) -> ResumePoint | None:
+    """Where the current timeline, started at `origin` (None: at step 1), stands: the newest checkpoint of
+    this run directory when it is newer than `origin` (plan_resume abandoned every later one, so a newer one
+    was written by this timeline), else `origin` itself, even when it lies in another run's directory (a
+    restart before this run's first save continues from it, not from the base model)."""
+    here = newest(run)
+    if origin is None or (here is not None and here.step > origin.step):
+        return here
+    return origin
