@@ -185,3 +185,33 @@ def test_a_restart_before_the_first_save_continues_from_another_runs_checkpoint(
     assert timeline_head(run, origin).path == source
     mine = _save(run.checkpoints, 42)
     assert timeline_head(run, origin).path == mine
+
+
+def test_a_changed_parallel_layout_is_reported_in_one_line_and_accepted(caplog):
+    """actor.dp/tp, critic.dp and the rollout layout may change on resume (the state reshards on load):
+    reported, never refused; any other computation setting still is."""
+    import logging
+    from pathlib import Path
+
+    from dockrl.config.fields import ConfigError
+    from dockrl.recipes.resume import ResumePoint, check_compatible
+
+    def config(**sections) -> TrainConfig:
+        raw = {
+            "model": {"path": "m"},
+            "data": {"train_path": "d"},
+            "run": {"steps": 4, "prompts_per_step": 2},
+        }
+        return from_dict(TrainConfig, {**raw, **sections})
+
+    saved = computation_config(to_dict(config(actor={"dp": 2})))
+    point = ResumePoint(Path("step_000002"), {"config": saved, "data_fingerprint": "f"})
+    with caplog.at_level(logging.WARNING, logger="dockrl.recipes.resume"):
+        check_compatible(config(actor={"dp": 1, "tp": 2}, rollout={"replicas": 2}), point, "f")
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 1, lines
+    assert "actor.dp: 2 -> 1; actor.tp: 1 -> 2; rollout.replicas: 1 -> 2" in lines[0]
+    assert "not bit for bit" in lines[0]
+    with pytest.raises(ConfigError, match=r"actor\.lr: .* -> 0\.5") as refused:
+        check_compatible(config(actor={"dp": 4, "lr": 0.5}), point, "f")
+    assert "actor.dp" not in str(refused.value)

@@ -88,8 +88,17 @@ def plan_resume(cfg: TrainConfig, run: RunDir, data_fingerprint: str) -> ResumeP
 
 
 def check_compatible(cfg: TrainConfig, point: ResumePoint, data_fingerprint: str) -> None:
-    """Refuse a checkpoint whose computation config or data differ from `cfg`'s (run.resume_force skips)."""
-    changes = config_changes(point.state["config"], computation_config(to_dict(cfg)))
+    """Refuse a checkpoint whose computation config or data differ from `cfg`'s (run.resume_force skips); a
+    changed parallel layout (state.LAYOUT_KEYS) is reported in one line and accepted."""
+    saved, current = point.state["config"], computation_config(to_dict(cfg))
+    layout = config_changes(saved, current, layout=True)
+    if layout:
+        log.warning(
+            "run.resume: the parallel layout changed (%s): the checkpoint's model and optimizer state are "
+            "resharded on load, so the resumed run repeats the original to fp32 rounding, not bit for bit",
+            "; ".join(layout),
+        )
+    changes = config_changes(saved, current)
     if point.state["data_fingerprint"] != data_fingerprint:
         changes.append(
             f"data.train_path: the encoded prompts differ from the checkpoint's ({cfg.data.train_path})"
