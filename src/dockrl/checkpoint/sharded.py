@@ -147,10 +147,12 @@ def load_engine(engine, path: str | Path) -> None:
             )
     missing = sorted(k for k in state if k not in saved)
     if missing:
-        layout = " (a checkpoint from before elastic resume: it loads only in the layout that wrote it)"
+        why = "another model"
+        if legacy:
+            why += ", or before elastic resume (keys carry the tp rank): it loads only in the layout that wrote it"
         raise ValueError(
             f"checkpoint {path} lacks {len(missing)} entries this run needs, e.g. {missing[:3]}: it was written "
-            f"by another model{layout if legacy or any('@tp' in k for k in missing) else ''}"
+            f"by {why}"
         )
     if engine.optimizer is not None:
         state["optim_groups"] = None
