@@ -294,6 +294,48 @@ def test_dropped_groups_are_never_served_and_do_not_count_as_unconsumed():
     assert controller.stats()["dropped"] == 0
 
 
+def test_peek_reads_ready_rows_again_and_again_without_consuming_them():
+    """A checkpoint reads a step still in flight at every save until it trains (rollout.max_staleness >= 2
+    with run.save_every < it): each read must see every ready row. Two `poll`s of one consumer would not
+    (the second gets (None, True)); `peek` marks nothing."""
+    controller = table(2, 2)
+    ready(controller, range(4))
+    assert controller.poll("checkpoint", COLS, 4)[0].rows == [0, 1, 2, 3]
+    assert controller.poll("checkpoint", COLS, 4) == (None, True)  # what a second consuming read gets
+    first, second = controller.peek(COLS), controller.peek(COLS)
+    assert first.rows == second.rows == [0, 1, 2, 3]
+    assert first.locations == {c: [0, 0, 0, 0] for c in COLS}
+    assert controller.consumed_count("update") == 0 and controller.allocate("update", COLS, 4).rows == [
+        0,
+        1,
+        2,
+        3,
+    ]
+    controller.add_groups([2], [9])
+    ready(controller, [4], ["response_ids"])
+    controller.drop([2, 3])
+    assert controller.peek(COLS).rows == [0, 1]  # rows 4-5 lack reward; dropped rows left the step
+    assert controller.peek(["response_ids"]).rows == [0, 1, 4]
+    assert controller.peek(["values"]).rows == []  # a column never put
+
+
+def test_central_client_peeks_through_the_driver_hub_without_consuming():
+    """dock.mode=driver/single: CentralClient.peek returns the ready rows' values, again and again."""
+    from dockrl.dock.central import CentralClient, CentralDock, HubTransport
+    from dockrl.dock.transport import ServiceHub
+
+    hub = ServiceHub(CentralDock())
+    client = CentralClient(HubTransport(hub.address, hub.authkey), "driver", get_timeout_s=30)
+    client.add_groups([torch.tensor([5, 6]), torch.tensor([7])], ["a", "b"], 2)
+    client.put([0, 1, 3], {"reward": [1.0, 2.0, 3.0]})
+    for _ in range(2):
+        rows, values = client.peek(["prompt_ids", "reward"])
+        assert rows == [0, 1, 3] and values["reward"] == [1.0, 2.0, 3.0]
+        assert [v.tolist() for v in values["prompt_ids"]] == [[5, 6], [5, 6], [7]]
+    assert client.peek(["values"]) == ([], {"values": []})
+    assert client.get("update", ["reward"], 3, timeout_s=5)[0] == [0, 1, 3]  # nothing was consumed
+
+
 def test_shared_controller_serves_a_parked_get_when_its_columns_arrive_and_ends_it_on_drop():
     import threading
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dockrl.checkpoint import directory
 from dockrl.cli import main
 from dockrl.models.hf import load_state_dict
 from dockrl.workers.reaper import SWEEP_S
@@ -136,3 +137,85 @@ def test_a_checkpoint_root_as_model_path_keeps_the_runs_reference(
     with pytest.warns(UserWarning, match="KL reference stays"):
         cfg = preflight_train(load_config(TrainConfig, setup[0] / "grpo.yaml", overrides)).cfg
     assert cfg.model.path == str(root / "hf") and cfg.model.ref_path == str(tiny_model)
+
+
+def test_a_second_resume_after_two_driver_kills_repeats_the_run_exactly(setup, reference, tiny_model):
+    """kill -9 of the driver, run.resume=auto, kill -9 again, run.resume=auto again. The second resume loads a
+    checkpoint the first resumed run wrote: the config it records must still be the user's (a resumed run once
+    wrote its resolved KL reference into model.ref_path, so every second resume was refused as a config
+    change); the reference itself is recorded as trainer_state's reference_path. run.save_every=1 (a neutral
+    key) makes each attempt commit a checkpoint before its kill: the first attempt step 1, the second step 2."""
+    from dockrl.checkpoint.directory import newest_checkpoint, read_trainer_state
+
+    root, args = setup
+    args = [*args, "run.name=twice", "run.save_every=1"]
+    checkpoints = root / "twice" / "checkpoints"
+    for attempt, killed_at in enumerate((2, 3)):
+        resume = ["run.resume=auto"] if attempt else []
+        fault = {"DOCKRL_FAULTS": f"kill:driver:save:{killed_at}:commit"}
+        killed, marker = run_cli([*args, *resume], env=fault, timeout=600)
+        assert killed.returncode == -9, killed.stderr[-2000:]
+        assert wait_gone(marker, within_s=SWEEP_S + 5) == []
+        assert newest_checkpoint(checkpoints).name == f"step_{killed_at - 1:06d}"
+    state = read_trainer_state(checkpoints / "step_000002")  # written by the resumed run
+    assert state["config"]["model.ref_path"] is None and state["reference_path"] == str(tiny_model)
+
+    assert main([*args, "run.resume=auto"]) == 0
+    resumed, expected = computed_metrics(root / "twice"), computed_metrics(reference)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    assert resumed == expected, metric_differences(resumed, expected)
+    final, ref = _final_weights(root / "twice"), _final_weights(reference)
+    assert all(torch.equal(final[k], ref[k]) for k in ref)
+
+
+def test_resuming_an_older_checkpoint_restarts_and_prunes_within_its_own_timeline(
+    setup, reference, monkeypatch
+):
+    """run.resume=<step 2> in a run directory that reached step 4, saving every step with keep_checkpoints=1:
+    the old step 4 is renamed step_000004.abandoned (kept) before step 3 runs, so step 3's prune spares the
+    new step 3, and actor-1 killed in step 4 restarts from it, not from the abandoned step 4 (which, ranked by
+    step, would also have made step 3's prune delete step 3)."""
+    import shutil
+
+    root, args = setup
+    run = root / "older"
+    shutil.copytree(reference, run)
+    checkpoints = run / "checkpoints"
+    origin = checkpoints / "step_000002"
+    monkeypatch.setenv("DOCKRL_FAULTS", "kill:actor-1:update:4:during")
+    resume = [f"run.resume={origin}", "run.save_every=1", "run.keep_checkpoints=1", "run.max_restarts=1"]
+    assert main([*args, "run.name=older", *resume]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["restarts"][0]["resume_from"] == str(checkpoints / "step_000003")
+    assert [p.name for _, p in directory.complete_checkpoints(checkpoints)] == ["step_000004"]
+    abandoned = checkpoints / "step_000004.abandoned"
+    assert directory.read_trainer_state(abandoned)["parent"] == str(reference / "checkpoints" / "step_000002")
+    assert directory.read_trainer_state(checkpoints / "step_000004")["parent"] == str(
+        checkpoints / "step_000003"
+    )
+    resumed, expected = computed_metrics(run), computed_metrics(reference)
+    assert resumed == expected, metric_differences(resumed, expected)
+    final, ref = _final_weights(run), _final_weights(reference)
+    assert all(torch.equal(final[k], ref[k]) for k in ref)
+
+
+def test_a_restart_before_the_first_save_continues_from_another_runs_checkpoint(
+    setup, reference, monkeypatch
+):
+    """run.resume=<the reference run's step 2> into a new run directory; actor-1 is killed in step 3, before
+    this run's first save (step 4): the restart continues from that checkpoint (its metrics copied again), not
+    from step 1 and the base model with the copied metrics wiped."""
+    root, args = setup
+    origin = reference / "checkpoints" / "step_000002"
+    monkeypatch.setenv("DOCKRL_FAULTS", "kill:actor-1:update:3:during")
+    assert main([*args, "run.name=foreign", f"run.resume={origin}", "run.max_restarts=1"]) == 0
+    run = root / "foreign"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["restarts"][0]["resume_from"] == str(origin)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("run/restarts", 0) for r in rows] == [0, 0, 1, 1]  # steps 1-2 copied, 3-4 after the restart
+    assert directory.read_trainer_state(run / "checkpoints" / "step_000004")["parent"] == str(origin)
+    resumed, expected = computed_metrics(run), computed_metrics(reference)
+    assert resumed == expected, metric_differences(resumed, expected)
+    final, ref = _final_weights(run), _final_weights(reference)
+    assert all(torch.equal(final[k], ref[k]) for k in ref)

@@ -113,14 +113,15 @@ def _restored_steps_untimed(rows: list[dict], checkpoint_step: int) -> list[dict
 
 @pytest.fixture(scope="module")
 def two_ahead(ray_session, tmp_path_factory, tiny_model, arithmetic_data):
-    """An uninterrupted rollout.max_staleness=2 run of 5 steps, checkpointed after steps 2 and 4: (its run
-    root, its computed metrics, the arguments that ran it)."""
+    """An uninterrupted rollout.max_staleness=2 run of 5 steps, checkpointed after every step: (its run root,
+    its computed metrics, the arguments that ran it). With run.save_every=1 < max_staleness every step from 3
+    on is in flight at two saves (generated during step t - 2's training, trained at step t)."""
     root = tmp_path_factory.mktemp("two_ahead")
     config = root / "grpo.yaml"
     config.write_text(CONFIG.replace("steps: 2", "steps: 5"))
     base = ["train", str(config), f"model.path={tiny_model}", f"data.train_path={arithmetic_data['train']}"]
     base += [f"run.output_dir={root}", "rollout.placement=separate", "rollout.max_staleness=2"]
-    base += ["run.save_every=2", "run.keep_checkpoints=null"]
+    base += ["run.save_every=1", "run.keep_checkpoints=null"]
     assert main([*base, "run.name=whole"]) == 0
     return root, computed_metrics(root / "whole"), base
 
@@ -147,6 +148,33 @@ def test_two_steps_ahead_resumes_with_its_rows_in_flight(two_ahead):
     assert main([*base, "run.name=resumed", f"run.resume={checkpoint}"]) == 0
     resumed = computed_metrics(root / "resumed")
     resumed, expected = _restored_steps_untimed(resumed, 2), _restored_steps_untimed(whole, 2)
+    assert resumed == expected, metric_differences(resumed, expected)
+
+
+def test_every_save_holds_the_steps_in_flight_whole(two_ahead):
+    """With run.save_every=1 and max_staleness=2 each later step is in flight at two saves: the save after
+    step t - 2 and the one after step t - 1. Both read its dock without consuming it, so every checkpoint holds
+    all 16 rows (4 prompts x 4 samples) of each step in flight, and resuming from the last checkpoint with a
+    step left (step 4, whose step 5 was read by the saves of steps 3 and 4) repeats the uninterrupted run. The
+    second checkpoint (step 2, holding step 3 for the second time) is resumed by the test above."""
+    import torch
+
+    root, whole, base = two_ahead
+    checkpoints = root / "whole" / "checkpoints"
+    held = {}
+    for step in range(1, 5):
+        records = torch.load(checkpoints / f"step_{step:06d}" / "inflight.pt", weights_only=True)[
+            "generations"
+        ]
+        held[step] = {g["step"]: g["rows"] for g in records}
+    assert {s: sorted(h) for s, h in held.items()} == {1: [2, 3], 2: [3, 4], 3: [4, 5], 4: [5]}
+    assert not (checkpoints / "step_000005" / "inflight.pt").exists()  # the last step: nothing in flight
+    assert all(rows == list(range(16)) for h in held.values() for rows in h.values())
+
+    checkpoint = checkpoints / "step_000004"
+    assert main([*base, "run.name=from_last", f"run.resume={checkpoint}"]) == 0
+    resumed = computed_metrics(root / "from_last")
+    resumed, expected = _restored_steps_untimed(resumed, 4), _restored_steps_untimed(whole, 4)
     assert resumed == expected, metric_differences(resumed, expected)
 
 

@@ -123,3 +123,139 @@ def test_dp3_shards_reassemble_the_checkpoint_bitwise(tmp_path, tiny_model):
     assert set(exported) == set(expected) and all(t.dtype == torch.bfloat16 for t in exported.values())
     for name, tensor in exported.items():
         assert torch.equal(tensor, result["exported_from"][name].to(torch.bfloat16)), name
+
+
+# Elastic resume: a checkpoint saved under (dp=2, tp=1) loads under (dp=1, tp=2) and (dp=4, tp=1).
+ELASTIC_LAYOUTS = [(2, 1), (1, 2), (4, 1)]  # the first is the saving layout (its resume is the reference)
+
+
+def _whole_state(engine) -> dict[str, torch.Tensor]:
+    """Every parameter and AdamW moment whole (collectives over the engine's ranks); the step counters."""
+    from dockrl.parallel.layout import full_tensor
+
+    out = {}
+    for name, param in engine.model.named_parameters():
+        out[f"model/{name}"] = full_tensor(name, param.data, engine.tp_group).clone()
+        for key, value in engine.optimizer.state[param].items():
+            whole = value.shape == param.shape  # else the step counter (cloned: the next step moves it)
+            out[f"optim/{name}/{key}"] = (
+                full_tensor(name, value, engine.tp_group) if whole else value
+            ).clone()
+    return out
+
+
+def _elastic_worker(rank: int, world: int, port: int, model_dir: str, out: str, leave) -> None:
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dockrl.checkpoint.sharded import load_engine, save_engine
+    from dockrl.config import ActorConfig
+    from dockrl.engines.train.policy_update import policy_update
+    from dockrl.engines.train.train_engine import TrainEngine
+    from dockrl.parallel.dist import init_distributed
+    from test_tp_equivalence import ALGO, NUM_ROWS, make_rows
+
+    torch.set_num_threads(1)
+    init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=120)
+    optim = ActorConfig(lr=1e-2, grad_clip=1.0, micro_batch_size=2, warmup_steps=1)
+    checkpoint = Path(out).parent / "elastic"
+
+    def engine(dp: int, tp: int, **kwargs) -> TrainEngine:
+        # (rep, dp, tp): the replicas of a smaller layout compute (and save) the same blocks
+        mesh = init_device_mesh("cpu", (world // (dp * tp), dp, tp), mesh_dim_names=("rep", "dp", "tp"))
+        return TrainEngine(
+            model_dir,
+            device="cpu",
+            precision="fp32",
+            mesh=mesh["dp", "tp"],
+            optim=optim,
+            total_optimizer_steps=4,
+            **kwargs,
+        )
+
+    def step(engine: TrainEngine) -> dict[str, float]:
+        per_rank = NUM_ROWS // engine.dp_size
+        idx = list(range(engine.dp_rank * per_rank, (engine.dp_rank + 1) * per_rank))
+        rows = make_rows(engine.args.vocab_size)
+        fields = ["advantages", "ref_logprobs", "old_logprobs"]
+        args = dict(temperature=0.7, micro_batch_size=2, pad_token_id=0, world_size=engine.dp_size)
+        return policy_update(engine, rows, idx, fields, ALGO, **args)
+
+    saving = engine(*ELASTIC_LAYOUTS[0])
+    step(saving)  # AdamW moments and a step counter to save
+    save_engine(saving, checkpoint)
+    results = {"saved": _whole_state(saving)}
+    for dp, tp in ELASTIC_LAYOUTS:
+        resumed = engine(dp, tp, load_weights=False)
+        load_engine(resumed, checkpoint)
+        results[(dp, tp)] = {"loaded": _whole_state(resumed), "metrics": step(resumed)}
+    # A checkpoint of the format before elastic resume (keys `<name>@tp<rank>` under tp > 1, each the FSDP2
+    # DTensor of the rank's tp slice) still loads in the layout that wrote it, and names the reason elsewhere.
+    legacy_dir, old = Path(out).parent / "legacy", engine(1, 2)
+    step(old)
+    legacy = {}
+    for name, param in old.model.named_parameters():
+        legacy[f"model/{name}@tp{old.tp_rank}"] = param
+        for key, value in old.optimizer.state[param].items():
+            legacy[f"optim/{name}@tp{old.tp_rank}/{key}"] = value
+    legacy["optim_groups"] = tuple(
+        {k: v for k, v in g.items() if k != "params"} for g in old.optimizer.param_groups
+    )
+    legacy["scheduler"] = (old.scheduler.state_dict(),)
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(legacy, checkpoint_id=str(legacy_dir))
+    results["legacy_saved"] = _whole_state(old)
+    same_layout = engine(1, 2, load_weights=False)
+    load_engine(same_layout, legacy_dir)
+    results["legacy_loaded"] = _whole_state(same_layout)
+    try:
+        load_engine(engine(2, 1, load_weights=False), legacy_dir)
+    except ValueError as error:
+        results["legacy_elsewhere"] = str(error)
+    if rank == 0:
+        torch.save(results, out)
+    leave(rank)
+
+
+def test_a_checkpoint_resumes_under_another_dp_and_tp(tmp_path):
+    """Saved under (dp=2, tp=1), loaded under (dp=1, tp=2) and (dp=4, tp=1): every parameter, AdamW moment and
+    step counter equals the saved one bit for bit (DCP reads each rank's new block from the saved blocks that
+    overlap it), and the next step's loss agrees with the same-layout resume within fp32 reassociation.
+
+    The bound. Both layouts run the next step's forward on bitwise-equal weights and rows; they differ only in
+    how fp32 reductions are split: tp=2 sums each row-parallel layer's (o_proj, down_proj) dot products and the
+    vocab-parallel softmax's sums as two partial sums, and dp regroups the loss's sum over tokens into
+    per-rank partial sums. Reassociating a sum of n fp32 terms moves it by at most (n - 1) u sum|terms|
+    (u = 2^-24), and every other operation is the same rounding in both layouts. Per token, the log-prob term
+    passes through K = 2 layers x 3 reassociated reductions (attention output, MLP output, and the residual
+    stream's norm) + 2 in the head (logsumexp and the target's logit) = 8 reductions of at most n = 256 terms
+    (the vocabulary); RMSNorm keeps the activations they sum O(1), so each term of the loss (log-probs, KL and
+    entropy terms, at most log V + its value in size) moves by at most K n u (log V + |loss|), and the mean over
+    tokens by no more (its own reassociation adds N u |loss| for N <= 64 tokens)."""
+    import math
+
+    from test_tp_equivalence import write_model
+
+    model_dir = write_model(tmp_path / "qwen2", "qwen2")
+    out = tmp_path / "elastic.pt"
+    spawn_ranks(_elastic_worker, 4, free_port(), str(model_dir), str(out))
+    results = torch.load(out, weights_only=False)
+    saved = results["saved"]
+    assert any(k.endswith("/exp_avg_sq") for k in saved) and any(k.endswith("/step") for k in saved)
+    for layout in ELASTIC_LAYOUTS:
+        loaded = results[layout]["loaded"]
+        assert set(loaded) == set(saved), layout
+        for key, value in saved.items():
+            assert torch.equal(loaded[key], value), (layout, key)
+    legacy = results["legacy_saved"]
+    assert set(results["legacy_loaded"]) == set(legacy)
+    assert all(torch.equal(results["legacy_loaded"][k], v) for k, v in legacy.items())
+    assert "loads only in the layout that wrote it" in results["legacy_elsewhere"]
+    same = results[ELASTIC_LAYOUTS[0]]["metrics"]
+    u, vocab, tokens = 2.0**-24, 256, 64
+    bound = 8 * vocab * u * (math.log(vocab) + abs(same["loss"])) + tokens * u * abs(same["loss"])
+    for layout in ELASTIC_LAYOUTS[1:]:
+        diff = abs(results[layout]["metrics"]["loss"] - same["loss"])
+        assert diff <= bound, (layout, diff, bound)

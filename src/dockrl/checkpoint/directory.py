@@ -11,8 +11,14 @@ Lifecycle: `begin` clears a stale staging directory and makes a fresh one; the w
 `commit` writes trainer_state.json, fsyncs every file and directory of the staging directory (the workers'
 DCP shards, `hf/`, the driver's inflight.pt, trainer_state.json) and renames it (an atomic rename on one file
 system), so after a power loss a complete checkpoint holds no torn file; then `prune` deletes the oldest
-complete checkpoints beyond `keep`, only ever after the new one is complete. A kill at any moment leaves
-either the previous complete checkpoints or the new one as well.
+complete checkpoints beyond `keep`, only ever after the new one is complete, and never the new one. A kill at
+any moment leaves either the previous complete checkpoints or the new one as well.
+
+Timelines: a run that resumes from a checkpoint other than the newest one here starts a new timeline, so
+`abandon_from` renames the later ones `*.abandoned` (kept on disk) before its first step; every complete
+checkpoint in the directory then belongs to the current timeline or is older than its start, and "newest by
+step" is the newest of the current timeline. trainer_state.json's `parent` names the checkpoint each one
+descends from.
 
 `resolve_model_path` / `resolve_critic_path` let `model.path`, `critic.path` and `dockrl eval --model` take
 a checkpoint root (`step_NNNNNN/`) as well as a Hugging Face directory.
@@ -91,12 +97,15 @@ def commit(staging: Path, trainer_state: dict[str, Any]) -> Path:
     return final
 
 
-def prune(checkpoints: Path, keep: int | None) -> list[Path]:
-    """Delete the oldest complete checkpoints so that at most `keep` remain (None keeps all)."""
+def prune(checkpoints: Path, keep: int | None, *, newest: Path | None = None) -> list[Path]:
+    """Delete the oldest complete checkpoints so that at most `keep` remain (None keeps all); `newest`, the
+    newest checkpoint of the run's current timeline (the one just written), is never deleted."""
     if keep is None:
         return []
     found = complete_checkpoints(checkpoints)
     doomed = [path for _, path in found[: max(0, len(found) - keep)]]
+    if newest is not None:
+        doomed = [path for path in doomed if path.resolve() != Path(newest).resolve()]
     for path in doomed:
         # Renamed first, so a kill halfway through a delete never leaves a torn "complete" checkpoint.
         trash = path.with_name(path.name + ".deleting")
@@ -114,6 +123,17 @@ def abandon(path: Path) -> Path:
         index += 1
     os.replace(path, target)
     return target
+
+
+def abandon_from(checkpoints: Path, step: int, keep: Path) -> list[Path]:
+    """Abandon (rename, never delete) every complete checkpoint of step >= `step` except `keep`: a run that
+    resumes from `keep` starts a new timeline, and the later checkpoints of the old one must not be resumed,
+    restarted from or pruned in its place. Returns their new paths."""
+    return [
+        abandon(path)
+        for found_step, path in complete_checkpoints(checkpoints)
+        if found_step >= step and path.resolve() != Path(keep).resolve()
+    ]
 
 
 def clean_staging(checkpoints: Path) -> None:

@@ -2,14 +2,21 @@
 
 `save_engine` / `load_engine` (collectives over the engine's ranks, the default process group):
 
-    model/<name>[@tp<r>]                  parameter shards (DTensors over dp: each rank writes its rows)
-    optim/<name>[@tp<r>]/<state key>      AdamW state (exp_avg, exp_avg_sq shards; the step counter)
-    optim_groups, scheduler               python objects: param-group settings, LambdaLR state
+    model/<name>                  the whole parameter, as a DTensor: each rank writes its block
+    optim/<name>/<state key>      AdamW state: exp_avg, exp_avg_sq as DTensors like their parameter; the step
+    optim_groups, scheduler       python objects: param-group settings, LambdaLR state
 
-Tensor-parallel ranks hold different slices under the same parameter name, so under tp > 1 every key carries
-`@tp<rank>`: a checkpoint resumes in the layout that wrote it (resuming exactly needs the same layout anyway,
-and the config check refuses another). An optimizer that has not stepped yet (PPO's actor during critic
-warm-up) has no state and saves none: initialising it for the checkpoint would change the run.
+Elastic: a rank's block of a parameter is tensor-parallel slice tp_rank of the split dim (dockrl.models.tp_plan),
+then FSDP2's rows dp_rank of that slice (parallel/sharded_load.checkpoint_block). On a ("tp", "dp") view of the
+engine's ranks that is the DTensor placement [Shard(split dim) or Replicate(), Shard(0)] of the whole tensor,
+so DCP records every block at its offset in the whole tensor, and a load under another (dp, tp) reads each
+rank's new block from whichever saved blocks overlap it: a checkpoint resumes under any layout, with the same
+values (only the arithmetic of later steps reassociates). Replicated blocks (tp ranks of one dp rank) are
+written once. Checkpoints written before this layout (keys `<name>@tp<rank>` under tp > 1) still load, in
+the layout that wrote them only; tp=1 ones never carried the rank and load under any layout.
+
+An optimizer that has not stepped yet (PPO's actor during critic warm-up) has no state and saves none:
+initialising it for the checkpoint would change the run.
 
 `export_hf` writes the weights as a Hugging Face directory in the checkpoint's source dtype, gathering one
 tensor at a time onto global rank 0 (over dp, then over tp) and streaming it into its safetensors file
@@ -24,7 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dockrl.checkpoint.directory import fsync_tree
 from dockrl.models.hf import LM_HEAD_KEY, HFWriter
@@ -34,24 +42,66 @@ _GROUP_SKIP = ("params",)
 GATHER_BLOCK_BYTES = 8 * 2**20  # per rank and gather step of a Hugging Face export
 
 
-def _key(engine, name: str) -> str:
-    return f"{name}@tp{engine.tp_rank}" if engine.tp_size > 1 else name
-
-
 def _named_params(engine) -> list[tuple[str, torch.nn.Parameter]]:
     return list(engine.model.named_parameters())
 
 
+def _layout_mesh(engine) -> DeviceMesh | None:
+    """The engine's ranks as a ("tp", "dp") mesh (tp outer: a parameter is split over tp first, and FSDP2
+    shards each slice's rows over dp); no process groups are made for it. None without a mesh."""
+    if engine.mesh is None:
+        return None
+    ranks = engine.mesh.mesh.reshape(engine.dp_size, engine.tp_size)  # (dp, tp), tp ranks contiguous
+    return DeviceMesh(
+        engine.mesh.device_type, ranks.T.contiguous(), mesh_dim_names=("tp", "dp"), _init_backend=False
+    )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's block of a parameter or optimizer state, sharing its storage (no autograd)."""
+    return tensor.data.to_local() if isinstance(tensor, DTensor) else tensor.data
+
+
+def _whole(engine, mesh: DeviceMesh | None, name: str, local: torch.Tensor) -> torch.Tensor:
+    """`local`, this rank's block of parameter `name` (or of a state shaped like it), as a DTensor of the whole
+    tensor (sharing the block's storage, so a load fills the engine in place); `local` itself without a mesh."""
+    if mesh is None:
+        return local
+    dim = shard_dim(name) if engine.tp_size > 1 else None
+    shape = torch.Size(engine.global_shapes[name])
+    return DTensor.from_local(
+        local,
+        mesh,
+        (Replicate() if dim is None else Shard(dim), Shard(0)),
+        run_check=False,
+        shape=shape,
+        stride=_contiguous_strides(shape),
+    )
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
 def engine_state(engine) -> dict[str, Any]:
-    """The flat dict DCP saves for `engine` (tensors alias the live parameters and optimizer state)."""
+    """The flat dict DCP saves for `engine` (DTensors of whole tensors over the live parameters and optimizer
+    state: nothing is copied)."""
+    mesh = _layout_mesh(engine)
     state: dict[str, Any] = {}
     for name, param in _named_params(engine):
-        state[f"model/{_key(engine, name)}"] = param.data if not isinstance(param, DTensor) else param
+        state[f"model/{name}"] = _whole(engine, mesh, name, _local(param))
     optimizer = engine.optimizer
     if optimizer is not None:
         for name, param in _named_params(engine):
             for key, value in optimizer.state.get(param, {}).items():
-                state[f"optim/{_key(engine, name)}/{key}"] = value
+                per_element = isinstance(value, DTensor) or value.shape == param.shape
+                state[f"optim/{name}/{key}"] = (
+                    _whole(engine, mesh, name, _local(value)) if per_element else value
+                )
         # Tuples are leaves to DCP (dicts would be flattened into keys): each is saved as one object.
         state["optim_groups"] = tuple(
             {k: v for k, v in group.items() if k not in _GROUP_SKIP} for group in optimizer.param_groups
@@ -66,24 +116,44 @@ def save_engine(engine, path: str | Path) -> None:
 
 
 def load_engine(engine, path: str | Path) -> None:
-    """Restore what `save_engine` wrote into `engine` (same layout; all ranks call it)."""
+    """Restore what `save_engine` wrote into `engine`, resharded to `engine`'s (dp, tp) layout when it differs
+    from the one that saved it (all ranks call it)."""
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    legacy = any("@tp" in key for key in saved)  # written before elastic checkpoints: same layout only
+    mesh = None if legacy else _layout_mesh(engine)
     state: dict[str, Any] = {}
     optim_state: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
     for name, param in _named_params(engine):
-        state[f"model/{_key(engine, name)}"] = param if isinstance(param, DTensor) else param.data
+        key = f"{name}@tp{engine.tp_rank}" if legacy and engine.tp_size > 1 else name
+
+        def target(value: torch.Tensor, name: str = name) -> torch.Tensor:
+            if legacy:  # the old format saved the FSDP2 DTensors themselves (whole = this tp slice)
+                return value if isinstance(value, DTensor) else value.data
+            return _whole(engine, mesh, name, _local(value))
+
+        state[f"model/{key}"] = target(param)
         if engine.optimizer is None:
             continue
-        prefix = f"optim/{_key(engine, name)}/"
+        prefix = f"optim/{key}/"
         keys = [k.removeprefix(prefix) for k in saved if k.startswith(prefix)]
         if keys:
-            optim_state[param] = {key: _template(saved[prefix + key], param) for key in keys}
-            state.update({prefix + key: value for key, value in optim_state[param].items()})
+            optim_state[param] = {
+                k: _template(saved[prefix + k], param, engine.global_shapes[name], legacy) for k in keys
+            }
+            state.update(
+                {
+                    prefix + k: target(value) if value.shape == param.shape else value
+                    for k, value in optim_state[param].items()
+                }
+            )
     missing = sorted(k for k in state if k not in saved)
     if missing:
+        why = "another model"
+        if legacy:
+            why += ", or before elastic resume (keys carry the tp rank): it loads only in the layout that wrote it"
         raise ValueError(
             f"checkpoint {path} lacks {len(missing)} entries this run needs, e.g. {missing[:3]}: it was written "
-            "by another model or layout"
+            f"by {why}"
         )
     if engine.optimizer is not None:
         state["optim_groups"] = None
@@ -98,10 +168,11 @@ def load_engine(engine, path: str | Path) -> None:
     engine.scheduler.load_state_dict(state["scheduler"][0])
 
 
-def _template(metadata, param: torch.Tensor) -> torch.Tensor:
+def _template(metadata, param: torch.Tensor, whole_shape: tuple[int, ...], legacy: bool) -> torch.Tensor:
     """A tensor to load one optimizer state entry into: shaped (and sharded) like `param` when it is per
-    element (Adam's moments), else a plain tensor of the saved size and dtype (Adam's step counter)."""
-    if tuple(metadata.size) == tuple(param.shape):
+    element (Adam's moments: saved with the parameter's whole shape, or, in the legacy format, its tp slice's),
+    else a plain tensor of the saved size and dtype (Adam's step counter)."""
+    if tuple(metadata.size) == (tuple(param.shape) if legacy else tuple(whole_shape)):
         return torch.zeros_like(param, dtype=metadata.properties.dtype)
     return torch.zeros(tuple(metadata.size), dtype=metadata.properties.dtype)
 

@@ -3,7 +3,8 @@
 A checkpoint records the *computation config*: every resolved setting except those that cannot change what
 the run computes (where it writes, how long it waits, how it reports, how it recovers). Resuming with a
 different computation config would not reproduce the uninterrupted run, so it is refused with the keys named
-unless `run.resume_force=true`.
+unless `run.resume_force=true`. The parallel layout (LAYOUT_KEYS) is the exception: it may change on resume
+(the state reshards), and the resumed run then repeats the original to rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ NEUTRAL_KEYS = frozenset(
 )
 
 
+# The parallel layout: a checkpoint reshards to another one on load (checkpoint/sharded.py), and the run then
+# computes the same numbers up to fp32 reassociation (another split of the same sums), not bit for bit. A
+# resume may change them; it is reported, never refused.
+LAYOUT_KEYS = frozenset({"actor.dp", "actor.tp", "critic.dp", "rollout.tp", "rollout.replicas"})
+
+
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Nested config sections -> {"section.key": value} (lists, e.g. reward.functions, stay values)."""
     out: dict[str, Any] = {}
@@ -60,12 +67,13 @@ def config_hash(computation: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(computation, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """`key: saved -> current` for every computation setting that differs."""
+def config_changes(saved: dict[str, Any], current: dict[str, Any], *, layout: bool = False) -> list[str]:
+    """`key: saved -> current` for every computation setting that differs: outside LAYOUT_KEYS, or with
+    `layout`, inside them."""
     changes = []
     for key in sorted(set(saved) | set(current)):
         before, after = saved.get(key, "<unset>"), current.get(key, "<unset>")
-        if before != after:
+        if before != after and (key in LAYOUT_KEYS) == layout:
             changes.append(f"{key}: {before!r} -> {after!r}")
     return changes
 

@@ -20,7 +20,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from dockrl.dock.columns import LABEL, PROMPT_IDS, check_get, check_put
+from dockrl.dock.columns import LABEL, PROMPT_IDS, check_columns, check_get, check_put
 from dockrl.dock.errors import DockError, DockTimeoutError, WarehouseDiedError
 from dockrl.dock.metrics import ClientCounters, batch_nbytes
 from dockrl.dock.shared import SharedController
@@ -64,6 +64,11 @@ class CentralDock:
         if allocation is None:
             return None, done
         return allocation.rows, self.warehouse.get(allocation.rows, columns)
+
+    def peek_get(self, columns: list[str]) -> tuple[list[int], dict[str, list]]:
+        """DockController.peek and the rows' values in one call; consumes nothing."""
+        rows = self.controller.peek(columns).rows
+        return rows, self.warehouse.get(rows, columns) if rows else {column: [] for column in columns}
 
     def serve(self, host: str | None = None) -> tuple[tuple, bytes]:
         """Start (once) a socket hub for this store in this process (single mode's socket transport; host None:
@@ -218,6 +223,13 @@ class CentralClient(ClientCounters):
                     f"asked for {count} rows of columns {list(columns)}; rows not ready: {waiting}. Is "
                     "the producer of the missing columns running? (raise dock.get_timeout_s if slow)"
                 )
+
+    def peek(self, columns: list[str]) -> tuple[list[int], dict[str, list]]:
+        """As DockClient.peek."""
+        check_columns(columns, "peek")
+        rows, batch = self.transport.request("peek_get", columns)
+        self.bytes_got += batch_nbytes(batch)
+        return rows, batch
 
     def drop(self, rows: list[int]) -> int:
         """As DockClient.drop."""

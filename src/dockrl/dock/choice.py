@@ -41,6 +41,17 @@ class DockChoice:
         """DockAPI.put on the selected dock."""
         self.current.put(producer, rows, batch)
 
+    def peek(self, columns: list[str]) -> tuple[list[int], dict[str, list]]:
+        """Every ready row of `columns` on the selected dock, consuming nothing (the driver's checkpoint read;
+        DockClient.peek and CentralClient.peek)."""
+        client = self.current
+        peek = getattr(client, "peek", None)
+        if peek is None:
+            raise TypeError(
+                f"{type(client).__name__} cannot peek: a checkpoint reads through the driver's client"
+            )
+        return peek(columns)
+
     def get(
         self,
         consumer: Stage,

@@ -29,7 +29,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from dockrl.dock.columns import LABEL, PROMPT_IDS, check_get, check_put
+from dockrl.dock.columns import LABEL, PROMPT_IDS, check_columns, check_get, check_put
 from dockrl.dock.errors import DockError, DockTimeoutError, StaleHandleError, WarehouseDiedError
 from dockrl.dock.metrics import ClientCounters, batch_nbytes
 from dockrl.dock.stages import Stage, as_stage
@@ -224,6 +224,15 @@ class DockClient(ClientCounters):
             if time.monotonic() >= deadline:
                 raise self._timeout_error(consumer, columns, count, whole_groups, min_count, timeout_s)
             self.check_warehouses()  # a dead warehouse is named within HEALTH_CHECK_S, not at the timeout
+
+    def peek(self, columns: list[str]) -> tuple[list[int], dict[str, list]]:
+        """Every row whose `columns` are all ready, with their values, consuming nothing (see
+        DockController.peek): (rows ascending, {column: values in row order}); no wait."""
+        check_columns(columns, "peek")
+        allocation = self._call_controller("peek", columns)
+        if not allocation.rows:
+            return [], {column: [] for column in columns}
+        return allocation.rows, self._fetch("a peek", allocation)
 
     def _fetch(self, consumer: str, allocation) -> dict[str, list]:
         """One get_cells call per warehouse holding part of the allocation, reassembled in row order."""

@@ -19,7 +19,8 @@ SharedController (shared.py) makes it thread-safe and adds the long poll the cli
 
 Lifecycle of one training step's table:
   reset() -> add_groups(...) (driver, may be repeated) -> mark_ready(...) as producers put columns ->
-  allocate(...) by each consumer until all_consumed(consumer) -> reset() for the next step.
+  allocate(...) by each consumer until all_consumed(consumer) -> reset() for the next step; `peek` reads
+  ready rows without consuming them (a checkpoint's copy of a step still in flight).
 Row ids start at 0 after every reset and are contiguous within a group. Partial rollout:
 reset(keep_unfinished=RESPONSE_IDS) keeps every group with a row lacking that column (its other cells,
 lengths and locations too), renumbers the kept rows to 0..m-1 (oldest first), adds 1 to their age and
@@ -422,6 +423,18 @@ class DockController:
             # Normally the whole group; fewer only if this consumer also took single rows of it.
             picked.append(start + np.flatnonzero(~consumed[start : start + size]))
         return np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
+
+    def peek(self, columns: list[str]) -> Allocation:
+        """Every row (not dropped) whose `columns` are all ready, ascending, marking nothing consumed: a read
+        that no consumer sees and that can be repeated (a checkpoint reads the steps in flight this way, at
+        every save until they train)."""
+        if isinstance(columns, str) or not columns:
+            raise ValueError(f"columns={columns!r} must be a non-empty list of column names")
+        n = self._num_rows
+        if any(col not in self._ready for col in columns):
+            return Allocation(rows=[], locations={col: [] for col in columns})
+        ready = np.logical_and.reduce([self._ready[col][:n] for col in columns])
+        return self._allocation(np.flatnonzero(ready & ~self._dropped[:n]), columns)
 
     def poll(
         self,

@@ -19,6 +19,7 @@ from dockrl.dock.transport import ServiceHub
 
 _READING = (
     "allocate",
+    "peek",
     "poll",
     "all_consumed",
     "num_rows",

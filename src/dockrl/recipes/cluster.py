@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from dockrl.checkpoint.shared_dir import remove_probe, write_probe
@@ -64,8 +64,11 @@ class Cluster:
     reward_models: RewardModelGroup | None
     critic: CriticGroup | None
     supervisor: Supervisor
+    reference_path: str  # the KL reference the actors load (recipes/resume.reference_path)
     rollouts: RolloutGroup | None = None  # rollout.placement=separate
     rollout_version: int = -1  # actor updates behind the rollouts' weights; -1: none sent yet
+    # The checkpoint the next save descends from: the one this attempt resumed from, then each one it saved.
+    parent_checkpoint: str | None = None
 
     @classmethod
     def start(
@@ -75,10 +78,15 @@ class Cluster:
         resume_from: str | None = None,
         kl_coef: float | None = None,
         faults: FaultInjector | None = None,
+        reference_path: str | None = None,
     ) -> Cluster:
-        """Launch and set up everything (from checkpoint `resume_from` when given); on any failure on the way,
-        kill what was started and re-raise."""
+        """Launch and set up everything (from checkpoint `resume_from` when given; the actors' KL reference
+        is `reference_path`, default model.ref_path or model.path); on any failure on the way, kill what was
+        started and re-raise."""
         cfg, plan = resolved.cfg, resolved.plan
+        reference_path = reference_path or cfg.model.ref_path or cfg.model.path
+        if reference_path != (cfg.model.ref_path or cfg.model.path):
+            cfg = replace(cfg, model=replace(cfg.model, ref_path=reference_path))  # the workers' copy only
         supervisor = Supervisor(cfg.run.heartbeat_timeout_s, faults=faults)
         started: dict[str, Any] = {}
         try:
@@ -118,7 +126,14 @@ class Cluster:
             if started["rollouts"] is not None:
                 _connect_weight_sync(started["actors"], started["rollouts"])
             supervisor.stage = None
-            return cls(client=dock.client(), plan=plan, supervisor=supervisor, **started)
+            return cls(
+                client=dock.client(),
+                plan=plan,
+                supervisor=supervisor,
+                reference_path=reference_path,
+                parent_checkpoint=resume_from,
+                **started,
+            )
         except BaseException:
             supervisor.kill_all()
             for name, part in started.items():

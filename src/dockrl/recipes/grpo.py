@@ -55,7 +55,14 @@ from dockrl.recipes.common import (
 )
 from dockrl.recipes.eval import score_answers
 from dockrl.recipes.inflight import Generation, load_inflight, save_inflight
-from dockrl.recipes.resume import newest, plan_resume, restore, trainer_state
+from dockrl.recipes.resume import (
+    ResumePoint,
+    plan_resume,
+    reference_path,
+    restore,
+    timeline_head,
+    trainer_state,
+)
 from dockrl.recipes.step_metrics import StepRecord, step_metrics
 from dockrl.recipes.sync_step import sync_step
 from dockrl.workers.actor import ActorGroup
@@ -83,9 +90,8 @@ def train(resolved: Resolved) -> dict[str, Any]:
     )
     data = data_fingerprint([(p.ids, p.label) for p in train_prompts])
     point = plan_resume(cfg, run, data)  # before Ray starts: a changed config is refused here
-    if point is not None and cfg.model.ref_path is None:  # the KL reference of the run being resumed
-        resolved = resolved.with_found({"model.ref_path": point.state["reference_path"]})
-        cfg = resolved.cfg
+    origin = point  # where this timeline starts; restarts continue from its newest checkpoint (timeline_head)
+    reference = reference_path(cfg, point)  # the run's config stays the user's: the next resume compares it
     run.write_config(to_dict(cfg))
     init_ray(cfg.run.ray_address)
     check_placement(cfg)  # placement.* against the nodes' resources, before any worker starts
@@ -104,6 +110,7 @@ def train(resolved: Resolved) -> dict[str, Any]:
                 resume_from=None if point is None else str(point.path),
                 kl_coef=None if point is None else point.kl_coef,
                 faults=faults,
+                reference_path=reference,
             )
             summary["worker_nodes"] = cluster.worker_nodes()
             ahead = {}  # an asynchronous run's generations in flight at the checkpoint, back in their docks
@@ -117,8 +124,8 @@ def train(resolved: Resolved) -> dict[str, Any]:
                 cluster.kill()
             restarts = summary["restarts"]
             if not isinstance(failure, WorkerFailure) or len(restarts) >= cfg.run.max_restarts:
-                raise _run_failed(failure, run) from None
-            point, fresh = newest(run), True
+                raise _run_failed(failure, run, timeline_head(run, origin)) from None
+            point, fresh = timeline_head(run, origin), True
             restarts.append({"cause": str(failure), "resume_from": str(point.path) if point else None})
             log.warning(
                 "restart %d of run.max_restarts=%d after: %s; resuming from %s",
@@ -226,14 +233,18 @@ def _save(
     staging = directory.begin(run.checkpoints, step)
     actor_save = cluster.actors.save(str(staging))
     critic_state = cluster.critic.save(str(staging)).wait()[0] if cluster.critic is not None else None
+    # save_inflight raises InflightSaveError rather than let a checkpoint that lacks rows be committed.
     if inflight or cfg.rollout.partial:
-        timeout_s = cfg.dock.get_timeout_s
-        save_inflight(staging, inflight, cluster.client, timeout_s, carried=cfg.rollout.partial)
+        save_inflight(staging, inflight, cluster.client, carried=cfg.rollout.partial)
     actor_save.wait()
     cluster.supervisor.at(Stage.SAVE, "commit")
-    state = trainer_state(cfg, step, sampler, data, critic_state.kl_coef if critic_state else None)
+    kl_coef = critic_state.kl_coef if critic_state else None
+    state = trainer_state(
+        cfg, step, sampler, data, kl_coef, cluster.reference_path, cluster.parent_checkpoint
+    )
     final = directory.commit(staging, state)
-    directory.prune(run.checkpoints, cfg.run.keep_checkpoints)
+    cluster.parent_checkpoint = str(final)
+    directory.prune(run.checkpoints, cfg.run.keep_checkpoints, newest=final)
     return str(final)
 
 
@@ -249,17 +260,21 @@ def _root_cause(exc: Exception, cluster: Cluster | None) -> Exception:
     return exc
 
 
-def _run_failed(exc: Exception, run: RunDir) -> RunFailed:
-    """The one-line error a failed run ends with: what failed, and how to resume it."""
+def _run_failed(exc: Exception, run: RunDir, head: ResumePoint | None) -> RunFailed:
+    """The one-line error a failed run ends with: what failed, and how to resume it (`head`: the newest
+    checkpoint of the run's timeline, recipes/resume.timeline_head)."""
     details = getattr(exc, "remote_traceback", None)
     errors = run.path / "errors.log"
     with open(errors, "a") as f:
         f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {exc}\n{details or ''}\n")
-    point = newest(run)
-    where = f"newest checkpoint: step {point.step}" if point else "no checkpoint yet: it starts over"
+    if head is None:
+        resume = "run.resume=auto (no checkpoint yet: it starts over)"
+    elif head.path.resolve().parent == run.checkpoints.resolve():
+        resume = f"run.resume=auto (newest checkpoint: step {head.step})"
+    else:  # resumed from another run's checkpoint and failed before its own first save
+        resume = f"run.resume={head.path} (no checkpoint of this run yet)"
     return RunFailed(
-        f"{exc}. Resume with: dockrl train ... run.name={run.path.name} run.resume=auto ({where}); "
-        f"details in {errors}"
+        f"{exc}. Resume with: dockrl train ... run.name={run.path.name} {resume}; details in {errors}"
     )
 
 

@@ -6,7 +6,9 @@
 At a save after step t, steps t+1..t+k were generated (or are generating) with weights older than the
 checkpoint's. `save_inflight` waits for each (its rows are fixed by its step number and weights version, so
 waiting changes nothing), reads every complete column of its dock and writes them, with the rollout and
-scoring results the step's metrics need, to <checkpoint>/inflight.pt. `load_inflight` puts them back into the
+scoring results the step's metrics need, to <checkpoint>/inflight.pt. The read is a `peek`: it consumes
+nothing, because with k >= 2 a step stays in flight across several saves and each must hold all its rows
+(a step whose record would lack rows raises InflightSaveError, and the checkpoint is never committed). `load_inflight` puts them back into the
 fresh docks of a resumed run, which then trains on the very rows the uninterrupted run trained on.
 
 Partial rollout (rollout.partial) keeps the groups of cut responses in the dock from one step to the next; a
@@ -41,8 +43,12 @@ from dockrl.recipes.common import EncodedPrompt
 from dockrl.workers.results import GenerateResult, ScoreResult
 
 INFLIGHT = "inflight.pt"
-DUMP_CONSUMER = Stage.CHECKPOINT  # the stage of save_inflight's reads and load_inflight's puts
+DUMP_CONSUMER = Stage.CHECKPOINT  # the stage of load_inflight's puts (a save peeks: it consumes nothing)
 FORMAT = 1
+
+
+class InflightSaveError(RuntimeError):
+    """A step in flight could not be read whole from its dock: the checkpoint being written would not resume."""
 
 
 @dataclass
@@ -73,7 +79,7 @@ class Generation:
 
 
 def save_inflight(
-    root: Path, generations: list[Generation], client: DockChoice, timeout_s: float, *, carried: bool = False
+    root: Path, generations: list[Generation], client: DockChoice, *, carried: bool = False
 ) -> int:
     """Wait for every generation, then write their docks' rows and results (and with `carried`, partial
     rollout's carried groups) to root/inflight.pt; returns the number of rows written. `client` is the
@@ -85,8 +91,13 @@ def save_inflight(
         stats = client.stats()
         num_rows = stats["num_rows"]
         complete = sorted(c for c, ready in stats["ready"].items() if ready == num_rows)
-        got = client.get(DUMP_CONSUMER, complete, num_rows, timeout_s=timeout_s)
-        rows, columns = got if got is not None else ([], {})
+        rows, columns = client.peek(complete) if complete else ([], {})
+        if num_rows == 0 or stats["num_groups"] != len(generation.batch) or rows != list(range(num_rows)):
+            raise InflightSaveError(
+                f"step {generation.step}, in flight in dock {generation.dock}, holds {num_rows} rows in "
+                f"{stats['num_groups']} groups for its {len(generation.batch)} prompts and {len(rows)} could be "
+                f"read whole (columns {complete}): a checkpoint holding it could not resume, so none is written"
+            )
         records.append(
             {
                 "step": generation.step,
@@ -104,7 +115,7 @@ def save_inflight(
                 "score": [dataclasses.asdict(s) for s in scored],
             }
         )
-    kept = _read_carried(client, timeout_s) if carried else None
+    kept = _read_carried(client) if carried else None
     torch.save({"format": FORMAT, "generations": records, "carried": kept}, root / INFLIGHT)
     return sum(len(r["rows"]) for r in records) + (len(kept["ages"]) if kept else 0)
 
@@ -113,7 +124,7 @@ _FINISHED = [PROMPT_IDS, LABEL, RESPONSE_IDS, ROLLOUT_LOGPROBS, POLICY_VERSION]
 _CUT = [PROMPT_IDS, LABEL, PARTIAL_IDS, PARTIAL_LOGPROBS, PARTIAL_VERSIONS]
 
 
-def _read_carried(client: DockChoice, timeout_s: float) -> dict[str, Any] | None:
+def _read_carried(client: DockChoice) -> dict[str, Any] | None:
     """The carried groups of a partial-rollout dock between steps: ages, finished rows, cut rows."""
     ages = client.ages()
     if not ages:
@@ -121,10 +132,8 @@ def _read_carried(client: DockChoice, timeout_s: float) -> dict[str, Any] | None
     ready = client.stats()["ready"]
     parts = {}
     for part, columns, marker in (("finished", _FINISHED, RESPONSE_IDS), ("cut", _CUT, PARTIAL_IDS)):
-        got = None
-        if ready.get(marker, 0):
-            got = client.get(DUMP_CONSUMER, columns, len(ages), min_count=1, timeout_s=timeout_s)
-        parts[part] = {"rows": [], "columns": {}} if got is None else {"rows": got[0], "columns": got[1]}
+        rows, values = client.peek(columns) if ready.get(marker, 0) else ([], {})
+        parts[part] = {"rows": rows, "columns": values if rows else {}}
     # A row continued and finished still holds its old partial columns: cut rows are those without a response.
     finished = set(parts["finished"]["rows"])
     keep = [i for i, row in enumerate(parts["cut"]["rows"]) if row not in finished]

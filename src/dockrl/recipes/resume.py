@@ -1,7 +1,10 @@
 """Resuming a run exactly: which checkpoint, whether its config still matches, and the driver's state.
 
     plan_resume(cfg, run)        before Ray starts: run.resume -> a checkpoint root or None; a config whose
-                                 computation differs from the checkpoint's is refused here, keys named
+                                 computation differs from the checkpoint's is refused here, keys named;
+                                 the later checkpoints of this run directory are abandoned (a new timeline)
+    timeline_head(run, origin)   what a restart continues from: this timeline's newest checkpoint, or origin
+    reference_path(cfg, point)   the KL reference the run loads (the config is never rewritten with it)
     trainer_state(...)           what the driver writes into trainer_state.json at each save
     restore(point, run, sampler) the driver's side of resuming: sampler position, RNG states, metrics and
                                  samples trimmed to the checkpoint's step; returns the first step to run
@@ -71,12 +74,31 @@ def plan_resume(cfg: TrainConfig, run: RunDir, data_fingerprint: str) -> ResumeP
         path = Path(mode)
     point = ResumePoint(path, directory.read_trainer_state(path))
     check_compatible(cfg, point, data_fingerprint)
+    abandoned = directory.abandon_from(run.checkpoints, point.step, point.path)
+    if abandoned:
+        log.warning(
+            "run.resume=%s starts a new timeline at step %d: the later checkpoints of %s are renamed, kept "
+            "and never resumed from: %s",
+            mode,
+            point.step,
+            run.checkpoints,
+            ", ".join(p.name for p in abandoned),
+        )
     return point
 
 
 def check_compatible(cfg: TrainConfig, point: ResumePoint, data_fingerprint: str) -> None:
-    """Refuse a checkpoint whose computation config or data differ from `cfg`'s (run.resume_force skips)."""
-    changes = config_changes(point.state["config"], computation_config(to_dict(cfg)))
+    """Refuse a checkpoint whose computation config or data differ from `cfg`'s (run.resume_force skips); a
+    changed parallel layout (state.LAYOUT_KEYS) is reported in one line and accepted."""
+    saved, current = point.state["config"], computation_config(to_dict(cfg))
+    layout = config_changes(saved, current, layout=True)
+    if layout:
+        log.warning(
+            "run.resume: the parallel layout changed (%s): the checkpoint's model and optimizer state are "
+            "resharded on load, so the resumed run repeats the original to fp32 rounding, not bit for bit",
+            "; ".join(layout),
+        )
+    changes = config_changes(saved, current)
     if point.state["data_fingerprint"] != data_fingerprint:
         changes.append(
             f"data.train_path: the encoded prompts differ from the checkpoint's ({cfg.data.train_path})"
@@ -93,10 +115,30 @@ def check_compatible(cfg: TrainConfig, point: ResumePoint, data_fingerprint: str
     )
 
 
+def reference_path(cfg: TrainConfig, point: ResumePoint | None) -> str:
+    """The KL reference this run loads: model.ref_path when set, else the reference of the run it resumes
+    (which never moves silently, even when run.resume_force accepted a changed model.path), else model.path.
+
+    Resolved the same way on every run and never written into the config: the config a checkpoint records
+    stays the user's, so the next resume compares the user's settings with the user's settings (a resolved
+    path written into model.ref_path made every second resume a "config change"); trainer_state.json records
+    the resolved path as reference_path."""
+    if cfg.model.ref_path is not None:
+        return cfg.model.ref_path
+    return cfg.model.path if point is None else point.state["reference_path"]
+
+
 def trainer_state(
-    cfg: TrainConfig, step: int, sampler: EpochSampler, data_fingerprint: str, kl_coef: float | None
+    cfg: TrainConfig,
+    step: int,
+    sampler: EpochSampler,
+    data_fingerprint: str,
+    kl_coef: float | None,
+    reference: str,
+    parent: str | None,
 ) -> dict[str, Any]:
-    """The driver's state at the end of `step` (trainer_state.json)."""
+    """The driver's state at the end of `step` (trainer_state.json); `reference`: the KL reference the run
+    loads (`reference_path`); `parent`: the checkpoint this one descends from (None: the run's start)."""
     computation = computation_config(to_dict(cfg))
     return {
         "step": step,
@@ -105,7 +147,8 @@ def trainer_state(
         "rng": rng_states(),
         "kl_coef": kl_coef,
         # DAPO's dynamic sampling keeps no state across steps: the sampler position covers its extra prompts.
-        "reference_path": cfg.model.ref_path or cfg.model.path,
+        "reference_path": reference,
+        "parent": parent,
         "config": computation,
         "config_hash": config_hash(computation),
     }
@@ -129,3 +172,14 @@ def newest(run: RunDir) -> ResumePoint | None:
     """The newest complete checkpoint of this run directory, or None."""
     path = directory.newest_checkpoint(run.checkpoints)
     return None if path is None else ResumePoint(path, directory.read_trainer_state(path))
+
+
+def timeline_head(run: RunDir, origin: ResumePoint | None) -> ResumePoint | None:
+    """Where the current timeline, started at `origin` (None: at step 1), stands: the newest checkpoint of
+    this run directory when it is newer than `origin` (plan_resume abandoned every later one, so a newer one
+    was written by this timeline), else `origin` itself, even when it lies in another run's directory (a
+    restart before this run's first save continues from it, not from the base model)."""
+    here = newest(run)
+    if origin is None or (here is not None and here.step > origin.step):
+        return here
+    return origin
