@@ -272,6 +272,7 @@ def value_clip_frac(
 ) -> Tensor:
     """Share of valid tokens where `value_loss` takes the clipped branch (its error is the larger); [B, T] in."""
     err, clipped_err = _value_errors(values.detach(), old_values, returns, clip)
+    assert clipped_err is not None  # a float clip always gives the clipped errors
     return masked_mean((clipped_err > err).float(), mask)
 
 

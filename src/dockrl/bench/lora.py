@@ -21,11 +21,12 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
-MODEL_SHAPE = dict(
+MODEL_SHAPE: dict[str, Any] = dict(
     hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64
 )
-SMALL_SHAPE = dict(
+SMALL_SHAPE: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
 )
 
@@ -140,6 +141,7 @@ def _rank(
         start = time.perf_counter()
         engine.train_step([mb], loss_fn, forward=lambda mb: engine.token_stats(mb, 1.0))
         times.append(time.perf_counter() - start)
+    assert engine.optimizer is not None  # a trainable engine
     state_bytes = torch.tensor(
         [
             float(
@@ -153,7 +155,7 @@ def _rank(
         ]
     )
     dist.all_reduce(state_bytes)
-    peaks = [None] * world
+    peaks: list[Any] = [None] * world  # filled by all_gather_object
     dist.all_gather_object(peaks, _rss_mb() - base_rss)
     trainable = sum(
         int(torch.Size(engine.global_shapes[n]).numel())

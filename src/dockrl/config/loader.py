@@ -17,13 +17,16 @@ import importlib.util
 import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
 from dockrl.config.fields import ConfigError
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
@@ -181,7 +184,8 @@ def _coerce(tp: Any, value: Any, key: str, noun: str = "value") -> Any:
                 errors.append(exc)
         raise errors[0]
     if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value if value is not None else {}, key + ".")
+        section = typing.cast("type[DataclassInstance]", tp)  # a type hint: never an instance
+        return from_dict(section, value if value is not None else {}, key + ".")
     if origin is list:
         if not isinstance(value, list):
             raise _type_error(key, value, "a list")
@@ -224,7 +228,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def render_docs(cls: type, prefix: str = "") -> list[str]:
+def render_docs(cls: type[DataclassInstance], prefix: str = "") -> list[str]:
     """Markdown table rows `| key | type | default | doc |` for every setting under `cls`."""
     rows = []
     hints = typing.get_type_hints(cls)
@@ -232,7 +236,8 @@ def render_docs(cls: type, prefix: str = "") -> list[str]:
         key = prefix + f.name
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
-            rows += render_docs(tp, key + ".")
+            section = typing.cast("type[DataclassInstance]", tp)  # a type hint: never an instance
+            rows += render_docs(section, key + ".")
             continue
         if f.default is not dataclasses.MISSING:
             default = repr(f.default)

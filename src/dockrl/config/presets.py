@@ -50,25 +50,33 @@ class Preset:
     loss_normalizer: str = "tokens"  # LossNormalizer: max_new_tokens is Dr. GRPO's constant
 
 
-_PPO_CLIP = dict(clip_low=0.2, clip_high=0.2, loss_agg="token-mean", kl_coef=0.001)
-PRESETS: dict[str, Preset] = {
-    "grpo": Preset("grpo", **_PPO_CLIP),
+# The closed choices of algo.name and algo.adv_estimator (schema.py declares the settings with them). Algorithm
+# spells out PRESETS' rows, in table order, so mypy checks the names a config can hold; the check after the
+# table keeps the two equal.
+Algorithm = Literal["grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo", "gspo", "ppo"]
+AdvEstimator = Literal[ADV_ESTIMATORS]  # type: ignore[valid-type]
+
+
+def _ppo_clip(estimator: str) -> Preset:
+    """A row with PPO's clip, token-mean aggregation and KL to the reference."""
+    return Preset(estimator, clip_low=0.2, clip_high=0.2, loss_agg="token-mean", kl_coef=0.001)
+
+
+PRESETS: dict[Algorithm, Preset] = {
+    "grpo": _ppo_clip("grpo"),
     "dapo": Preset("grpo", 0.2, 0.28, "token-mean", 0.0),  # clip-higher, no reference model (Yu et al. 2025)
-    "rloo": Preset("rloo", **_PPO_CLIP),
-    "reinforce_pp": Preset("reinforce_pp", **_PPO_CLIP),
-    "reinforce_pp_baseline": Preset("reinforce_pp_baseline", **_PPO_CLIP),
+    "rloo": _ppo_clip("rloo"),
+    "reinforce_pp": _ppo_clip("reinforce_pp"),
+    "reinforce_pp_baseline": _ppo_clip("reinforce_pp_baseline"),
     # a constant normaliser, no KL (Liu et al. 2025)
     "dr_grpo": Preset("dr_grpo", 0.2, 0.2, "seq-mean-token-sum", 0.0, loss_normalizer="max_new_tokens"),
     # sequence-level ratios (Zheng et al. 2025)
     "gspo": Preset("grpo", 3e-4, 4e-4, "seq-mean-token-mean", 0.0, ratio_level="sequence"),
-    "ppo": Preset("gae", **_PPO_CLIP),
+    "ppo": _ppo_clip("gae"),
 }
 
-# The closed choices of algo.name and algo.adv_estimator, derived from the table and the estimator names so
-# each name is written once (schema.py declares the settings with them).
-Algorithm = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
-AdvEstimator = Literal[ADV_ESTIMATORS]  # type: ignore[valid-type]
 ALGORITHMS: tuple[str, ...] = typing.get_args(Algorithm)
+assert ALGORITHMS == tuple(PRESETS), "Algorithm must name PRESETS' rows, in table order"
 LOSS_AGGS: tuple[str, ...] = typing.get_args(LossAgg)
 RATIO_LEVELS: tuple[str, ...] = typing.get_args(RatioLevel)
 LOSS_NORMALIZERS: tuple[str, ...] = typing.get_args(LossNormalizer)

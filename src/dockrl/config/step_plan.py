@@ -124,11 +124,14 @@ def loss_plan(algo: AlgoConfig, max_new_tokens: int | None = None) -> LossPlan:
     """The policy loss of `algo`; `max_new_tokens` (rollout.max_new_tokens) is the constant normaliser of
     algo.loss_normalizer=max_new_tokens (Dr. GRPO's), required with it."""
     normalizer = resolved_loss_normalizer(algo)
-    if normalizer == "max_new_tokens" and max_new_tokens is None:
-        raise ValueError(
-            f"algo.name={algo.name} normalises the loss by max_new_tokens (algo.loss_normalizer); pass "
-            "rollout.max_new_tokens"
-        )
+    seq_len_norm = None
+    if normalizer == "max_new_tokens":
+        if max_new_tokens is None:
+            raise ValueError(
+                f"algo.name={algo.name} normalises the loss by max_new_tokens (algo.loss_normalizer); pass "
+                "rollout.max_new_tokens"
+            )
+        seq_len_norm = float(max_new_tokens)
     clip_low, clip_high = resolved_clip(algo)
     return LossPlan(
         agg=resolved_loss_agg(algo),
@@ -138,7 +141,7 @@ def loss_plan(algo: AlgoConfig, max_new_tokens: int | None = None) -> LossPlan:
         kl_estimator=algo.kl_estimator,
         entropy_coef=algo.entropy_coef,
         sequence_ratio=resolved_ratio_level(algo) == "sequence",
-        seq_len_norm=float(max_new_tokens) if normalizer == "max_new_tokens" else None,
+        seq_len_norm=seq_len_norm,
         rollout_is=algo.rollout_is,
         rollout_is_cap=algo.rollout_is_cap,
     )

@@ -327,12 +327,14 @@ def check_sft(cfg: SFTConfig) -> None:
             "model.ref_path", cfg.model.ref_path, "SFT has no reference model", "remove model.ref_path"
         )
     if cfg.actor.lora.rank != 0 or cfg.model.lora_path is not None:
-        key, value = (
+        lora_key, lora_value = (
             ("actor.lora.rank", cfg.actor.lora.rank)
             if cfg.actor.lora.rank
             else ("model.lora_path", cfg.model.lora_path)
         )
-        raise config_error(key, value, "dockrl sft trains every weight (LoRA SFT is not built)", "remove it")
+        raise config_error(
+            lora_key, lora_value, "dockrl sft trains every weight (LoRA SFT is not built)", "remove it"
+        )
     if cfg.data.label_field is None:
         raise config_error("data.label_field", None, "SFT needs the answer text", "name the answer field")
     check_data(cfg.data)

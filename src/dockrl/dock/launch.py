@@ -133,8 +133,9 @@ def launch_dock(
         hub = ServiceHub(CentralDock(policy=policy, max_rows=max_rows), host=ray.util.get_node_ip_address())
         hub_transport = HubTransport(hub.address, hub.authkey, get_timeout_s)
         return CentralDockHandle(mode, hub_transport, get_timeout_s, hub=hub)
+    # Actor handles are Any: Ray's stubs type a handle's methods as the plain methods, without `.remote`.
     if mode == "single":
-        actor = (
+        actor: Any = (
             ray.remote(CentralDock)
             .options(name=f"{name_prefix}-buffer", num_cpus=0, max_concurrency=SINGLE_MAX_CONCURRENCY)
             .remote(policy=policy, max_rows=max_rows)
@@ -152,7 +153,7 @@ def launch_dock(
     if num_warehouses < 1:
         raise ValueError(f"num_warehouses={num_warehouses} must be >= 1 (or None for one per node)")
 
-    controller = (
+    controller: Any = (
         ray.remote(SharedController)
         .options(
             name=f"{name_prefix}-controller",
@@ -162,13 +163,13 @@ def launch_dock(
         )
         .remote(num_warehouses, policy=policy, max_rows=max_rows)
     )
-    endpoints = None
+    endpoints: list[tuple[tuple, bytes]] | None = None
     if transport == "socket":
         # None: each hub binds to the address of the node Ray placed its actor on.
         endpoints = [ray.get(controller.serve.remote(None), timeout=STARTUP_TIMEOUT_S)]
     warehouse_nodes = [nodes[i % len(nodes)] for i in range(num_warehouses)]
     warehouse_class = ray.remote(Warehouse)
-    warehouses = [
+    warehouses: list[Any] = [
         warehouse_class.options(
             name=f"{name_prefix}-warehouse-{i}",
             num_cpus=0,

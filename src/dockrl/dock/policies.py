@@ -7,10 +7,10 @@
  balance_over=k:  k*count rows --balanced_partition--> k bins of near-equal tokens (one per DP consumer)
 ```
 
-A policy is a plain function `policy(candidates: Candidates) -> Sequence[int]` returning the indices of the
-candidate units in order of preference (a subset is allowed: units left out are not served this time). Name
-one in config as `dock.policy: "my_pkg.my_module:my_function"`; the built-ins are `first` (lowest row ids)
-and `oldest` (rows carried over from earlier steps first, then lowest row ids). No Ray, numpy only.
+A policy is a plain function `policy(candidates: Candidates) -> Sequence[int]` (or an int array) returning the
+indices of the candidate units in order of preference (a subset is allowed: units left out are not served this
+time). Name one in config as `dock.policy: "my_pkg.my_module:my_function"`; the built-ins are `first` (lowest
+row ids) and `oldest` (rows carried over from earlier steps first, then lowest row ids). No Ray, numpy only.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Candidates:
     count: int
 
 
-Policy = Callable[[Candidates], Sequence[int]]
+Policy = Callable[[Candidates], Sequence[int] | np.ndarray]  # unit indices, in order of preference
 
 
 def first(candidates: Candidates) -> np.ndarray:

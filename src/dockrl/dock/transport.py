@@ -219,6 +219,7 @@ class ServiceHub:
                 return
             _tune(connection)
             while True:
+                reply: tuple[str, Any]  # (status, value): "ok" and the result, or "error" and what was raised
                 try:
                     method, args, kwargs = channel.recv()
                 except (EOFError, OSError, BadFrame):  # a bad frame: the channel closed the connection
@@ -298,7 +299,7 @@ class SocketTransport:
         return {"address": self.address, "authkey": self.authkey}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["address"], state["authkey"])
+        SocketTransport.__init__(self, state["address"], state["authkey"])
 
     def request(self, method: str, *args, **kwargs) -> _Done | _SocketPending:
         """Send one call; `.result(timeout_s)` waits for its reply (or raises the send's failure),
@@ -317,6 +318,7 @@ class SocketTransport:
         except Lost as error:  # no connection could be made
             return _Done("error", error)
         except (OSError, EOFError) as error:
+            assert channel is not None  # _connect raises only Lost: this was the send
             self._drop(channel)
             return _Done("error", Lost(repr(error)))
         return _SocketPending(self, channel)

@@ -165,7 +165,7 @@ class Warehouse:
         """index, rows/cells/bytes held; op counts and latency_ms (p50/p99 per op) since creation; bytes_in and
         bytes_out since the last clear (one step's traffic)."""
         with self._lock:
-            rows = set()
+            rows: set[int] = set()
             for cells in self._cells.values():
                 rows.update(cells)
             return {

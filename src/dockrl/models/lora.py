@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -115,7 +116,8 @@ class LoRALinear(nn.Linear):
         out = F.linear(x, self.weight, self.bias)
         if not self.lora_enabled:
             return out
-        a, b = self.lora_A, self.lora_B
+        a: torch.Tensor = self.lora_A
+        b: torch.Tensor = self.lora_B
         if self.sync_replicated is not None:
             if self.replicated_factor == "lora_A":
                 a = self.sync_replicated(a)
@@ -160,12 +162,21 @@ def _is_target(name: str, module: nn.Module, spec: LoraSpec) -> bool:
     return isinstance(module, nn.Linear) and name.rpartition(".")[2] in spec.target_modules
 
 
-def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+class AdaptedLayer(Protocol):
+    """What every layer with an adapter has: LoRALinear, or the tensor-parallel module that took over a LoRA
+    base."""
+
+    lora_A: nn.Parameter  # [r, I]
+    lora_B: nn.Parameter  # [O, r]
+    lora_enabled: bool
+
+
+def lora_layers(model: nn.Module) -> Iterator[tuple[str, AdaptedLayer]]:
     """(module name, layer) of every layer of `model` with an adapter: LoRALinear, or the tensor-parallel
     module that took over a LoRA base (it keeps `lora_A`, `lora_B`, `lora_enabled`)."""
     for name, module in model.named_modules():
         if isinstance(getattr(module, "lora_A", None), nn.Parameter):
-            yield name, module
+            yield name, cast(AdaptedLayer, module)
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -213,7 +224,8 @@ def merge_lora(model: nn.Module) -> None:
         layer.weight.copy_((layer.weight.float() + layer.adapter_delta()).to(layer.weight.dtype))
         for attr in ("lora_A", "lora_B"):
             delattr(layer, attr)
-        layer.__class__ = nn.Linear
+        base: nn.Module = layer  # typed as the base class, whose class it takes back
+        base.__class__ = nn.Linear
 
 
 def save_peft(model: nn.Module, out: str | Path, spec: LoraSpec, base_model_path: str) -> Path:
@@ -309,3 +321,32 @@ def load_peft(model: nn.Module, path: str | Path) -> LoraSpec:
                 )
             param.copy_(value)
     return spec
+
+
+def save_peft_tensors(adapters: dict[str, torch.Tensor], out: str | Path, spec: LoraSpec, base_model_path: str) -> Path:
+    """Write whole adapters (`<module>.lora_A` [r, I], `<module>.lora_B` [O, r], as `adapter_state` keys them)
+    as a PEFT adapter directory; returns it. What a checkpoint's export writes beside its merged `hf/`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {f"{PEFT_PREFIX}{name}.weight": t.detach().float().contiguous().cpu() for name, t in adapters.items()}
+    save_file(tensors, str(out / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / ADAPTER_CONFIG_FILE).write_text(json.dumps(_peft_config(spec, base_model_path), indent=2) + "\n")
+    return out
+
+
+def _peft_config(spec: LoraSpec, base_model_path: str) -> dict:
+    """adapter_config.json of a plain LoRA adapter, as PEFT reads it."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_path,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": list(spec.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+    }

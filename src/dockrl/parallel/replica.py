@@ -42,7 +42,7 @@ class ReplicaClient:
         """`call()` on the head; its result (or exception) on every rank."""
         if self.group is None:
             return call()
-        outcome = None
+        outcome: tuple[str, Any] | None = None
         if self.is_head:
             try:
                 outcome = ("ok", call())

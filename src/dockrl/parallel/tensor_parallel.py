@@ -177,8 +177,8 @@ def parallelize(
         attn.o_proj = RowParallelLinear(attn.o_proj, tp_rank, tp_size, group)  # type: ignore[assignment]
         mlp.down_proj = RowParallelLinear(mlp.down_proj, tp_rank, tp_size, group)  # type: ignore[assignment]
         if attn.q_norm is not None and attn.k_norm is not None:
-            attn.q_norm = HeadSharedNorm(attn.q_norm, group)  # type: ignore[assignment]
-            attn.k_norm = HeadSharedNorm(attn.k_norm, group)  # type: ignore[assignment]
+            attn.q_norm = HeadSharedNorm(attn.q_norm, group)
+            attn.k_norm = HeadSharedNorm(attn.k_norm, group)
         layer.input_layernorm.register_forward_hook(copy_output)
         layer.post_attention_layernorm.register_forward_hook(copy_output)
     embedding = VocabParallelEmbedding(model.model.embed_tokens, tp_rank, tp_size, group)

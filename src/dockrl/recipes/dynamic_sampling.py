@@ -59,7 +59,7 @@ def group_rewards(
     """first row id -> the filter values of its rows, from the (row, value) pairs the reward workers report
     (ScoreResult.accuracy). `weights`: each row's update weight; a group with a weight-0 row is left out of the
     update, so its values read as zeros (no spread: never informative, only a filler)."""
-    groups: dict[int, list[float]] = {}
+    groups: dict[int, list[tuple[int, float]]] = {}  # first row id -> its (row, value) pairs
     dropped: set[int] = set()
     for i, (row, reward) in enumerate(zip(rows, rewards)):
         first = row - row % group_size

@@ -143,7 +143,9 @@ def _sample_until_full(
     prompt generated this step, generate results, score results, the rounds' counts)."""
     n, target = cfg.rollout.samples_per_prompt, cfg.run.prompts_per_step
     most = schedule.dynamic_sampling_rounds
-    prompts, gen, scored = list(batch), [], []
+    prompts = list(batch)
+    gen: list[GenerateResult] = []
+    scored: list[ScoreResult] = []
     for rounds in range(1, most + 1):
         round_gen, round_scored, _ = _round(cfg, schedule, step, batch, cluster, timer)
         gen, scored = gen + round_gen, scored + round_scored

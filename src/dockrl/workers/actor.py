@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -84,7 +85,7 @@ class ActorWorker(Worker):
         `resume_from` (a checkpoint root) the policy, its optimizer and LR schedule come from there."""
         cfg = self.cfg
         mesh = training_mesh(self.device.type, self.dp, cfg.actor.tp)
-        common = dict(device=self.device, precision=cfg.run.precision, mesh=mesh)
+        common: dict[str, Any] = dict(device=self.device, precision=cfg.run.precision, mesh=mesh)
         self.policy = TrainEngine(
             cfg.model.path,
             optim=cfg.actor,

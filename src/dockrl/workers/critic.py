@@ -114,9 +114,11 @@ class CriticWorker(Worker):
 
     def compute_values(self) -> LogprobResult:
         """Values of this rank's share of rows -> `values` [R] per row."""
-        rows, batch = self.client.get(
+        got = self.client.get(
             Stage.CRITIC_VALUES, [PROMPT_IDS, RESPONSE_IDS], self.rows_per_rank, balance_over=self.world_size
         )
+        assert got is not None, "the dock had no rows left for this critic rank"
+        rows, batch = got
         self.client.put(
             Stage.CRITIC_VALUES, rows, {VALUES: self._values(batch[PROMPT_IDS], batch[RESPONSE_IDS])}
         )
@@ -145,9 +147,9 @@ class CriticWorker(Worker):
         algo = self.cfg.algo
         columns = [PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, REWARD, VALUES]
         columns += [REF_LOGPROBS, OLD_LOGPROBS] if algo.kl_in_reward else []
-        rows, batch = self.client.get(
-            Stage.CRITIC_UPDATE, columns, self.rows_per_rank, balance_over=self.world_size
-        )
+        got = self.client.get(Stage.CRITIC_UPDATE, columns, self.rows_per_rank, balance_over=self.world_size)
+        assert got is not None, "the dock had no rows left for this critic rank"
+        rows, batch = got
         start = time.perf_counter()
         values, mask = pad_rows(batch[VALUES])  # [B, R] over this rank's rows
         # Rows a failed reward call left out (reward.on_error=drop_group) weigh 0, as in the actor's update:

@@ -106,11 +106,11 @@ class WorkerGroup:
     `Pending[UpdateResult]` (the worker classes' groups wrap this as `actors.update()`); `call`/`call_async`
     take a method name, for generic tools and tests (recipes call the typed methods only)."""
 
-    worker: type | None = None
+    worker: type[Worker] | None = None
 
     def __init__(
         self,
-        worker_cls: type,
+        worker_cls: type[Worker],
         num_workers: int,
         *,
         name: str,
@@ -126,7 +126,9 @@ class WorkerGroup:
         node_resources: list[str] | None = None,
     ):
         self.name, self.timeout_s, self.supervisor = name, timeout_s, supervisor
-        remote_cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1, **worker_cls.threads})(worker_cls)
+        # ray.remote's typed overloads omit concurrency_groups, which it takes (an actor option).
+        groups = {HEALTH_GROUP: 1, **worker_cls.threads}
+        remote_cls = ray.remote(concurrency_groups=groups)(worker_cls)  # type: ignore[call-overload]
         self.names = [f"{name}-{rank}" for rank in range(num_workers)]
 
         def placed(rank: int) -> dict[str, float]:  # rank i on a node offering node_resources[i mod len]
@@ -139,7 +141,8 @@ class WorkerGroup:
             for rank, actor_name in enumerate(self.names)
         ]
         # Starting a worker process (imports, model code) can take far longer than a call on a busy host.
-        self._pending_start = (distributed, device, time.monotonic() + startup_timeout_s)
+        deadline = time.monotonic() + startup_timeout_s
+        self._pending_start: tuple[bool, str, float] | None = (distributed, device, deadline)
         self._identity_refs = [a.identity.remote() for a in self.actors]
         if wait:
             self.wait_started()
@@ -255,11 +258,12 @@ class WorkerGroup:
                     raise self.supervisor.failure(worker, "died") from exc
                 raise WorkerError(f"{self.name}.{method}: worker {worker} died") from exc
             except RayTaskError as exc:
-                cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+                raised = exc.cause if getattr(exc, "cause", None) is not None else exc
                 error = WorkerError(
-                    f"{self.name}.{method}: worker {worker} raised: {type(cause).__name__}: {cause}"
+                    f"{self.name}.{method}: worker {worker} raised: {type(raised).__name__}: {raised}"
                 )
-                error.remote_traceback = str(exc)
+                # Read back with getattr (recipes/grpo.py); WorkerError (supervisor.py) does not declare it.
+                error.remote_traceback = str(exc)  # type: ignore[attr-defined]
                 raise error from None
             except GetTimeoutError as exc:  # pragma: no cover - ray.wait said it was ready
                 raise WorkerError(f"{self.name}.{method}: worker {worker} result not retrievable") from exc

@@ -195,7 +195,9 @@ class RewardWorker(Worker):
     def _add_model_score(self, scores: list[float], components: dict, rm_scores: list) -> tuple[list, dict]:
         """Add reward.model.weight x rm_score to each total; the raw score is stored as the `rm` component."""
         rm = [float(x) for x in rm_scores]
-        return [s + self.rm_weight * x for s, x in zip(scores, rm)], {**components, "rm": rm}
+        weight = self.rm_weight
+        assert weight is not None  # called only with a reward model
+        return [s + weight * x for s, x in zip(scores, rm)], {**components, "rm": rm}
 
     def _shape_overlong(self, scores: list[float], components: dict, response_ids: list) -> tuple[list, dict]:
         """Add DAPO's overlong penalty to each score; it is also stored as the `overlong` component."""

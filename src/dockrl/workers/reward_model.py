@@ -84,11 +84,11 @@ class RewardModelWorker(Worker):
         # Ray gives a GPU actor exactly one visible device.
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        self.model = load_reward_model(model.path, device=self.device, dtype=dtype).eval()
+        path = model.path
+        assert path is not None, "RewardModelWorkers start only with reward.model.path set"
+        self.model = load_reward_model(path, device=self.device, dtype=dtype).eval()
         self.policy_tokenizer = Tokenizer.from_dir(policy_path)
-        self.rm_tokenizer = (
-            None if same_vocabulary(policy_path, model.path) else Tokenizer.from_dir(model.path)
-        )
+        self.rm_tokenizer = None if same_vocabulary(policy_path, path) else Tokenizer.from_dir(path)
 
     def score(self) -> ModelScoreResult:
         """Score every row of the step once; returns the scores (row order of pulls) and the busy time."""

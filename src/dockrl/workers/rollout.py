@@ -23,6 +23,7 @@ import time
 
 import ray
 import torch
+import torch.distributed as dist
 
 from dockrl.config.schema import TrainConfig
 from dockrl.config.step_plan import StepPlan
@@ -52,7 +53,7 @@ class RolloutWorker(Worker):
         """`cfg` and `plan`: the run's resolved config and its step plan (config.Resolved), read, never changed."""
         super().__init__(name, rank, world_size)
         self.cfg, self.plan, self.client = cfg, plan, client
-        self.sync_group = None
+        self.sync_group: dist.ProcessGroup | None = None  # set by join_weight_sync
         self.version = -1  # updates behind the weights in the model's buffers; -1: none received yet
         self.staged: dict[int, list[torch.Tensor]] = {}  # version -> received copy not yet taken
         self.spare: list[list[torch.Tensor]] = []  # staged copies already taken, reused
@@ -103,6 +104,7 @@ class RolloutWorker(Worker):
             target = self.buffers
             if staging:
                 target = self.spare.pop() if self.spare else [torch.empty_like(b) for b in self.buffers]
+        assert self.sync_group is not None, "receive_weights before join_weight_sync"
         for buffer in target:
             broadcast_bucket(self.sync_group, buffer)
         with self.arrived:
@@ -174,7 +176,8 @@ class RolloutGroup(WorkerGroup):
 
     def receive_weights(self, version: int) -> Pending[float]:
         """Receive the trainer's weights (with the trainer's broadcast_weights)."""
-        return self.start(RolloutWorker.receive_weights, version)
+        # ray.method's stubs type the decorated method as a remote handle; it is still the function.
+        return self.start(RolloutWorker.receive_weights, version)  # type: ignore[arg-type]
 
     def generate(self, step: int, version: int) -> Pending[GenerateResult]:
         """Roll out every row of the dock's table with the weights after `version` updates."""

@@ -253,7 +253,9 @@ class _Sample:
     reason: str
 
 
-def _pull_carried(client: DockAPI, consumer: Stage, count: int) -> tuple[str, tuple | None]:
+def _pull_carried(
+    client: DockAPI, consumer: Stage, count: int
+) -> tuple[str, tuple[list[int], dict[str, list]] | None]:
     """("rows", got) for up to `count` carried rows, ("done", None) once every row was served, or ("none",
     None) when no carried row is left (they are all ready when the pass starts: a single poll tells)."""
     try:
@@ -290,13 +292,16 @@ def _split(
     completions: list[Completion], prefixes: dict[int, _Sample], version: int | None, partial: Partial | None
 ) -> tuple[list[_Sample], list[_Sample]]:
     """(finished samples, samples cut at their pass's budget), carried rows' tokens so far prepended."""
-    finished, cut = [], []
+    finished: list[_Sample] = []
+    cut: list[_Sample] = []
     for c in completions:
         gen, row = c.generation, c.tag[c.sample]
         ids, logprobs = gen.token_ids, gen.logprobs
         versions = None if version is None else torch.full((len(ids),), version, dtype=torch.int64)
         prefix = prefixes.get(row)
         if prefix is not None:
+            # A carried row exists only under partial rollout, which versions every token.
+            assert versions is not None and prefix.versions is not None
             ids, logprobs = torch.cat([prefix.ids, ids]), torch.cat([prefix.logprobs, logprobs])
             versions = torch.cat([prefix.versions, versions])
         sample = _Sample(row, ids, logprobs, versions, gen.finish_reason)
@@ -311,7 +316,7 @@ def _put(
     """Write `samples` to the columns named (the response's, or a cut response's partial ones)."""
     if not samples:
         return
-    batch = {ids: [s.ids for s in samples], logprobs: [s.logprobs for s in samples]}
+    batch: dict[str, list] = {ids: [s.ids for s in samples], logprobs: [s.logprobs for s in samples]}
     if samples[0].versions is not None:
         batch[versions] = [s.versions for s in samples]
     client.put(producer, [s.row for s in samples], batch)

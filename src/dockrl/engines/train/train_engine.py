@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from dockrl.algos.head_logprobs import head_token_stats
 from dockrl.config.schema import OptimConfig
 from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
+from dockrl.models.decoder import DecoderModel, Transformer
 from dockrl.models.hf import CAUSAL_LM, CheckpointReader, ModelKind, read_config
 from dockrl.models.lora import LoraSpec, adapters_disabled, apply_lora, fresh_adapters
 from dockrl.parallel.sharded_load import load_sharded
@@ -82,10 +83,12 @@ class TrainEngine:
         if self.tp_size > 1:
             from dockrl.parallel.tensor_parallel import parallelize, replicated_names
 
-            parallelize(model, self.tp_rank, self.tp_size, self.tp_group)
+            assert self.tp_group is not None  # tp_size > 1 comes from the mesh's tp dim, with its group
+            # Only a causal LM is split (ModelKind.build is typed as any module).
+            parallelize(cast(Transformer, model), self.tp_rank, self.tp_size, self.tp_group)
             self.replicated = replicated_names(model)
             self.vocab_start = self.tp_rank * (self.args.vocab_size // self.tp_size)
-        if mesh is not None:
+        if self.dp_mesh is not None:  # set exactly when `mesh` is
             fully_shard_layers(model, self.dp_mesh, precision)
         model.to_empty(device=self.device)
         reader = CheckpointReader(model_path)  # headers only
@@ -108,7 +111,7 @@ class TrainEngine:
         if trainable:
             assert optim is not None, "a trainable engine needs optimizer settings"
             self.optim_cfg = optim
-            model.model.checkpoint_layers = optim.activation_checkpointing
+            _decoder(model).checkpoint_layers = optim.activation_checkpointing
             self.optimizer = torch.optim.AdamW(
                 [p for p in model.parameters() if p.requires_grad],  # LoRA: the adapters only
                 lr=optim.lr,
@@ -121,16 +124,25 @@ class TrainEngine:
             )
 
     def _init_layout(self, mesh: DeviceMesh | None) -> None:
-        names = mesh.mesh_dim_names if mesh is not None else ()
-        self.dp_mesh = None if mesh is None else (mesh if len(names) == 1 else mesh["dp"])
-        self.dp_group = None if mesh is None else self.dp_mesh.get_group()
-        self.dp_size = 1 if mesh is None else self.dp_mesh.size()
-        self.dp_rank = 0 if mesh is None else self.dp_mesh.get_local_rank()
-        has_tp = "tp" in names
-        self.tp_group = mesh.get_group("tp") if has_tp else None
-        self.tp_size = mesh["tp"].size() if has_tp else 1
-        self.tp_rank = mesh["tp"].get_local_rank() if has_tp else 0
+        self.dp_mesh: DeviceMesh | None = None
+        self.dp_group: dist.ProcessGroup | None = None
+        self.dp_size, self.dp_rank = 1, 0
+        self.tp_group: dist.ProcessGroup | None = None
+        self.tp_size, self.tp_rank = 1, 0
         self.vocab_start = 0  # the first id of this rank's vocab slice (set under tp)
+        if mesh is None:
+            return
+        names = mesh.mesh_dim_names
+        assert names is not None, "dockrl's meshes name their dims (dp, tp)"
+        dp_mesh = mesh if len(names) == 1 else mesh["dp"]
+        self.dp_mesh = dp_mesh
+        self.dp_group = dp_mesh.get_group()
+        self.dp_size = dp_mesh.size()
+        self.dp_rank = dp_mesh.get_local_rank()
+        if "tp" in names:
+            self.tp_group = mesh.get_group("tp")
+            self.tp_size = mesh["tp"].size()
+            self.tp_rank = mesh["tp"].get_local_rank()
 
     def token_stats(self, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the next tokens and entropies [B, T-1] fp32 under softmax(logits / temperature), from the
@@ -203,7 +215,9 @@ class TrainEngine:
                 logps[i], ents[i] = row_logp, row_entropy
         for _ in range(self.common_count(len(chunks)) - len(chunks)):  # a rank with fewer rows keeps pace
             self.token_stats(self.idle_micro_batch(pad_token_id), temp)
-        return logps, ents if with_entropy else None
+        # Every row is in exactly one chunk, so no None is left.
+        rows_logps = cast(list[torch.Tensor], logps)
+        return rows_logps, cast(list[torch.Tensor], ents) if with_entropy else None
 
     def common_count(self, count: int) -> int:
         """The most micro-batches any data-parallel rank has (each forward is collective under FSDP, so every
@@ -236,6 +250,7 @@ class TrainEngine:
         """Accumulate gradients over the micro-batches, clip, take one optimizer step; returns summed metrics.
         `loss_fn(forward(mb), mb)` per micro-batch; `forward` defaults to `logits`."""
         assert self.optimizer is not None, "train_step on a frozen engine"
+        assert self.scheduler is not None  # built with the optimizer
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         forward = forward or self.logits
@@ -249,14 +264,14 @@ class TrainEngine:
         if self.tp_size > 1:
             grad_norm = self._clip_tp_grad_norm(max_norm)
         else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-            if isinstance(grad_norm, DTensor):
-                grad_norm = grad_norm.full_tensor()
-            grad_norm = float(grad_norm)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+            grad_norm = float(norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
         totals["grad_norm"] = grad_norm
-        totals["lr"] = self.scheduler.get_last_lr()[0]
+        totals["lr"] = cast(float, self.scheduler.get_last_lr()[0])  # a tensor only for a tensor lr
         self.scheduler.step()
         return totals
 
@@ -268,6 +283,7 @@ class TrainEngine:
 
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            assert self.scheduler is not None, "skip_step on a frozen engine"
             self.scheduler.step()
 
     def _clip_tp_grad_norm(self, max_norm: float) -> float:
@@ -317,9 +333,14 @@ def fully_shard_layers(model: torch.nn.Module, mesh: DeviceMesh, precision: str)
         param_dtype=torch.bfloat16 if precision == "bf16" else None,
         reduce_dtype=torch.float32,
     )
-    for layer in model.model.layers:
+    for layer in _decoder(model).layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def _decoder(model: torch.nn.Module) -> DecoderModel:
+    """The decoder body (`.model`) of a module a ModelKind builds: a Transformer's, a ValueModel's."""
+    return cast(DecoderModel, model.model)
 
 
 def _lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
