@@ -14,6 +14,7 @@ def take_one_step(engine, dp: int, seed: int) -> None:
     import torch
 
     from dockrl.config import AlgoConfig
+    from dockrl.config.step_plan import loss_plan
     from dockrl.dock.columns import ADVANTAGES, PROMPT_IDS, RESPONSE_IDS
     from dockrl.engines.train.policy_update import policy_update
 
@@ -24,13 +25,13 @@ def take_one_step(engine, dp: int, seed: int) -> None:
         RESPONSE_IDS: [torch.randint(0, vocab, (8,), generator=g) for _ in range(2)],
         ADVANTAGES: [torch.ones(8), -torch.ones(8)],
     }
-    algo = AlgoConfig(kl_coef=0.0)
+    plan = loss_plan(AlgoConfig(kl_coef=0.0))
     policy_update(
         engine,
         batch,
         [0, 1],
         [ADVANTAGES],
-        algo,
+        plan,
         temperature=1.0,
         micro_batch_size=2,
         pad_token_id=0,
