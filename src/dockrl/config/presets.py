@@ -50,9 +50,9 @@ class Preset:
     loss_normalizer: str = "tokens"  # LossNormalizer: max_new_tokens is Dr. GRPO's constant
 
 
-# The closed choices of algo.name and algo.adv_estimator (schema.py declares the settings with them). Algorithm
-# spells out PRESETS' rows, in table order, so mypy checks the names a config can hold; the check after the
-# table keeps the two equal.
+# The closed choices of algo.name and algo.adv_estimator (schema.py declares the settings with them).
+# Algorithm spells out PRESETS' rows, in table order, so mypy checks the names a config can hold; the check
+# after the table keeps the two equal.
 Algorithm = Literal["grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo", "gspo", "ppo"]
 AdvEstimator = Literal[ADV_ESTIMATORS]  # type: ignore[valid-type]
 
