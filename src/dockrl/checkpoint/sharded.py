@@ -42,6 +42,9 @@ _GROUP_SKIP = ("params",)
 GATHER_BLOCK_BYTES = 8 * 2**20  # per rank and gather step of a Hugging Face export
 
 
+_ADAPTER_SUFFIXES = (".lora_A", ".lora_B")  # LoRA factors (dockrl.models.lora): merged into the HF export
+
+
 def _named_params(engine) -> list[tuple[str, torch.nn.Parameter]]:
     return list(engine.model.named_parameters())
 
@@ -181,21 +184,43 @@ def export_hf(
     engine, path: str | Path, *, tokenizer_dir: str | None, max_shard_bytes: int = 2 * 2**30
 ) -> None:
     """Write `engine`'s weights as a Hugging Face directory in `engine.source_dtype` (all ranks call it;
-    global rank 0 gathers one tensor at a time and streams it to its file, so it holds one tensor at most)."""
+    global rank 0 gathers one tensor at a time and streams it to its file, so it holds one tensor at most).
+
+    A LoRA engine writes its adapted weights merged (W + (alpha/r) B A, in fp32, then cast), so eval and
+    `dockrl export` read a plain model, and its adapters alone as a PEFT directory beside it (`../adapter`)."""
     dtype = engine.source_dtype
     params = dict(_named_params(engine))
-    names = [n for n in params if not (engine.args.tie_word_embeddings and n == LM_HEAD_KEY)]
+    names = [
+        n
+        for n in params
+        if not (engine.args.tie_word_embeddings and n == LM_HEAD_KEY) and not n.endswith(_ADAPTER_SUFFIXES)
+    ]
     is_writer = dist.get_rank() == 0
     specs = {n: (engine.global_shapes[n], dtype) for n in names}
     writer = HFWriter(path, engine.args, specs, max_shard_bytes) if is_writer else None
+    adapters: dict[str, torch.Tensor] = {}
     for name in names:
         whole = gather_to_rank0(engine, name, params[name], engine.global_shapes[name], dtype)
+        module = name.removesuffix(".weight")
+        if f"{module}.lora_A" in params:  # every rank gathers the factors, in the same order
+            a, b = (
+                gather_to_rank0(engine, f, params[f], engine.global_shapes[f], torch.float32)
+                for f in (f"{module}.lora_A", f"{module}.lora_B")
+            )
+            if is_writer:
+                adapters[f"{module}.lora_A"], adapters[f"{module}.lora_B"] = a, b
+                whole = (whole.float() + engine.lora.scaling * (b @ a)).to(dtype)
         if is_writer:
             writer.write(name, whole.to("cpu", dtype))
         del whole
     if is_writer:
         writer.finish(dtype, tokenizer_dir)
         fsync_tree(Path(path))  # on the node that wrote it (the driver's commit fsyncs again, from its node)
+        if adapters:
+            from dockrl.models.lora import save_peft_tensors
+
+            adapter_dir = Path(path).parent / "adapter"
+            fsync_tree(save_peft_tensors(adapters, adapter_dir, engine.lora, engine.model_path))
     dist.barrier()
 
 

@@ -321,3 +321,36 @@ def load_peft(model: nn.Module, path: str | Path) -> LoraSpec:
                 )
             param.copy_(value)
     return spec
+
+
+def save_peft_tensors(
+    adapters: dict[str, torch.Tensor], out: str | Path, spec: LoraSpec, base_model_path: str
+) -> Path:
+    """Write whole adapters (`<module>.lora_A` [r, I], `<module>.lora_B` [O, r], as `adapter_state` keys them)
+    as a PEFT adapter directory; returns it. What a checkpoint's export writes beside its merged `hf/`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        f"{PEFT_PREFIX}{name}.weight": t.detach().float().contiguous().cpu() for name, t in adapters.items()
+    }
+    save_file(tensors, str(out / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / ADAPTER_CONFIG_FILE).write_text(json.dumps(_peft_config(spec, base_model_path), indent=2) + "\n")
+    return out
+
+
+def _peft_config(spec: LoraSpec, base_model_path: str) -> dict:
+    """adapter_config.json of a plain LoRA adapter, as PEFT reads it."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_path,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": list(spec.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+    }

@@ -236,7 +236,7 @@ class ActorWorker(Worker):
 
     def update(self) -> UpdateResult:
         """Train on this rank's share of the step's rows: epochs x mini-batches optimizer steps."""
-        actor, use_ref = self.cfg.actor, self.ref is not None
+        actor, use_ref = self.cfg.actor, self.plan.reference
         columns = [PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, ADVANTAGES, ROLLOUT_LOGPROBS]
         columns += [REF_LOGPROBS] if use_ref else []
         columns += [] if self.plan.single_update or self.plan.old_from_rollout else [OLD_LOGPROBS]
