@@ -35,6 +35,7 @@ test-faults: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff format src tests

@@ -327,13 +327,13 @@ def test_central_client_peeks_through_the_driver_hub_without_consuming():
     hub = ServiceHub(CentralDock())
     client = CentralClient(HubTransport(hub.address, hub.authkey), "driver", get_timeout_s=30)
     client.add_groups([torch.tensor([5, 6]), torch.tensor([7])], ["a", "b"], 2)
-    client.put([0, 1, 3], {"reward": [1.0, 2.0, 3.0]})
+    client.put("reward", [0, 1, 3], {"reward": [1.0, 2.0, 3.0]})
     for _ in range(2):
         rows, values = client.peek(["prompt_ids", "reward"])
         assert rows == [0, 1, 3] and values["reward"] == [1.0, 2.0, 3.0]
         assert [v.tolist() for v in values["prompt_ids"]] == [[5, 6], [5, 6], [7]]
     assert client.peek(["values"]) == ([], {"values": []})
-    assert client.get("update", ["reward"], 3, timeout_s=5)[0] == [0, 1, 3]  # nothing was consumed
+    assert client.get("critic_update", ["reward"], 3, timeout_s=5)[0] == [0, 1, 3]  # nothing was consumed
 
 
 def test_shared_controller_serves_a_parked_get_when_its_columns_arrive_and_ends_it_on_drop():

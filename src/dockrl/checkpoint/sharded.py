@@ -62,7 +62,7 @@ def _layout_mesh(engine) -> DeviceMesh | None:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's block of a parameter or optimizer state, sharing its storage (no autograd)."""
-    return tensor.data.to_local() if isinstance(tensor, DTensor) else tensor.data
+    return tensor.to_local().data if isinstance(tensor, DTensor) else tensor.data
 
 
 def _whole(engine, mesh: DeviceMesh | None, name: str, local: torch.Tensor) -> torch.Tensor:
@@ -207,13 +207,15 @@ def export_hf(
                 gather_to_rank0(engine, f, params[f], engine.global_shapes[f], torch.float32)
                 for f in (f"{module}.lora_A", f"{module}.lora_B")
             )
-            if is_writer:
+            if writer is not None:  # rank 0 holds the whole tensors
+                assert whole is not None and a is not None and b is not None
                 adapters[f"{module}.lora_A"], adapters[f"{module}.lora_B"] = a, b
                 whole = (whole.float() + engine.lora.scaling * (b @ a)).to(dtype)
-        if is_writer:
+        if writer is not None:
+            assert whole is not None  # rank 0 gathers every tensor whole
             writer.write(name, whole.to("cpu", dtype))
         del whole
-    if is_writer:
+    if writer is not None:
         writer.finish(dtype, tokenizer_dir)
         fsync_tree(Path(path))  # on the node that wrote it (the driver's commit fsyncs again, from its node)
         if adapters:
@@ -232,9 +234,12 @@ def gather_to_rank0(
     local = param.to_local() if isinstance(param, DTensor) else param.data
     local = local.detach().to(dtype or local.dtype)
     if engine.dp_size > 1:
-        local = _gather_rows(
+        rows = _gather_rows(
             local, engine.dp_group, engine.dp_rank, engine.dp_size, _tp_local_rows(engine, name, shape)
         )
+        if rows is None:  # not dp rank 0
+            return None
+        local = rows
     if engine.dp_rank != 0:
         return None
     dim = shard_dim(name) if engine.tp_size > 1 else None
@@ -242,7 +247,7 @@ def gather_to_rank0(
         return local if engine.tp_rank == 0 else None
     parts = [torch.empty_like(local) for _ in range(engine.tp_size)] if engine.tp_rank == 0 else None
     dist.gather(local.contiguous(), parts, group_dst=0, group=engine.tp_group)
-    return torch.cat(parts, dim=dim) if engine.tp_rank == 0 else None
+    return torch.cat(parts, dim=dim) if parts is not None else None
 
 
 def _tp_local_rows(engine, name: str, shape: tuple[int, ...]) -> int:
@@ -266,7 +271,7 @@ def _gather_rows(local: torch.Tensor, group, rank: int, size: int, rows: int) ->
         piece[: mine.shape[0]] = mine
         parts = [torch.empty_like(piece) for _ in range(size)] if rank == 0 else None
         dist.gather(piece, parts, group_dst=0, group=group)
-        if rank == 0:
+        if whole is not None and parts is not None:  # rank 0
             for r, part in enumerate(parts):
                 whole[r * chunk + start : r * chunk + end] = part
-    return whole[:rows] if rank == 0 else None
+    return whole[:rows] if whole is not None else None

@@ -89,10 +89,10 @@ def data_fingerprint(items: list[tuple[list[int], Any]]) -> str:
 def rng_states() -> dict[str, Any]:
     """This process's Python, NumPy and torch RNG states, JSON-encodable."""
     version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # the MT19937 tuple
     return {
         "python": [version, list(internal), gauss],
-        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "numpy": [kind, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
         "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
     }
 

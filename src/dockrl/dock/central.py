@@ -200,15 +200,17 @@ class CentralClient(ClientCounters):
         policy: str | None = None,
     ) -> tuple[list[int], dict[str, list]] | None:
         """As DockClient.get."""
-        consumer = check_get(consumer, columns).value  # the store keys its bitmaps by the plain name
+        name = check_get(consumer, columns).value  # the store keys its bitmaps by the plain name
         timeout_s = self.get_timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
-        options = dict(whole_groups=whole_groups, min_count=min_count, balance_over=balance_over)
-        options = {k: v for k, v in {**options, "policy": policy}.items() if v is not None}
+        given: dict[str, Any] = dict(
+            whole_groups=whole_groups, min_count=min_count, balance_over=balance_over
+        )
+        options = {k: v for k, v in {**given, "policy": policy}.items() if v is not None}
         while True:
             wait_s = max(0.0, min(WAIT_SLICE_S, start + timeout_s - time.monotonic()))
             rows, value = self.transport.request(
-                "poll_get", consumer, columns, count, wait_s, extra_wait_s=wait_s, **options
+                "poll_get", name, columns, count, wait_s, extra_wait_s=wait_s, **options
             )
             if rows is not None:
                 self.bytes_got += batch_nbytes(value)
@@ -219,7 +221,7 @@ class CentralClient(ClientCounters):
             if time.monotonic() - start >= timeout_s:
                 waiting = self.transport.request("ask", "unready_rows", columns)
                 raise DockTimeoutError(
-                    f"dock get timed out after {timeout_s:g}s ({self.mode} mode): consumer {consumer!r} "
+                    f"dock get timed out after {timeout_s:g}s ({self.mode} mode): name {name!r} "
                     f"asked for {count} rows of columns {list(columns)}; rows not ready: {waiting}. Is "
                     "the producer of the missing columns running? (raise dock.get_timeout_s if slow)"
                 )

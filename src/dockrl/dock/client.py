@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -198,17 +198,19 @@ class DockClient(ClientCounters):
         (columns.py), DockTimeoutError after `timeout_s` (default get_timeout_s), WarehouseDiedError as soon
         as a health check finds a dead warehouse.
         """
-        consumer = check_get(consumer, columns).value  # the controller keys its bitmaps by the plain name
+        name = check_get(consumer, columns).value  # the controller keys its bitmaps by the plain name
         timeout_s = self.get_timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
         deadline = start + timeout_s
-        options = dict(whole_groups=whole_groups, min_count=min_count, balance_over=balance_over)
+        options: dict[str, Any] = dict(
+            whole_groups=whole_groups, min_count=min_count, balance_over=balance_over
+        )
         options.update({"policy": policy} if policy is not None else {})
         while True:
             wait_s = max(0.0, min(HEALTH_CHECK_S, deadline - time.monotonic()))
             allocation, done = self._call_controller(
                 "wait_poll",
-                consumer,
+                name,
                 columns,
                 count,
                 wait_s,
@@ -216,13 +218,13 @@ class DockClient(ClientCounters):
                 **options,
             )
             if allocation is not None:
-                batch = self._fetch(consumer, allocation)
+                batch = self._fetch(name, allocation)
                 self.latency.record("get", time.monotonic() - start)
                 return allocation.rows, batch
             if done:
                 return None
             if time.monotonic() >= deadline:
-                raise self._timeout_error(consumer, columns, count, whole_groups, min_count, timeout_s)
+                raise self._timeout_error(name, columns, count, whole_groups, min_count, timeout_s)
             self.check_warehouses()  # a dead warehouse is named within HEALTH_CHECK_S, not at the timeout
 
     def peek(self, columns: list[str]) -> tuple[list[int], dict[str, list]]:
@@ -350,7 +352,7 @@ class DockClient(ClientCounters):
             return None
         try:
             actor = ray.get_actor(self.names[i])
-            return ray.get(actor.get_incarnation.remote(), timeout=self.get_timeout_s)
+            return cast(str, ray.get(actor.get_incarnation.remote(), timeout=self.get_timeout_s))
         except (ValueError, RayActorError, GetTimeoutError):
             return None
 

@@ -68,6 +68,20 @@ class DockController:
         max_rows: capacity of the table (rows carried over + new rows); None = unbounded.
     """
 
+    # The table, per row up to _capacity (see _clear): groups, ages, lengths, ready and consumed bitmaps.
+    _num_rows: int
+    _capacity: int
+    _group_starts: list[int]
+    _group_sizes: list[int]
+    _row_group: np.ndarray
+    _age: np.ndarray
+    _lengths: dict[str, np.ndarray]  # name -> int64 [capacity], -1 = unknown
+    _ready: dict[str, np.ndarray]  # column -> bool [capacity]
+    _location: dict[str, np.ndarray]  # column -> int32 [capacity], -1 = nowhere
+    _consumed: dict[str, np.ndarray]  # consumer -> bool [capacity]
+    _dropped: np.ndarray  # rows taken out of the step (DAPO dynamic sampling)
+    _planned: dict[str, list[Allocation]]  # consumer -> balanced bins not yet handed out
+
     def __init__(self, num_warehouses: int, *, policy: str = "first", max_rows: int | None = None) -> None:
         if num_warehouses < 1:
             raise ValueError(f"num_warehouses={num_warehouses} must be >= 1")
@@ -101,7 +115,7 @@ class DockController:
         if keep_unfinished is None or n == 0:
             self._clear()
             return []
-        finished = self._ready.get(keep_unfinished, np.zeros(self._capacity, dtype=bool))[:n]
+        finished = self._ready.get(keep_unfinished, np.zeros(self._capacity, dtype=np.bool_))[:n]
         kept_groups = [
             g
             for g, (start, size) in enumerate(zip(self._group_starts, self._group_sizes))
@@ -144,16 +158,16 @@ class DockController:
     def _clear(self) -> None:
         self._num_rows = 0
         self._capacity = 0
-        self._group_starts: list[int] = []
-        self._group_sizes: list[int] = []
+        self._group_starts = []
+        self._group_sizes = []
         self._row_group = np.zeros(0, dtype=np.int64)
         self._age = np.zeros(0, dtype=np.int64)
-        self._lengths: dict[str, np.ndarray] = {}  # name -> int64 [capacity], -1 = unknown
-        self._ready: dict[str, np.ndarray] = {}  # column -> bool [capacity]
-        self._location: dict[str, np.ndarray] = {}  # column -> int32 [capacity], -1 = nowhere
-        self._consumed: dict[str, np.ndarray] = {}  # consumer -> bool [capacity]
-        self._dropped = np.zeros(0, dtype=bool)  # rows taken out of the step (DAPO dynamic sampling)
-        self._planned: dict[str, list[Allocation]] = {}  # consumer -> balanced bins not yet handed out
+        self._lengths = {}
+        self._ready = {}
+        self._location = {}
+        self._consumed = {}
+        self._dropped = np.zeros(0, dtype=np.bool_)
+        self._planned = {}
 
     def _fit(self, values: np.ndarray) -> np.ndarray:
         """`values` (one per kept row) padded to the current capacity with the array's empty value."""

@@ -78,7 +78,7 @@ class SharedController(DockController):
                 return None, False
         if waiter.error is not None:
             raise waiter.error
-        return waiter.result
+        return waiter.result  # type: ignore[return-value]  # set with the served allocation
 
     def _serve_waiters(self, columns: set[str] | None = None, consumers: set[str] | None = None) -> None:
         """Answer the parked waiters a change may concern (all when both filters are None); under the lock.

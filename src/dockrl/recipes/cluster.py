@@ -197,6 +197,7 @@ def _watch_dock(supervisor: Supervisor, dock: Dock | CentralDockHandle) -> None:
     import ray
 
     if isinstance(dock, Dock):
+        assert dock.names is not None  # a launched dock names its actors (Dock.launch)
         actors = list(zip(dock.names, [dock.controller, *dock.warehouses]))
         method = "get_incarnation"
     else:
@@ -361,6 +362,7 @@ def _group(
     `gpu` and run.device=cuda, on the nodes offering the resources `place` names (placement.<group>);
     `distributed` joins them in one process group on run.device. They start in the background:
     `wait_started()` before use."""
+    assert group.worker is not None, f"{group.__name__} names its worker class"
     return group(
         group.worker,
         size,

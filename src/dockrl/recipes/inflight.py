@@ -84,7 +84,7 @@ def save_inflight(
     """Wait for every generation, then write their docks' rows and results (and with `carried`, partial
     rollout's carried groups) to root/inflight.pt; returns the number of rows written. `client` is the
     driver's client (a DockChoice over the docks of an asynchronous run)."""
-    records = []
+    records: list[dict[str, Any]] = []
     for generation in sorted(generations, key=lambda g: g.step):
         gen, scored, rollout_s = generation.finish()
         client.select(generation.dock)
@@ -130,7 +130,7 @@ def _read_carried(client: DockChoice) -> dict[str, Any] | None:
     if not ages:
         return None
     ready = client.stats()["ready"]
-    parts = {}
+    parts: dict[str, dict[str, Any]] = {}
     for part, columns, marker in (("finished", _FINISHED, RESPONSE_IDS), ("cut", _CUT, PARTIAL_IDS)):
         rows, values = client.peek(columns) if ready.get(marker, 0) else ([], {})
         parts[part] = {"rows": rows, "columns": values if rows else {}}
@@ -163,11 +163,12 @@ def _restore_carried(kept: dict[str, Any], client: DockChoice, group_size: int) 
             rows = client.add_groups(
                 [torch.as_tensor(c[PROMPT_IDS]) for c in first], [c[LABEL] for c in first], n
             )
-            for part in (_FINISHED, _CUT):
-                old = [g * n + i for g in groups for i in range(n) if part[2] in cells[g * n + i]]
+            for part_columns in (_FINISHED, _CUT):
+                old = [g * n + i for g in groups for i in range(n) if part_columns[2] in cells[g * n + i]]
                 new = [rows[groups.index(r // n) * n + r % n] for r in old]
                 if old:
-                    client.put(DUMP_CONSUMER, new, {c: [cells[r][c] for r in old] for c in part[2:]})
+                    batch = {c: [cells[r][c] for r in old] for c in part_columns[2:]}
+                    client.put(DUMP_CONSUMER, new, batch)
         client.reset(keep_unfinished=RESPONSE_IDS, served_by=ROLLOUT)
     if client.ages() != ages:
         raise ValueError(f"carried groups restored with ages {client.ages()}, saved {ages}")
