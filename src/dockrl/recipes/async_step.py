@@ -96,10 +96,9 @@ def _start_generation(
         [torch.tensor(p.ids) for p in batch], [p.label for p in batch], cfg.rollout.samples_per_prompt
     )
     synced_s = sync_rollout_weights(cluster, version)
-    for group in (cluster.rollouts, cluster.rewards, cluster.reward_models):
-        if group is not None:
-            group.select_dock(dock)
     started = time.perf_counter()
-    model_scoring = cluster.reward_models.score() if cluster.reward_models is not None else None
-    pending = (cluster.rollouts.generate(step, version), cluster.rewards.score(), model_scoring)
+    # Each call names its dock, and a worker selects it when the call starts (after its running calls): the
+    # driver queues steps t+1..t+k without waiting for the generations still running (k >= 2 overlaps k).
+    model_scoring = cluster.reward_models.score(dock) if cluster.reward_models is not None else None
+    pending = (cluster.rollouts.generate(step, version, dock), cluster.rewards.score(dock), model_scoring)
     return Generation(step, version, dock, batch, started, synced_s, pending)

@@ -87,8 +87,12 @@ class RewardWorker(Worker):
         # The weight of the reward model's score, None without a reward model.
         self.rm_weight = reward.model.weight if reward.model.path is not None else None
 
-    def score(self) -> ScoreResult:
-        """Serve the `reward` consumer until every row is scored; returns per-row figures for metrics."""
+    def score(self, dock: int | None = None) -> ScoreResult:
+        """Serve the `reward` consumer until every row is scored; returns per-row figures for metrics. `dock`:
+        an asynchronous run's dock of this step, selected when this call starts (after the worker's earlier
+        calls), so the driver never waits for a running score to switch docks."""
+        if dock is not None:
+            self.client.select(dock)
         n = self.group_size
         rewards: list[float] = []
         scored_rows: list[int] = []  # row id of each entry of `rewards` (DAPO dynamic sampling groups them)
@@ -224,9 +228,9 @@ class RewardGroup(WorkerGroup):
 
     worker = RewardWorker
 
-    def score(self) -> Pending[ScoreResult]:
-        """Score every row of the step as its group is generated."""
-        return self.start(RewardWorker.score)
+    def score(self, dock: int | None = None) -> Pending[ScoreResult]:
+        """Score every row of the step (of dock `dock` in an asynchronous run) as its group is generated."""
+        return self.start(RewardWorker.score, dock)
 
     def close(self) -> Pending[None]:
         """Stop the reward process pools."""

@@ -90,8 +90,11 @@ class RewardModelWorker(Worker):
         self.policy_tokenizer = Tokenizer.from_dir(policy_path)
         self.rm_tokenizer = None if same_vocabulary(policy_path, path) else Tokenizer.from_dir(path)
 
-    def score(self) -> ModelScoreResult:
-        """Score every row of the step once; returns the scores (row order of pulls) and the busy time."""
+    def score(self, dock: int | None = None) -> ModelScoreResult:
+        """Score every row of the step once; returns the scores (row order of pulls) and the busy time. `dock`:
+        as RewardWorker.score."""
+        if dock is not None:
+            self.client.select(dock)
         n = self.group_size
         scores: list[float] = []
         busy_s = 0.0
@@ -129,6 +132,6 @@ class RewardModelGroup(WorkerGroup):
 
     worker = RewardModelWorker
 
-    def score(self) -> Pending[ModelScoreResult]:
-        """Score every row of the step with the reward model as its group is generated."""
-        return self.start(RewardModelWorker.score)
+    def score(self, dock: int | None = None) -> Pending[ModelScoreResult]:
+        """Score every row of the step (of dock `dock` in an asynchronous run) with the reward model."""
+        return self.start(RewardModelWorker.score, dock)

@@ -137,9 +137,12 @@ class RolloutWorker(Worker):
                 self.spare.append(self.staged.pop(old))
             self.generating = True
 
-    def generate(self, step: int, version: int) -> GenerateResult:
-        """Serve step `step`'s rollout rows from the dock with the weights after `version` updates, until every
+    def generate(self, step: int, version: int, dock: int | None = None) -> GenerateResult:
+        """Serve step `step`'s rollout rows from the dock (`dock` of an asynchronous run, selected when this call
+        starts, after the replica's earlier generations) with the weights after `version` updates, until every
         row has a response (as the colocated actor does)."""
+        if dock is not None:
+            self.client.select(dock)
         self._take_version(version)
         try:
             start = time.perf_counter()
@@ -179,6 +182,7 @@ class RolloutGroup(WorkerGroup):
         # ray.method's stubs type the decorated method as a remote handle; it is still the function.
         return self.start(RolloutWorker.receive_weights, version)  # type: ignore[arg-type]
 
-    def generate(self, step: int, version: int) -> Pending[GenerateResult]:
-        """Roll out every row of the dock's table with the weights after `version` updates."""
-        return self.start(RolloutWorker.generate, step, version)
+    def generate(self, step: int, version: int, dock: int | None = None) -> Pending[GenerateResult]:
+        """Roll out every row of the dock's table (dock `dock` of an asynchronous run) with the weights after
+        `version` updates. Queued behind the replicas' running generations: the caller does not wait."""
+        return self.start(RolloutWorker.generate, step, version, dock)
