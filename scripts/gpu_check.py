@@ -200,7 +200,7 @@ def _new_engine(ctx: Context, *, load_weights: bool = True):
 
 def _update(engine, batch: dict[str, list[torch.Tensor]]) -> dict[str, float]:
     """One policy update (clipped surrogate + KL) on all rows of `batch`."""
-    from dockrl.config import AlgoConfig
+    from dockrl.config import AlgoConfig, loss_plan
     from dockrl.engines.train.policy_update import policy_update
 
     return policy_update(
@@ -208,7 +208,7 @@ def _update(engine, batch: dict[str, list[torch.Tensor]]) -> dict[str, float]:
         batch,
         list(range(len(batch["prompt_ids"]))),
         PER_TOKEN,
-        AlgoConfig(kl_coef=0.05, clip_low=0.2, clip_high=0.28),
+        loss_plan(AlgoConfig(kl_coef=0.05, clip_low=0.2, clip_high=0.28)),
         temperature=1.0,
         micro_batch_size=MICRO_BATCH,
         pad_token_id=0,

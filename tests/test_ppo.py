@@ -22,7 +22,7 @@ from dockrl.algos.ppo import (
     token_level_rewards,
 )
 from dockrl.cli import main
-from dockrl.config import ConfigError, CriticConfig, TrainConfig, load_config
+from dockrl.config import ConfigError, CriticConfig, TrainConfig, load_config, step_plan
 from dockrl.engines.train.batch import make_micro_batch
 from dockrl.engines.train.train_engine import TrainEngine
 from dockrl.models.hf import load_state_dict, save_model
@@ -167,7 +167,7 @@ class _CriticDock:
         assert count == len(self.table) and balance_over == 1
         return list(range(count)), {c: [row[c] for row in self.table] for c in columns}
 
-    def put(self, rows, batch):
+    def put(self, producer, rows, batch):
         for column, values in batch.items():
             for row, value in zip(rows, values):
                 self.table[row][column] = value
@@ -200,7 +200,8 @@ def _critic_step(
         }
     )
     dock.table = dock.table[:rows]
-    worker = CriticWorker("critic-0", 0, 1, cfg=cfg, client=dock, total_optimizer_steps=1)
+    plan = step_plan(cfg)
+    worker = CriticWorker("critic-0", 0, 1, cfg=cfg, plan=plan, client=dock, total_optimizer_steps=1)
     worker.engine = TrainEngine(
         tiny_model, device="cpu", precision="fp32", optim=cfg.critic, kind=value_model_kind(cfg.run.seed)
     )

@@ -320,6 +320,7 @@ def test_dynamic_sampling_reads_correctness_before_shaping_and_the_update_weight
         1,
         reward=reward,
         algo=algo,
+        estimator="grpo",
         tokenizer_path=str(tiny_model),
         client=dock,
         group_size=2,

@@ -150,7 +150,7 @@ def _elastic_worker(rank: int, world: int, port: int, model_dir: str, out: str, 
     from torch.distributed.device_mesh import init_device_mesh
 
     from dockrl.checkpoint.sharded import load_engine, save_engine
-    from dockrl.config import ActorConfig
+    from dockrl.config import ActorConfig, loss_plan
     from dockrl.engines.train.policy_update import policy_update
     from dockrl.engines.train.train_engine import TrainEngine
     from dockrl.parallel.dist import init_distributed
@@ -180,7 +180,7 @@ def _elastic_worker(rank: int, world: int, port: int, model_dir: str, out: str, 
         rows = make_rows(engine.args.vocab_size)
         fields = ["advantages", "ref_logprobs", "old_logprobs"]
         args = dict(temperature=0.7, micro_batch_size=2, pad_token_id=0, world_size=engine.dp_size)
-        return policy_update(engine, rows, idx, fields, ALGO, **args)
+        return policy_update(engine, rows, idx, fields, loss_plan(ALGO), **args)
 
     saving = engine(*ELASTIC_LAYOUTS[0])
     step(saving)  # AdamW moments and a step counter to save

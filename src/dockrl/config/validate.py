@@ -326,15 +326,19 @@ def check_sft(cfg: SFTConfig) -> None:
         raise config_error(
             "model.ref_path", cfg.model.ref_path, "SFT has no reference model", "remove model.ref_path"
         )
-    if cfg.actor.lora.rank != 0 or cfg.model.lora_path is not None:
-        lora_key, lora_value = (
-            ("actor.lora.rank", cfg.actor.lora.rank)
-            if cfg.actor.lora.rank
-            else ("model.lora_path", cfg.model.lora_path)
-        )
-        raise config_error(
-            lora_key, lora_value, "dockrl sft trains every weight (LoRA SFT is not built)", "remove it"
-        )
+    lora = cfg.actor.lora
+    lora_keys = {
+        "actor.lora.rank": lora.rank or None,
+        "actor.lora.alpha": lora.alpha,
+        "actor.lora.dropout": lora.dropout,
+        "actor.lora.target_modules": lora.target_modules,
+        "model.lora_path": cfg.model.lora_path,
+    }
+    for lora_key, lora_value in lora_keys.items():
+        if lora_value is not None:
+            raise config_error(
+                lora_key, lora_value, "dockrl sft trains every weight (LoRA SFT is not built)", "remove it"
+            )
     if cfg.data.label_field is None:
         raise config_error("data.label_field", None, "SFT needs the answer text", "name the answer field")
     check_data(cfg.data)
