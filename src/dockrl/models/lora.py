@@ -231,29 +231,7 @@ def merge_lora(model: nn.Module) -> None:
 def save_peft(model: nn.Module, out: str | Path, spec: LoraSpec, base_model_path: str) -> Path:
     """Write `model`'s adapters as a PEFT adapter directory (adapter_config.json, adapter_model.safetensors)
     that `peft.PeftModel.from_pretrained` loads onto the transformers base model."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, layer in lora_layers(model):
-        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_A.detach().float().contiguous().cpu()
-        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = layer.lora_B.detach().float().contiguous().cpu()
-    save_file(tensors, str(out / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_path,
-        "r": spec.rank,
-        "lora_alpha": spec.alpha,
-        "lora_dropout": spec.dropout,
-        "target_modules": list(spec.target_modules),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "inference_mode": True,
-    }
-    (out / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    return out
+    return save_peft_tensors(adapter_state(model), out, spec, base_model_path)
 
 
 def read_peft_spec(path: str | Path) -> LoraSpec:
