@@ -476,3 +476,38 @@ def test_the_plan_carries_the_resolved_lora_settings():
     assert plan.lora is not None and plan.reference_is_base
     assert (plan.lora.rank, plan.lora.alpha, plan.lora.dropout) == (4, 8.0, 0.0)
     assert plan.lora.target_modules == ("q_proj", "v_proj")
+
+
+def test_an_adapter_checkpoint_loads_only_onto_its_base(tmp_path):
+    """A LoRA checkpoint holds the adapters and a pointer to the base (its weights' fingerprint): it loads into
+    a LoRA engine on that base, and refuses another base of the same shape and a full fine-tuning engine."""
+    from dockrl.checkpoint.sharded import engine_state, load_engine, save_engine
+    from dockrl.config.schema import OptimConfig
+    from dockrl.engines.train.train_engine import TrainEngine
+    from dockrl.models.hf import weights_fingerprint
+
+    for seed in (0, 1):
+        model = tiny_model(seed=seed)
+        save_model(model, model.args, tmp_path / f"base{seed}")
+    assert weights_fingerprint(tmp_path / "base0") != weights_fingerprint(tmp_path / "base1")
+
+    def engine(base: str, lora: LoraSpec | None = SPEC) -> TrainEngine:
+        return TrainEngine(
+            str(tmp_path / base), device="cpu", precision="fp32", optim=OptimConfig(), lora=lora
+        )
+
+    trained = engine("base0")
+    randomize_adapters(trained.model, seed=6)
+    state = engine_state(trained)
+    # No optimizer step yet: no AdamW moments, only the group settings and the LR schedule.
+    assert {k.split("/")[0] for k in state} == {"model", "lora_base", "optim_groups", "scheduler"}
+    assert all(".lora_" in k for k in state if k.startswith("model/"))
+    save_engine(trained, tmp_path / "ckpt")
+    again = engine("base0")
+    load_engine(again, tmp_path / "ckpt")
+    loaded, saved = adapter_state(again.model), adapter_state(trained.model)
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+    with pytest.raises(ValueError, match="fingerprints differ"):
+        load_engine(engine("base1"), tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="holds LoRA adapters only"):
+        load_engine(engine("base0", lora=None), tmp_path / "ckpt")

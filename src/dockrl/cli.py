@@ -43,12 +43,11 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from dockrl.checkpoint.directory import resolve_model_path
+    from dockrl.checkpoint.directory import resolve_lora
     from dockrl.recipes.eval import evaluate_model_dir
     from dockrl.recipes.preflight import check_dataset, check_model_dir, resolve_device
 
-    args.model = resolve_model_path(args.model)  # a checkpoint root means its hf/ export
-    check_model_dir(args.model, "--model")
+    check_model_dir(resolve_lora(args.model)[0], "--model")  # a checkpoint root: its hf/, or its LoRA base
     check_dataset(args.data, args.prompt_field, args.label_field, "--data")
     result = evaluate_model_dir(
         args.model,
@@ -132,7 +131,9 @@ def _cmd_data(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from dockrl.checkpoint.export import export_checkpoint
 
-    written = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, max_shard_gb=args.max_shard_gb)
+    written = export_checkpoint(
+        args.checkpoint, args.out, dtype=args.dtype, max_shard_gb=args.max_shard_gb, merge=args.merge
+    )
     print(json.dumps(written, indent=2))
     return 0
 
@@ -313,9 +314,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=None, help="where to write (default: the run directory; several runs need it)"
     )
 
-    p = add("export", _cmd_export, "a Hugging Face model directory from a training checkpoint")
-    p.add_argument("checkpoint", help="checkpoint root RUN_DIR/checkpoints/step_NNNNNN, or a model directory")
-    p.add_argument("out", help="the directory to write (config, safetensors, tokenizer)")
+    p = add("export", _cmd_export, "a Hugging Face model (or PEFT adapter) directory from a checkpoint")
+    p.add_argument(
+        "checkpoint",
+        help="checkpoint root RUN_DIR/checkpoints/step_NNNNNN, a model directory, or a PEFT adapter directory",
+    )
+    p.add_argument(
+        "out", help="the directory to write (a model; a LoRA checkpoint without --merge: a PEFT adapter)"
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA: fold the adapters into the base and write the merged model",
+    )
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: the checkpoint's")
     p.add_argument("--max-shard-gb", type=float, default=2.0, help="largest safetensors file")
 

@@ -4,6 +4,8 @@
         actor/               torch.distributed.checkpoint files of the actor ranks (model, optimizer, LR schedule)
         critic/              the same for PPO's critic ranks; critic/hf/ its Hugging Face export
         hf/                  the policy as a Hugging Face directory, in the checkpoint's source dtype
+        adapter/             instead of hf/ under LoRA: the adapters as a PEFT directory (adapter_config.json
+                             names the base; actor/ holds the adapters and their optimizer state only)
         trainer_state.json   written last, by the driver
     RUN_DIR/checkpoints/step_000040/        after the rename: complete
 
@@ -33,7 +35,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-ACTOR, CRITIC, HF = "actor", "critic", "hf"
+ACTOR, ADAPTER, CRITIC, HF = "actor", "adapter", "critic", "hf"
 TRAINER_STATE = "trainer_state.json"
 STAGING_SUFFIX = ".tmp"
 ABANDONED_SUFFIX = ".abandoned"
@@ -151,9 +153,45 @@ def read_trainer_state(root: str | Path) -> dict[str, Any]:
         return json.load(f)
 
 
+def lora_adapter_dir(path: str | Path) -> Path | None:
+    """The PEFT adapter directory of a LoRA checkpoint root (which has no hf/), else None."""
+    adapter = Path(path) / ADAPTER
+    if is_checkpoint(path) and not (Path(path) / HF).is_dir() and adapter.is_dir():
+        return adapter
+    return None
+
+
+def adapter_base(adapter: str | Path) -> str:
+    """The base model directory a PEFT adapter directory names (adapter_config.json's
+    base_model_name_or_path); FileNotFoundError when it is gone."""
+    config = json.loads((Path(adapter) / "adapter_config.json").read_text(encoding="utf-8"))
+    base = config.get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise FileNotFoundError(
+            f"{adapter} holds LoRA adapters of the base model {base!r}, which is not a directory here: "
+            "adapters apply only to their base; put it back, or use `dockrl export --merge` where it exists"
+        )
+    return str(base)
+
+
 def resolve_model_path(path: str) -> str:
-    """`path` itself, or the Hugging Face export inside it when it is a checkpoint root."""
+    """`path` itself, or the Hugging Face export inside it when it is a checkpoint root. A LoRA checkpoint
+    root has no export of its own: `resolve_lora` gives its base and adapters."""
+    if lora_adapter_dir(path) is not None:
+        raise ValueError(
+            f"{path} is a LoRA checkpoint (adapters only, in {Path(path) / ADAPTER}): write a merged model with "
+            f"`dockrl export {path} OUT --merge` and use OUT"
+        )
     return str(Path(path) / HF) if is_checkpoint(path) else path
+
+
+def resolve_lora(path: str) -> tuple[str, str | None]:
+    """(model directory, adapter directory or None) of `path`: a model directory, a checkpoint root (its
+    hf/ export), or a LoRA checkpoint root (its base and its adapter/)."""
+    adapter = lora_adapter_dir(path)
+    if adapter is None:
+        return resolve_model_path(path), None
+    return adapter_base(adapter), str(adapter)
 
 
 def resolve_critic_path(path: str) -> str:

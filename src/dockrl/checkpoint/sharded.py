@@ -15,6 +15,10 @@ values (only the arithmetic of later steps reassociates). Replicated blocks (tp 
 written once. Checkpoints written before this layout (keys `<name>@tp<rank>` under tp > 1) still load, in
 the layout that wrote them only; tp=1 ones never carried the rank and load under any layout.
 
+LoRA: a checkpoint holds the adapters and their optimizer state only, with `lora_base`, a pointer to the frozen
+base (its resolved path and `models.hf.weights_fingerprint`). Resume reads the base from model.path again and
+refuses a base whose fingerprint differs; a checkpoint of one kind (LoRA or full) never loads into the other.
+
 An optimizer that has not stepped yet (PPO's actor during critic warm-up) has no state and saves none:
 initialising it for the checkpoint would change the run.
 
@@ -39,6 +43,7 @@ from dockrl.models.hf import LM_HEAD_KEY, HFWriter
 from dockrl.models.tp_plan import shard_dim
 
 _GROUP_SKIP = ("params",)
+LORA_BASE = "lora_base"
 GATHER_BLOCK_BYTES = 8 * 2**20  # per rank and gather step of a Hugging Face export
 
 
@@ -47,6 +52,17 @@ _ADAPTER_SUFFIXES = (".lora_A", ".lora_B")  # LoRA factors (dockrl.models.lora):
 
 def _named_params(engine) -> list[tuple[str, torch.nn.Parameter]]:
     return list(engine.model.named_parameters())
+
+
+def _saved_params(engine) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters a checkpoint holds: all of them, or under LoRA the adapters only."""
+    params = _named_params(engine)
+    return params if engine.lora is None else [(n, p) for n, p in params if n.endswith(_ADAPTER_SUFFIXES)]
+
+
+def lora_base(engine) -> dict[str, str]:
+    """What a LoRA checkpoint records of its frozen base: the resolved path and the weights' fingerprint."""
+    return {"model_path": str(Path(engine.model_path).resolve()), "fingerprint": engine.base_fingerprint}
 
 
 def _layout_mesh(engine) -> DeviceMesh | None:
@@ -95,11 +111,13 @@ def engine_state(engine) -> dict[str, Any]:
     state: nothing is copied)."""
     mesh = _layout_mesh(engine)
     state: dict[str, Any] = {}
-    for name, param in _named_params(engine):
+    for name, param in _saved_params(engine):
         state[f"model/{name}"] = _whole(engine, mesh, name, _local(param))
+    if engine.lora is not None:
+        state[LORA_BASE] = (lora_base(engine),)
     optimizer = engine.optimizer
     if optimizer is not None:
-        for name, param in _named_params(engine):
+        for name, param in _saved_params(engine):
             for key, value in optimizer.state.get(param, {}).items():
                 per_element = isinstance(value, DTensor) or value.shape == param.shape
                 state[f"optim/{name}/{key}"] = (
@@ -122,11 +140,12 @@ def load_engine(engine, path: str | Path) -> None:
     """Restore what `save_engine` wrote into `engine`, resharded to `engine`'s (dp, tp) layout when it differs
     from the one that saved it (all ranks call it)."""
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    _check_kind(engine, path, LORA_BASE in saved)
     legacy = any("@tp" in key for key in saved)  # written before elastic checkpoints: same layout only
     mesh = None if legacy else _layout_mesh(engine)
     state: dict[str, Any] = {}
     optim_state: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
-    for name, param in _named_params(engine):
+    for name, param in _saved_params(engine):
         key = f"{name}@tp{engine.tp_rank}" if legacy and engine.tp_size > 1 else name
 
         def target(value: torch.Tensor, name: str = name) -> torch.Tensor:
@@ -161,7 +180,11 @@ def load_engine(engine, path: str | Path) -> None:
     if engine.optimizer is not None:
         state["optim_groups"] = None
         state["scheduler"] = None
+    if engine.lora is not None:
+        state[LORA_BASE] = None
     dcp.load(state, checkpoint_id=str(path))
+    if engine.lora is not None:
+        _check_base(engine, path, state[LORA_BASE][0])
     if engine.optimizer is None:
         return
     for param, values in optim_state.items():
@@ -169,6 +192,33 @@ def load_engine(engine, path: str | Path) -> None:
     for group, saved_group in zip(engine.optimizer.param_groups, state["optim_groups"]):
         group.update(saved_group)
     engine.scheduler.load_state_dict(state["scheduler"][0])
+
+
+def _check_kind(engine, path: str | Path, saved_lora: bool) -> None:
+    """A LoRA checkpoint (adapters only) loads into a LoRA engine, a full one into a full engine."""
+    if saved_lora == (engine.lora is not None):
+        return
+    if saved_lora:
+        raise ValueError(
+            f"checkpoint {path} holds LoRA adapters only (actor.lora), and this run trains every weight: resume "
+            "it with the run's actor.lora settings, or start full fine-tuning from its merged export "
+            "(dockrl export CHECKPOINT OUT --merge, then model.path=OUT)"
+        )
+    raise ValueError(
+        f"checkpoint {path} holds the whole model of a full fine-tuning run, and this run trains LoRA "
+        "adapters: resume it with actor.lora.rank=0, or start LoRA from its weights with model.path=CHECKPOINT"
+    )
+
+
+def _check_base(engine, path: str | Path, saved: dict[str, str]) -> None:
+    """The base a LoRA checkpoint was trained on is the one this engine loaded (same weights' fingerprint)."""
+    if saved["fingerprint"] == engine.base_fingerprint:
+        return
+    raise ValueError(
+        f"checkpoint {path} holds LoRA adapters trained on the base {saved['model_path']}, but model.path="
+        f"{engine.model_path} holds other weights (their fingerprints differ): adapters apply only to the "
+        "base they were trained on; point model.path at that base"
+    )
 
 
 def _template(metadata, param: torch.Tensor, whole_shape: tuple[int, ...], legacy: bool) -> torch.Tensor:
@@ -185,9 +235,7 @@ def export_hf(
 ) -> None:
     """Write `engine`'s weights as a Hugging Face directory in `engine.source_dtype` (all ranks call it;
     global rank 0 gathers one tensor at a time and streams it to its file, so it holds one tensor at most).
-
-    A LoRA engine writes its adapted weights merged (W + (alpha/r) B A, in fp32, then cast), so eval and
-    `dockrl export` read a plain model, and its adapters alone as a PEFT directory beside it (`../adapter`)."""
+    A LoRA engine writes its adapted weights merged (W + (alpha/r) B A, in fp32, then cast)."""
     dtype = engine.source_dtype
     params = dict(_named_params(engine))
     names = [
@@ -198,18 +246,13 @@ def export_hf(
     is_writer = dist.get_rank() == 0
     specs = {n: (engine.global_shapes[n], dtype) for n in names}
     writer = HFWriter(path, engine.args, specs, max_shard_bytes) if is_writer else None
-    adapters: dict[str, torch.Tensor] = {}
     for name in names:
         whole = gather_to_rank0(engine, name, params[name], engine.global_shapes[name], dtype)
         module = name.removesuffix(".weight")
         if f"{module}.lora_A" in params:  # every rank gathers the factors, in the same order
-            a, b = (
-                gather_to_rank0(engine, f, params[f], engine.global_shapes[f], torch.float32)
-                for f in (f"{module}.lora_A", f"{module}.lora_B")
-            )
+            a, b = _gather_factors(engine, params, module)
             if writer is not None:  # rank 0 holds the whole tensors
                 assert whole is not None and a is not None and b is not None
-                adapters[f"{module}.lora_A"], adapters[f"{module}.lora_B"] = a, b
                 whole = (whole.float() + engine.lora.scaling * (b @ a)).to(dtype)
         if writer is not None:
             assert whole is not None  # rank 0 gathers every tensor whole
@@ -218,12 +261,32 @@ def export_hf(
     if writer is not None:
         writer.finish(dtype, tokenizer_dir)
         fsync_tree(Path(path))  # on the node that wrote it (the driver's commit fsyncs again, from its node)
-        if adapters:
-            from dockrl.models.lora import save_peft_tensors
-
-            adapter_dir = Path(path).parent / "adapter"
-            fsync_tree(save_peft_tensors(adapters, adapter_dir, engine.lora, engine.model_path))
     dist.barrier()
+
+
+def export_adapter(engine, path: str | Path) -> None:
+    """Write a LoRA engine's adapters, whole and fp32, as a PEFT adapter directory whose
+    base_model_name_or_path is the resolved base path (all ranks call it; global rank 0 writes)."""
+    from dockrl.models.lora import lora_layers, save_peft_tensors
+
+    params = dict(_named_params(engine))
+    adapters: dict[str, torch.Tensor] = {}
+    for module, _ in lora_layers(engine.model):
+        a, b = _gather_factors(engine, params, module)
+        if a is not None and b is not None:  # rank 0
+            adapters[f"{module}.lora_A"], adapters[f"{module}.lora_B"] = a, b
+    if dist.get_rank() == 0:
+        fsync_tree(save_peft_tensors(adapters, path, engine.lora, lora_base(engine)["model_path"]))
+    dist.barrier()
+
+
+def _gather_factors(engine, params, module: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """LoRA factors A [r, I] and B [O, r] of `module`, whole and fp32 on global rank 0 (None elsewhere)."""
+    a, b = (
+        gather_to_rank0(engine, f, params[f], engine.global_shapes[f], torch.float32)
+        for f in (f"{module}.lora_A", f"{module}.lora_B")
+    )
+    return a, b
 
 
 def gather_to_rank0(

@@ -143,6 +143,34 @@ class CheckpointReader:
             return f.get_slice(name)[index] if index else f.get_tensor(name)
 
 
+FINGERPRINT_SAMPLE_BYTES = 4096  # per tensor, from its first and its last bytes
+
+
+def weights_fingerprint(path: str | Path) -> str:
+    """A sha256 that tells model directories apart without reading their weights: config.json, each
+    safetensors header (names, dtypes, shapes, offsets) and the first and last FINGERPRINT_SAMPLE_BYTES of
+    every tensor. Two checkpoints of the same architecture differ in every trained tensor's bytes, so they
+    differ here; an edit confined to the middle of one tensor does not show (reading it all would cost a full
+    pass over the model on every save). What a LoRA checkpoint records of the base it was trained on."""
+    import hashlib
+    import struct
+
+    path = Path(path)
+    digest = hashlib.sha256((path / CONFIG_FILE).read_bytes())
+    for file in sorted(set(_weight_files(path).values())):
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header_bytes = f.read(size)
+            digest.update(header_bytes)
+            header = json.loads(header_bytes)
+            for name in sorted(k for k in header if k != "__metadata__"):
+                start, end = header[name]["data_offsets"]
+                for offset in sorted({start, max(start, end - FINGERPRINT_SAMPLE_BYTES)}):
+                    f.seek(8 + size + offset)
+                    digest.update(f.read(min(FINGERPRINT_SAMPLE_BYTES, end - offset)))
+    return digest.hexdigest()
+
+
 def _weight_files(path: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file of a single-file or sharded model directory."""
     if (path / WEIGHTS_FILE).is_file():

@@ -302,14 +302,19 @@ def load_peft(model: nn.Module, path: str | Path) -> LoraSpec:
 
 
 def save_peft_tensors(
-    adapters: dict[str, torch.Tensor], out: str | Path, spec: LoraSpec, base_model_path: str
+    adapters: dict[str, torch.Tensor],
+    out: str | Path,
+    spec: LoraSpec,
+    base_model_path: str,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Write whole adapters (`<module>.lora_A` [r, I], `<module>.lora_B` [O, r], as `adapter_state` keys them)
-    as a PEFT adapter directory; returns it. What a checkpoint's export writes beside its merged `hf/`."""
+    as a PEFT adapter directory, tensors in `dtype`; returns it. What a LoRA checkpoint's adapter/ holds."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {
-        f"{PEFT_PREFIX}{name}.weight": t.detach().float().contiguous().cpu() for name, t in adapters.items()
+        f"{PEFT_PREFIX}{name}.weight": t.detach().to("cpu", dtype).contiguous()
+        for name, t in adapters.items()
     }
     save_file(tensors, str(out / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
     (out / ADAPTER_CONFIG_FILE).write_text(json.dumps(_peft_config(spec, base_model_path), indent=2) + "\n")

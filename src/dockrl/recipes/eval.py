@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
-from dockrl.checkpoint.directory import resolve_model_path
+from dockrl.checkpoint.directory import resolve_lora
 from dockrl.engines.rollout.sampler import SamplingParams, generate
 from dockrl.models.hf import load_model
+from dockrl.models.lora import load_peft, merge_lora
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.recipes.common import EncodedPrompt, encode_prompts
 from dockrl.rewards.runner import RewardRunner, RewardSpec
@@ -58,11 +59,14 @@ def evaluate_model_dir(
     batch_size: int = 128,
     device: str = "cpu",
 ) -> dict[str, Any]:
-    """Load a model directory (or a checkpoint root's hf/ export) in this process and score greedy answers
-    on a held-out file."""
-    model_path = resolve_model_path(model_path)
+    """Load a model directory (or a checkpoint root's hf/ export, or a LoRA checkpoint root's base with its
+    adapters merged) in this process and score greedy answers on a held-out file."""
+    model_path, adapter = resolve_lora(model_path)
     tokenizer = Tokenizer.from_dir(model_path)
     model = load_model(model_path, device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+    if adapter is not None:
+        load_peft(model, adapter)
+        merge_lora(model)
     model.eval()
     prompts, _ = encode_prompts(
         data_path,

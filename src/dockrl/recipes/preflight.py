@@ -100,7 +100,7 @@ def preflight_train(cfg: TrainConfig) -> Resolved:
     if plan.critic and cfg.critic.path is not None:
         check_model_dir(found.get("critic.path", cfg.critic.path), "critic.path")
     _check_data_files(cfg.data)
-    found.update(_lora_adapter(cfg))
+    found.update(_lora_adapter(cfg, found.get("model.lora_path", cfg.model.lora_path)))
     found["run.device"] = resolve_device(cfg.run.device)
     found["run.precision"] = resolve_precision(cfg.run.precision, found["run.device"])
     resolved = resolve(cfg, found)
@@ -125,19 +125,19 @@ def preflight_sft(cfg: SFTConfig) -> SFTConfig:
     return copy_with(cfg, {"run.device": device, "run.precision": precision})
 
 
-def _lora_adapter(cfg: TrainConfig) -> dict[str, Any]:
-    """model.lora_path: the PEFT adapter's rank, alpha, dropout and targets become actor.lora's (a key the
-    user set must agree); {} without one."""
+def _lora_adapter(cfg: TrainConfig, lora_path: str | None) -> dict[str, Any]:
+    """model.lora_path (or the adapter/ of a LoRA checkpoint root in model.path): the PEFT adapter's rank,
+    alpha, dropout and targets become actor.lora's (a key the user set must agree); {} without one."""
     from dockrl.models.lora import read_peft_spec
 
-    if cfg.model.lora_path is None:
+    if lora_path is None:
         return {}
     try:
-        spec = read_peft_spec(cfg.model.lora_path)
+        spec = read_peft_spec(lora_path)
     except (OSError, ValueError, KeyError) as exc:
         raise config_error(
             "model.lora_path",
-            cfg.model.lora_path,
+            lora_path,
             f"not a usable PEFT adapter ({exc})",
             "point it at a directory PEFT's save_pretrained wrote",
         ) from None
@@ -171,7 +171,7 @@ def _lora_adapter(cfg: TrainConfig) -> dict[str, Any]:
             "with a LoRA adapter the KL reference is the base model with the adapters off",
             "remove model.ref_path",
         )
-    return {f"actor.lora.{key}": value for key, value in adapter.items()}
+    return {f"actor.lora.{key}": value for key, value in adapter.items()} | {"model.lora_path": lora_path}
 
 
 def _checkpoint_roots(cfg: TrainConfig, reference: bool) -> dict[str, Any]:
@@ -179,14 +179,24 @@ def _checkpoint_roots(cfg: TrainConfig, reference: bool) -> dict[str, Any]:
     reference of the run that wrote it (model.ref_path unset) instead of silently moving it to the checkpoint.
     Returns the settings found (dotted key -> value)."""
     from dockrl.checkpoint.directory import (
+        adapter_base,
         is_checkpoint,
+        lora_adapter_dir,
         read_trainer_state,
         resolve_critic_path,
         resolve_model_path,
     )
 
     found: dict[str, Any] = {}
-    if is_checkpoint(cfg.model.path):
+    adapter = lora_adapter_dir(cfg.model.path)
+    if adapter is not None:  # a LoRA checkpoint: its base, its adapters in model.lora_path (training goes on)
+        try:
+            found["model.path"] = adapter_base(adapter)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"model.path={cfg.model.path!r}: {exc}") from exc
+        if cfg.model.lora_path is None:
+            found["model.lora_path"] = str(adapter)
+    elif is_checkpoint(cfg.model.path):
         root = cfg.model.path
         found["model.path"] = resolve_model_path(root)
         if cfg.model.ref_path is None and reference:

@@ -22,8 +22,8 @@ import torch
 
 from dockrl.algos.estimators import kl_shaped_returns
 from dockrl.algos.losses import kl_penalty
-from dockrl.checkpoint.directory import ACTOR, HF
-from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
+from dockrl.checkpoint.directory import ACTOR, ADAPTER, HF
+from dockrl.checkpoint.sharded import export_adapter, export_hf, load_engine, save_engine
 from dockrl.config.schema import TrainConfig
 from dockrl.config.step_plan import StepPlan
 from dockrl.dock.choice import DockChoice
@@ -90,7 +90,7 @@ class ActorWorker(Worker):
             cfg.model.path,
             optim=cfg.actor,
             total_optimizer_steps=self.total_optimizer_steps,
-            load_weights=resume_from is None,
+            load_weights=resume_from is None or self.plan.lora is not None,  # LoRA resumes adapters only
             **common,
             **self._lora_args(),
         )
@@ -305,9 +305,13 @@ class ActorWorker(Worker):
 
     def save(self, path: str) -> str:
         """Write the policy's training state (model, AdamW, LR schedule; each rank its shards) to
-        `path`/actor and its Hugging Face export (gathered on rank 0) to `path`/hf (collective)."""
+        `path`/actor and its Hugging Face export (gathered on rank 0) to `path`/hf, or under LoRA the adapters
+        only and their PEFT directory to `path`/adapter (collective)."""
         save_engine(self.policy, Path(path) / ACTOR)
-        export_hf(self.policy, Path(path) / HF, tokenizer_dir=self.cfg.model.path)
+        if self.policy.lora is not None:  # adapters only: the base stays where model.path points
+            export_adapter(self.policy, Path(path) / ADAPTER)
+        else:
+            export_hf(self.policy, Path(path) / HF, tokenizer_dir=self.cfg.model.path)
         return path
 
     def evaluate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

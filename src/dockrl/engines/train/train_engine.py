@@ -31,7 +31,7 @@ from dockrl.algos.head_logprobs import head_token_stats
 from dockrl.config.schema import OptimConfig
 from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
 from dockrl.models.decoder import DecoderModel, Transformer
-from dockrl.models.hf import CAUSAL_LM, CheckpointReader, ModelKind, read_config
+from dockrl.models.hf import CAUSAL_LM, CheckpointReader, ModelKind, read_config, weights_fingerprint
 from dockrl.models.lora import LoraSpec, adapters_disabled, apply_lora, fresh_adapters
 from dockrl.parallel.sharded_load import load_sharded
 
@@ -70,6 +70,8 @@ class TrainEngine:
         # LoRA (actor.lora): adapters on the target layers, everything else frozen and held in the compute
         # dtype; the adapters start from `lora_init` (a PEFT adapter, model.lora_path) or fresh ones.
         self.lora = lora
+        # A LoRA checkpoint holds the adapters only and pins its base by this (checkpoint.sharded.lora_base).
+        self.base_fingerprint = weights_fingerprint(model_path) if lora is not None else None
         fallback = dict(kind.fallback(self.args)) if kind.fallback is not None else {}
         if lora is not None:
             apply_lora(model, lora, seed)
