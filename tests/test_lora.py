@@ -511,3 +511,83 @@ def test_an_adapter_checkpoint_loads_only_onto_its_base(tmp_path):
         load_engine(engine("base1"), tmp_path / "ckpt")
     with pytest.raises(ValueError, match="holds LoRA adapters only"):
         load_engine(engine("base0", lora=None), tmp_path / "ckpt")
+
+
+def _sync_worker(rank: int, world: int, port: int, sync_port: int, base: str, out: str, leave) -> None:
+    """Rank 0 a LoRA trainer engine that sends three adapter versions; rank 1 a replica that stages them."""
+    from dockrl.config.schema import OptimConfig
+    from dockrl.engines.reshard.switch import RolloutSwitch
+    from dockrl.engines.rollout.replica_weights import ReplicaWeights
+    from dockrl.engines.train.train_engine import TrainEngine
+    from dockrl.models.hf import read_config
+    from dockrl.parallel.dist import init_distributed, side_group
+
+    torch.set_num_threads(1)
+    init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=120)
+    group = side_group("127.0.0.1", sync_port, rank, world, timeout_s=120)
+    results: dict = {}
+    if rank == 0:
+        engine = TrainEngine(base, device="cpu", precision="fp32", optim=OptimConfig(), lora=SPEC)
+        switch = RolloutSwitch(
+            engine, rank=0, world=1, tp_infer=1, infer_group=None, bucket_bytes=None, dtype=torch.float32
+        )
+        engine.model.eval()
+        for version in range(3):
+            randomize_adapters(engine.model, seed=10 + version)
+            results[f"sent/{version}"] = switch.broadcast_adapters(group)
+            with torch.no_grad():
+                results[f"logits/{version}"] = engine.model(IDS)
+    else:
+        weights = ReplicaWeights(
+            read_config(base),
+            base,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            bucket_bytes=None,
+            lora=SPEC,
+            lead=2,
+        )
+        results["bytes_per_version"] = weights.bytes_per_version
+        for version in range(3):
+            results[f"received/{version}"] = weights.receive(version, group)
+        results["alive_before"] = weights.versions_alive()  # all three staged: none taken yet
+        for version in range(3):
+            weights.take(version, timeout_s=10)
+            with torch.no_grad():
+                results[f"logits/{version}"] = weights.model(IDS)
+            weights.finish()
+        results["alive_after"] = weights.versions_alive()
+    torch.save(results, f"{out}.{rank}")
+    leave(rank)
+
+
+def test_adapter_only_sync_sends_the_adapters_and_keeps_each_version(tmp_path):
+    """Separate placement under LoRA: the trainer sends only the adapters (fp32, bytes proportional to the
+    rank); a replica with the rollout two steps ahead stages every version it receives (up to k + 1 alive) and
+    generates each step with the version the step names: logits equal to the trainer's bit for bit (the same
+    base read from the same file, the same unmerged LoRA forward on the same inputs)."""
+    from dockrl.engines.reshard.switch import full_model_buckets
+    from dockrl.parallel.dist import free_port
+    from dockrl.parallel.spawn import spawn_ranks
+
+    model = tiny_model()
+    save_model(model, model.args, tmp_path / "base")
+    out = tmp_path / "sync.pt"
+    spawn_ranks(_sync_worker, 2, free_port(), free_port(), str(tmp_path / "base"), str(out))
+    sender, replica = (torch.load(f"{out}.{r}", weights_only=False) for r in (0, 1))
+    adapter_numel = sum(a.numel() for a in adapter_state(_adapted(model)).values())
+    assert replica["bytes_per_version"] == 4 * adapter_numel
+    for version in range(3):
+        assert sender[f"sent/{version}"] == replica[f"received/{version}"] == 4 * adapter_numel
+        assert torch.equal(replica[f"logits/{version}"], sender[f"logits/{version}"]), version
+    assert not torch.equal(sender["logits/0"], sender["logits/1"])  # the versions differ
+    assert replica["alive_before"] == 3 and replica["alive_after"] == 1
+    with torch.device("meta"):
+        full = sum(b.numel for b in full_model_buckets(Transformer(model.args), None, torch.float32)[0])
+    assert full == sum(p.numel() for p in model.parameters())  # what a full-weight sync sends, fp32
+
+
+def _adapted(model: Transformer) -> Transformer:
+    adapted = tiny_model()
+    apply_lora(adapted, SPEC)
+    return adapted

@@ -38,6 +38,8 @@ from torch import nn
 
 from dockrl.config.lora_checks import resolve_targets as _resolve_targets
 from dockrl.config.schema import LORA_TARGETS
+from dockrl.models.config import ModelArgs
+from dockrl.models.decoder import Transformer
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -155,6 +157,20 @@ def fresh_adapters(model: nn.Module, seed: int = 0) -> dict[str, torch.Tensor]:
         rank, in_features = layer.lora_A.shape
         a, b = fresh_factors(rank, in_features, layer.lora_B.shape[0], adapter_seed(seed, index))
         out[f"{name}.lora_A"], out[f"{name}.lora_B"] = a, b
+    return out
+
+
+def adapter_layout(args: ModelArgs, spec: LoraSpec) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """(name, whole shape, shape) of every adapter factor of a `Transformer(args)` under `spec`, in module
+    order (A before B): the order adapter-only weight sync packs them in, on the trainer and on a replica."""
+    with torch.device("meta"):
+        model = Transformer(args)
+        apply_lora(model, spec)
+    out = []
+    for name, layer in lora_layers(model):
+        for factor in ("lora_A", "lora_B"):
+            shape = tuple(getattr(layer, factor).shape)
+            out.append((f"{name}.{factor}", shape, shape))
     return out
 
 

@@ -162,8 +162,11 @@ class ActorWorker(Worker):
 
     def send_weights(self) -> int:
         """Separate placement: gather the policy bucket by bucket and broadcast it to the rollout replicas
-        (collective over the actor's ranks); returns the bytes rank 0 sent."""
-        return self.switch.broadcast_weights(getattr(self, "sync_group", None))
+        (collective over the actor's ranks), or under LoRA the adapters only; returns the bytes rank 0 sent."""
+        group = getattr(self, "sync_group", None)
+        if self.policy.lora is not None:
+            return self.switch.broadcast_adapters(group)
+        return self.switch.broadcast_weights(group)
 
     def leave_rollout(self) -> None:
         """Back to the training layout: free the rollout buffers, bring training state back."""

@@ -146,6 +146,25 @@ class RolloutSwitch:
             del buffer
         return sent
 
+    @torch.no_grad()
+    def broadcast_adapters(self, group: dist.ProcessGroup | None) -> int:
+        """Separate rollout placement under LoRA: send the adapters only (fp32, in `models.lora.adapter_layout`
+        order, bucketed like a replica's `ReplicaWeights`), never the frozen base the replicas hold already.
+        A collective over the actor's ranks (each factor gathered whole: small); this group's rank 0 (actor
+        rank 0) broadcasts to the replicas in `group` (None on the other actor ranks). Returns the bytes sent."""
+        assert self.engine.lora is not None, "broadcast_adapters needs a LoRA engine"
+        adapters = self._gather_adapters(dict(self.engine.model.named_parameters()))
+        if group is None:  # not rank 0: its part was the gathers
+            return 0
+        sent = 0
+        for bucket in adapter_buckets(self.engine.args, self.engine.lora, self.bucket_bytes):
+            buffer = torch.empty(bucket.numel, dtype=torch.float32, device=self.device)
+            for spec in bucket.specs:
+                buffer[spec.offset : spec.offset + spec.numel].copy_(adapters[spec.name].reshape(-1))
+            broadcast_bucket(group, buffer)
+            sent += buffer.numel() * buffer.element_size()
+        return sent
+
     @property
     def inference_shard_bytes(self) -> int:
         """Bytes of this rank's inference weights (all buffers together)."""
@@ -362,10 +381,21 @@ def plan_buckets(
     return buckets, bucket_bytes
 
 
-def full_model_buckets(model: nn.Module, bucket_bytes: int | None, dtype: torch.dtype) -> list[_Bucket]:
-    """The buckets `broadcast_weights` sends, planned on the receiving side from an unsharded model."""
+def full_model_buckets(
+    model: nn.Module, bucket_bytes: int | None, dtype: torch.dtype
+) -> tuple[list[_Bucket], int]:
+    """The buckets `broadcast_weights` sends, planned on the receiving side from an unsharded model, and the
+    resolved bucket size (what the trainer's switch resolved too)."""
     shards = [(n, tuple(p.shape), tuple(p.shape)) for n, p in model.named_parameters()]
-    return plan_buckets(shards, bucket_bytes, dtype)[0]
+    return plan_buckets(shards, bucket_bytes, dtype)
+
+
+def adapter_buckets(args, spec, bucket_bytes: int) -> list[_Bucket]:
+    """The buckets of adapter-only weight sync (models.lora.adapter_layout order, fp32) under the resolved
+    bucket size `bucket_bytes`: the trainer (`broadcast_adapters`) and a replica (ReplicaWeights) plan alike."""
+    from dockrl.models.lora import adapter_layout
+
+    return plan_buckets(adapter_layout(args, spec), bucket_bytes, torch.float32)[0]
 
 
 def broadcast_bucket(group: dist.ProcessGroup, buffer: torch.Tensor) -> None:
