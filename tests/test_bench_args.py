@@ -92,4 +92,8 @@ def test_bench_lora_counts_trainable_parameters_and_optimizer_state():
     assert full["trainable_params"] == full["model_params"]
     for row in (full, adapted):
         assert row["optimizer_state_mb"] * 2**20 == 2 * 4 * row["trainable_params"]
+    # Measured through broadcast_weights / broadcast_adapters into a replica: every weight in the rollout dtype,
+    # or the adapters in fp32.
     assert adapted["sync_mb"] * 2**20 == 4 * adapted["trainable_params"]
+    assert full["sync_mb"] * 2**20 == (2 if full["precision"] == "bf16" else 4) * full["model_params"]
+    assert adapted["model_state_mb"] < full["model_state_mb"]

@@ -10,9 +10,14 @@ times reference log-probs and `--steps` train steps of `--rows` rows of `--token
   optimizer_state_mb    AdamW moments (all ranks together)
   peak_rss_mb           the rank's peak resident memory above the process's before the engines (max over ranks)
   reference_mb          resident memory the reference policy added (the second engine, or nothing)
+  model_state_mb        per rank: parameters, gradients, AdamW state and the reference's parameters held
+                        after a step (the part LoRA shrinks; peak_rss_mb adds activations and the process)
   step_s                median seconds of a train step (rank 0)
-  sync_mb               bytes a weight sync to separate rollout replicas sends: every weight in the rollout
-                        dtype (full), or the adapters only in fp32 (lora)
+  sync_mb, sync_s       one weight sync to a separate rollout replica, through the real code path: a
+                        one-rank trainer (`RolloutSwitch.broadcast_weights`, or `broadcast_adapters` under
+                        LoRA) sends to a `ReplicaWeights` in another process over gloo; bytes per update and
+                        the median seconds over --steps syncs (send to received). Every weight in the rollout
+                        dtype (full), the adapters only in fp32 (lora)
 """
 
 from __future__ import annotations
@@ -72,6 +77,18 @@ def run(args: argparse.Namespace) -> list[dict]:
                 _rank, args.dp, free_port(), str(Path(tmp) / "model"), mode, precision, vars(args), str(out)
             )
             result = json.loads(out.read_text())
+            spawn_ranks(
+                _sync_rank,
+                2,
+                free_port(),
+                free_port(),
+                str(Path(tmp) / "model"),
+                mode,
+                precision,
+                vars(args),
+                str(out),
+            )
+            result.update(json.loads(out.read_text()))
             result.update(mode=mode, model_params=num_params, precision=precision, dp=args.dp)
             rows.append(result)
     return rows
@@ -157,25 +174,109 @@ def _rank(
     dist.all_reduce(state_bytes)
     peaks: list[Any] = [None] * world  # filled by all_gather_object
     dist.all_gather_object(peaks, _rss_mb() - base_rss)
+    states: list[Any] = [None] * world
+    dist.all_gather_object(states, _model_state_bytes(engine, reference))
     trainable = sum(
         int(torch.Size(engine.global_shapes[n]).numel())
         for n, p in engine.model.named_parameters()
         if p.requires_grad
-    )
-    dtype_bytes = 2 if precision == "bf16" else 4
-    sync = (
-        4 * trainable
-        if spec is not None
-        else dtype_bytes * sum(int(torch.Size(s).numel()) for s in engine.global_shapes.values())
     )
     if rank == 0:
         result = {
             "trainable_params": trainable,
             "optimizer_state_mb": float(state_bytes) / 2**20,
             "peak_rss_mb": max(peaks),
+            "model_state_mb": max(states) / 2**20,
             "reference_mb": reference_mb,
             "step_s": statistics.median(times[1:]),
-            "sync_mb": sync / 2**20,
         }
+        Path(out).write_text(json.dumps(result))
+    leave(rank)
+
+
+def _local_bytes(tensor) -> int:
+    return int(tensor.to_local().nbytes if hasattr(tensor, "to_local") else tensor.nbytes)
+
+
+def _model_state_bytes(engine, reference) -> int:
+    """This rank's parameters, gradients, optimizer state and reference parameters."""
+    import torch
+
+    total = 0
+    for param in engine.model.parameters():
+        total += _local_bytes(param) + (_local_bytes(param.grad) if param.grad is not None else 0)
+    for state in engine.optimizer.state.values():
+        total += sum(_local_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    if reference is not None:
+        total += sum(_local_bytes(p) for p in reference.model.parameters())
+    return total
+
+
+def _sync_rank(
+    rank: int,
+    world: int,
+    port: int,
+    sync_port: int,
+    model_dir: str,
+    mode: str,
+    precision: str,
+    opts: dict,
+    out: str,
+    leave,
+):
+    """Rank 0: a one-rank trainer engine that sends its weights (or adapters) --steps + 1 times; rank 1: a
+    separate rollout replica's ReplicaWeights that receives them. Rank 0 adds sync_mb and sync_s to `out`."""
+    import statistics
+    import time
+
+    import torch
+
+    from dockrl.config import ActorConfig
+    from dockrl.engines.reshard.switch import RolloutSwitch
+    from dockrl.engines.rollout.replica_weights import ReplicaWeights
+    from dockrl.engines.train.train_engine import TrainEngine
+    from dockrl.models.hf import read_config
+    from dockrl.models.lora import LoraSpec, resolve_targets
+    from dockrl.parallel.dist import init_distributed, side_group
+
+    torch.set_num_threads(1)
+    init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=600)
+    group = side_group("127.0.0.1", sync_port, rank, world, timeout_s=600)
+    spec = None
+    if mode == "lora":
+        targets = opts["target_modules"]
+        names = targets if targets == "all-linear" else targets.split(",")
+        spec = LoraSpec(opts["rank"], opts["alpha"], 0.0, resolve_targets(names))
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    times, sent = [], 0
+    if rank == 0:
+        engine = TrainEngine(model_dir, device="cpu", precision=precision, optim=ActorConfig(), lora=spec)
+        switch = RolloutSwitch(
+            engine, rank=0, world=1, tp_infer=1, infer_group=None, bucket_bytes=None, dtype=dtype
+        )
+        send = switch.broadcast_weights if spec is None else switch.broadcast_adapters
+        for _ in range(opts["steps"] + 1):
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            sent = send(group)
+            torch.distributed.barrier()  # the replica has it all
+            times.append(time.perf_counter() - start)
+    else:
+        replica = ReplicaWeights(
+            read_config(model_dir),
+            model_dir,
+            dtype=dtype,
+            device=torch.device("cpu"),
+            bucket_bytes=None,
+            lora=spec,
+            lead=1,
+        )
+        for version in range(opts["steps"] + 1):
+            torch.distributed.barrier()
+            replica.receive(version, group)
+            torch.distributed.barrier()
+    if rank == 0:
+        result = json.loads(Path(out).read_text())
+        result.update(sync_mb=sent / 2**20, sync_s=statistics.median(times[1:]))
         Path(out).write_text(json.dumps(result))
     leave(rank)
