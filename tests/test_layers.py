@@ -13,7 +13,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "dockrl"
 NO_RAY = ("engines", "algos", "rewards", "models", "data", "config")
-SHARED = {"errors"}  # modules every layer may import (they import nothing of dockrl)
+SHARED = {"errors", "user_code"}  # modules every layer may import (they import nothing of dockrl)
 
 
 def _module_name(path: Path) -> str:

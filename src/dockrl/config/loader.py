@@ -45,10 +45,18 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     for item in overrides or []:
         apply_override(raw, item)
     config = from_dict(cls, raw)
+    search = ([Path(path).resolve().parent] if path is not None else []) + [Path.cwd()]
     reward = getattr(config, "reward", None)
     if reward is not None:
-        search = ([Path(path).resolve().parent] if path is not None else []) + [Path.cwd()]
         read_reward_files(reward.functions, search)
+    env = getattr(config, "env", None)
+    if env is not None and env.name is not None and env.code is None:
+        try:
+            found = locate_reward_file(env.name, search, what="environment")
+        except ValueError as exc:
+            raise ConfigError(f"env.name={env.name!r}: {exc}") from exc
+        if found is not None:
+            env.source_file, env.code = str(found), found.read_text(encoding="utf-8")
     return config
 
 
@@ -85,7 +93,7 @@ def names_a_file(name: str, origin: str | None = None) -> bool:
     return origin is not None and Path(origin).as_posix().endswith("/" + module.replace(".", "/") + ".py")
 
 
-def locate_reward_file(name: str, search_dirs: list[Path]) -> Path | None:
+def locate_reward_file(name: str, search_dirs: list[Path], what: str = "reward function") -> Path | None:
     """The source file of reward function `name` when it is given as a file, else None.
 
     `path/to/file.py:function` names a file (relative paths are looked up in `search_dirs`, in order: the
@@ -102,7 +110,7 @@ def locate_reward_file(name: str, search_dirs: list[Path]) -> Path | None:
             if candidate.is_file():
                 return candidate.resolve()
         raise ValueError(
-            f"reward function {name!r}: no file {module!r} in {[str(d) for d in search_dirs]} (paths are relative "
+            f"{what} {name!r}: no file {module!r} in {[str(d) for d in search_dirs]} (paths are relative "
             "to the config file's directory, then the working directory)"
         )
     if importlib.util.find_spec(module.partition(".")[0]) is not None:

@@ -568,6 +568,38 @@ class PlacementConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn rollout with an environment (docs/multiturn.md): turns of the policy and observations of the
+    environment (tool answers), token in and token out; only the policy's tokens are trained on."""
+
+    name: str | None = setting(
+        None,
+        "None: single-turn. `tools` (the built-in tool environment: env.kwargs.tools lists calculator, python), "
+        "`package.module:Class`, or a file `path/to/file.py:Class` (read when the config is loaded and shipped, "
+        "like reward files).",
+    )
+    kwargs: dict = setting({}, "Keyword arguments of the environment's constructor.")
+    max_turns: int = setting(
+        4, "Policy turns per trajectory; a trajectory still calling tools then ends truncated."
+    )
+    max_tool_calls: int = setting(8, "Tool calls per trajectory; one more ends it truncated.")
+    max_response_tokens: int | None = setting(
+        None,
+        "Token budget of a whole trajectory after the prompt (sampled and observation tokens); None: "
+        "rollout.max_new_tokens x env.max_turns. rollout.max_new_tokens limits each turn.",
+    )
+    call_timeout_s: float = setting(
+        10.0, "Seconds one environment step (its tool calls) may take; past it the trajectory ends truncated."
+    )
+    num_workers: int = setting(4, "Threads per rollout rank running environment steps beside the engine.")
+    reward_weight: float = setting(
+        1.0, "Weight of the environment's final reward in the total (added to reward.functions' scores)."
+    )
+    source_file: str | None = setting(None, "Filled in when the config is loaded: the environment's file.")
+    code: str | None = setting(None, "Filled in when the config is loaded: that file's source (leave unset).")
+
+
+@dataclass
 class TrainConfig:
     """`dockrl train`: a GRPO job."""
 
@@ -582,6 +614,7 @@ class TrainConfig:
     reshard: ReshardConfig = field(default_factory=ReshardConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)  # used only with algo.name=ppo
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn rollout when env.name is set
 
 
 @dataclass

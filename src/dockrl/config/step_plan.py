@@ -71,6 +71,7 @@ class StepPlan:
     loss: LossPlan
     schedule: Schedule  # which step schedule runs (sync, async k, partial; dynamic-sampling rounds)
     lora: LoraSettings | None = None  # actor.lora resolved; None: full fine-tuning
+    multi_turn: bool = False  # env.name: trajectories carry a loss_mask (observation tokens train on nothing)
 
     @property
     def reference_is_base(self) -> bool:
@@ -180,4 +181,5 @@ def step_plan(cfg: TrainConfig) -> StepPlan:
         loss=loss_plan(algo, cfg.rollout.max_new_tokens),
         schedule=schedule_of(cfg),
         lora=check_lora(actor.lora, has_critic=estimator == "gae"),
+        multi_turn=cfg.env.name is not None,
     )

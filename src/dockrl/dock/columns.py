@@ -122,6 +122,39 @@ PARTIAL_VERSIONS = _declare(
     "rollout.partial: their policy versions (one pass per version, so their count of distinct values is the "
     "row's passes so far)",
 )
+LOSS_MASK = _declare(
+    "loss_mask",
+    "float32",
+    "token",
+    (Stage.ROLLOUT,),
+    (Stage.REWARD, Stage.UPDATE),
+    "multi-turn (env.name): 1 on the tokens the policy sampled, 0 on observation tokens (tool answers, the chat "
+    "template's turn markers), which every loss, KL, entropy and normaliser leaves out",
+)
+ENV_ROW = _declare(
+    "env_row",
+    "object",
+    "row",
+    (Stage.DRIVER,),
+    (Stage.ROLLOUT,),
+    "multi-turn: the dataset row ({prompt, label}) each trajectory's environment is reset with",
+)
+ENV_REWARD = _declare(
+    "env_reward",
+    "float32",
+    "row",
+    (Stage.ROLLOUT,),
+    (Stage.REWARD,),
+    "multi-turn: the environment's final reward (NaN: it gave none; reward functions score the final answer)",
+)
+ENV_FAILED = _declare(
+    "env_failed",
+    "float32",
+    "row",
+    (Stage.ROLLOUT,),
+    (Stage.REWARD,),
+    "multi-turn: 1 when the environment raised on this trajectory (its group follows reward.on_error)",
+)
 RM_SCORE = _declare(
     "rm_score", "float32", "row", (Stage.REWARD_MODEL,), (Stage.REWARD,), "the reward model's raw score"
 )

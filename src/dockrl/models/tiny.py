@@ -34,12 +34,28 @@ QWEN2_PRETOKENIZE_REGEX = (
     r"|\s+(?!\S)|\s+"
 )
 
+# ChatML with Qwen2.5's tool conventions, compact: the tools' JSON schemas in the system turn, tool calls as
+# <tool_call>{json}</tool_call> in the assistant's text, and consecutive tool messages as one user turn of
+# <tool_response> blocks. Without tools and tool messages it renders exactly plain ChatML.
 CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('chat roles must be system, user or assistant, got ' + message['role']) }}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    '{{ \'\\n</tools>\\nCall a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\\n\' }}'
     "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first and tools %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% elif message['role'] in ['system', 'user', 'assistant'] %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% else %}"
+    "{{ raise_exception('chat roles must be system, user, assistant or tool, got ' + message['role']) }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

@@ -92,6 +92,17 @@ ROLLOUT_INTERRUPTED = "rollout/interrupted"  # partial: rows cut this step
 ROLLOUT_CONTINUED = "rollout/continued"  # partial: carried rows continued this step
 
 # DAPO dynamic sampling
+# Multi-turn (env.name): per trajectory means, and shares of the step's trajectories.
+ENV_TURNS = "env/turns"  # policy turns per trajectory
+ENV_TOOL_CALLS = "env/tool_calls"  # tool calls per trajectory
+ENV_TOOL_CALL_RATE = "env/tool_call_rate"  # share of trajectories with at least one tool call
+ENV_TOOL_ERRORS = "env/tool_errors"  # malformed calls, unknown tools and tool errors (total)
+ENV_TIMEOUTS = "env/timeouts"  # calls past env.call_timeout_s (total)
+ENV_TRUNCATED = "env/truncated"  # share of trajectories that ran out of turns, calls or tokens
+ENV_FAILED = "env/failed"  # trajectories whose environment raised (total)
+ENV_TEMPLATE_MISMATCH = "env/template_mismatch"  # turns where the chat template was not append-only
+TIMING_ENV = "timing/env"  # seconds of environment calls, summed over trajectories (overlaps decoding)
+
 DAPO_ROUNDS = "dapo/rounds"
 DAPO_GENERATED_GROUPS = "dapo/generated_groups"
 DAPO_INFORMATIVE_GROUPS = "dapo/informative_groups"

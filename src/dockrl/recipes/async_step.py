@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from dockrl.config.schedule import Schedule
 from dockrl.config.schema import TrainConfig
 from dockrl.config.step_plan import StepPlan
 from dockrl.dock.stages import Stage
 from dockrl.observe.run_dir import StageTimer
 from dockrl.recipes.cluster import Cluster, sync_rollout_weights
-from dockrl.recipes.common import EpochSampler
+from dockrl.recipes.common import EpochSampler, add_prompts
 from dockrl.recipes.inflight import Generation
 from dockrl.recipes.step_metrics import StepRecord
 from dockrl.recipes.sync_step import logprob_stages
@@ -92,9 +90,7 @@ def _start_generation(
     dock, version = step % (k + 1), max(0, step - 1 - k)
     batch = sampler.next_batch()
     cluster.client.select(dock)
-    cluster.client.add_groups(
-        [torch.tensor(p.ids) for p in batch], [p.label for p in batch], cfg.rollout.samples_per_prompt
-    )
+    add_prompts(cluster.client, batch, cfg.rollout.samples_per_prompt)
     synced_s = sync_rollout_weights(cluster, version)
     started = time.perf_counter()
     # Each call names its dock, and a worker selects it when the call starts (after its running calls): the

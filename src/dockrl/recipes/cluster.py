@@ -246,6 +246,7 @@ def _start_workers(
         group_size=cfg.rollout.samples_per_prompt,
         log_samples=cfg.run.log_samples,
         max_new_tokens=cfg.rollout.max_new_tokens,
+        env_weight=cfg.env.reward_weight if cfg.env.name is not None else None,
     )
     return actors, rewards
 

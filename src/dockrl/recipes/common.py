@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,21 @@ class EncodedPrompt:
     text: str
     label: Any
     index: int
+    env_row: dict[str, Any] | None = None  # multi-turn: what the rollout resets its environment with
+
+
+def add_prompts(client: Any, prompts: list[EncodedPrompt], group_size: int) -> list[int]:
+    """Add one group of `group_size` rows per prompt to the dock (client: a DockAPI): prompt_ids, label, and
+    for multi-turn runs env_row; returns the row ids."""
+    import torch
+
+    from dockrl.dock.columns import ENV_ROW
+
+    multi_turn = bool(prompts) and prompts[0].env_row is not None
+    extra = {ENV_ROW: [p.env_row for p in prompts]} if multi_turn else None
+    return client.add_groups(
+        [torch.tensor(p.ids) for p in prompts], [p.label for p in prompts], group_size, extra=extra
+    )
 
 
 def encode_prompts(
@@ -60,19 +76,29 @@ def encode_prompts(
     use_chat_template: bool,
     max_prompt_len: int,
     limit: int | None = None,
+    make_env: Callable[[], Any] | None = None,
 ) -> tuple[list[EncodedPrompt], int]:
-    """Load, render and tokenize a prompt file; returns the prompts and the number skipped as too long."""
+    """Load, render and tokenize a prompt file; returns the prompts and the number skipped as too long.
+    With `make_env` (multi-turn) the first turn is the environment's reset of the row, rendered with its
+    tools (what the rollout's environment starts from too)."""
     records: list[PromptRecord] = load_prompts(
         path, prompt_field=prompt_field, label_field=label_field, limit=limit
     )
     out, skipped = [], 0
     for rec in records:
-        text = render_prompt(rec, tokenizer, system_prompt=system_prompt, use_chat_template=use_chat_template)
+        env_row = None
+        if make_env is None:
+            text = render_prompt(
+                rec, tokenizer, system_prompt=system_prompt, use_chat_template=use_chat_template
+            )
+        else:
+            env_row = {"prompt": rec.prompt, "label": rec.label}
+            text = _render_env_prompt(make_env(), env_row, tokenizer, system_prompt)
         ids = tokenizer.encode(text)
         if len(ids) > max_prompt_len:
             skipped += 1
             continue
-        out.append(EncodedPrompt(ids=ids, text=text, label=rec.label, index=rec.index))
+        out.append(EncodedPrompt(ids=ids, text=text, label=rec.label, index=rec.index, env_row=env_row))
     if not out:
         raise ValueError(
             f"{path}: every prompt is longer than data.max_prompt_len={max_prompt_len}; raise it"
@@ -82,6 +108,16 @@ def encode_prompts(
             "%s: skipped %d prompts longer than data.max_prompt_len=%d", path, skipped, max_prompt_len
         )
     return out, skipped
+
+
+def _render_env_prompt(env: Any, row: dict[str, Any], tokenizer: Tokenizer, system_prompt: str | None) -> str:
+    """The prompt of a multi-turn trajectory: the system prompt, the environment's first turn, its tools."""
+    from dockrl.envs.base import check_messages
+    from dockrl.envs.loader import env_tools
+
+    first = check_messages(env.reset(dict(row)).as_messages(), "environment reset")
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + first
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=env_tools(env) or None)
 
 
 class EpochSampler:

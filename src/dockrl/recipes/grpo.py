@@ -280,6 +280,20 @@ def _run_failed(exc: Exception, run: RunDir, head: ResumePoint | None) -> RunFai
 
 def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None = None):
     d = cfg.data
+    make_env = None
+    env = cfg.env
+    if env.name is not None:  # multi-turn: the first turn is the environment's, rendered with its tools
+        from dockrl.envs.loader import env_factory
+        from dockrl.models.hf import read_config
+
+        make_env = env_factory(
+            env.name,
+            env.kwargs,
+            code=env.code,
+            origin=env.source_file,
+            family=read_config(cfg.model.path).family,
+            call_timeout_s=env.call_timeout_s,
+        )
     return encode_prompts(
         path,
         tokenizer,
@@ -289,6 +303,7 @@ def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None
         use_chat_template=d.use_chat_template,
         max_prompt_len=d.max_prompt_len,
         limit=limit,
+        make_env=make_env,
     )
 
 

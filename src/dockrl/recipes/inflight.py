@@ -29,6 +29,7 @@ import torch
 
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import (
+    ENV_ROW,
     LABEL,
     PARTIAL_IDS,
     PARTIAL_LOGPROBS,
@@ -39,7 +40,7 @@ from dockrl.dock.columns import (
     ROLLOUT_LOGPROBS,
 )
 from dockrl.dock.stages import Stage
-from dockrl.recipes.common import EncodedPrompt
+from dockrl.recipes.common import EncodedPrompt, add_prompts
 from dockrl.workers.results import GenerateResult, ScoreResult
 
 INFLIGHT = "inflight.pt"
@@ -106,7 +107,7 @@ def save_inflight(
                 "weight_sync_s": generation.weight_sync_s,
                 "rollout_s": rollout_s,
                 "prompts": [
-                    {"ids": p.ids, "text": p.text, "label": p.label, "index": p.index}
+                    {"ids": p.ids, "text": p.text, "label": p.label, "index": p.index, "env_row": p.env_row}
                     for p in generation.batch
                 ],
                 "rows": rows,
@@ -189,13 +190,13 @@ def load_inflight(root: Path, client: DockChoice, group_size: int) -> dict[int, 
     for record in data["generations"]:
         batch = [EncodedPrompt(**p) for p in record["prompts"]]
         client.select(record["dock"])
-        rows = client.add_groups([torch.tensor(p.ids) for p in batch], [p.label for p in batch], group_size)
+        rows = add_prompts(client, batch, group_size)
         if rows != record["rows"]:
             raise ValueError(
                 f"{path}: step {record['step']}'s rows came back as {len(rows)} rows numbered differently "
                 f"from the {len(record['rows'])} saved (is the dock empty on resume?)"
             )
-        rest = {c: v for c, v in record["columns"].items() if c not in (PROMPT_IDS, LABEL)}
+        rest = {c: v for c, v in record["columns"].items() if c not in (PROMPT_IDS, LABEL, ENV_ROW)}
         if rows and rest:
             client.put(DUMP_CONSUMER, rows, rest)
         results = (

@@ -76,6 +76,7 @@ def step_metrics(
     if partial:
         m[names.ROLLOUT_INTERRUPTED] = float(sum(len(g.interrupted) for g in record.generated))
         m[names.ROLLOUT_CONTINUED] = float(sum(g.continued for g in record.generated))
+    m.update(_env(record))
     m[names.TOKENS_PROMPT] = float(prompt_tokens)
     m[names.TOKENS_RESPONSE] = float(response_tokens)
     if record.sampling is not None:
@@ -115,6 +116,28 @@ def _rewards_and_lengths(record: StepRecord, lengths: list[int]) -> dict[str, fl
     m[names.REWARD_ERRORS] = float(sum(s.errors for s in scored))
     m[names.REWARD_DROPPED_GROUPS] = float(sum(s.dropped_groups for s in scored))
     return m
+
+
+def _env(record: StepRecord) -> dict[str, float]:
+    """Multi-turn figures from the rollout ranks' env counters ({} for single-turn runs)."""
+    counts: dict[str, float] = {}
+    for g in record.generated:
+        for key, value in g.env.items():
+            counts[key] = counts.get(key, 0.0) + float(value)
+    if not counts:
+        return {}
+    trajectories = max(1.0, counts["trajectories"])
+    return {
+        names.ENV_TURNS: counts["turns"] / trajectories,
+        names.ENV_TOOL_CALLS: counts["tool_calls"] / trajectories,
+        names.ENV_TOOL_CALL_RATE: counts["with_tool_calls"] / trajectories,
+        names.ENV_TOOL_ERRORS: counts["tool_errors"],
+        names.ENV_TIMEOUTS: counts["timeouts"],
+        names.ENV_TRUNCATED: counts["truncated"] / trajectories,
+        names.ENV_FAILED: counts["failed"],
+        names.ENV_TEMPLATE_MISMATCH: counts["template_mismatch"],
+        names.TIMING_ENV: counts["env_s"],
+    }
 
 
 def _timings(record: StepRecord) -> dict[str, float]:

@@ -18,8 +18,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
-
 from dockrl.config.schedule import Schedule
 from dockrl.config.schema import TrainConfig
 from dockrl.config.step_plan import StepPlan
@@ -28,7 +26,7 @@ from dockrl.dock.stages import Stage
 from dockrl.engines.rollout.dock_feed import ROLLOUT
 from dockrl.observe.run_dir import StageTimer
 from dockrl.recipes.cluster import Cluster, sync_rollout_weights
-from dockrl.recipes.common import EncodedPrompt, EpochSampler
+from dockrl.recipes.common import EncodedPrompt, EpochSampler, add_prompts
 from dockrl.recipes.dynamic_sampling import group_rewards, select_groups
 from dockrl.recipes.step_metrics import SamplingCounts, StepRecord
 from dockrl.workers.actor import ActorGroup
@@ -103,7 +101,7 @@ def _round(
     """Add `batch`'s groups, generate and score them (overlapped through the dock); returns (per-actor
     generate results, per-reward-worker score results, the critic's pending compute_values or None)."""
     n = cfg.rollout.samples_per_prompt
-    cluster.client.add_groups([torch.tensor(p.ids) for p in batch], [p.label for p in batch], n)
+    add_prompts(cluster.client, batch, n)
     synced_s = sync_rollout_weights(cluster, version=step - 1)  # separate placement: the step's policy
     if synced_s:
         timer.add(Stage.WEIGHT_SYNC, synced_s)

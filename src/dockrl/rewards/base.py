@@ -11,18 +11,14 @@ fails when the config is built, not on the first sample.
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import sys
-import types
 from collections.abc import Callable
 from typing import Any
 
 from dockrl.config.loader import names_a_file
 from dockrl.rewards.builtin import BUILTIN_REWARDS
 from dockrl.rewards.result import RewardFn, RewardResult
+from dockrl.user_code import attr_from_code, import_attr
 
 __all__ = ["RewardFn", "RewardResult", "resolve_reward_fn", "warmup_of"]
 
@@ -35,46 +31,17 @@ def warmup_of(fn: RewardFn) -> Callable[[], Any] | None:
 
 
 def _import_function(name: str) -> Callable[..., Any]:
-    module_name, _, attr = name.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"reward function {name!r} must be 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time failure of user code is a config error
-        raise ValueError(
-            f"reward function {name!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
-        ) from exc
-    fn = getattr(module, attr, None)
-    if fn is None:
-        public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
-        raise ValueError(
-            f"reward function {name!r}: module {module_name!r} has no attribute {attr!r}; callables: {public}"
-        )
+    fn = import_attr(name, "reward function")
     if not callable(fn):
         raise ValueError(f"reward function {name!r} is a {type(fn).__name__}, not a callable")
     return fn
 
 
 def _function_from_code(name: str, code: str, origin: str) -> Callable[..., Any]:
-    """Attribute `function` of `origin:function` from the file's source `code`, run as a module of its own
-    (under a name derived from the source, so every process gets the same module)."""
-    attr = name.rpartition(":")[2]
-    module_name = "dockrl_reward_" + hashlib.sha1(code.encode()).hexdigest()[:12]
-    module = sys.modules.get(module_name)
-    if module is None:
-        module = types.ModuleType(module_name)
-        module.__file__ = origin
-        try:
-            exec(compile(code, origin, "exec"), module.__dict__)
-        except Exception as exc:  # any failure of user code at import is a config error
-            raise ValueError(
-                f"reward function {name!r}: importing {origin} failed: {type(exc).__name__}: {exc}"
-            ) from exc
-        sys.modules[module_name] = module
-    fn = getattr(module, attr, None)
+    """Attribute `function` of `origin:function` from the file's source `code` (dockrl.user_code)."""
+    fn = attr_from_code(name, code, origin, "reward function")
     if not callable(fn):
-        public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
-        raise ValueError(f"reward function {name!r}: {origin} has no function {attr!r}; callables: {public}")
+        raise ValueError(f"reward function {name!r}: {origin} has no function {name.rpartition(':')[2]!r}")
     return fn
 
 

@@ -29,6 +29,7 @@ from dockrl.config.step_plan import StepPlan
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import (
     ADVANTAGES,
+    LOSS_MASK,
     OLD_LOGPROBS,
     PROMPT_IDS,
     REF_LOGPROBS,
@@ -190,7 +191,14 @@ class ActorWorker(Worker):
             )
         version = step - 1  # colocated rollout is on-policy: the weights after step - 1 updates
         stats = serve_step(
-            self.rollout_engine, self.rollout_client, self.cfg, step, self.stop_token_ids, version
+            self.rollout_engine,
+            self.rollout_client,
+            self.cfg,
+            step,
+            self.stop_token_ids,
+            version,
+            tokenizer=self.tokenizer,
+            family=self.policy.args.family,
         )
         self.leave_rollout()
         if not self.rollout_client.is_head:  # tp peers served the same rows as their head
@@ -202,6 +210,7 @@ class ActorWorker(Worker):
             version,
             interrupted=stats["interrupted"],
             continued=stats["continued"],
+            env=stats.get("env", {}),
         )
 
     # ---- log-prob stages -----------------------------------------------------------------------
@@ -243,6 +252,7 @@ class ActorWorker(Worker):
         columns = [PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, ADVANTAGES, ROLLOUT_LOGPROBS]
         columns += [REF_LOGPROBS] if use_ref else []
         columns += [] if self.plan.single_update or self.plan.old_from_rollout else [OLD_LOGPROBS]
+        columns += [LOSS_MASK] if self.plan.multi_turn else []
         # REINFORCE++'s KL in the reward reads the sampling policy's log-probs even when the update is
         # on-policy (the loss then keeps ratio 1 exactly: it does not read them).
         extra = [OLD_LOGPROBS] if self.plan.actor_shapes_kl and OLD_LOGPROBS not in columns else []
@@ -253,7 +263,9 @@ class ActorWorker(Worker):
             batch[ADVANTAGES], reward_kl = self._kl_shaped_advantages(batch)
         if self.plan.whiten:
             batch[ADVANTAGES] = whiten_rows(batch[ADVANTAGES], self.policy.dp_group, batch[UPDATE_WEIGHT])
-        per_token_names = [c for c in columns if c not in (PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT)]
+        per_token_names = [
+            c for c in columns if c not in (PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, LOSS_MASK)
+        ]
         if self.plan.old_from_rollout:  # algo.old_logprobs=rollout: the sampling engine's are the old ones
             batch[OLD_LOGPROBS] = batch[ROLLOUT_LOGPROBS]
             per_token_names.append(OLD_LOGPROBS)

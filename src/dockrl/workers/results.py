@@ -39,6 +39,7 @@ class GenerateResult:
     )
     interrupted: list[int] = field(default_factory=list)  # rollout.partial: rows cut at the pass's budget
     continued: int = 0  # rollout.partial: carried rows this pass continued
+    env: dict[str, float] = field(default_factory=dict)  # multi-turn: summed env counters (multi_turn.py)
 
 
 @dataclass

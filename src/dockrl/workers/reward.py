@@ -13,6 +13,7 @@ With a reward model (`reward.model.path`), a group is served once its `rm_score`
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -22,7 +23,10 @@ from dockrl.config.schema import AlgoConfig, RewardConfig
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import (
     ADVANTAGES,
+    ENV_FAILED,
+    ENV_REWARD,
     LABEL,
+    LOSS_MASK,
     POLICY_VERSION,
     PROMPT_IDS,
     RESPONSE_IDS,
@@ -32,6 +36,7 @@ from dockrl.dock.columns import (
     reward_component,
 )
 from dockrl.dock.stages import Stage
+from dockrl.engines.rollout.multi_turn import final_turn
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.rewards.runner import RewardRunner, RewardSpec
 from dockrl.workers.group import Pending, Worker, WorkerGroup
@@ -68,6 +73,7 @@ class RewardWorker(Worker):
         group_size: int,
         log_samples: int = 0,
         max_new_tokens: int | None = None,
+        env_weight: float | None = None,
     ):
         """`estimator`: the group estimator of the run's step plan (StepPlan.estimator) when the reward workers
         compute advantages (StepPlan.advantages_by == "reward"), None when the critic does (gae)."""
@@ -77,6 +83,10 @@ class RewardWorker(Worker):
         # The overlong-shaping limit (rollout.max_new_tokens); needed when algo.overlong_buffer_len > 0.
         self.max_new_tokens = max_new_tokens
         self.estimator = estimator
+        # Multi-turn (env.name): reward functions read the final answer (the last policy turn), the
+        # environment's final reward joins the total with this weight, and a failed environment is a failed
+        # call; None for single-turn runs.
+        self.env_weight = env_weight
         self.tokenizer = Tokenizer.from_dir(tokenizer_path)
         specs = reward_specs(reward)
         self.runner = (
@@ -106,6 +116,7 @@ class RewardWorker(Worker):
         row_weights: list[float] = []
         columns = [PROMPT_IDS, RESPONSE_IDS, LABEL, POLICY_VERSION]
         columns += [RM_SCORE] if self.rm_weight is not None else []
+        columns += [LOSS_MASK, ENV_REWARD, ENV_FAILED] if self.env_weight is not None else []
         while True:
             got = self.client.get(
                 Stage.REWARD,
@@ -119,8 +130,16 @@ class RewardWorker(Worker):
             rows, batch = got
             assert len({r // n for r in rows}) * n == len(rows), "the dock served a partial group"
             prompts = [self.tokenizer.decode(p.tolist()) for p in batch[PROMPT_IDS]]
-            responses = [self.tokenizer.decode(r.tolist()) for r in batch[RESPONSE_IDS]]
+            if self.env_weight is None:
+                responses = [self.tokenizer.decode(r.tolist()) for r in batch[RESPONSE_IDS]]
+            else:  # the final answer: the trajectory's last policy turn
+                responses = [
+                    self.tokenizer.decode(final_turn(r, m))
+                    for r, m in zip(batch[RESPONSE_IDS], batch[LOSS_MASK])
+                ]
             scores, components, stats = self._rule_rewards(prompts, responses, batch[LABEL])
+            if self.env_weight is not None:
+                scores, components, stats = self._add_env(scores, components, stats, batch)
             key = accuracy_key(components)
             accuracy += components[key] if key is not None else scores
             if self.rm_weight is not None:
@@ -177,6 +196,23 @@ class RewardWorker(Worker):
             accuracy=accuracy,
             weights=row_weights,
         )
+
+    def _add_env(
+        self, scores: list[float], components: dict, stats: dict, batch: dict[str, list]
+    ) -> tuple[list[float], dict, dict]:
+        """Add env.reward_weight x the environment's final reward (component `env`, 0 where it gave none);
+        rows whose environment raised count as failed calls (score 0; reward.on_error decides their group)."""
+        env_rewards = [float(r) for r in batch[ENV_REWARD]]
+        given = [0.0 if math.isnan(r) else r for r in env_rewards]
+        assert self.env_weight is not None
+        scores = [s + self.env_weight * g for s, g in zip(scores, given)]
+        components = {**components, "env": given}
+        failed = [i for i, f in enumerate(batch[ENV_FAILED]) if float(f) > 0]
+        if failed:
+            scores = [0.0 if i in failed else s for i, s in enumerate(scores)]
+            stats = {**stats, "failed": sorted(set(stats.get("failed", [])) | set(failed))}
+            stats["errors"] = stats.get("errors", 0) + len(failed)
+        return scores, components, stats
 
     def _update_weights(self, num_rows: int, failed: list[int]) -> list[float]:
         """1 per row, or 0 for every row of a group with a failed reward call under reward.on_error=drop_group

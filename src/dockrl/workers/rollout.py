@@ -102,7 +102,16 @@ class RolloutWorker(Worker):
             start = time.perf_counter()
             if self.engine is None:
                 self.engine = step_engine(self.model, self.cfg, self.pad_token_id, self.tokenizer.decode)
-            stats = serve_step(self.engine, self.replica_client, self.cfg, step, self.stop_token_ids, version)
+            stats = serve_step(
+                self.engine,
+                self.replica_client,
+                self.cfg,
+                step,
+                self.stop_token_ids,
+                version,
+                tokenizer=self.tokenizer,
+                family=self.model.args.family,
+            )
             busy_s = time.perf_counter() - start
         finally:
             self.weights.finish()
@@ -114,6 +123,7 @@ class RolloutWorker(Worker):
             busy_s,
             stats["interrupted"],
             stats["continued"],
+            env=stats.get("env", {}),
         )
 
 

@@ -90,21 +90,39 @@ def step_engine(model: Any, cfg: Any, pad_token_id: int, detokenize: Callable) -
     """The continuous-batching engine of a run's rollout (cfg: a TrainConfig): rollout.max_batch_size slots,
     a KV cache for data.max_prompt_len + rollout.max_new_tokens positions."""
     roll = cfg.rollout
+    response = roll.max_new_tokens if cfg.env.name is None else response_budget(cfg)
     return RolloutEngine(
         model,
         num_slots=roll.max_batch_size,
-        max_seq_len=min(model.args.max_position_embeddings, cfg.data.max_prompt_len + roll.max_new_tokens),
+        max_seq_len=min(model.args.max_position_embeddings, cfg.data.max_prompt_len + response),
         pad_token_id=pad_token_id,
         detokenize=detokenize,
     )
 
 
+def response_budget(cfg: Any) -> int:
+    """Tokens after the prompt a response may take: rollout.max_new_tokens, or a multi-turn trajectory's
+    env.max_response_tokens (None: rollout.max_new_tokens x env.max_turns)."""
+    env = cfg.env
+    if env.name is None:
+        return cfg.rollout.max_new_tokens
+    return env.max_response_tokens or cfg.rollout.max_new_tokens * env.max_turns
+
+
 def serve_step(
-    engine: RolloutBackend, client: DockAPI, cfg: Any, step: int, stop_token_ids: list[int], version: int
+    engine: RolloutBackend,
+    client: DockAPI,
+    cfg: Any,
+    step: int,
+    stop_token_ids: list[int],
+    version: int,
+    tokenizer: Any = None,
+    family: str = "qwen2",
 ) -> dict:
     """Roll out every row of step `step` from the dock with the run's sampling settings (cfg: a TrainConfig)
     and its per-row seeds, with the weights after `version` updates (each token's `policy_version`); what
-    colocated actor ranks and separate rollout replicas both run."""
+    colocated actor ranks and separate rollout replicas both run. With env.name, multi-turn trajectories
+    (engines.rollout.multi_turn; `tokenizer` renders the observations, `family` parses tool calls)."""
     roll = cfg.rollout
     params = SamplingParams(
         max_new_tokens=roll.max_new_tokens,
@@ -115,6 +133,8 @@ def serve_step(
         stop_token_ids=stop_token_ids,
         stop_strings=list(roll.stop_strings),
     )
+    if cfg.env.name is not None:
+        return _serve_env(engine, client, cfg, step, params, version, tokenizer, family)
     return serve_from_dock(
         engine,
         client,
@@ -125,6 +145,48 @@ def serve_step(
         row_seed=lambda row: row_seed(cfg.run.seed, step, row),
         version=version,
         partial=partial_of(cfg),
+    )
+
+
+def _serve_env(
+    engine: RolloutBackend,
+    client: DockAPI,
+    cfg: Any,
+    step: int,
+    params: SamplingParams,
+    version: int,
+    tokenizer: Any,
+    family: str,
+) -> dict:
+    """serve_step's multi-turn branch: the run's environment, limits and chat template."""
+    from dockrl.engines.rollout.multi_turn import ChatDelta, TurnLimits, serve_multi_turn
+    from dockrl.envs.loader import env_factory, env_tools
+
+    env = cfg.env
+    assert tokenizer is not None, "multi-turn rollout renders observations with the tokenizer"
+    make_env = env_factory(
+        env.name,
+        env.kwargs,
+        code=env.code,
+        origin=env.source_file,
+        family=family,
+        call_timeout_s=env.call_timeout_s,
+    )
+    limits = TurnLimits(env.max_turns, env.max_tool_calls, response_budget(cfg), env.call_timeout_s)
+    return serve_multi_turn(
+        engine,
+        client,
+        consumer=ROLLOUT,
+        params=params,
+        group_size=cfg.rollout.samples_per_prompt,
+        groups_per_pull=cfg.rollout.groups_per_pull,
+        row_seed=lambda row: row_seed(cfg.run.seed, step, row),
+        make_env=make_env,
+        delta=ChatDelta(tokenizer, env_tools(make_env())),
+        system_prompt=cfg.data.system_prompt,
+        limits=limits,
+        num_workers=env.num_workers,
+        version=version,
     )
 
 

@@ -18,6 +18,7 @@ from dockrl.algos.losses import policy_loss
 from dockrl.config.step_plan import LossPlan
 from dockrl.dock.columns import (
     ADVANTAGES,
+    LOSS_MASK,
     OLD_LOGPROBS,
     PROMPT_IDS,
     REF_LOGPROBS,
@@ -77,15 +78,22 @@ def policy_update(
     # Rows a failed reward call left out (reward.on_error=drop_group) weigh 0: masked out of the loss and
     # of its token and sequence counts.
     weights = [float(batch[UPDATE_WEIGHT][i]) for i in idx] if UPDATE_WEIGHT in batch else [1.0] * len(idx)
-    local = [sum(len(batch[RESPONSE_IDS][i]) * w for i, w in zip(idx, weights)), sum(weights), len(idx)]
+    # Multi-turn: only the policy's tokens count (loss_mask 1); observation tokens leave the loss, the KL, the
+    # entropy and every normaliser.
+    masks = None
+    if LOSS_MASK in batch:
+        masks = [batch[LOSS_MASK][i].float() * w for i, w in zip(idx, weights)]
+    elif any(w != 1.0 for w in weights):
+        masks = [torch.full((len(batch[RESPONSE_IDS][i]),), w) for i, w in zip(idx, weights)]
+    tokens = (
+        [float(m.sum()) for m in masks] if masks is not None else [len(batch[RESPONSE_IDS][i]) for i in idx]
+    )
+    local = [sum(tokens), sum(weights), len(idx)]
     global_tokens, global_seqs, global_rows = all_reduce_sum(torch.tensor(local), engine.dp_group).tolist()
     if global_rows == 0:  # no rank has a row (rollout.partial cut every group): no optimizer step
         engine.skip_step()
         return None
     global_tokens, global_seqs = max(global_tokens, 1.0), max(global_seqs, 1.0)  # all left out: a zero loss
-    masks = None
-    if any(w != 1.0 for w in weights):
-        masks = [torch.full((len(batch[RESPONSE_IDS][i]),), w) for i, w in zip(idx, weights)]
     lengths = [len(batch[PROMPT_IDS][i]) + len(batch[RESPONSE_IDS][i]) for i in idx]
     micro_batches = [
         make_micro_batch(

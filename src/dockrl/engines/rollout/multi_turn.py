@@ -1,0 +1,391 @@
+"""Multi-turn rollout: trajectories of policy turns and environment observations, token in and token out.
+
+```
+ pull whole groups (prompt_ids, env_row) ─▶ per row: a fresh environment, reset(row) ─▶ turn 1 request
+ engine.step() ─▶ a finished turn: its sampled tokens join the trajectory (loss_mask 1, their log-probs)
+     └▶ env.step(message) in a thread pool; the engine keeps decoding the other samples meanwhile
+ an observation returns ─▶ its tokens (the chat template's delta) join the trajectory (loss_mask 0) ─▶ next
+     turn request: prompt + trajectory so far, re-prefilled (see below)
+ a trajectory ends (the environment says done, or a limit) ─▶ response_ids / rollout_logprobs / loss_mask /
+     policy_version / env_reward / env_failed put for its row
+```
+
+Token in, token out: the tokens of a trajectory are the prompt's, the ones the policy sampled, and the
+observation tokens, each appended as it happens; a sampled token is never decoded and encoded again.
+Observation tokens are the chat template's delta: with `history` the conversation so far and `assistant` the
+message just sampled, the observation text is
+
+    render(history + [assistant] + observation, add_generation_prompt=True)
+        minus render(history + [assistant])                  what the new messages add, and before it
+    render(history + [assistant]) minus render(history, add_generation_prompt=True) minus the sampled text
+                                                             the template's close of the assistant turn
+
+encoded on its own. The second part matters: ChatML renders "<|im_end|>\\n" after an assistant message, the
+policy stops at "<|im_end|>", and the "\\n" belongs to no one unless it is put here (the newline peers lost at
+every tool boundary). A turn cut at its token limit is closed the same way. Where the template is not
+append-only (it re-renders earlier turns differently, as Qwen3 strips earlier `<think>` blocks), the trajectory
+keeps its own history: the earlier turns stay as sampled, only the new suffix is taken from the template, and
+`env/template_mismatch` counts the turns where a fresh render of the conversation would differ.
+
+Re-prefill: a trajectory gives up its slot (and KV cache) while its environment runs, and its next turn is a
+new request whose prompt is the whole trajectory so far. Holding the slot would block other samples for as long
+as a tool runs (seconds, against milliseconds of decode); re-prefilling costs one batched prefill of the prefix,
+which the engine shares with the other prompts admitted in the same step. Keeping KV across turns (prefix
+caching) is left for the vLLM backend.
+
+Seeds: turn k of row r samples with `turn_seed(row_seed(r), k)`, so a trajectory depends only on its row, the
+weights and the environment: a deterministic environment regenerates it exactly (how exact resume treats
+trajectories in flight at a checkpoint: they are regenerated).
+
+Limits (env.*): max_turns, max_tool_calls, max_response_tokens over the whole trajectory (sampled and
+observation tokens), rollout.max_new_tokens per turn (a turn cut there still goes to the environment, whose
+parser sees what was written, and the template closes it), call_timeout_s per environment call. A trajectory
+that runs out ends truncated (`env/truncated`); an environment that raises ends its trajectory as failed
+(env_failed = 1: the reward stage drops its group or scores it 0, per reward.on_error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dockrl.dock.api import DockAPI
+from dockrl.dock.columns import (
+    ENV_FAILED,
+    ENV_REWARD,
+    ENV_ROW,
+    LOSS_MASK,
+    POLICY_VERSION,
+    PROMPT_IDS,
+    RESPONSE_IDS,
+    ROLLOUT_LOGPROBS,
+)
+from dockrl.dock.errors import DockTimeoutError
+from dockrl.dock.stages import Stage
+from dockrl.engines.rollout.backend import RolloutBackend
+from dockrl.engines.rollout.rollout_engine import Request
+from dockrl.engines.rollout.sampling import SamplingParams
+from dockrl.envs.base import Environment, Message, Observation, check_messages
+
+ENV_METRICS = ("turns", "tool_calls", "tool_errors", "timeouts", "truncated", "template_mismatch")
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    """How far a trajectory may go (module docstring)."""
+
+    max_turns: int
+    max_tool_calls: int
+    max_response_tokens: int
+    call_timeout_s: float
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of turn `turn` (0-based) of a trajectory whose row seed is `seed`."""
+    return seed if turn == 0 else (seed * 1_000_033 + turn * 104_729) % (2**63 - 1)
+
+
+class ChatDelta:
+    """Observation tokens as the chat template's delta (module docstring). `tokenizer` has
+    apply_chat_template(messages, add_generation_prompt=..., tools=...), encode(text) and decode(ids,
+    skip_special_tokens=...)."""
+
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]]):
+        self.tokenizer, self.tools = tokenizer, tools or None
+
+    def render(self, messages: list[Message], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tools=self.tools
+        )
+
+    def observation(
+        self, history: list[Message], assistant: str, sampled_text: str, new: list[Message]
+    ) -> tuple[list[int], bool]:
+        """(tokens that follow the sampled ones: the close of the assistant turn, the new messages and the
+        next generation prompt; whether the template was append-only here)."""
+        before = self.render(history, True)
+        closed = self.render([*history, {"role": "assistant", "content": assistant}], False)
+        after = self.render([*history, {"role": "assistant", "content": assistant}, *new], True)
+        turn = closed[len(before) :] if closed.startswith(before) else None
+        append_only = turn is not None and turn.startswith(sampled_text) and after.startswith(closed)
+        if append_only:
+            assert turn is not None
+            text = turn[len(sampled_text) :] + after[len(closed) :]
+        else:  # keep the trajectory's own history: the close as the template ends a turn, then the new part
+            text = _turn_close(turn or closed, assistant) + self._new_part(history, assistant, new)
+        return self.tokenizer.encode(text), append_only
+
+    def _new_part(self, history: list[Message], assistant: str, new: list[Message]) -> str:
+        """What `new` adds after the assistant turn, rendered after that turn alone (no earlier history)."""
+        alone = [{"role": "assistant", "content": assistant}]
+        closed = self.render(alone, False)
+        after = self.render([*alone, *new], True)
+        return after[len(closed) :] if after.startswith(closed) else after
+
+
+def _turn_close(rendered_turn: str, assistant: str) -> str:
+    """What the template writes after the assistant's content in its rendered turn."""
+    at = rendered_turn.rfind(assistant) if assistant else -1
+    return rendered_turn[at + len(assistant) :] if at >= 0 else ""
+
+
+@dataclass
+class _Trajectory:
+    row: int
+    seed: int
+    prompt: list[int]
+    env: Environment
+    history: list[Message]
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[float] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ENV_METRICS, 0))
+    reward: float | None = None
+    failed: str | None = None
+    pending_text: str = ""  # the last assistant message, while its environment call runs
+    turn_start: int = 0  # where the last turn's sampled tokens start in `ids`
+
+
+def serve_multi_turn(
+    engine: RolloutBackend,
+    client: DockAPI,
+    *,
+    consumer: Stage,
+    params: SamplingParams,
+    group_size: int,
+    groups_per_pull: int,
+    row_seed: Callable[[int], int],
+    make_env: Callable[[], Environment],
+    delta: ChatDelta,
+    system_prompt: str | None,
+    limits: TurnLimits,
+    num_workers: int,
+    version: int | None = None,
+) -> dict[str, Any]:
+    """Generate a trajectory for every row `consumer` gets from the dock (module docstring); returns lengths,
+    the summed env counters (ENV_METRICS), env_s (seconds of environment calls) and the engine's stats."""
+    exhausted = False
+    live: dict[int, _Trajectory] = {}
+    pending: dict[Future, tuple[_Trajectory, float]] = {}
+    lengths: list[int] = []
+    totals = dict.fromkeys(ENV_METRICS, 0)
+    totals["trajectories"] = totals["with_tool_calls"] = totals["failed"] = 0
+    env_s = 0.0
+    pool = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="dockrl-env")
+
+    def submit_turn(traj: _Trajectory) -> None:
+        budget = limits.max_response_tokens - len(traj.ids)
+        turn_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, budget))
+        seed = turn_seed(traj.seed, traj.counts["turns"])
+        engine.add(Request(traj.prompt + traj.ids, [seed], turn_params, tag=[traj.row]))
+
+    def finish(traj: _Trajectory, truncated: bool = False) -> None:
+        traj.counts["truncated"] += int(truncated)
+        live.pop(traj.row, None)
+        ids = torch.tensor(traj.ids, dtype=torch.int64)
+        batch: dict[str, list] = {
+            RESPONSE_IDS: [ids],
+            ROLLOUT_LOGPROBS: [torch.tensor(traj.logprobs, dtype=torch.float32)],
+            LOSS_MASK: [torch.tensor(traj.mask, dtype=torch.float32)],
+            ENV_REWARD: [math.nan if traj.reward is None else float(traj.reward)],
+            ENV_FAILED: [float(traj.failed is not None)],
+        }
+        if version is not None:
+            batch[POLICY_VERSION] = [torch.full((len(ids),), version, dtype=torch.int64)]
+        client.put(consumer, [traj.row], batch)
+        lengths.append(len(ids))
+        for key in ENV_METRICS:
+            totals[key] += traj.counts[key]
+        totals["trajectories"] += 1
+        totals["with_tool_calls"] += int(traj.counts["tool_calls"] > 0)
+        totals["failed"] += int(traj.failed is not None)
+
+    def observed(traj: _Trajectory, obs: Observation) -> None:
+        """An environment's answer to the trajectory's last assistant message."""
+        for key in ("tool_calls", "tool_errors", "timeouts"):
+            traj.counts[key] += int(obs.info.get(key, 0))
+        if obs.done:
+            traj.reward = obs.reward
+            finish(traj)
+            return
+        if traj.counts["turns"] >= limits.max_turns or traj.counts["tool_calls"] > limits.max_tool_calls:
+            traj.reward = obs.reward
+            finish(traj, truncated=True)
+            return
+        new = check_messages(obs.as_messages(), "environment step")
+        assistant = traj.pending_text
+        sampled_text = delta.tokenizer.decode(traj.ids[traj.turn_start :], skip_special_tokens=False)
+        obs_ids, append_only = delta.observation(traj.history, assistant, sampled_text, new)
+        traj.counts["template_mismatch"] += int(not append_only)
+        if len(traj.ids) + len(obs_ids) >= limits.max_response_tokens:  # no room left for another turn
+            finish(traj, truncated=True)
+            return
+        traj.ids += obs_ids
+        traj.logprobs += [0.0] * len(obs_ids)
+        traj.mask += [0.0] * len(obs_ids)
+        traj.history += [{"role": "assistant", "content": assistant}, *new]
+        submit_turn(traj)
+
+    try:
+        while True:
+            while not exhausted and engine.num_free_slots() >= group_size:
+                num_groups = min(groups_per_pull, engine.num_free_slots() // group_size)
+                status, got = _pull(client, consumer, num_groups * group_size, group_size, busy=bool(live))
+                if status == "done":
+                    exhausted = True
+                if got is None:
+                    break
+                rows, batch = got
+                for row, prompt, env_row in zip(rows, batch[PROMPT_IDS], batch[ENV_ROW]):
+                    traj = _start(row, row_seed(row), prompt, env_row, make_env, system_prompt)
+                    live[row] = traj
+                    if traj.failed is not None:  # one masked stop token: every row has a response
+                        traj.ids, traj.logprobs, traj.mask = [params.stop_token_ids[0]], [0.0], [0.0]
+                        finish(traj)
+                    else:
+                        submit_turn(traj)
+            if engine.has_work():
+                for completion in engine.step():
+                    traj = live[completion.tag[completion.sample]]
+                    gen = completion.generation
+                    traj.turn_start = len(traj.ids)
+                    traj.ids += gen.token_ids.tolist()
+                    traj.logprobs += gen.logprobs.tolist()
+                    traj.mask += [1.0] * len(gen.token_ids)
+                    traj.counts["turns"] += 1
+                    if len(traj.ids) >= limits.max_response_tokens:  # no room for an observation
+                        finish(traj, truncated=True)
+                        continue
+                    # A turn cut at rollout.max_new_tokens still goes to the environment as it is (a call
+                    # it holds is parsed; the template closes the turn in the observation tokens).
+                    text = delta.tokenizer.decode(
+                        _without_stop(gen.token_ids.tolist(), params.stop_token_ids),
+                        skip_special_tokens=False,
+                    )
+                    traj.pending_text = text
+                    pending[pool.submit(traj.env.step, text)] = (traj, time.perf_counter())
+            elif not pending:
+                if exhausted:
+                    break
+                continue  # nothing running: the next pull blocks until rows arrive
+            env_s += _collect(pending, observed, finish, limits.call_timeout_s, block=not engine.has_work())
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return {
+        "response_lengths": lengths,
+        "truncated": totals["truncated"],
+        "env": {**totals, "env_s": env_s},
+        "interrupted": [],
+        "continued": 0,
+        **engine.stats,
+    }
+
+
+def _start(
+    row: int,
+    seed: int,
+    prompt: Any,
+    env_row: dict[str, Any],
+    make_env: Callable[[], Environment],
+    system_prompt: str | None,
+) -> _Trajectory:
+    """A trajectory for `row`: a fresh environment reset with the dataset row (as the driver rendered it)."""
+    env = make_env()
+    ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+    traj = _Trajectory(row, seed, ids, env, [])
+    try:
+        first = check_messages(env.reset(dict(env_row)).as_messages(), "environment reset")
+    except Exception as exc:  # a user environment's failure drops its group, never the run
+        traj.failed = f"{type(exc).__name__}: {exc}"
+        return traj
+    traj.history = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + first
+    return traj
+
+
+def _collect(
+    pending: dict[Future, tuple[_Trajectory, float]],
+    observed: Callable[[_Trajectory, Observation], None],
+    finish: Callable[..., None],
+    timeout_s: float,
+    *,
+    block: bool,
+) -> float:
+    """Hand finished environment calls to `observed` (a call that raised or ran past `timeout_s` ends its
+    trajectory); waits for the first one when `block` (nothing else to do). Returns their seconds."""
+    if not pending:
+        return 0.0
+    if block:
+        oldest = min(started for _, started in pending.values())
+        wait(
+            list(pending),
+            timeout=max(0.0, oldest + timeout_s - time.perf_counter()),
+            return_when=FIRST_COMPLETED,
+        )
+    spent, now = 0.0, time.perf_counter()
+    for future in list(pending):
+        traj, started = pending[future]
+        if future.done():
+            del pending[future]
+            spent += now - started
+            error = future.exception()
+            if error is not None:
+                traj.failed = f"{type(error).__name__}: {error}"
+                finish(traj)
+            else:
+                try:
+                    observed(traj, future.result())
+                except ValueError as exc:  # the environment answered something that is not messages
+                    traj.failed = str(exc)
+                    finish(traj)
+        elif now - started > timeout_s:  # the call runs on in its thread; its trajectory ends here
+            del pending[future]
+            spent += now - started
+            traj.counts["timeouts"] += 1
+            finish(traj, truncated=True)
+    return spent
+
+
+def final_turn(ids: Any, mask: Any) -> list[int]:
+    """The tokens of a trajectory's last policy turn: the last run of loss_mask 1 (what reward functions read
+    as the final answer)."""
+    ids, mask = list(map(int, ids)), [float(m) for m in mask]
+    end = len(mask)
+    while end > 0 and mask[end - 1] == 0:
+        end -= 1
+    start = end
+    while start > 0 and mask[start - 1] > 0:
+        start -= 1
+    return ids[start:end]
+
+
+def _without_stop(ids: list[int], stop_token_ids: list[int]) -> list[int]:
+    """The sampled tokens without a final stop token (the message the environment reads)."""
+    return ids[:-1] if ids and ids[-1] in stop_token_ids else ids
+
+
+def _pull(
+    client: DockAPI, consumer: Stage, count: int, group_size: int, busy: bool
+) -> tuple[str, tuple[list[int], dict[str, list]] | None]:
+    """("rows", got), ("done", None) once every row was served, or ("later", None) when a busy loop's poll
+    found nothing ready yet."""
+    try:
+        got = client.get(
+            consumer,
+            [PROMPT_IDS, ENV_ROW],
+            count,
+            whole_groups=True,
+            min_count=group_size,
+            timeout_s=0.0 if busy else None,
+        )
+    except DockTimeoutError:
+        if busy:
+            return "later", None
+        raise
+    return ("done", None) if got is None else ("rows", got)

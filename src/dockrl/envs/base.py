@@ -1,0 +1,73 @@
+"""The environment interface of multi-turn rollout (docs/multiturn.md).
+
+An environment plays the other side of one trajectory: `reset(row)` gives the first turn from the dataset row,
+then every assistant message the policy samples goes to `step(message)`, which answers with an Observation:
+
+    reset(row)  -> Observation(messages=[{"role": "user", "content": ...}])      the first turn
+    step(text)  -> Observation(messages=[{"role": "tool", "content": ...}, ...],  what the model sees next
+                               reward=None, done=False, info={...})
+    step(text)  -> Observation(done=True, reward=1.0)                             the trajectory ends
+
+One instance serves one trajectory (a fresh one per row), built as `cls(**env.kwargs)`; `step` runs in a thread
+pool beside the engine, so a slow environment holds up only its own trajectory. An environment that raises
+drops its group under `reward.on_error`; one that returns non-messages is an error naming the environment.
+For exact resume an environment must be deterministic given its row (and its own seed, if it draws any).
+
+`tools`: JSON schemas (OpenAI function format) the chat template renders into the prompt (`tools=`), so the
+model knows what it may call; the built-in ToolEnvironment fills them from its tools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+Message = dict[str, Any]  # {"role": "user" | "tool" | "assistant" | "system", "content": str}
+
+
+@dataclass
+class Observation:
+    """What the environment answers: messages the model sees next (or plain text: one user message), the
+    reward when it has one (the final reward of the trajectory when `done`), whether the trajectory ends, and
+    counters for metrics (`info["tool_calls"]`, `info["tool_errors"]`, `info["timeouts"]`)."""
+
+    messages: list[Message] | str = field(default_factory=list)
+    reward: float | None = None
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def as_messages(self) -> list[Message]:
+        """`messages`, with plain text as one user message."""
+        if isinstance(self.messages, str):
+            return [{"role": "user", "content": self.messages}]
+        return list(self.messages)
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """A multi-turn environment (see the module docstring)."""
+
+    tools: list[dict[str, Any]]
+
+    def reset(self, row: dict[str, Any]) -> Observation:
+        """The first turn, from the dataset row ({"prompt": text, "label": ground truth, ...})."""
+        ...
+
+    def step(self, message: str) -> Observation:
+        """Answer the policy's assistant message (its decoded text, special tokens removed)."""
+        ...
+
+
+def check_messages(messages: Any, where: str) -> list[Message]:
+    """`messages` as a list of {"role", "content"} dicts; ValueError naming `where` otherwise."""
+    if isinstance(messages, str):
+        return [{"role": "user", "content": messages}]
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        raise ValueError(
+            f"{where} returned messages {str(messages)[:120]!r}: expected a string or a list of "
+            '{"role": ..., "content": str} dicts'
+        )
+    return messages

@@ -1,0 +1,78 @@
+"""`env.name` -> a factory of fresh environments (one per trajectory).
+
+    tools                       the built-in ToolEnvironment (env.kwargs: {tools: [calculator, python]})
+    package.module:Class        an importable class
+    path/to/file.py:Class       a file's class; its source is read when the config is loaded and shipped
+                                (env.code), so it need not exist on the rollout nodes
+
+A class is built as `Class(**env.kwargs)`; where its constructor takes `family` or `call_timeout_s` (a
+ToolEnvironment subclass does), the rollout passes the model family and env.call_timeout_s too.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from dockrl.envs.base import Environment
+from dockrl.envs.tool_env import ToolEnvironment
+from dockrl.user_code import attr_from_code, import_attr
+
+BUILTIN_ENVS: dict[str, type] = {"tools": ToolEnvironment}
+
+
+def env_class(name: str, code: str | None = None, origin: str | None = None) -> type:
+    """The class `name` names (module docstring); ValueError naming what is wrong."""
+    if code is not None:
+        cls = attr_from_code(name, code, origin or name.rpartition(":")[0], "environment")
+    elif ":" in name:
+        cls = import_attr(name, "environment")
+    elif name in BUILTIN_ENVS:
+        cls = BUILTIN_ENVS[name]
+    else:
+        raise ValueError(
+            f"unknown environment {name!r}; built-ins are {sorted(BUILTIN_ENVS)}, or name a class as "
+            "'package.module:Class' or 'path/to/file.py:Class'"
+        )
+    if not inspect.isclass(cls) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
+        raise ValueError(f"environment {name!r} is not a class with reset(row) and step(message) methods")
+    return cls
+
+
+def env_factory(
+    name: str,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    code: str | None = None,
+    origin: str | None = None,
+    family: str = "qwen2",
+    call_timeout_s: float = 10.0,
+) -> Callable[[], Environment]:
+    """A callable that builds a fresh environment; builds one now, so bad kwargs fail here, naming them."""
+    cls = env_class(name, code, origin)
+    arguments = dict(kwargs or {})
+    accepted = inspect.signature(cls).parameters
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    for key, value in (("family", family), ("call_timeout_s", call_timeout_s)):
+        if key in accepted or takes_all:
+            arguments.setdefault(key, value)
+
+    def make() -> Environment:
+        env = cls(**arguments)
+        if not isinstance(getattr(env, "tools", []), list):
+            raise ValueError(f"environment {name!r}: `tools` must be a list of JSON schemas")
+        return env
+
+    try:
+        make()
+    except TypeError as exc:
+        raise ValueError(
+            f"environment {name!r} cannot be built as {cls.__name__}(**{kwargs}): {exc}"
+        ) from exc
+    return make
+
+
+def env_tools(env: Environment) -> list[dict[str, Any]]:
+    """The JSON schemas an environment's tools declare ([] when it has none)."""
+    return list(getattr(env, "tools", None) or [])

@@ -1,0 +1,77 @@
+"""ToolEnvironment: the built-in environment of `env.name=tools`, and the base class of tool-using user
+environments.
+
+    reset(row)    the dataset prompt as the first user turn
+    step(text)    the tool calls in the assistant message (parsed in the model family's format) run, each
+                  answered by a tool message; a block that is not a valid call, an unknown tool or a tool
+                  error is answered with "Error: ..." (counted in info["tool_errors"]), a call past its time
+                  with "Error: ... stopped" (info["timeouts"]); a message without a call ends the trajectory
+                  (done, no reward of its own: reward functions score the final answer)
+
+A user environment may subclass it and override `reward(message)` (the final reward when the trajectory
+ends, None by default) or `reset`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dockrl.envs.base import Message, Observation
+from dockrl.envs.tool_calls import parse_tool_calls
+from dockrl.envs.tools import Tool, ToolError, ToolTimeout, build_tools
+
+
+class ToolEnvironment:
+    """Tools by name (`tools`: built-ins, see envs.tools.BUILTIN_TOOLS); `family` picks the tool-call format
+    and `call_timeout_s` limits each call (both set by the rollout from the model and env.call_timeout_s)."""
+
+    def __init__(
+        self,
+        tools: list[str] | tuple[str, ...] = ("calculator",),
+        *,
+        family: str = "qwen2",
+        call_timeout_s: float = 10.0,
+        tool_objects: list[Tool] | None = None,
+    ):
+        self.tool_objects = tool_objects if tool_objects is not None else build_tools(list(tools))
+        self.by_name = {tool.name: tool for tool in self.tool_objects}
+        self.tools = [tool.schema for tool in self.tool_objects]
+        self.family, self.call_timeout_s = family, call_timeout_s
+        self.row: dict[str, Any] = {}
+
+    def reset(self, row: dict[str, Any]) -> Observation:
+        """The dataset prompt as the first user message."""
+        self.row = row
+        return Observation(messages=[{"role": "user", "content": str(row["prompt"])}])
+
+    def reward(self, message: str) -> float | None:
+        """The trajectory's final reward given its last assistant message; None: reward functions score it."""
+        return None
+
+    def step(self, message: str) -> Observation:
+        """Run the message's tool calls; a message without one ends the trajectory."""
+        parsed = parse_tool_calls(message, self.family)
+        if not parsed.calls and not parsed.errors:
+            return Observation(done=True, reward=self.reward(message))
+        answers: list[Message] = [_tool_message(f"Error: {error}") for error in parsed.errors]
+        info = {"tool_calls": len(parsed.calls) + len(parsed.errors), "tool_errors": len(parsed.errors)}
+        info["timeouts"] = 0
+        for call in parsed.calls:
+            tool = self.by_name.get(call.name)
+            if tool is None:
+                answers.append(_tool_message(f"Error: no tool {call.name!r}; tools: {sorted(self.by_name)}"))
+                info["tool_errors"] += 1
+                continue
+            try:
+                answers.append(_tool_message(tool.run(call.arguments, self.call_timeout_s)))
+            except ToolTimeout as exc:
+                answers.append(_tool_message(f"Error: {exc}"))
+                info["timeouts"] += 1
+            except ToolError as exc:
+                answers.append(_tool_message(f"Error: {exc}"))
+                info["tool_errors"] += 1
+        return Observation(messages=answers, info=info)
+
+
+def _tool_message(content: str) -> Message:
+    return {"role": "tool", "content": content}
