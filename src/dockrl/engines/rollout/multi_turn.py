@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -113,21 +114,19 @@ class ChatDelta:
         before = self.render(history, True)
         closed = self.render([*history, {"role": "assistant", "content": assistant}], False)
         after = self.render([*history, {"role": "assistant", "content": assistant}, *new], True)
-        turn = closed[len(before) :] if closed.startswith(before) else None
-        append_only = turn is not None and turn.startswith(sampled_text) and after.startswith(closed)
-        if append_only:
-            assert turn is not None
-            text = turn[len(sampled_text) :] + after[len(closed) :]
-        else:  # keep the trajectory's own history: the close as the template ends a turn, then the new part
-            text = _turn_close(turn or closed, assistant) + self._new_part(history, assistant, new)
-        return self.tokenizer.encode(text), append_only
-
-    def _new_part(self, history: list[Message], assistant: str, new: list[Message]) -> str:
-        """What `new` adds after the assistant turn, rendered after that turn alone (no earlier history)."""
-        alone = [{"role": "assistant", "content": assistant}]
-        closed = self.render(alone, False)
-        after = self.render([*alone, *new], True)
-        return after[len(closed) :] if after.startswith(closed) else after
+        prefixed = closed.startswith(before)
+        turn = closed[len(before) :] if prefixed else closed
+        content_close = _turn_close(turn, assistant)  # what the template writes after the content
+        sampled_whole = turn.startswith(sampled_text)
+        close = turn[len(sampled_text) :] if sampled_whole else content_close
+        if after.startswith(closed):
+            return self.tokenizer.encode(close + after[len(closed) :]), prefixed and sampled_whole
+        # Not append-only: `after` re-rendered earlier turns. The new messages start after the assistant
+        # turn's close, past the point where the two renders part.
+        common = len(os.path.commonprefix([closed, after]))
+        at = after.find(content_close, common) if content_close else -1
+        new_part = after[at + len(content_close) :] if at >= 0 else after[common:]
+        return self.tokenizer.encode(close + new_part), False
 
 
 def _turn_close(rendered_turn: str, assistant: str) -> str:

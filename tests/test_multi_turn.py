@@ -1,0 +1,369 @@
+"""Multi-turn rollout: tool-call parsing, the built-in tools and their sandbox, observation tokens as the chat
+template's delta, and serve_multi_turn through a fake dock (token in, token out; masks; limits; failures)."""
+
+import copy
+import math
+import os
+import time
+
+import pytest
+import torch
+
+from dockrl.dock.errors import DockTimeoutError
+from dockrl.engines.rollout.multi_turn import ChatDelta, TurnLimits, final_turn, serve_multi_turn
+from dockrl.engines.rollout.rollout_engine import RolloutEngine
+from dockrl.engines.rollout.sampling import SamplingParams
+from dockrl.envs.base import Observation
+from dockrl.envs.tool_calls import parse_tool_calls
+from dockrl.envs.tool_env import ToolEnvironment
+from dockrl.envs.tools import Calculator, Python, ToolError, ToolTimeout
+from dockrl.models.hf import load_model
+from dockrl.models.tokenizer import Tokenizer
+
+GROUP = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_torch_thread():
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+# ---- tool calls and tools ------------------------------------------------------------------------------------
+
+
+def test_qwen_tool_calls_parse_and_malformed_ones_are_errors():
+    text = (
+        'Let me compute.<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>'
+        '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
+    )
+    parsed = parse_tool_calls(text, "qwen2")
+    assert [(c.name, c.arguments) for c in parsed.calls] == [
+        ("calculator", {"expression": "12*34"}),
+        ("python", {"code": "print(1)"}),  # arguments given as a JSON string
+    ]
+    assert parsed.errors == []
+    assert parse_tool_calls("The answer is 408.", "qwen3").calls == []
+    bad = parse_tool_calls(
+        '<tool_call>{"name": calculator}</tool_call><tool_call>{"arguments": {}}</tool_call>', "qwen2"
+    )
+    assert bad.calls == [] and len(bad.errors) == 2 and "not valid JSON" in bad.errors[0]
+    assert "not closed" in parse_tool_calls('<tool_call>{"name": "x"', "qwen2").errors[0]
+
+
+def test_llama_tool_calls_parse():
+    parsed = parse_tool_calls(
+        '<|python_tag|>{"name": "calculator", "parameters": {"expression": "2+2"}}', "llama"
+    )
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("calculator", {"expression": "2+2"})]
+    two = parse_tool_calls(
+        '{"name": "a", "parameters": {"s": "x;y"}}; {"name": "b", "parameters": {}}', "llama"
+    )
+    assert [c.name for c in two.calls] == ["a", "b"] and two.calls[0].arguments == {"s": "x;y"}
+    assert parse_tool_calls("Just text.", "llama").calls == []
+    assert parse_tool_calls("<|python_tag|>print(1)", "llama").errors
+
+
+def test_calculator_is_exact_and_refuses_what_is_not_arithmetic():
+    calc = Calculator()
+    assert calc.run({"expression": "123*456"}) == "56088"
+    assert calc.run({"expression": "(7+8)/3"}) == "5"
+    assert calc.run({"expression": "1/4"}) == "0.25"
+    assert calc.run({"expression": "987654321*123456789"}) == str(987654321 * 123456789)
+    for expression, message in [
+        ("__import__('os')", "unsupported"),
+        ("1/0", "division by zero"),
+        ("2**100000", "exponents"),
+        ("1+", "cannot parse"),
+    ]:
+        with pytest.raises(ToolError, match=message):
+            calc.run({"expression": expression})
+
+
+def test_python_tool_runs_code_without_network_within_limits(tmp_path):
+    tool = Python(cpu_s=5, memory_mb=256)
+    assert tool.run({"code": "print(sum(range(10)))"}, timeout_s=30).strip() == "45"
+    refused = tool.run(
+        {"code": "import socket\ntry:\n    socket.socket()\nexcept OSError as e:\n    print(e)"}, 30
+    )
+    assert "network access is disabled" in refused
+    memory = tool.run({"code": "x = bytearray(1024 ** 3)"}, timeout_s=30)
+    assert "MemoryError" in memory
+    # Past the wall-clock limit the whole process group dies: a child it forked too.
+    pid_file = tmp_path / "child.pid"
+    code = (
+        "import os, time\n"
+        "pid = os.fork()\n"
+        f"if pid == 0:\n    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "time.sleep(60)\n"
+    )
+    with pytest.raises(ToolTimeout):
+        tool.run({"code": code}, timeout_s=2)
+    child = int(pid_file.read_text())
+    for _ in range(100):  # the kill is delivered at once; reaping by init may take a moment
+        if not _alive(child):
+            break
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+def test_tool_environment_answers_calls_and_errors():
+    env = ToolEnvironment(["calculator"], family="qwen2")
+    assert env.reset({"prompt": "What is 12*34?"}).as_messages() == [
+        {"role": "user", "content": "What is 12*34?"}
+    ]
+    obs = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>')
+    assert obs.as_messages() == [{"role": "tool", "content": "408"}] and not obs.done
+    assert obs.info == {"tool_calls": 1, "tool_errors": 0, "timeouts": 0}
+    obs = env.step('<tool_call>{"name": "search", "arguments": {}}</tool_call><tool_call>oops</tool_call>')
+    assert obs.info["tool_errors"] == 2 and all(m["content"].startswith("Error:") for m in obs.as_messages())
+    assert env.step("408").done
+
+
+# ---- observation tokens ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from dockrl.models.tiny import make_tiny
+
+    path = make_tiny(
+        tmp_path_factory.mktemp("mt") / "model", family="qwen2", hidden_size=64, num_layers=2, seed=0
+    )
+    return path, Tokenizer.from_dir(path)
+
+
+def test_observation_tokens_are_the_templates_delta_with_the_turn_close(tiny):
+    _, tokenizer = tiny
+    tools = [Calculator.schema]
+    delta = ChatDelta(tokenizer, tools)
+    history = [{"role": "user", "content": "What is 12*34?"}]
+    assistant = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
+    new = [{"role": "tool", "content": "408"}]
+    expected = "<|im_end|>\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    # Stopped at <|im_end|>: the observation starts with the newline the template writes after it.
+    ids, append_only = delta.observation(history, assistant, assistant + "<|im_end|>", new)
+    assert append_only and tokenizer.decode(ids, skip_special_tokens=False) == expected.removeprefix(
+        "<|im_end|>"
+    )
+    # Cut at the turn's token limit: the observation closes the turn first.
+    ids, _ = delta.observation(history, assistant, assistant, new)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == expected
+    # The prompt, the sampled turn and the observation decode to what a fresh render of the conversation gives.
+    prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tools=tools)
+    fresh = tokenizer.apply_chat_template(
+        [*history, {"role": "assistant", "content": assistant}, *new], tools=tools
+    )
+    assert prompt + assistant + expected == fresh
+
+
+def test_a_template_that_rewrites_history_is_flagged_and_the_trajectory_keeps_its_own(tiny):
+    """A Qwen3-like template that drops earlier <think> blocks is not append-only: the turn is still closed and
+    the new messages rendered, and the mismatch is reported."""
+    _, tokenizer = tiny
+    stripping = (
+        "{% for m in messages %}{% set c = m['content'] %}"
+        "{% if m['role'] == 'assistant' and not loop.last %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+        "{{ '<|im_start|>' + ('user' if m['role'] == 'tool' else m['role']) + '\\n' + c + '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    other = copy.copy(tokenizer)
+    other.chat_template = stripping
+    delta = ChatDelta(other, [])
+    assistant = "<think>hmm</think>call"
+    ids, append_only = delta.observation(
+        [{"role": "user", "content": "q"}],
+        assistant,
+        assistant + "<|im_end|>",
+        [{"role": "tool", "content": "5"}],
+    )
+    assert not append_only
+    assert (
+        other.decode(ids, skip_special_tokens=False)
+        == "\n<|im_start|>user\n5<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_final_turn_is_the_last_run_of_policy_tokens():
+    assert final_turn([1, 2, 3, 4, 5, 6], [1, 1, 0, 0, 1, 1]) == [5, 6]
+    assert final_turn([1, 2, 3], [1, 0, 0]) == [1]
+    assert final_turn([7], [0]) == []
+
+
+# ---- serve_multi_turn ------------------------------------------------------------------------------------------
+
+
+class FakeDock:
+    """get/put of the rollout stage over whole groups, with env_row; stores what is put."""
+
+    def __init__(self, prompts: list[list[int]], rows: list[dict]):
+        self.rows = [
+            (g * GROUP + i, torch.tensor(p), r)
+            for g, (p, r) in enumerate(zip(prompts, rows))
+            for i in range(GROUP)
+        ]
+        self.served = 0
+        self.out: dict[int, dict] = {}
+
+    def get(self, consumer, columns, count, *, whole_groups, min_count, timeout_s=None):
+        assert columns == ["prompt_ids", "env_row"] and whole_groups and min_count == GROUP
+        if self.served == len(self.rows):
+            return None
+        taken = self.rows[self.served : self.served + count // GROUP * GROUP]
+        if not taken:
+            raise DockTimeoutError("nothing ready")
+        self.served += len(taken)
+        return [r for r, _, _ in taken], {
+            "prompt_ids": [p for _, p, _ in taken],
+            "env_row": [e for _, _, e in taken],
+        }
+
+    def put(self, producer, rows, batch):
+        for i, row in enumerate(rows):
+            assert row not in self.out
+            self.out[row] = {k: v[i] for k, v in batch.items()}
+
+
+class Scripted:
+    """Answers `turns - 1` assistant messages with a tool message, then ends with reward 1; records them."""
+
+    tools = [Calculator.schema]
+    seen: dict[str, list[str]] = {}
+
+    def __init__(self, turns: int = 3, fail_on: str | None = None, sleep_s: float = 0.0):
+        self.turns, self.fail_on, self.sleep_s, self.t = turns, fail_on, sleep_s, 0
+
+    def reset(self, row):
+        self.key = row["prompt"]
+        Scripted.seen.setdefault(self.key, [])
+        return Observation(messages=[{"role": "user", "content": row["prompt"]}])
+
+    def step(self, message):
+        self.t += 1
+        Scripted.seen[self.key].append(message)
+        if self.fail_on is not None and self.fail_on in self.key:
+            raise RuntimeError("the environment broke")
+        time.sleep(self.sleep_s)
+        if self.t >= self.turns:
+            return Observation(done=True, reward=1.0)
+        return Observation(messages=[{"role": "tool", "content": f"result {self.t}"}], info={"tool_calls": 1})
+
+
+def _serve(tiny, prompts, make_env, limits, max_new_tokens=6):
+    path, tokenizer = tiny
+    model = load_model(path).eval()
+    engine = RolloutEngine(model, num_slots=8, max_seq_len=512, pad_token_id=0, detokenize=tokenizer.decode)
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tools=Scripted.tools
+        )
+        for p in prompts
+    ]
+    dock = FakeDock([tokenizer.encode(t) for t in texts], [{"prompt": p, "label": None} for p in prompts])
+    sampled: dict[int, list] = {}
+    step = engine.step
+
+    def recording_step():
+        done = step()
+        for c in done:
+            sampled.setdefault(c.tag[c.sample], []).append(c.generation)
+        return done
+
+    engine.step = recording_step
+    eos = tokenizer.encode("<|im_end|>")
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, stop_token_ids=eos)
+    stats = serve_multi_turn(
+        engine,
+        dock,
+        consumer="rollout",
+        params=params,
+        group_size=GROUP,
+        groups_per_pull=2,
+        row_seed=lambda row: 1000 + row,
+        make_env=make_env,
+        delta=ChatDelta(tokenizer, Scripted.tools),
+        system_prompt=None,
+        limits=limits,
+        num_workers=3,
+        version=0,
+    )
+    return dock, sampled, stats, tokenizer
+
+
+LIMITS = TurnLimits(max_turns=4, max_tool_calls=8, max_response_tokens=200, call_timeout_s=30)
+
+
+def test_trajectories_are_the_sampled_tokens_and_the_template_delta(tiny):
+    prompts = ["What is 1+2?", "What is 9-4?", "What is 6+6?"]
+    Scripted.seen = {}
+    dock, sampled, stats, tokenizer = _serve(tiny, prompts, lambda: Scripted(turns=3), LIMITS)
+    assert sorted(dock.out) == list(range(len(prompts) * GROUP))
+    assert stats["env"]["turns"] == 3 * len(dock.out) and stats["env"]["truncated"] == 0
+    for row, out in dock.out.items():
+        ids, mask, logprobs = out["response_ids"].tolist(), out["loss_mask"].tolist(), out["rollout_logprobs"]
+        assert len(ids) == len(mask) == len(logprobs) == len(out["policy_version"])
+        assert out["env_reward"] == 1.0 and out["env_failed"] == 0.0
+        # Every turn's sampled tokens sit, in order, exactly where loss_mask is 1, with their log-probs.
+        runs, start = [], None
+        for i, m in enumerate([*mask, 0.0]):
+            if m == 1.0 and start is None:
+                start = i
+            elif m == 0.0 and start is not None:
+                runs.append((start, i))
+                start = None
+        turns = sampled[row]
+        assert len(runs) == len(turns) == 3
+        for (a, b), gen in zip(runs, turns):
+            assert ids[a:b] == gen.token_ids.tolist()
+            assert torch.equal(logprobs[a:b], gen.logprobs)
+        assert all(logprobs[i] == 0.0 for i, m in enumerate(mask) if m == 0.0)
+        # Decoded whole, the trajectory is the fresh render of its conversation (nothing dropped at a turn
+        # boundary): the environment saw each turn's message.
+        prompt_ids = dock.rows[row][1].tolist()
+        text = tokenizer.decode(prompt_ids + ids, skip_special_tokens=False)
+        messages = [{"role": "user", "content": dock.rows[row][2]["prompt"]}]
+        for t, gen in enumerate(turns):
+            body = gen.token_ids.tolist()
+            body = body[:-1] if body[-1] in tokenizer.encode("<|im_end|>") else body
+            messages.append(
+                {"role": "assistant", "content": tokenizer.decode(body, skip_special_tokens=False)}
+            )
+            if t < 2:
+                messages.append({"role": "tool", "content": f"result {t + 1}"})
+        fresh = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=Scripted.tools)
+        assert fresh.startswith(text) and fresh[len(text) :] in ("\n", "<|im_end|>\n")
+
+
+def test_a_trajectory_is_cut_at_its_limits(tiny):
+    Scripted.seen = {}
+    dock, _, stats, _ = _serve(tiny, ["What is 1+2?"], lambda: Scripted(turns=10), TurnLimits(2, 8, 200, 30))
+    assert stats["env"]["turns"] == 2 * GROUP and stats["env"]["truncated"] == GROUP
+    assert all(math.isnan(out["env_reward"]) for out in dock.out.values())
+    # The token budget: trajectories end when the next observation would not leave room for a turn.
+    dock, _, stats, _ = _serve(tiny, ["What is 1+2?"], lambda: Scripted(turns=10), TurnLimits(10, 8, 60, 30))
+    assert stats["env"]["truncated"] == GROUP and all(
+        len(out["response_ids"]) < 60 for out in dock.out.values()
+    )
+
+
+def test_a_failing_or_slow_environment_ends_its_trajectory_only(tiny):
+    Scripted.seen = {}
+    dock, _, stats, _ = _serve(
+        tiny, ["What is 1+2?", "broken 3+4"], lambda: Scripted(turns=2, fail_on="broken"), LIMITS
+    )
+    failed = {row for row, out in dock.out.items() if out["env_failed"] == 1.0}
+    assert failed == {2, 3} and stats["env"]["failed"] == 2
+    assert all(dock.out[row]["env_reward"] == 1.0 for row in (0, 1))
+    slow = TurnLimits(4, 8, 200, call_timeout_s=0.5)
+    dock, _, stats, _ = _serve(tiny, ["What is 1+2?"], lambda: Scripted(turns=3, sleep_s=3.0), slow)
+    assert stats["env"]["timeouts"] == GROUP and stats["env"]["truncated"] == GROUP
