@@ -3,7 +3,6 @@ template's delta, and serve_multi_turn through a fake dock (token in, token out;
 
 import copy
 import math
-import os
 import time
 
 import pytest
