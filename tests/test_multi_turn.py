@@ -366,3 +366,77 @@ def test_a_failing_or_slow_environment_ends_its_trajectory_only(tiny):
     slow = TurnLimits(4, 8, 200, call_timeout_s=0.5)
     dock, _, stats, _ = _serve(tiny, ["What is 1+2?"], lambda: Scripted(turns=3, sleep_s=3.0), slow)
     assert stats["env"]["timeouts"] == GROUP and stats["env"]["truncated"] == GROUP
+
+
+# ---- masks in the update ---------------------------------------------------------------------------------------
+
+
+def _masked_update(path: str, advantages: list[torch.Tensor], refs: list[torch.Tensor], batch: dict):
+    from dockrl.config.schema import AlgoConfig, OptimConfig
+    from dockrl.config.step_plan import loss_plan
+    from dockrl.engines.train.policy_update import policy_update
+    from dockrl.engines.train.train_engine import TrainEngine
+
+    torch.manual_seed(0)
+    engine = TrainEngine(path, device="cpu", precision="fp32", optim=OptimConfig(lr=1e-3, grad_clip=0.0))
+    rows = {**batch, "advantages": advantages, "ref_logprobs": refs}
+    from dockrl.engines.train.batch import make_micro_batch
+
+    with torch.no_grad():
+        mb = make_micro_batch(rows["prompt_ids"], rows["response_ids"], pad_token_id=0)
+        logp, entropy = (x.double() for x in engine.token_stats(mb, 1.0))
+    metrics = policy_update(
+        engine,
+        rows,
+        list(range(len(rows["prompt_ids"]))),
+        ["advantages", "ref_logprobs"],
+        loss_plan(AlgoConfig(name="grpo", kl_coef=0.1)),
+        temperature=1.0,
+        micro_batch_size=8,
+        pad_token_id=0,
+        world_size=1,
+    )
+    weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    return metrics, logp, entropy, mb, weights
+
+
+def test_observation_tokens_leave_the_loss_the_kl_the_entropy_and_the_normaliser(tiny):
+    """GRPO on-policy (ratio 1): pg_loss = -sum(A m) / sum(m), kl = sum(k3 m) / sum(m), entropy = sum(H m) /
+    sum(m) with m the loss mask, computed by hand in fp64 from the same forward; the update's fp32 sums differ
+    by at most n u sum|terms| / sum(m) (n terms, u = 2^-24). Changing advantages and reference log-probs where
+    m = 0 changes nothing, bit for bit."""
+    path, _ = tiny
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 200, (5,), generator=g), torch.randint(3, 200, (3,), generator=g)]
+    responses = [torch.randint(3, 200, (9,), generator=g), torch.randint(3, 200, (6,), generator=g)]
+    masks = [torch.tensor([1, 1, 1, 0, 0, 0, 1, 1, 1.0]), torch.tensor([1, 1, 0, 0, 1, 1.0])]
+    batch = {"prompt_ids": prompts, "response_ids": responses, "loss_mask": masks}
+    advantages = [torch.full((9,), 0.7), torch.full((6,), -1.3)]
+    refs = [torch.randn(9, generator=g) - 5, torch.randn(6, generator=g) - 5]
+    metrics, logp, entropy, mb, weights = _masked_update(str(path), advantages, refs, batch)
+    grid = torch.zeros_like(logp)
+    adv_grid, ref_grid = torch.zeros_like(logp), torch.zeros_like(logp)
+    for i, (start, length) in enumerate(zip(mb.starts, mb.lengths)):
+        grid[i, start : start + length] = masks[i].double()
+        adv_grid[i, start : start + length] = advantages[i].double()
+        ref_grid[i, start : start + length] = refs[i].double()
+    count = grid.sum()
+    d = ref_grid - logp
+    k3 = (d.exp() - d - 1) * grid
+    expected = {
+        "pg_loss": (-(adv_grid * grid).sum() / count, (adv_grid.abs() * grid).sum()),
+        "kl": (k3.sum() / count, k3.abs().sum()),
+        "entropy": ((entropy * grid).sum() / count, (entropy.abs() * grid).sum()),
+    }
+    n = int(grid.numel())
+    for key, (value, magnitude) in expected.items():
+        assert abs(metrics[key] - float(value)) <= n * 2.0**-24 * float(magnitude) / float(count), key
+    # What lies under a zero mask does not matter.
+    changed_adv = [a.clone() for a in advantages]
+    changed_ref = [r.clone() for r in refs]
+    for a, r, m in zip(changed_adv, changed_ref, masks):
+        a[m == 0] = 100.0
+        r[m == 0] = 3.0
+    again, _, _, _, weights_again = _masked_update(str(path), changed_adv, changed_ref, batch)
+    assert again == metrics
+    assert all(torch.equal(weights[k], weights_again[k]) for k in weights)

@@ -15,6 +15,7 @@ import warnings
 
 from dockrl.config.algo_checks import check_algorithm, check_dynamic_sampling
 from dockrl.config.checks import positive
+from dockrl.config.env_checks import check_env
 from dockrl.config.fields import config_error
 from dockrl.config.lora_checks import check_lora
 from dockrl.config.presets import LOSS_AGGS
@@ -139,6 +140,7 @@ def check_train(cfg: TrainConfig) -> None:
     check_data(cfg.data)
     _check_reward_model(cfg)
     _check_layouts(cfg)
+    check_env(cfg)
 
 
 def _check_resume(cfg: TrainConfig) -> None:

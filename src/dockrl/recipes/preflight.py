@@ -94,6 +94,7 @@ def preflight_train(cfg: TrainConfig) -> Resolved:
     _check_reward_functions(cfg)
     _check_dock_policy(cfg)
     check_model_dir(found.get("model.path", cfg.model.path), "model.path")
+    _check_environment(cfg, found.get("model.path", cfg.model.path))
     ref_path = found.get("model.ref_path", cfg.model.ref_path)
     if ref_path is not None:
         check_model_dir(ref_path, "model.ref_path")
@@ -238,6 +239,39 @@ def _check_reward_functions(cfg: TrainConfig) -> None:
             resolve_reward_fn(spec.name, spec.kwargs, spec.code, spec.source_file)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"reward.functions[{i}].name={spec.name!r}: {exc}") from exc
+
+
+def _check_environment(cfg: TrainConfig, model_path: str) -> None:
+    """env.name: the environment class loads and builds with env.kwargs here, not in the rollout; the model's
+    family has a tool-call format, and its tokenizer a chat template."""
+    if cfg.env.name is None:
+        return
+    from dockrl.envs.loader import env_factory
+    from dockrl.envs.tool_calls import FAMILY_FORMAT
+    from dockrl.models.hf import read_config
+    from dockrl.models.tokenizer import Tokenizer
+
+    family = read_config(model_path).family
+    if family not in FAMILY_FORMAT:
+        raise config_error(
+            "env.name",
+            cfg.env.name,
+            f"model family {family!r} has no tool-call format",
+            f"use {sorted(FAMILY_FORMAT)}",
+        )
+    if not cfg.data.use_chat_template or Tokenizer.from_dir(model_path).chat_template is None:
+        raise config_error(
+            "env.name",
+            cfg.env.name,
+            "multi-turn renders every observation with the tokenizer's chat template",
+            "use a tokenizer with a chat template and data.use_chat_template=true",
+        )
+    try:
+        env_factory(
+            cfg.env.name, cfg.env.kwargs, code=cfg.env.code, origin=cfg.env.source_file, family=family
+        )
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"env.name={cfg.env.name!r}: {exc}") from exc
 
 
 def _check_dock_policy(cfg: TrainConfig) -> None:

@@ -1,0 +1,50 @@
+"""The pure rules of multi-turn settings (env.*): numbers in range and the combinations multi-turn does not
+support, each refused by name before anything starts. Loading the environment itself (user code) is
+preflight's (recipes/preflight.py)."""
+
+from __future__ import annotations
+
+from dockrl.config.checks import positive
+from dockrl.config.fields import config_error
+from dockrl.config.presets import KL_REWARD_ESTIMATORS, WHITENED_ESTIMATORS
+from dockrl.config.schema import TrainConfig
+from dockrl.config.step_plan import estimator_of
+
+
+def check_env(cfg: TrainConfig) -> None:
+    """env.* in range, and no setting multi-turn cannot honour."""
+    env = cfg.env
+    if env.name is None:
+        return
+    for key, value in [
+        ("env.max_turns", env.max_turns),
+        ("env.num_workers", env.num_workers),
+        ("env.call_timeout_s", env.call_timeout_s),
+    ]:
+        positive(key, value)
+    positive("env.max_tool_calls", env.max_tool_calls, allow_zero=True)
+    if env.max_response_tokens is not None and env.max_response_tokens <= cfg.rollout.max_new_tokens:
+        raise config_error(
+            "env.max_response_tokens",
+            env.max_response_tokens,
+            f"leaves no room for an observation and a second turn after one of rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens} tokens",
+            "raise it (None: rollout.max_new_tokens x env.max_turns)",
+        )
+    estimator = estimator_of(cfg.algo)
+    # Whitening and KL-in-reward shape a value per token over the whole response, observation tokens too.
+    if estimator in WHITENED_ESTIMATORS or estimator in KL_REWARD_ESTIMATORS or cfg.algo.kl_in_reward:
+        raise config_error(
+            "algo.name",
+            cfg.algo.name,
+            "multi-turn (env.name) trains with group-baseline advantages (grpo, dapo, rloo, dr_grpo, gspo); "
+            "a critic, whitened advantages and KL in the reward are not masked to the policy's tokens yet",
+            "use algo.name=grpo (or dapo, rloo, dr_grpo, gspo), or unset env.name",
+        )
+    if cfg.rollout.partial:
+        raise config_error(
+            "rollout.partial",
+            True,
+            "partial rollout cuts responses at a token budget; a multi-turn trajectory is cut at its turns",
+            "remove rollout.partial (env.max_response_tokens bounds a trajectory)",
+        )
