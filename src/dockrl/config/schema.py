@@ -68,6 +68,11 @@ class DataConfig:
         512, "Prompts longer than this many tokens are skipped (counted in the log)."
     )
     shuffle: bool = setting(True, "Shuffle the training prompts each epoch (seeded by `run.seed`).")
+    tools: list[str] = setting(
+        [],
+        "dockrl sft on tool-use conversations: built-in tools (calculator, python) whose schemas the chat "
+        "template renders into each prompt, as env.name=tools does in `dockrl train`.",
+    )
 
 
 @dataclass

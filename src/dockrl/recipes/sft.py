@@ -19,7 +19,9 @@ from dockrl.algos.logprobs import token_logprobs
 from dockrl.config.loader import to_dict
 from dockrl.config.schema import ActorConfig, SFTConfig
 from dockrl.data.datasets import load_prompts, render_prompt
+from dockrl.engines.rollout.multi_turn import ChatDelta
 from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
+from dockrl.envs.tools import build_tools
 from dockrl.engines.train.train_engine import TrainEngine
 from dockrl.models.hf import save_model
 from dockrl.models.tokenizer import Tokenizer
@@ -28,28 +30,39 @@ from dockrl.observe.run_dir import RunDir
 log = logging.getLogger(__name__)
 
 
+Example = tuple[list[int], list[int], list[float] | None]  # prompt ids, response ids, loss mask (None: all)
+
+
 def build_examples(
     cfg: SFTConfig, tokenizer: Tokenizer, path: str, *, limit: int | None = None
-) -> tuple[list[tuple[list[int], list[int]]], dict[str, int]]:
-    """(prompt ids, answer ids + eos) per row of `path` (at most `limit` rows); rows whose prompt is longer
-    than data.max_prompt_len or whose prompt + answer is longer than run.max_len are skipped and counted."""
+) -> tuple[list[Example], dict[str, int]]:
+    """(prompt ids, answer ids + eos, mask) per row of `path` (at most `limit` rows); rows whose prompt is
+    longer than data.max_prompt_len or whose prompt + answer is longer than run.max_len are skipped and
+    counted. A row whose prompt is a conversation with assistant turns (tool use) is a multi-turn example:
+    every assistant turn is trained on, tool and user turns are not (`conversation_example`)."""
     d = cfg.data
     records = load_prompts(path, prompt_field=d.prompt_field, label_field=d.label_field, limit=limit)
     eos = tokenizer.eos_token_id
-    examples, skipped = [], {"prompt_len": 0, "max_len": 0}
+    tools = [tool.schema for tool in build_tools(d.tools)] if d.tools else None
+    examples: list[Example] = []
+    skipped = {"prompt_len": 0, "max_len": 0}
     for rec in records:
-        prompt = tokenizer.encode(
-            render_prompt(
-                rec, tokenizer, system_prompt=d.system_prompt, use_chat_template=d.use_chat_template
+        mask: list[float] | None = None
+        if isinstance(rec.prompt, list) and any(m.get("role") == "assistant" for m in rec.prompt):
+            prompt, answer, mask = conversation_example(tokenizer, rec.prompt, tools, d.system_prompt)
+        else:
+            prompt = tokenizer.encode(
+                render_prompt(
+                    rec, tokenizer, system_prompt=d.system_prompt, use_chat_template=d.use_chat_template
+                )
             )
-        )
-        answer = tokenizer.encode(str(rec.label)) + ([eos] if eos is not None else [])
+            answer = tokenizer.encode(str(rec.label)) + ([eos] if eos is not None else [])
         if len(prompt) > d.max_prompt_len:
             skipped["prompt_len"] += 1
         elif len(prompt) + len(answer) > cfg.run.max_len:
             skipped["max_len"] += 1
         else:
-            examples.append((prompt, answer))
+            examples.append((prompt, answer, mask))
     if not examples:
         raise ValueError(
             f"{path}: no example fits data.max_prompt_len={d.max_prompt_len} and run.max_len={cfg.run.max_len}"
@@ -62,6 +75,42 @@ def build_examples(
         if skipped[key]:
             log.warning("%s: skipped %d %s", path, skipped[key], what)
     return examples, skipped
+
+
+def conversation_example(
+    tokenizer: Tokenizer, messages: list[dict], tools: list[dict] | None, system_prompt: str | None
+) -> tuple[list[int], list[int], list[float]]:
+    """A conversation as the multi-turn rollout lays it out (engines.rollout.multi_turn): the prompt up to the
+    first assistant turn; then each assistant turn's tokens with the stop token (mask 1) and each observation
+    as the chat template's delta (mask 0). SFT and RL train on the same token layout."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    history = [dict(m) for m in messages[:first]]
+    if system_prompt and history[0]["role"] != "system":
+        history.insert(0, {"role": "system", "content": system_prompt})
+    delta = ChatDelta(tokenizer, tools or [])
+    prompt = tokenizer.encode(delta.render(history, True))
+    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    mask: list[float] = []
+    rest = messages[first:]
+    i = 0
+    while i < len(rest):
+        content = str(rest[i]["content"])
+        turn = tokenizer.encode(content) + stop
+        ids += turn
+        mask += [1.0] * len(turn)
+        new = []
+        i += 1
+        while i < len(rest) and rest[i]["role"] != "assistant":
+            new.append(dict(rest[i]))
+            i += 1
+        if new:
+            sampled = tokenizer.decode(turn, skip_special_tokens=False)
+            observation, _ = delta.observation(history, content, sampled, new)
+            ids += observation
+            mask += [0.0] * len(observation)
+        history += [{"role": "assistant", "content": content}, *new]
+    return prompt, ids, mask
 
 
 def sft(cfg: SFTConfig) -> dict[str, Any]:
@@ -128,13 +177,17 @@ def sft(cfg: SFTConfig) -> dict[str, Any]:
 
 def _micro_batches(engine: TrainEngine, batch, pad: int, actor: ActorConfig) -> list[MicroBatch]:
     """Micro-batches by actor.max_tokens_per_micro_batch (or actor.micro_batch_size rows with a budget of 0)."""
-    lengths = [len(prompt) + len(answer) for prompt, answer in batch]
+    lengths = [len(prompt) + len(answer) for prompt, answer, _ in batch]
     return [
         make_micro_batch(
             [torch.tensor(batch[i][0]) for i in idx],
             [torch.tensor(batch[i][1]) for i in idx],
             pad_token_id=pad,
             device=engine.device,
+            response_masks=[
+                torch.ones(len(batch[i][1])) if batch[i][2] is None else torch.tensor(batch[i][2])
+                for i in idx
+            ],
         )
         for idx in micro_batch_rows(lengths, actor.micro_batch_size, actor.max_tokens_per_micro_batch)
     ]
@@ -149,7 +202,7 @@ def _answer_nll_and_hits(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Te
 
 
 def _train_batch(engine: TrainEngine, batch, pad: int, actor: ActorConfig) -> dict[str, float]:
-    num_tokens = float(sum(len(a) for _, a in batch))
+    num_tokens = float(sum(_trained(a, m) for _, a, m in batch))
 
     def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         nll, hits = _answer_nll_and_hits(logits, mb)
@@ -163,13 +216,18 @@ def _train_batch(engine: TrainEngine, batch, pad: int, actor: ActorConfig) -> di
 def _evaluate(engine: TrainEngine, examples, pad: int, actor: ActorConfig) -> dict[str, float]:
     """Mean answer-token NLL and token accuracy (teacher forcing) over the held-out examples."""
     engine.model.eval()
-    num_tokens = float(sum(len(a) for _, a in examples))
+    num_tokens = float(sum(_trained(a, m) for _, a, m in examples))
     nll = hits = 0.0
     for mb in _micro_batches(engine, examples, pad, actor):
         mb_nll, mb_hits = _answer_nll_and_hits(engine.logits(mb).float(), mb)
         nll, hits = nll + mb_nll.item(), hits + mb_hits.item()
     engine.model.train()
     return {"eval/loss": nll / num_tokens, "eval/token_accuracy": hits / num_tokens}
+
+
+def _trained(answer: list[int], mask: list[float] | None) -> float:
+    """Tokens of an example the loss counts."""
+    return float(len(answer)) if mask is None else float(sum(mask))
 
 
 def _progress(cfg: SFTConfig, total: int):
