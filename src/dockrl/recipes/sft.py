@@ -21,8 +21,8 @@ from dockrl.config.schema import ActorConfig, SFTConfig
 from dockrl.data.datasets import load_prompts, render_prompt
 from dockrl.engines.rollout.multi_turn import ChatDelta
 from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
-from dockrl.envs.tools import build_tools
 from dockrl.engines.train.train_engine import TrainEngine
+from dockrl.envs.tools import build_tools
 from dockrl.models.hf import save_model
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.observe.run_dir import RunDir
