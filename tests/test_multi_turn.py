@@ -440,3 +440,26 @@ def test_observation_tokens_leave_the_loss_the_kl_the_entropy_and_the_normaliser
     again, _, _, _, weights_again = _masked_update(str(path), changed_adv, changed_ref, batch)
     assert again == metrics
     assert all(torch.equal(weights[k], weights_again[k]) for k in weights)
+
+
+def test_trajectories_repeat_exactly_with_a_deterministic_environment(tiny):
+    """Every turn's seed comes from the row's seed and the turn number, so serving the same rows again (what a
+    regenerated step does) gives the same tokens and masks, bit for bit, whatever order tools return in. The
+    log-probs are equal up to the rounding of batches composed differently (the forward's widest dot product,
+    192 = 3 x 64 terms, K u relative on log-probs of magnitude |logp|)."""
+    outs = []
+    for workers_sleep in (0.0, 0.01):  # another timing of the environment's answers
+        Scripted.seen = {}
+        dock, _, _, _ = _serve(
+            tiny,
+            ["What is 1+2?", "What is 9-4?"],
+            lambda s=workers_sleep: Scripted(turns=3, sleep_s=s),
+            LIMITS,
+        )
+        outs.append(dock.out)
+    assert outs[0].keys() == outs[1].keys()
+    for row in outs[0]:
+        for key in ("response_ids", "loss_mask"):
+            assert torch.equal(outs[0][row][key], outs[1][row][key]), (row, key)
+        a, b = outs[0][row]["rollout_logprobs"], outs[1][row]["rollout_logprobs"]
+        assert ((a - b).abs() <= 192 * 2.0**-24 * a.abs().clamp(min=1.0)).all(), row
