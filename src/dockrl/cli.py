@@ -148,7 +148,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dockrl.recipes.demo import run_demo
 
-    summary = run_demo(args.out, overrides=args.overrides, seed=args.seed)
+    summary = run_demo(args.out, overrides=args.overrides, seed=args.seed, task=args.task)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -303,6 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("demo", _cmd_demo, "make-tiny -> SFT warm start -> eval -> GRPO -> eval, prints both accuracies")
     p.add_argument("--out", default="runs/demo")
+    p.add_argument(
+        "--task",
+        choices=["arithmetic", "tools"],
+        default="arithmetic",
+        help="arithmetic (single-turn), or tools: three-digit multiplication with a calculator (multi-turn)",
+    )
     p.add_argument(
         "--seed", type=int, default=0, help="seeds the model's initialisation, the SFT order and the GRPO run"
     )

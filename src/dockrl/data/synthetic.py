@@ -104,6 +104,42 @@ def hedging_teacher_rows(rows: list[dict], *, error: float, samples: int, seed: 
     return out
 
 
+def tool_call_text(expression: str) -> str:
+    """A calculator call in the Qwen2.5 form (`envs.tool_calls`), as the tool teacher writes it."""
+    arguments = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    return f"<tool_call>{arguments}</tool_call>"
+
+
+def tool_teacher_rows(rows: list[dict], *, tool_rate: float, samples: int, seed: int = 0) -> list[dict]:
+    """SFT conversations of a teacher that, `samples` times per prompt, calls the calculator with probability
+    `tool_rate` (user question -> assistant tool call -> tool result -> assistant answer) and otherwise guesses
+    (the right leading digits, the rest made up: wrong). The student learns both habits; RL against the true
+    answer with the calculator environment then favours the tool, which held-out accuracy shows."""
+    if not 0 <= tool_rate <= 1 or samples < 1:
+        raise ValueError(f"tool_rate={tool_rate} must be in [0, 1] and samples={samples} >= 1")
+    rng = random.Random(seed)
+    out = []
+    for row in rows:
+        expression = row["prompt"].removeprefix("What is ").removesuffix("?")
+        for _ in range(samples):
+            user = {"role": "user", "content": row["prompt"]}
+            if rng.random() < tool_rate:
+                messages = [
+                    user,
+                    {"role": "assistant", "content": tool_call_text(expression)},
+                    {"role": "tool", "content": row["answer"]},
+                    {"role": "assistant", "content": row["answer"]},
+                ]
+            else:
+                keep = max(1, len(row["answer"]) // 2)
+                guess = row["answer"][:keep] + "".join(rng.choice("0123456789") for _ in row["answer"][keep:])
+                if guess == row["answer"]:
+                    guess = guess[:-1] + str((int(guess[-1]) + 1) % 10)
+                messages = [user, {"role": "assistant", "content": guess}]
+            out.append({"messages": messages, "answer": row["answer"]})
+    return out
+
+
 def write_jsonl(rows: Iterable[dict], path: str | Path) -> Path:
     """Write rows as JSON lines (UTF-8, parent folders created); returns the path."""
     path = Path(path)
@@ -123,6 +159,8 @@ def write_task(
     seed: int = 0,
     teacher_error: float | None = None,
     teacher_samples: int = 4,
+    tool_rate: float | None = None,
+    num_sft: int | None = None,
     **task_kwargs,
 ) -> dict[str, Path]:
     """Write ``train.jsonl`` and ``test.jsonl`` of a synthetic task, with no prompt in both.
@@ -152,4 +190,12 @@ def write_task(
             rows[:num_train], error=teacher_error, samples=teacher_samples, seed=seed + 1
         )
         paths["sft"] = write_jsonl(sft, out_dir / "sft.jsonl")
+    if tool_rate is not None:  # tool-use conversations for the first num_sft training prompts
+        traces = tool_teacher_rows(
+            rows[: num_train if num_sft is None else num_sft],
+            tool_rate=tool_rate,
+            samples=teacher_samples,
+            seed=seed + 1,
+        )
+        paths["sft"] = write_jsonl(traces, out_dir / "sft.jsonl")
     return paths

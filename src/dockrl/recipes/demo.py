@@ -41,6 +41,24 @@ MODEL: dict[str, Any] = dict(
 )
 
 
+# `--task tools`: three-digit multiplication, which the tiny model cannot do alone, with a calculator. A teacher
+# calls the calculator in half of its conversations and guesses in the other half (data.synthetic.
+# tool_teacher_rows); GRPO with the exact answer and the built-in tool environment favours the tool.
+TOOL_TASK: dict[str, Any] = dict(
+    num_train=400,
+    num_test=40,
+    min_operand=100,
+    max_operand=999,
+    ops="*",
+    tool_rate=0.5,
+    teacher_samples=2,
+    num_sft=256,
+)
+TASK_CONFIGS = {
+    "arithmetic": ("demo_sft.yaml", "demo_grpo.yaml"),
+    "tools": ("demo_tools_sft.yaml", "demo_tools_grpo.yaml"),
+}
+
 DEMO_PARTS = ("data", "tiny-model", "sft", "grpo", "summary.json")  # what run_demo writes under its out_dir
 
 
@@ -50,11 +68,18 @@ def config_path(name: str) -> Path:
 
 
 def run_demo(
-    out_dir: str | Path = "runs/demo", overrides: list[str] | None = None, seed: int = 0
+    out_dir: str | Path = "runs/demo",
+    overrides: list[str] | None = None,
+    seed: int = 0,
+    task: str = "arithmetic",
 ) -> dict[str, Any]:
     """Run the whole demo; returns (and writes to out_dir/summary.json) accuracies and wall time. `seed` seeds
     the tiny model's initialisation, the SFT order and the GRPO run (sampling, data order); the task and its
-    held-out split stay the same, so runs with different seeds score the same 40 problems."""
+    held-out split stay the same, so runs with different seeds score the same 40 problems. `task`:
+    arithmetic (single-turn) or tools (multi-turn with the calculator; accuracies are of whole trajectories)."""
+    if task not in TASK_CONFIGS:
+        raise ValueError(f"--task {task!r}: use one of {sorted(TASK_CONFIGS)}")
+    sft_config, grpo_config = TASK_CONFIGS[task]
     start = time.perf_counter()
     out = Path(out_dir)
     for part in DEMO_PARTS:  # a demo run again starts over (only what the demo itself writes is removed)
@@ -63,13 +88,13 @@ def run_demo(
             shutil.rmtree(target)
         elif target.exists():
             target.unlink()
-    data = write_task("arithmetic", out / "data", seed=0, **TASK)
+    data = write_task("arithmetic", out / "data", seed=0, **(TOOL_TASK if task == "tools" else TASK))
     model_dir = make_tiny(out / "tiny-model", seed=seed, **MODEL)
     log.info("demo: data in %s, tiny model in %s", out / "data", model_dir)
 
     sft_cfg = load_config(
         SFTConfig,
-        config_path("demo_sft.yaml"),
+        config_path(sft_config),
         [
             f"model.path={model_dir}",
             f"data.train_path={data['sft']}",
@@ -81,17 +106,9 @@ def run_demo(
     sft_summary = sft(preflight_sft(sft_cfg))
     warm = sft_summary["checkpoint"]
 
-    def accuracy(model: str) -> float:
-        result = evaluate_model_dir(
-            model, str(data["test"]), [RewardSpec(name="exact_answer")], max_new_tokens=8
-        )
-        return result["accuracy"]
-
-    before = accuracy(warm)
-    log.info("demo: held-out accuracy after SFT = %.3f", before)
     grpo_cfg = load_config(
         TrainConfig,
-        config_path("demo_grpo.yaml"),
+        config_path(grpo_config),
         [
             f"model.path={warm}",
             f"data.train_path={data['train']}",
@@ -102,8 +119,25 @@ def run_demo(
             *(overrides or []),
         ],
     )
+    env = grpo_cfg.env if grpo_cfg.env.name is not None else None
+    evaluations: dict[str, dict[str, Any]] = {}
+
+    def accuracy(model: str, when: str) -> float:
+        result = evaluate_model_dir(
+            model,
+            str(data["test"]),
+            [RewardSpec(name="exact_answer")],
+            max_new_tokens=grpo_cfg.rollout.max_new_tokens if env is not None else 8,
+            max_prompt_len=grpo_cfg.data.max_prompt_len,
+            env=env,
+        )
+        evaluations[when] = {k: v for k, v in result.items() if k != "records"}
+        return result["accuracy"]
+
+    before = accuracy(warm, "before")
+    log.info("demo: held-out accuracy after SFT = %.3f", before)
     grpo_summary = train(preflight_train(grpo_cfg))
-    after = accuracy(grpo_summary["checkpoint"])
+    after = accuracy(grpo_summary["checkpoint"], "after")
     summary = {
         "accuracy_before_grpo": before,
         "accuracy_after_grpo": after,
@@ -114,7 +148,11 @@ def run_demo(
         "sft_checkpoint": warm,
         "grpo_checkpoint": grpo_summary["checkpoint"],
         "grpo_run_dir": grpo_summary["run_dir"],
+        "task": task,
     }
+    if env is not None:  # how often the greedy trajectories called the calculator, before and after
+        summary["tool_call_rate_before_grpo"] = evaluations["before"]["tool_call_rate"]
+        summary["tool_call_rate_after_grpo"] = evaluations["after"]["tool_call_rate"]
     RunDir(out.parent, out.name).write_summary(summary)
     RunDir(out, "grpo").write_summary({"accuracy_before_grpo": before, "accuracy_after_grpo": after})
     print(

@@ -43,6 +43,45 @@ def score_answers(
     }
 
 
+def _evaluate_trajectories(
+    model: Any,
+    tokenizer: Tokenizer,
+    prompts: list[EncodedPrompt],
+    specs: list[RewardSpec],
+    params: SamplingParams,
+    pad: int,
+    batch_size: int,
+    settings: dict[str, Any],
+) -> dict[str, Any]:
+    """Greedy multi-turn answers (engines.rollout.multi_turn.run_trajectories), scored on the final turn."""
+    from dockrl.engines.rollout.multi_turn import final_turn, run_trajectories
+    from dockrl.engines.rollout.rollout_engine import RolloutEngine
+
+    longest = max(len(p.ids) for p in prompts) + settings["limits"].max_response_tokens
+    engine = RolloutEngine(
+        model,
+        num_slots=batch_size,
+        max_seq_len=min(model.args.max_position_embeddings, longest),
+        pad_token_id=pad,
+        detokenize=tokenizer.decode,
+    )
+    outs, stats = run_trajectories(
+        engine,
+        [p.ids for p in prompts],
+        [p.env_row or {} for p in prompts],
+        params=params,
+        groups_per_pull=batch_size,
+        row_seed=lambda row: 0,
+        **settings,
+    )
+    responses = [tokenizer.decode(final_turn(o["response_ids"], o["loss_mask"])) for o in outs]
+    result = score_answers(prompts, responses, specs)
+    trajectories = max(1, stats["env"]["trajectories"])
+    result["tool_call_rate"] = stats["env"]["with_tool_calls"] / trajectories
+    result["turns"] = stats["env"]["turns"] / trajectories
+    return result
+
+
 @torch.no_grad()
 def evaluate_model_dir(
     model_path: str,
@@ -58,9 +97,12 @@ def evaluate_model_dir(
     limit: int | None = None,
     batch_size: int = 128,
     device: str = "cpu",
+    env: Any = None,
 ) -> dict[str, Any]:
     """Load a model directory (or a checkpoint root's hf/ export, or a LoRA checkpoint root's base with its
-    adapters merged) in this process and score greedy answers on a held-out file."""
+    adapters merged) in this process and score greedy answers on a held-out file. With `env` (an EnvConfig
+    whose name is set) each answer is a greedy multi-turn trajectory's final turn, and the result carries the
+    share of trajectories that called a tool (`tool_call_rate`) and the mean turns."""
     model_path, adapter = resolve_lora(model_path)
     tokenizer = Tokenizer.from_dir(model_path)
     model = load_model(model_path, device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
@@ -68,6 +110,13 @@ def evaluate_model_dir(
         load_peft(model, adapter)
         merge_lora(model)
     model.eval()
+    make_env = settings = None
+    if env is not None:
+        from dockrl.engines.rollout.dock_feed import env_settings
+
+        budget = env.max_response_tokens or max_new_tokens * env.max_turns
+        settings = env_settings(env, budget, system_prompt, tokenizer, model.args.family)
+        make_env = settings["make_env"]
     prompts, _ = encode_prompts(
         data_path,
         tokenizer,
@@ -77,12 +126,15 @@ def evaluate_model_dir(
         use_chat_template=use_chat_template,
         max_prompt_len=max_prompt_len,
         limit=limit,
+        make_env=make_env,
     )
     eos = tokenizer.eos_token_id
     params = SamplingParams(
         max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=[eos] if eos is not None else []
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    if settings is not None:
+        return _evaluate_trajectories(model, tokenizer, prompts, specs, params, pad, batch_size, settings)
     outs = generate(
         model,
         [p.ids for p in prompts],

@@ -314,7 +314,10 @@ def _evaluate(
     # One shard per rollout replica, given to its head rank (tp peers get theirs by broadcast, answer []).
     tp, replicas = cfg.rollout.tp, len(actors) // cfg.rollout.tp
     shards = [prompts[r // tp :: replicas] if r % tp == 0 else [] for r in range(len(actors))]
-    outs = actors.evaluate([[p.ids for p in s] for s in shards], cfg.rollout.max_new_tokens).wait()
+    env_shards = [[p.env_row or {} for p in s] for s in shards] if cfg.env.name is not None else None
+    outs = actors.evaluate(
+        [[p.ids for p in s] for s in shards], cfg.rollout.max_new_tokens, env_shards
+    ).wait()
     ordered_prompts = [p for s in shards for p in s]
     responses = [tokenizer.decode(ids) for o in outs for ids in o]
     scored = score_answers(

@@ -318,6 +318,28 @@ class ActorWorker(Worker):
 
     # ---- checkpoints and evaluation ------------------------------------------------------------
 
+    def _evaluate_trajectories(
+        self, prompts: list[list[int]], env_rows: list[dict], params: SamplingParams
+    ) -> list[list[int]]:
+        """Multi-turn held-out answers: one greedy trajectory per prompt, its final turn's tokens."""
+        from dockrl.engines.rollout.dock_feed import env_settings, response_budget
+        from dockrl.engines.rollout.multi_turn import final_turn, run_trajectories
+
+        if not prompts:
+            return []
+        engine = step_engine(self.rollout_model, self.cfg, self.pad_token_id, self.tokenizer.decode)
+        settings = env_settings(
+            self.cfg.env,
+            response_budget(self.cfg),
+            self.cfg.data.system_prompt,
+            self.tokenizer,
+            self.policy.args.family,
+        )
+        outs, _ = run_trajectories(
+            engine, prompts, env_rows, params=params, groups_per_pull=64, row_seed=lambda row: 0, **settings
+        )
+        return [final_turn(o[RESPONSE_IDS], o[LOSS_MASK]) for o in outs]
+
     def save(self, path: str) -> str:
         """Write the policy's training state (model, AdamW, LR schedule; each rank its shards) to
         `path`/actor and its Hugging Face export (gathered on rank 0) to `path`/hf, or under LoRA the adapters
@@ -329,15 +351,22 @@ class ActorWorker(Worker):
             export_hf(self.policy, Path(path) / HF, tokenizer_dir=self.cfg.model.path)
         return path
 
-    def evaluate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    def evaluate(
+        self, prompts: list[list[int]], max_new_tokens: int, env_rows: list[dict] | None = None
+    ) -> list[list[int]]:
         """Greedy responses for held-out prompts with the current policy (this rank's share; under
-        rollout tensor parallelism the replica head's share, answered by the head only)."""
+        rollout tensor parallelism the replica head's share, answered by the head only). Multi-turn runs
+        (`env_rows`: each prompt's environment row) play whole trajectories and answer with the final turn."""
         if self.rollout_stale:
             self.sync_rollout_weights()
         prompts = self.rollout_client.broadcast(prompts)
         params = SamplingParams(
             max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=self.stop_token_ids
         )
+        if env_rows is not None:
+            answers = self._evaluate_trajectories(prompts, self.rollout_client.broadcast(env_rows), params)
+            self.leave_rollout()
+            return answers if self.rollout_client.is_head else []
         outs = generate(
             self.rollout_model,
             prompts,
@@ -398,6 +427,15 @@ class ActorGroup(WorkerGroup):
         """Write the actor's part of the checkpoint at `path`."""
         return self.start(ActorWorker.save, path)
 
-    def evaluate(self, shards: list[list[list[int]]], max_new_tokens: int) -> Pending[list[list[int]]]:
-        """Greedy answers, rank r answering the prompts of `shards[r]`."""
-        return self.start_ranks(ActorWorker.evaluate, [(shard, max_new_tokens) for shard in shards])
+    def evaluate(
+        self,
+        shards: list[list[list[int]]],
+        max_new_tokens: int,
+        env_shards: list[list[dict]] | None = None,
+    ) -> Pending[list[list[int]]]:
+        """Greedy answers, rank r answering the prompts of `shards[r]` (multi-turn: with the environment rows
+        of `env_shards[r]`)."""
+        if env_shards is None:
+            return self.start_ranks(ActorWorker.evaluate, [(shard, max_new_tokens) for shard in shards])
+        args = [(shard, max_new_tokens, rows) for shard, rows in zip(shards, env_shards)]
+        return self.start_ranks(ActorWorker.evaluate, args)

@@ -159,20 +159,9 @@ def _serve_env(
     family: str,
 ) -> dict:
     """serve_step's multi-turn branch: the run's environment, limits and chat template."""
-    from dockrl.engines.rollout.multi_turn import ChatDelta, TurnLimits, serve_multi_turn
-    from dockrl.envs.loader import env_factory, env_tools
+    from dockrl.engines.rollout.multi_turn import serve_multi_turn
 
-    env = cfg.env
     assert tokenizer is not None, "multi-turn rollout renders observations with the tokenizer"
-    make_env = env_factory(
-        env.name,
-        env.kwargs,
-        code=env.code,
-        origin=env.source_file,
-        family=family,
-        call_timeout_s=env.call_timeout_s,
-    )
-    limits = TurnLimits(env.max_turns, env.max_tool_calls, response_budget(cfg), env.call_timeout_s)
     return serve_multi_turn(
         engine,
         client,
@@ -181,13 +170,33 @@ def _serve_env(
         group_size=cfg.rollout.samples_per_prompt,
         groups_per_pull=cfg.rollout.groups_per_pull,
         row_seed=lambda row: row_seed(cfg.run.seed, step, row),
-        make_env=make_env,
-        delta=ChatDelta(tokenizer, env_tools(make_env())),
-        system_prompt=cfg.data.system_prompt,
-        limits=limits,
-        num_workers=env.num_workers,
         version=version,
+        **env_settings(cfg.env, response_budget(cfg), cfg.data.system_prompt, tokenizer, family),
     )
+
+
+def env_settings(env: Any, budget: int, system_prompt: str | None, tokenizer: Any, family: str) -> dict:
+    """serve_multi_turn's environment settings from env.* (an EnvConfig): the environment factory, the chat
+    template's delta with its tools, the system prompt, the limits (`budget`: the trajectory's tokens) and
+    the thread count."""
+    from dockrl.engines.rollout.multi_turn import ChatDelta, TurnLimits
+    from dockrl.envs.loader import env_factory, env_tools
+
+    make_env = env_factory(
+        env.name,
+        env.kwargs,
+        code=env.code,
+        origin=env.source_file,
+        family=family,
+        call_timeout_s=env.call_timeout_s,
+    )
+    return {
+        "make_env": make_env,
+        "delta": ChatDelta(tokenizer, env_tools(make_env())),
+        "system_prompt": system_prompt,
+        "limits": TurnLimits(env.max_turns, env.max_tool_calls, budget, env.call_timeout_s),
+        "num_workers": env.num_workers,
+    }
 
 
 def serve_from_dock(

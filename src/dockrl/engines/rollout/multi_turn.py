@@ -53,11 +53,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from dockrl.dock.api import DockAPI
 from dockrl.dock.columns import (
     ENV_FAILED,
     ENV_REWARD,
@@ -74,6 +73,24 @@ from dockrl.engines.rollout.backend import RolloutBackend
 from dockrl.engines.rollout.rollout_engine import Request
 from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.envs.base import Environment, Message, Observation, check_messages
+
+
+class RowSource(Protocol):
+    """What serve_multi_turn needs of a client: DockAPI's get and put (the dock's clients, or LocalRows)."""
+
+    def put(self, producer: Stage, rows: list[int], batch: dict[str, list]) -> None: ...
+
+    def get(
+        self,
+        consumer: Stage,
+        columns: list[str],
+        count: int,
+        *,
+        whole_groups: bool = False,
+        min_count: int | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[list[int], dict[str, list]] | None: ...
+
 
 ENV_METRICS = ("turns", "tool_calls", "tool_errors", "timeouts", "truncated", "template_mismatch")
 
@@ -154,7 +171,7 @@ class _Trajectory:
 
 def serve_multi_turn(
     engine: RolloutBackend,
-    client: DockAPI,
+    client: RowSource,
     *,
     consumer: Stage,
     params: SamplingParams,
@@ -351,6 +368,49 @@ def _collect(
     return spent
 
 
+class LocalRows:
+    """A DockAPI-shaped source of rows in this process, for trajectories outside a training step (held-out
+    evaluation): `get` hands out the rows in order (groups of one), `put` keeps what the rollout writes."""
+
+    def __init__(self, prompts: list[list[int]], env_rows: list[dict[str, Any]]):
+        self.prompts, self.env_rows = prompts, env_rows
+        self.served = 0
+        self.out: dict[int, dict[str, Any]] = {}
+
+    def get(
+        self,
+        consumer: Stage,
+        columns: list[str],
+        count: int,
+        *,
+        whole_groups: bool = False,
+        min_count: int | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[list[int], dict[str, list]] | None:
+        if self.served == len(self.prompts):
+            return None
+        rows = list(range(self.served, min(len(self.prompts), self.served + max(1, count))))
+        self.served = rows[-1] + 1
+        return rows, {PROMPT_IDS: [self.prompts[r] for r in rows], ENV_ROW: [self.env_rows[r] for r in rows]}
+
+    def put(self, producer: Stage, rows: list[int], batch: dict[str, list]) -> None:
+        for i, row in enumerate(rows):
+            self.out[row] = {column: values[i] for column, values in batch.items()}
+
+
+def run_trajectories(
+    engine: RolloutBackend,
+    prompts: list[list[int]],
+    env_rows: list[dict[str, Any]],
+    **settings: Any,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One trajectory per prompt outside the dock (serve_multi_turn's settings but the client, consumer and
+    group size); returns each prompt's columns (response_ids, loss_mask, env_reward, ...) and the stats."""
+    rows = LocalRows(prompts, env_rows)
+    stats = serve_multi_turn(engine, rows, consumer=Stage.ROLLOUT, group_size=1, **settings)
+    return [rows.out[i] for i in range(len(prompts))], stats
+
+
 def final_turn(ids: Any, mask: Any) -> list[int]:
     """The tokens of a trajectory's last policy turn: the last run of loss_mask 1 (what reward functions read
     as the final answer)."""
@@ -370,7 +430,7 @@ def _without_stop(ids: list[int], stop_token_ids: list[int]) -> list[int]:
 
 
 def _pull(
-    client: DockAPI, consumer: Stage, count: int, group_size: int, busy: bool
+    client: RowSource, consumer: Stage, count: int, group_size: int, busy: bool
 ) -> tuple[str, tuple[list[int], dict[str, list]] | None]:
     """("rows", got), ("done", None) once every row was served, or ("later", None) when a busy loop's poll
     found nothing ready yet."""
