@@ -463,3 +463,31 @@ def test_trajectories_repeat_exactly_with_a_deterministic_environment(tiny):
             assert torch.equal(outs[0][row][key], outs[1][row][key]), (row, key)
         a, b = outs[0][row]["rollout_logprobs"], outs[1][row]["rollout_logprobs"]
         assert ((a - b).abs() <= 192 * 2.0**-24 * a.abs().clamp(min=1.0)).all(), row
+
+
+def test_sft_trains_on_the_assistant_turns_of_a_tool_conversation_in_the_rollouts_layout(tiny):
+    """A tool-use conversation for `dockrl sft`: every assistant turn (with its stop token) is trained on, the
+    tool turn is not, and the tokens decode to the conversation's fresh render (what rollout produces)."""
+    from dockrl.data.synthetic import tool_call_text
+    from dockrl.recipes.sft import conversation_example
+
+    _, tokenizer = tiny
+    messages = [
+        {"role": "user", "content": "What is 123*456?"},
+        {"role": "assistant", "content": tool_call_text("123*456")},
+        {"role": "tool", "content": "56088"},
+        {"role": "assistant", "content": "56088"},
+    ]
+    tools = [Calculator.schema]
+    prompt, ids, mask = conversation_example(tokenizer, messages, tools, None)
+    assert len(ids) == len(mask)
+    eos = tokenizer.eos_token_id
+    trained = [t for t, m in zip(ids, mask) if m == 1.0]
+    expected = tokenizer.encode(messages[1]["content"]) + [eos] + tokenizer.encode("56088") + [eos]
+    assert trained == expected
+    text = tokenizer.decode(prompt + ids, skip_special_tokens=False)
+    fresh = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=tools)
+    assert fresh == text + "\n"
+    # The teacher's conversations parse back into the call the tool environment runs.
+    call = parse_tool_calls(messages[1]["content"], "qwen2").calls
+    assert [(c.name, c.arguments) for c in call] == [("calculator", {"expression": "123*456"})]
