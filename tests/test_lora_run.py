@@ -162,7 +162,7 @@ def test_separate_replicas_generate_with_the_adapters_they_receive(lora_run, cap
     unmerged forward, batched differently); one step off-policy (max_staleness=1) it is the policy's movement
     over one update, which the same metric shows orders of magnitude larger."""
     root, args = lora_run
-    separate = [*args, "rollout.placement=separate", "run.steps=3", "run.save_every=0"]
+    separate = [*args, "rollout.placement=separate", "run.save_every=0"]
     assert main([*separate, "run.name=separate"]) == 0
     assert main([*separate, "run.name=separate_async", "rollout.max_staleness=1"]) == 0
     sync, lagged = (
@@ -170,7 +170,7 @@ def test_separate_replicas_generate_with_the_adapters_they_receive(lora_run, cap
         for name in ("separate", "separate_async")
     )
     rounding = max(r["rollout/logprob_abs_diff"] for r in sync)
-    assert [r["async/staleness_max"] for r in lagged] == [0.0, 1.0, 1.0]
+    assert [r["async/staleness_max"] for r in lagged] == [0.0, 1.0]
     # Worst-case fp32 rounding of the forward's widest dot product (the MLP's 192 = 3 x 64 terms), K u relative,
     # on log-probs of magnitude about 1: measured ~1e-7 (two ulps), far below one update's movement (~1e-2).
     assert rounding < 192 * 2.0**-24

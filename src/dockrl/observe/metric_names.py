@@ -101,6 +101,10 @@ ENV_TIMEOUTS = "env/timeouts"  # calls past env.call_timeout_s (total)
 ENV_TRUNCATED = "env/truncated"  # share of trajectories that ran out of turns, calls or tokens
 ENV_FAILED = "env/failed"  # trajectories whose environment raised (total)
 ENV_TEMPLATE_MISMATCH = "env/template_mismatch"  # turns where the chat template was not append-only
+ENV_POLICY_TOKEN_FRAC = (
+    "env/policy_token_frac"  # share of response tokens the policy sampled (the rest observed)
+)
+THROUGHPUT_POLICY_TOKENS_PER_S = "throughput/policy_tokens_per_s"  # sampled tokens over the rollout
 TIMING_ENV = "timing/env"  # seconds of environment calls, summed over trajectories (overlaps decoding)
 
 DAPO_ROUNDS = "dapo/rounds"

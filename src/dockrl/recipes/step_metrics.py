@@ -76,7 +76,7 @@ def step_metrics(
     if partial:
         m[names.ROLLOUT_INTERRUPTED] = float(sum(len(g.interrupted) for g in record.generated))
         m[names.ROLLOUT_CONTINUED] = float(sum(g.continued for g in record.generated))
-    m.update(_env(record))
+    m.update(_env(record, response_tokens))
     m[names.TOKENS_PROMPT] = float(prompt_tokens)
     m[names.TOKENS_RESPONSE] = float(response_tokens)
     if record.sampling is not None:
@@ -118,7 +118,7 @@ def _rewards_and_lengths(record: StepRecord, lengths: list[int]) -> dict[str, fl
     return m
 
 
-def _env(record: StepRecord) -> dict[str, float]:
+def _env(record: StepRecord, response_tokens: int) -> dict[str, float]:
     """Multi-turn figures from the rollout ranks' env counters ({} for single-turn runs)."""
     counts: dict[str, float] = {}
     for g in record.generated:
@@ -137,6 +137,9 @@ def _env(record: StepRecord) -> dict[str, float]:
         names.ENV_FAILED: counts["failed"],
         names.ENV_TEMPLATE_MISMATCH: counts["template_mismatch"],
         names.TIMING_ENV: counts["env_s"],
+        names.ENV_POLICY_TOKEN_FRAC: counts["policy_tokens"] / max(1, response_tokens),
+        names.THROUGHPUT_POLICY_TOKENS_PER_S: counts["policy_tokens"]
+        / max(record.timings[Stage.ROLLOUT], 1e-9),
     }
 
 

@@ -192,7 +192,7 @@ def serve_multi_turn(
     pending: dict[Future, tuple[_Trajectory, float]] = {}
     lengths: list[int] = []
     totals = dict.fromkeys(ENV_METRICS, 0)
-    totals["trajectories"] = totals["with_tool_calls"] = totals["failed"] = 0
+    totals["trajectories"] = totals["with_tool_calls"] = totals["failed"] = totals["policy_tokens"] = 0
     env_s = 0.0
     pool = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="dockrl-env")
 
@@ -222,6 +222,7 @@ def serve_multi_turn(
         totals["trajectories"] += 1
         totals["with_tool_calls"] += int(traj.counts["tool_calls"] > 0)
         totals["failed"] += int(traj.failed is not None)
+        totals["policy_tokens"] += int(sum(traj.mask))
 
     def observed(traj: _Trajectory, obs: Observation) -> None:
         """An environment's answer to the trajectory's last assistant message."""
