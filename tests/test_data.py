@@ -222,3 +222,27 @@ def test_hedging_teacher_rows_and_sft_file(tmp_path):
             assert abs(int(second) - int(first)) in (1, 2)
     paths = write_task("arithmetic", tmp_path, num_train=20, num_test=5, max_operand=9, teacher_error=0.5)
     assert sum(1 for _ in open(paths["sft"])) == 80
+
+
+def test_tool_teacher_conversations_call_the_calculator_or_guess_wrong():
+    from dockrl.data.synthetic import arithmetic_rows, tool_teacher_rows
+    from dockrl.envs.tool_calls import parse_tool_calls
+    from dockrl.envs.tools import Calculator
+
+    rows = arithmetic_rows(50, seed=0, min_operand=100, max_operand=999, ops="*")
+    traces = tool_teacher_rows(rows, tool_rate=0.5, samples=2, seed=1)
+    assert len(traces) == 100
+    called = [t for t in traces if len(t["messages"]) == 4]
+    assert 30 <= len(called) <= 70  # Binomial(100, 0.5): within 4 standard deviations
+    for trace in traces:
+        user, *rest = trace["messages"]
+        if len(rest) == 3:  # call -> result -> answer: the call computes the answer exactly
+            (call,) = parse_tool_calls(rest[0]["content"], "qwen2").calls
+            assert (
+                Calculator().run(call.arguments)
+                == rest[1]["content"]
+                == rest[2]["content"]
+                == trace["answer"]
+            )
+        else:  # a guess: the right leading digits, wrong
+            assert rest[0]["content"] != trace["answer"] and len(rest[0]["content"]) == len(trace["answer"])

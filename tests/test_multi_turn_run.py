@@ -46,11 +46,16 @@ def test_the_builtin_tool_environment_runs_colocated(ray_session, tmp_path, tiny
     config = tmp_path / "tools.yaml"
     config.write_text(CONFIG + "env: {name: tools, kwargs: {tools: [calculator, python]}, max_turns: 2}\n")
     args = ["train", str(config), f"model.path={tiny_model}", f"data.train_path={arithmetic_data['train']}"]
-    args += [f"data.eval_path={arithmetic_data['test']}", "data.eval_limit=4"]  # held-out trajectories at the end
+    args += [
+        f"data.eval_path={arithmetic_data['test']}",
+        "data.eval_limit=4",
+    ]  # held-out trajectories at the end
     assert main([*args, f"run.output_dir={tmp_path}", "run.name=tools", "run.steps=1"]) == 0
     (row,) = _rows(tmp_path / "tools")
     summary = json.loads((tmp_path / "tools" / "summary.json").read_text())
-    assert summary["eval_accuracy"] == 0.0  # a random model answers no held-out problem, with or without tools
+    assert (
+        summary["eval_accuracy"] == 0.0
+    )  # a random model answers no held-out problem, with or without tools
     # A random model calls no tool: each trajectory is one turn the environment ends (done).
     assert row["env/turns"] >= 1 and row["env/failed"] == 0 and math.isfinite(row["actor/kl"])
     assert row["env/tool_call_rate"] == row["env/tool_calls"]  # at most one call per trajectory here
