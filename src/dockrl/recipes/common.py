@@ -59,11 +59,10 @@ def add_prompts(client: Any, prompts: list[EncodedPrompt], group_size: int) -> l
 
     from dockrl.dock.columns import ENV_ROW
 
-    multi_turn = bool(prompts) and prompts[0].env_row is not None
-    extra = {ENV_ROW: [p.env_row for p in prompts]} if multi_turn else None
-    return client.add_groups(
-        [torch.tensor(p.ids) for p in prompts], [p.label for p in prompts], group_size, extra=extra
-    )
+    ids, labels = [torch.tensor(p.ids) for p in prompts], [p.label for p in prompts]
+    if not prompts or prompts[0].env_row is None:
+        return client.add_groups(ids, labels, group_size)
+    return client.add_groups(ids, labels, group_size, extra={ENV_ROW: [p.env_row for p in prompts]})
 
 
 def encode_prompts(
