@@ -164,9 +164,6 @@ def launch_dock(
         .remote(num_warehouses, policy=policy, max_rows=max_rows)
     )
     endpoints: list[tuple[tuple, bytes]] | None = None
-    if transport == "socket":
-        # None: each hub binds to the address of the node Ray placed its actor on.
-        endpoints = [ray.get(controller.serve.remote(None), timeout=STARTUP_TIMEOUT_S)]
     warehouse_nodes = [nodes[i % len(nodes)] for i in range(num_warehouses)]
     warehouse_class = ray.remote(Warehouse)
     warehouses: list[Any] = [
@@ -178,10 +175,9 @@ def launch_dock(
         ).remote(i, in_flight_s=IN_FLIGHT_S)
         for i, node in enumerate(warehouse_nodes)
     ]
-    if endpoints is not None:
-        endpoints += ray.get(
-            [w.serve.remote(None) for w in warehouses],
-            timeout=STARTUP_TIMEOUT_S,
+    if transport == "socket":  # every actor starts at once; None: each hub binds to its node's address
+        endpoints = ray.get(
+            [a.serve.remote(None) for a in (controller, *warehouses)], timeout=STARTUP_TIMEOUT_S
         )
     incarnations = ray.get(
         [a.get_incarnation.remote() for a in (controller, *warehouses)], timeout=STARTUP_TIMEOUT_S
