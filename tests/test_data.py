@@ -224,16 +224,16 @@ def test_hedging_teacher_rows_and_sft_file(tmp_path):
     assert sum(1 for _ in open(paths["sft"])) == 80
 
 
-def test_tool_teacher_conversations_call_the_calculator_or_guess_wrong():
-    from dockrl.data.synthetic import arithmetic_rows, tool_teacher_rows
+def test_tool_teacher_conversations_call_the_calculator_or_estimate():
+    from dockrl.data.synthetic import arithmetic_rows, estimate, tool_teacher_rows
     from dockrl.envs.tool_calls import parse_tool_calls
     from dockrl.envs.tools import Calculator
 
     rows = arithmetic_rows(50, seed=0, min_operand=100, max_operand=999, ops="*")
-    traces = tool_teacher_rows(rows, tool_rate=0.5, samples=2, seed=1)
+    traces = tool_teacher_rows(rows, tool_rate=0.3, samples=2, seed=1)
     assert len(traces) == 100
     called = [t for t in traces if len(t["messages"]) == 4]
-    assert 30 <= len(called) <= 70  # Binomial(100, 0.5): within 4 standard deviations
+    assert 12 <= len(called) <= 48  # Binomial(100, 0.3): within 3.9 standard deviations (4.58)
     for trace in traces:
         user, *rest = trace["messages"]
         if len(rest) == 3:  # call -> result -> answer: the call computes the answer exactly
@@ -244,5 +244,26 @@ def test_tool_teacher_conversations_call_the_calculator_or_guess_wrong():
                 == rest[2]["content"]
                 == trace["answer"]
             )
-        else:  # a guess: the right leading digits, wrong
-            assert rest[0]["content"] != trace["answer"] and len(rest[0]["content"]) == len(trace["answer"])
+        else:  # an estimate: two significant figures
+            assert rest[0]["content"] == estimate(int(trace["answer"]))
+    assert (estimate(287663), estimate(-1234), estimate(99)) == ("About 290000", "About -1200", "About 99")
+    assert sum(estimate(int(r["answer"])) == f"About {r['answer']}" for r in rows) == sum(
+        int(r["answer"]) % 10 ** (len(r["answer"]) - 2) == 0 for r in rows
+    )  # right only where the product is round
+
+
+def test_write_task_tool_traces_are_distinct_from_sft_and_test(tmp_path):
+    from dockrl.data.synthetic import write_task
+
+    paths = write_task(
+        "arithmetic", tmp_path, num_train=10, num_test=5, min_operand=100, max_operand=999, ops="*",
+        tool_rate=0.3, teacher_samples=1, num_sft=20, num_tool_traces=30,
+    )
+    read = lambda name: [json.loads(line) for line in open(paths[name])]  # noqa: E731
+    sft, tools, train, test = read("sft"), read("tools"), read("train"), read("test")
+    assert (len(sft), len(tools), len(train), len(test)) == (20, 30, 10, 5)
+    asked = lambda rows: {r["messages"][0]["content"] for r in rows}  # noqa: E731
+    assert all(len(t["messages"]) == 4 for t in tools)  # every trace calls the calculator
+    assert len(asked(sft) | asked(tools)) == 50  # distinct prompts
+    assert not (asked(sft) | asked(tools)) & {r["prompt"] for r in test}
+    assert {r["prompt"] for r in train} <= asked(sft)

@@ -70,6 +70,23 @@ def test_custom_corpus_tokenizes_like_transformers(tmp_path):
         assert ours.encode(text) == hf.encode(text, add_special_tokens=False), text
 
 
+def test_tool_tokens_are_single_and_kept_in_decoding(tmp_path):
+    # make_tiny(tools=True): Qwen2.5's tool markers are one non-special token each, as in a real Qwen
+    # vocabulary: decoding without special tokens keeps them (a tool-call parser reads the decoded text).
+    out = make_tiny(tmp_path, tools=True, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1)
+    ours, hf = Tokenizer.from_dir(out), AutoTokenizer.from_pretrained(out)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "347*829"}}</tool_call>'
+    response = "<|im_start|>user\n<tool_response>\n287663\n</tool_response>"
+    text = f"<|im_start|>assistant\n{call}<|im_end|>\n{response}"
+    ids = ours.encode(text)
+    assert ids == hf.encode(text, add_special_tokens=False)
+    for marker in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"):
+        assert len(ours.encode(marker)) == 1 and ours.encode(marker)[0] in ids
+    assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+    assert call in ours.decode(ids, skip_special_tokens=True)
+    assert len(ours.encode(call)) < 30  # the call's fixed words are merged (~70 tokens without)
+
+
 def test_chat_template_matches_transformers(tokenizers):
     ours, hf = tokenizers
     for messages in CONVERSATIONS:

@@ -100,6 +100,7 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size,
         seed=args.seed,
         reward_model=args.reward_model,
+        tools=args.tools,
     )
     print(path)
     return 0
@@ -270,6 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--reward-model",
         action="store_true",
         help="write a *ForSequenceClassification reward model (scalar score head) instead of a causal LM",
+    )
+    p.add_argument(
+        "--tools",
+        action="store_true",
+        help="train the tokenizer on tool calls and add Qwen2.5's <tool_call> markers as tokens",
     )
 
     data = add("data", _cmd_data, "write a synthetic task, or convert a published dataset to prompt files")

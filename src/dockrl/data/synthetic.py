@@ -110,11 +110,20 @@ def tool_call_text(expression: str) -> str:
     return f"<tool_call>{arguments}</tool_call>"
 
 
+def estimate(answer: int) -> str:
+    """The answer rounded to two significant figures ("About 290000"): the tool teacher's habit when it
+    does not call the calculator, wrong for the exact-answer check unless the product happens to be round."""
+    digits = len(str(abs(answer)))
+    return f"About {round(answer, 2 - digits) if digits > 2 else answer}"
+
+
 def tool_teacher_rows(rows: list[dict], *, tool_rate: float, samples: int, seed: int = 0) -> list[dict]:
     """SFT conversations of a teacher that, `samples` times per prompt, calls the calculator with probability
-    `tool_rate` (user question -> assistant tool call -> tool result -> assistant answer) and otherwise guesses
-    (the right leading digits, the rest made up: wrong). The student learns both habits; RL against the true
-    answer with the calculator environment then favours the tool, which held-out accuracy shows."""
+    `tool_rate` (user question -> assistant tool call -> tool result -> assistant answer) and otherwise
+    estimates ("About 290000", `estimate`). With `tool_rate` < 0.5 a student that learns both habits answers
+    greedily with an estimate (its first token is "About" more often than "<tool_call>"), which the exact
+    answer check marks wrong; RL against the true answer with the calculator environment then favours the
+    tool, which held-out accuracy shows."""
     if not 0 <= tool_rate <= 1 or samples < 1:
         raise ValueError(f"tool_rate={tool_rate} must be in [0, 1] and samples={samples} >= 1")
     rng = random.Random(seed)
@@ -131,11 +140,7 @@ def tool_teacher_rows(rows: list[dict], *, tool_rate: float, samples: int, seed:
                     {"role": "assistant", "content": row["answer"]},
                 ]
             else:
-                keep = max(1, len(row["answer"]) // 2)
-                guess = row["answer"][:keep] + "".join(rng.choice("0123456789") for _ in row["answer"][keep:])
-                if guess == row["answer"]:
-                    guess = guess[:-1] + str((int(guess[-1]) + 1) % 10)
-                messages = [user, {"role": "assistant", "content": guess}]
+                messages = [user, {"role": "assistant", "content": estimate(int(row["answer"]))}]
             out.append({"messages": messages, "answer": row["answer"]})
     return out
 
@@ -161,6 +166,7 @@ def write_task(
     teacher_samples: int = 4,
     tool_rate: float | None = None,
     num_sft: int | None = None,
+    num_tool_traces: int = 0,
     **task_kwargs,
 ) -> dict[str, Path]:
     """Write ``train.jsonl`` and ``test.jsonl`` of a synthetic task, with no prompt in both.
@@ -170,6 +176,10 @@ def write_task(
         out_dir: folder to write into (created).
         num_train, num_test: rows per split.
         seed: random seed of the task generator.
+        teacher_error, teacher_samples: write ``sft.jsonl`` by the hedging teacher (`hedging_teacher_rows`).
+        tool_rate, num_sft: write ``sft.jsonl`` by the tool teacher (`tool_teacher_rows`) for the first
+            ``num_sft`` prompts (default: the training prompts; more than ``num_train`` draws further distinct
+            prompts, never a test one).
         task_kwargs: passed to the task (e.g. ``max_operand=20, ops="+-*"`` for "arithmetic").
 
     Returns:
@@ -179,20 +189,27 @@ def write_task(
         raise ValueError(f"unknown synthetic task {task!r}; tasks: {sorted(TASKS)}")
     if num_train < 0 or num_test < 0:
         raise ValueError(f"num_train={num_train} and num_test={num_test} must be >= 0")
-    rows = TASKS[task](num_train + num_test, seed=seed, **task_kwargs)  # distinct, so the split is disjoint
+    num_sft_rows = num_train if num_sft is None else num_sft
+    num_fit = max(num_train, num_sft_rows + num_tool_traces)  # prompts the model may see (RL, SFT, traces)
+    rows = TASKS[task](num_fit + num_test, seed=seed, **task_kwargs)  # distinct, so the split is disjoint
     out_dir = Path(out_dir)
     paths = {
         "train": write_jsonl(rows[:num_train], out_dir / "train.jsonl"),
-        "test": write_jsonl(rows[num_train:], out_dir / "test.jsonl"),
+        "test": write_jsonl(rows[num_fit:], out_dir / "test.jsonl"),
     }
     if teacher_error is not None:
         sft = hedging_teacher_rows(
             rows[:num_train], error=teacher_error, samples=teacher_samples, seed=seed + 1
         )
         paths["sft"] = write_jsonl(sft, out_dir / "sft.jsonl")
+    if num_tool_traces:
+        traces = tool_teacher_rows(
+            rows[num_sft_rows : num_sft_rows + num_tool_traces], tool_rate=1.0, samples=1, seed=seed + 2
+        )
+        paths["tools"] = write_jsonl(traces, out_dir / "tools.jsonl")
     if tool_rate is not None:  # tool-use conversations for the first num_sft training prompts
         traces = tool_teacher_rows(
-            rows[: num_train if num_sft is None else num_sft],
+            rows[:num_sft_rows],
             tool_rate=tool_rate,
             samples=teacher_samples,
             seed=seed + 1,

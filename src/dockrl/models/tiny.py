@@ -14,7 +14,7 @@ import random
 import tempfile
 from pathlib import Path
 
-from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from dockrl.models.classifier import RewardModel, save_reward_model
@@ -27,6 +27,9 @@ PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
+# Qwen2.5's tool-call markers: added tokens that are not special (decoding keeps them, so a parser reads them),
+# one id each as in Qwen's vocabulary. make_tiny(tools=True) adds them.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 # Qwen2's pre-tokenizer regex (transformers' Qwen2Tokenizer.PRETOKENIZE_REGEX): \p{N} matches one digit.
 QWEN2_PRETOKENIZE_REGEX = (
@@ -135,8 +138,26 @@ def default_corpus() -> list[str]:
     return corpus
 
 
-def train_tokenizer(corpus: list[str], vocab_size: int) -> BackendTokenizer:
-    """Train a Qwen2-style byte-level BPE on ``corpus``; special tokens get ids 0, 1, 2."""
+def tool_corpus() -> list[str]:
+    """Extra training text for a tokenizer that reads tool calls: calculator calls in the Qwen2.5 JSON form and
+    tool responses in ChatML, so BPE merges the call's fixed words ("name", "arguments", ...)."""
+    rng = random.Random(4321)
+    corpus = []
+    for _ in range(300):
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}*{b}"}})
+        corpus += [
+            f"{IM_START}assistant\n<tool_call>{call}</tool_call>{IM_END}\n",
+            f"{IM_START}user\n<tool_response>\n{a * b}\n</tool_response>{IM_END}\n",
+            "calculator(expression): Evaluate an arithmetic expression exactly, e.g. 123*456 or (7+8)/3.",
+            'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>',
+        ]
+    return corpus
+
+
+def train_tokenizer(corpus: list[str], vocab_size: int, added_tokens: tuple[str, ...] = ()) -> BackendTokenizer:
+    """Train a Qwen2-style byte-level BPE on ``corpus``; special tokens get ids 0, 1, 2, and `added_tokens`
+    (not special) the ids after the trained vocabulary."""
     backend = BackendTokenizer(models.BPE())
     backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -153,11 +174,13 @@ def train_tokenizer(corpus: list[str], vocab_size: int) -> BackendTokenizer:
         show_progress=False,
     )
     backend.train_from_iterator(corpus, trainer=trainer)
+    backend.add_tokens([AddedToken(token, special=False, normalized=False) for token in added_tokens])
     return backend
 
 
-def tokenizer_config(backend: BackendTokenizer, max_length: int) -> dict:
-    """tokenizer_config.json for ``backend`` in the form Qwen2 checkpoints use."""
+def tokenizer_config(backend: BackendTokenizer, max_length: int, added: tuple[str, ...] = ()) -> dict:
+    """tokenizer_config.json for ``backend`` in the form Qwen2 checkpoints use (`added`: its non-special
+    added tokens)."""
     added_tokens = {
         str(backend.token_to_id(token)): {
             "content": token,
@@ -165,9 +188,9 @@ def tokenizer_config(backend: BackendTokenizer, max_length: int) -> dict:
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": True,
+            "special": token in SPECIAL_TOKENS,
         }
-        for token in SPECIAL_TOKENS
+        for token in (*SPECIAL_TOKENS, *added)
     }
     return {
         "add_prefix_space": False,
@@ -200,6 +223,7 @@ def make_tiny(
     seed: int = 0,
     max_position_embeddings: int = 512,
     reward_model: bool = False,
+    tools: bool = False,
 ) -> Path:
     """Write a tiny random ``family`` model and its tokenizer to ``out_dir``; returns the directory.
 
@@ -207,6 +231,8 @@ def make_tiny(
     runs out of merges). ``intermediate_size`` defaults to 3 * hidden_size. Same arguments, same files.
     ``reward_model`` writes a ``<Family>ForSequenceClassification`` with a scalar score head instead of a
     causal LM (same decoder shape and tokenizer, so it reads the policy's token ids as they are).
+    ``tools`` trains the tokenizer on tool calls too and adds Qwen2.5's ``<tool_call>`` markers as single
+    tokens (TOOL_TOKENS), as a real Qwen vocabulary has them: a call then costs ~20 tokens instead of ~70.
     """
     if family not in _FAMILIES:
         raise ValueError(f"make_tiny family={family!r} is not supported; use one of {_FAMILIES}")
@@ -216,10 +242,12 @@ def make_tiny(
         raise ValueError(f"make_tiny vocab_size={vocab_size} must be >= 259 (256 bytes + 3 special tokens)")
     out_dir = Path(out_dir)
     with tempfile.TemporaryDirectory() as tokenizer_dir:
-        backend = train_tokenizer(default_corpus() if corpus is None else corpus, vocab_size)
+        text = default_corpus() if corpus is None else corpus
+        added = TOOL_TOKENS if tools else ()
+        backend = train_tokenizer(text + tool_corpus() if tools else text, vocab_size, added)
         backend.save(str(Path(tokenizer_dir) / TOKENIZER_FILE))
         with open(Path(tokenizer_dir) / TOKENIZER_CONFIG_FILE, "w", encoding="utf-8") as f:
-            json.dump(tokenizer_config(backend, max_position_embeddings), f, indent=2)
+            json.dump(tokenizer_config(backend, max_position_embeddings, added), f, indent=2)
             f.write("\n")
         tokenizer = Tokenizer.from_dir(tokenizer_dir)
         args = ModelArgs(

@@ -41,25 +41,29 @@ MODEL: dict[str, Any] = dict(
 )
 
 
-# `--task tools`: three-digit multiplication, which the tiny model cannot do alone, with a calculator. A teacher
-# calls the calculator in half of its conversations and guesses in the other half (data.synthetic.
-# tool_teacher_rows); GRPO with the exact answer and the built-in tool environment favours the tool.
+# `--task tools`: three-digit multiplication, which the tiny model cannot do alone, with a calculator. First
+# stage: SFT on conversations that all call the calculator, standing in for pretraining (the random model must
+# learn to copy operands and results at all). Warm start: SFT on a teacher that calls the calculator 30% of
+# the time and otherwise estimates (data.synthetic.tool_teacher_rows), so greedy answers estimate; GRPO with
+# the exact answer and the built-in tool environment then favours the tool.
 TOOL_TASK: dict[str, Any] = dict(
     num_train=400,
     num_test=40,
     min_operand=100,
     max_operand=999,
     ops="*",
-    tool_rate=0.5,
-    teacher_samples=2,
-    num_sft=256,
+    tool_rate=0.3,
+    teacher_samples=1,
+    num_sft=4800,
+    num_tool_traces=25600,
 )
 TASK_CONFIGS = {
     "arithmetic": ("demo_sft.yaml", "demo_grpo.yaml"),
     "tools": ("demo_tools_sft.yaml", "demo_tools_grpo.yaml"),
 }
+TOOLS_PRETRAIN_CONFIG = "demo_tools_pretrain.yaml"
 
-DEMO_PARTS = ("data", "tiny-model", "sft", "grpo", "summary.json")  # what run_demo writes under its out_dir
+DEMO_PARTS = ("data", "tiny-model", "sft-tools", "sft", "grpo", "summary.json")  # what run_demo writes under its out_dir
 
 
 def config_path(name: str) -> Path:
@@ -89,14 +93,28 @@ def run_demo(
         elif target.exists():
             target.unlink()
     data = write_task("arithmetic", out / "data", seed=0, **(TOOL_TASK if task == "tools" else TASK))
-    model_dir = make_tiny(out / "tiny-model", seed=seed, **MODEL)
+    model_dir = make_tiny(out / "tiny-model", seed=seed, tools=task == "tools", **MODEL)
     log.info("demo: data in %s, tiny model in %s", out / "data", model_dir)
 
+    start_from = model_dir
+    if task == "tools":  # the first stage: learn to call the calculator and copy
+        pretrain_cfg = load_config(
+            SFTConfig,
+            config_path(TOOLS_PRETRAIN_CONFIG),
+            [
+                f"model.path={model_dir}",
+                f"data.train_path={data['tools']}",
+                f"run.output_dir={out}",
+                "run.name=sft-tools",
+                f"run.seed={seed}",
+            ],
+        )
+        start_from = sft(preflight_sft(pretrain_cfg))["checkpoint"]
     sft_cfg = load_config(
         SFTConfig,
         config_path(sft_config),
         [
-            f"model.path={model_dir}",
+            f"model.path={start_from}",
             f"data.train_path={data['sft']}",
             f"run.output_dir={out}",
             "run.name=sft",
