@@ -256,8 +256,17 @@ def test_write_task_tool_traces_are_distinct_from_sft_and_test(tmp_path):
     from dockrl.data.synthetic import write_task
 
     paths = write_task(
-        "arithmetic", tmp_path, num_train=10, num_test=5, min_operand=100, max_operand=999, ops="*",
-        tool_rate=0.3, teacher_samples=1, num_sft=20, num_tool_traces=30,
+        "arithmetic",
+        tmp_path,
+        num_train=10,
+        num_test=5,
+        min_operand=100,
+        max_operand=999,
+        ops="*",
+        tool_rate=0.3,
+        teacher_samples=1,
+        num_sft=20,
+        num_tool_traces=30,
     )
     read = lambda name: [json.loads(line) for line in open(paths[name])]  # noqa: E731
     sft, tools, train, test = read("sft"), read("tools"), read("train"), read("test")

@@ -368,6 +368,17 @@ def test_a_failing_or_slow_environment_ends_its_trajectory_only(tiny):
     assert stats["env"]["timeouts"] == GROUP and stats["env"]["truncated"] == GROUP
 
 
+def test_environment_seconds_count_the_calls_and_the_wait(tiny):
+    # GROUP trajectories, each with 2 calls that sleep 0.2 s and finish their turn (turns=2): env_s sums the
+    # calls' own time (>= 2 * GROUP * 0.2 s: sleep lasts at least its argument, timed in the call's thread).
+    # Every decoded turn is followed by a call, so after the last call is submitted nothing decodes and the loop
+    # waits for it: 0.2 s, less the loop's own work between its waits (microseconds; 0.1 s leaves room).
+    Scripted.seen = {}
+    _, _, stats, _ = _serve(tiny, ["What is 1+2?"], lambda: Scripted(turns=2, sleep_s=0.2), LIMITS)
+    assert stats["env"]["env_s"] >= 2 * GROUP * 0.2
+    assert stats["env"]["env_wait_s"] >= 0.1
+
+
 # ---- masks in the update ---------------------------------------------------------------------------------------
 
 

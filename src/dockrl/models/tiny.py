@@ -155,7 +155,9 @@ def tool_corpus() -> list[str]:
     return corpus
 
 
-def train_tokenizer(corpus: list[str], vocab_size: int, added_tokens: tuple[str, ...] = ()) -> BackendTokenizer:
+def train_tokenizer(
+    corpus: list[str], vocab_size: int, added_tokens: tuple[str, ...] = ()
+) -> BackendTokenizer:
     """Train a Qwen2-style byte-level BPE on ``corpus``; special tokens get ids 0, 1, 2, and `added_tokens`
     (not special) the ids after the trained vocabulary."""
     backend = BackendTokenizer(models.BPE())

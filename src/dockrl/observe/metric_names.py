@@ -105,7 +105,10 @@ ENV_POLICY_TOKEN_FRAC = (
     "env/policy_token_frac"  # share of response tokens the policy sampled (the rest observed)
 )
 THROUGHPUT_POLICY_TOKENS_PER_S = "throughput/policy_tokens_per_s"  # sampled tokens over the rollout
-TIMING_ENV = "timing/env"  # seconds of environment calls, summed over trajectories (overlaps decoding)
+TIMING_ENV = "timing/env"  # seconds inside environment calls, summed over calls (they overlap decoding)
+TIMING_ENV_WAIT = (
+    "timing/env_wait"  # wall seconds a rollout rank waited on calls with nothing to decode (max)
+)
 
 DAPO_ROUNDS = "dapo/rounds"
 DAPO_GENERATED_GROUPS = "dapo/generated_groups"

@@ -63,7 +63,14 @@ TASK_CONFIGS = {
 }
 TOOLS_PRETRAIN_CONFIG = "demo_tools_pretrain.yaml"
 
-DEMO_PARTS = ("data", "tiny-model", "sft-tools", "sft", "grpo", "summary.json")  # what run_demo writes under its out_dir
+DEMO_PARTS = (
+    "data",
+    "tiny-model",
+    "sft-tools",
+    "sft",
+    "grpo",
+    "summary.json",
+)  # what run_demo writes under its out_dir
 
 
 def config_path(name: str) -> Path:

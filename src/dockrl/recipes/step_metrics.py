@@ -137,6 +137,7 @@ def _env(record: StepRecord, response_tokens: int) -> dict[str, float]:
         names.ENV_FAILED: counts["failed"],
         names.ENV_TEMPLATE_MISMATCH: counts["template_mismatch"],
         names.TIMING_ENV: counts["env_s"],
+        names.TIMING_ENV_WAIT: max(float(g.env.get("env_wait_s", 0.0)) for g in record.generated),
         names.ENV_POLICY_TOKEN_FRAC: counts["policy_tokens"] / max(1, response_tokens),
         names.THROUGHPUT_POLICY_TOKENS_PER_S: counts["policy_tokens"]
         / max(record.timings[Stage.ROLLOUT], 1e-9),

@@ -186,14 +186,16 @@ def serve_multi_turn(
     version: int | None = None,
 ) -> dict[str, Any]:
     """Generate a trajectory for every row `consumer` gets from the dock (module docstring); returns lengths,
-    the summed env counters (ENV_METRICS), env_s (seconds of environment calls) and the engine's stats."""
+    the summed env counters (ENV_METRICS), env_s (seconds spent inside environment calls, summed over calls
+    that run concurrently), env_wait_s (wall seconds the loop waited on calls with nothing to decode: what
+    the tools cost the rollout) and the engine's stats."""
     exhausted = False
     live: dict[int, _Trajectory] = {}
     pending: dict[Future, tuple[_Trajectory, float]] = {}
     lengths: list[int] = []
     totals = dict.fromkeys(ENV_METRICS, 0)
     totals["trajectories"] = totals["with_tool_calls"] = totals["failed"] = totals["policy_tokens"] = 0
-    env_s = 0.0
+    env_s = env_wait_s = 0.0
     pool = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="dockrl-env")
 
     def submit_turn(traj: _Trajectory) -> None:
@@ -287,18 +289,22 @@ def serve_multi_turn(
                         skip_special_tokens=False,
                     )
                     traj.pending_text = text
-                    pending[pool.submit(traj.env.step, text)] = (traj, time.perf_counter())
+                    pending[pool.submit(_timed_step, traj.env, text)] = (traj, time.perf_counter())
             elif not pending:
                 if exhausted:
                     break
                 continue  # nothing running: the next pull blocks until rows arrive
-            env_s += _collect(pending, observed, finish, limits.call_timeout_s, block=not engine.has_work())
+            block = not engine.has_work()
+            waited = time.perf_counter()
+            env_s += _collect(pending, observed, finish, limits.call_timeout_s, block=block)
+            if block:
+                env_wait_s += time.perf_counter() - waited
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     return {
         "response_lengths": lengths,
         "truncated": totals["truncated"],
-        "env": {**totals, "env_s": env_s},
+        "env": {**totals, "env_s": env_s, "env_wait_s": env_wait_s},
         "interrupted": [],
         "continued": 0,
         **engine.stats,
@@ -326,6 +332,13 @@ def _start(
     return traj
 
 
+def _timed_step(env: Environment, text: str) -> tuple[Observation, float]:
+    """env.step(text) and the seconds it took (run in the pool's thread)."""
+    start = time.perf_counter()
+    observation = env.step(text)
+    return observation, time.perf_counter() - start
+
+
 def _collect(
     pending: dict[Future, tuple[_Trajectory, float]],
     observed: Callable[[_Trajectory, Observation], None],
@@ -335,7 +348,8 @@ def _collect(
     block: bool,
 ) -> float:
     """Hand finished environment calls to `observed` (a call that raised or ran past `timeout_s` ends its
-    trajectory); waits for the first one when `block` (nothing else to do). Returns their seconds."""
+    trajectory); waits for the first one when `block` (nothing else to do). Returns the seconds the calls
+    spent running (a call that raised or timed out: since it was submitted)."""
     if not pending:
         return 0.0
     if block:
@@ -350,14 +364,16 @@ def _collect(
         traj, started = pending[future]
         if future.done():
             del pending[future]
-            spent += now - started
             error = future.exception()
             if error is not None:
+                spent += now - started
                 traj.failed = f"{type(error).__name__}: {error}"
                 finish(traj)
             else:
+                observation, seconds = future.result()
+                spent += seconds
                 try:
-                    observed(traj, future.result())
+                    observed(traj, observation)
                 except ValueError as exc:  # the environment answered something that is not messages
                     traj.failed = str(exc)
                     finish(traj)
