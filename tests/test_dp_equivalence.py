@@ -155,3 +155,44 @@ def test_rows_of_weight_zero_leave_no_trace_in_the_update(tiny_model):
     for key in ("loss", "pg_loss", "kl", "clip_frac"):
         assert m_dropped[key] == pytest.approx(m_without[key], rel=1e-4, abs=1e-6), key
     assert_grads_close(g_dropped, g_without)
+
+
+def _logprob_worker(rank: int, world_size: int, port: int, model_dir: str, out_path: str, leave) -> None:
+    from dockrl.engines.train.train_engine import TrainEngine
+    from dockrl.parallel.dist import data_parallel_mesh, init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed(rank, world_size, "127.0.0.1", port, "cpu", timeout_s=120)
+    mesh = data_parallel_mesh("cpu", world_size)
+    engine = TrainEngine(model_dir, device="cpu", precision="fp32", mesh=mesh, trainable=False)
+    batch = make_rows(engine.args.vocab_size)
+    rows = [0] if rank == 0 else list(range(1, NUM_ROWS))  # 1 micro-batch against 7
+    logps, _ = engine.logprobs(
+        [batch["prompt_ids"][i] for i in rows],
+        [batch["response_ids"][i] for i in rows],
+        temperature=1.0,
+        micro_batch_size=1,
+        pad_token_id=0,
+    )
+    torch.save(dict(zip(rows, logps)), f"{out_path}.{rank}")
+    leave(rank)
+
+
+def test_ranks_with_uneven_rows_compute_logprobs_in_step(tmp_path, tiny_model):
+    # compute_ref / compute_old with a rank that holds fewer rows: it runs idle forwards until its peer is done
+    # (regression: the count was agreed after the rank's own forwards, so it waited in an all-reduce while its
+    # peer waited in FSDP2's all-gather, and the step hung).
+    from dockrl.engines.train.train_engine import TrainEngine
+
+    out = tmp_path / "logps"
+    spawn_ranks(_logprob_worker, 2, free_port(), str(tiny_model), str(out))
+    got = torch.load(f"{out}.0") | torch.load(f"{out}.1")
+    engine = TrainEngine(str(tiny_model), device="cpu", precision="fp32", trainable=False)
+    batch = make_rows(engine.args.vocab_size)
+    ref, _ = engine.logprobs(
+        batch["prompt_ids"], batch["response_ids"], temperature=1.0, micro_batch_size=1, pad_token_id=0
+    )
+    # The same fp32 forward of one row on the same weights (FSDP2 gathers them exactly); only the thread count
+    # differs, which can reorder the 128- and 384-term dot products: ~1e-6 relative on log-probs of size ~6.
+    for i in range(NUM_ROWS):
+        torch.testing.assert_close(got[i], ref[i], rtol=0, atol=1e-4)

@@ -205,6 +205,9 @@ class TrainEngine:
         temp = temperature if temperature > 0 else 1.0
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
         chunks = micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch)
+        # Agree on the count first: every forward is collective under FSDP, and a rank that reached this
+        # all-reduce while a peer still ran forwards would wait in a different collective than the peer's.
+        total = self.common_count(len(chunks))
         for idx in chunks:
             mb = make_micro_batch(
                 [prompts[i] for i in idx],
@@ -215,7 +218,7 @@ class TrainEngine:
             logp, entropy = self.token_stats(mb, temp)  # [B, T-1] each
             for i, row_logp, row_entropy in zip(idx, mb.unpad(logp), mb.unpad(entropy)):
                 logps[i], ents[i] = row_logp, row_entropy
-        for _ in range(self.common_count(len(chunks)) - len(chunks)):  # a rank with fewer rows keeps pace
+        for _ in range(total - len(chunks)):  # a rank with fewer rows keeps pace
             self.token_stats(self.idle_micro_batch(pad_token_id), temp)
         # Every row is in exactly one chunk, so no None is left.
         rows_logps = cast(list[torch.Tensor], logps)
