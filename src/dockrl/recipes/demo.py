@@ -55,7 +55,7 @@ TOOL_TASK: dict[str, Any] = dict(
     tool_rate=0.3,
     teacher_samples=1,
     num_sft=4800,
-    num_tool_traces=38400,
+    num_tool_traces=25600,
 )
 TASK_CONFIGS = {
     "arithmetic": ("demo_sft.yaml", "demo_grpo.yaml"),
