@@ -180,6 +180,9 @@ def write_task(
         tool_rate, num_sft: write ``sft.jsonl`` by the tool teacher (`tool_teacher_rows`) for the first
             ``num_sft`` prompts (default: the training prompts; more than ``num_train`` draws further distinct
             prompts, never a test one).
+        num_tool_traces: also write ``tools.jsonl``: one conversation that calls the calculator for each of
+            this many further distinct prompts (after the SFT ones), for a model that must first learn to use
+            a tool at all (the tool demo's first stage).
         task_kwargs: passed to the task (e.g. ``max_operand=20, ops="+-*"`` for "arithmetic").
 
     Returns:

@@ -63,14 +63,8 @@ TASK_CONFIGS = {
 }
 TOOLS_PRETRAIN_CONFIG = "demo_tools_pretrain.yaml"
 
-DEMO_PARTS = (
-    "data",
-    "tiny-model",
-    "sft-tools",
-    "sft",
-    "grpo",
-    "summary.json",
-)  # what run_demo writes under its out_dir
+# What run_demo writes under its out_dir.
+DEMO_PARTS = ("data", "tiny-model", "sft-tools", "sft", "grpo", "summary.json")
 
 
 def config_path(name: str) -> Path:
@@ -103,32 +97,15 @@ def run_demo(
     model_dir = make_tiny(out / "tiny-model", seed=seed, tools=task == "tools", **MODEL)
     log.info("demo: data in %s, tiny model in %s", out / "data", model_dir)
 
-    start_from = model_dir
+    def sft_stage(config: str, model: str | Path, train_path: Path, name: str) -> dict[str, Any]:
+        paths = [f"model.path={model}", f"data.train_path={train_path}", f"run.output_dir={out}"]
+        cfg = load_config(SFTConfig, config_path(config), [*paths, f"run.name={name}", f"run.seed={seed}"])
+        return sft(preflight_sft(cfg))
+
+    start_from: str | Path = model_dir
     if task == "tools":  # the first stage: learn to call the calculator and copy
-        pretrain_cfg = load_config(
-            SFTConfig,
-            config_path(TOOLS_PRETRAIN_CONFIG),
-            [
-                f"model.path={model_dir}",
-                f"data.train_path={data['tools']}",
-                f"run.output_dir={out}",
-                "run.name=sft-tools",
-                f"run.seed={seed}",
-            ],
-        )
-        start_from = sft(preflight_sft(pretrain_cfg))["checkpoint"]
-    sft_cfg = load_config(
-        SFTConfig,
-        config_path(sft_config),
-        [
-            f"model.path={start_from}",
-            f"data.train_path={data['sft']}",
-            f"run.output_dir={out}",
-            "run.name=sft",
-            f"run.seed={seed}",
-        ],
-    )
-    sft_summary = sft(preflight_sft(sft_cfg))
+        start_from = sft_stage(TOOLS_PRETRAIN_CONFIG, model_dir, data["tools"], "sft-tools")["checkpoint"]
+    sft_summary = sft_stage(sft_config, start_from, data["sft"], "sft")
     warm = sft_summary["checkpoint"]
 
     grpo_cfg = load_config(
