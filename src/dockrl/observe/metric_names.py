@@ -110,6 +110,11 @@ TIMING_ENV_WAIT = (
     "timing/env_wait"  # wall seconds a rollout rank waited on calls with nothing to decode (max)
 )
 
+# rollout.backend=vllm: the weight update into the engines before the rollout (worst rank).
+TIMING_WEIGHT_LOAD = "timing/weight_load"  # seconds to gather and load the weights into vLLM, probe included
+ROLLOUT_WEIGHT_LOAD_MB = "rollout/weight_load_mb"  # MiB streamed into one engine
+ROLLOUT_PROBE_ABS_DIFF = "rollout/probe_abs_diff"  # mean |vLLM - trainer| log-prob on the probe sequence
+
 DAPO_ROUNDS = "dapo/rounds"
 DAPO_GENERATED_GROUPS = "dapo/generated_groups"
 DAPO_INFORMATIVE_GROUPS = "dapo/informative_groups"

@@ -111,6 +111,7 @@ def preflight_train(cfg: TrainConfig) -> Resolved:
     _check_devices(run_cfg.run.device, actor.dp * actor.tp + (run_cfg.critic.dp if plan.critic else 0))
     _check_reward_model_files(run_cfg)
     _check_model_layouts(run_cfg)
+    _check_vllm(run_cfg)
     return resolved
 
 
@@ -385,3 +386,23 @@ def _check_model_layouts(cfg: TrainConfig) -> None:
                     "(the switch runs the same code path and moves nothing)",
                     stacklevel=3,
                 )
+
+
+def _check_vllm(cfg: TrainConfig) -> None:
+    """rollout.backend=vllm: the pinned vLLM installed, and a model it can serve on this device."""
+    if cfg.rollout.backend != "vllm":
+        return
+    from dockrl.engines.rollout.vllm_backend import model_problem, vllm_problem
+    from dockrl.models.hf import read_config
+
+    problem = vllm_problem()
+    if problem is not None:
+        raise config_error("rollout.backend", "vllm", problem, "install it, or use rollout.backend=dockrl")
+    problem = model_problem(read_config(cfg.model.path), cfg.run.device)
+    if problem is not None:
+        raise config_error(
+            "rollout.backend",
+            "vllm",
+            f"model.path={cfg.model.path}: {problem}",
+            "or pick a model vLLM serves",
+        )

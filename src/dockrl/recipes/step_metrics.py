@@ -77,6 +77,7 @@ def step_metrics(
         m[names.ROLLOUT_INTERRUPTED] = float(sum(len(g.interrupted) for g in record.generated))
         m[names.ROLLOUT_CONTINUED] = float(sum(g.continued for g in record.generated))
     m.update(_env(record, response_tokens))
+    m.update(_weight_sync(record))
     m[names.TOKENS_PROMPT] = float(prompt_tokens)
     m[names.TOKENS_RESPONSE] = float(response_tokens)
     if record.sampling is not None:
@@ -116,6 +117,19 @@ def _rewards_and_lengths(record: StepRecord, lengths: list[int]) -> dict[str, fl
     m[names.REWARD_ERRORS] = float(sum(s.errors for s in scored))
     m[names.REWARD_DROPPED_GROUPS] = float(sum(s.dropped_groups for s in scored))
     return m
+
+
+def _weight_sync(record: StepRecord) -> dict[str, float]:
+    """rollout.backend=vllm: the slowest rank's weight load, its bytes, and the worst probe difference ({}
+    with the dockrl engine)."""
+    syncs = [g.weight_sync for g in record.generated if g.weight_sync]
+    if not syncs:
+        return {}
+    return {
+        names.TIMING_WEIGHT_LOAD: max(s["seconds"] for s in syncs),
+        names.ROLLOUT_WEIGHT_LOAD_MB: max(s["bytes"] for s in syncs) / 2**20,
+        names.ROLLOUT_PROBE_ABS_DIFF: max(s.get("probe_abs_diff", 0.0) for s in syncs),
+    }
 
 
 def _env(record: StepRecord, response_tokens: int) -> dict[str, float]:

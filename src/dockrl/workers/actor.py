@@ -39,9 +39,9 @@ from dockrl.dock.columns import (
 )
 from dockrl.dock.stages import Stage
 from dockrl.engines.reshard.switch import RolloutSwitch, offload_flags
+from dockrl.engines.rollout.backend import RolloutBackend
 from dockrl.engines.rollout.dock_feed import serve_step, step_engine
-from dockrl.engines.rollout.rollout_engine import RolloutEngine
-from dockrl.engines.rollout.sampler import SamplingParams, generate
+from dockrl.engines.rollout.sampler import SamplingParams, generate, generate_with
 from dockrl.engines.train.policy_update import all_reduce_sum, policy_update, whiten_rows
 from dockrl.engines.train.train_engine import TrainEngine
 from dockrl.models.lora import LoraSpec, read_peft_adapters
@@ -80,6 +80,7 @@ class ActorWorker(Worker):
         self.rows_per_rank = rows // self.dp
         self.plan = plan
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.vllm_mode = cfg.rollout.backend == "vllm"
 
     def setup(self, resume_from: str | None = None) -> SetupResult:
         """Build the sharded policy (+ optimizer), the reference model and the rollout model; with
@@ -101,7 +102,10 @@ class ActorWorker(Worker):
         if self.plan.reference and not self.plan.reference_is_base:
             self.ref = TrainEngine(cfg.model.ref_path or cfg.model.path, trainable=False, **common)
         self._setup_switch(mesh)
-        self.rollout_engine: RolloutEngine | None = None  # built at a generate; see reshard.free_kv_cache
+        self.rollout_engine: RolloutBackend | None = None  # built at a generate; see reshard.free_kv_cache
+        self.weight_sync: dict[
+            str, float
+        ] = {}  # rollout.backend=vllm: the last update's seconds, bytes, probe
         self.tokenizer = Tokenizer.from_dir(cfg.model.path)
         self.pad_token_id = first_token_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
         self.stop_token_ids = stop_token_ids(self.tokenizer.eos_token_id, self.policy.args.eos_token_id)
@@ -124,14 +128,16 @@ class ActorWorker(Worker):
         """The rollout model (tp_infer-parallel, weights only while in rollout) and the dock views per layout."""
         cfg, tp_infer = self.cfg, self.cfg.rollout.tp
         infer_group = inference_mesh(self.device.type, self.world_size, tp_infer).get_group("tp")
+        # vLLM cuts its own tensor-parallel slices: its switch streams full tensors (tp_infer 1 for the gathers).
+        switch_tp = 1 if self.vllm_mode else tp_infer
         dtype = torch.bfloat16 if cfg.run.precision == "bf16" else torch.float32
         bucket_mb = cfg.reshard.bucket_mb
         self.switch = RolloutSwitch(
             self.policy,
             rank=self.rank,
             world=self.world_size,
-            tp_infer=tp_infer,
-            infer_group=infer_group,
+            tp_infer=switch_tp,
+            infer_group=infer_group if switch_tp > 1 else None,
             bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20),
             dtype=dtype,
             offload=offload_flags(cfg.reshard, self.device.type),
@@ -146,10 +152,40 @@ class ActorWorker(Worker):
 
     def sync_rollout_weights(self) -> int:
         """Enter the rollout layout: gather this rank's inference shard bucket by bucket, offload training
-        state (collective: all ranks call it together). Returns the inference shard's bytes."""
+        state (collective: all ranks call it together). Returns the inference shard's bytes. With
+        rollout.backend=vllm the buckets stream into this rank's vLLM engine instead, and the update is
+        checked against the trainer's own log-probs of the probe sequence (WeightSyncError)."""
+        if self.vllm_mode:
+            from dockrl.engines.rollout.vllm_backend import VllmBackend, probe_ids
+
+            engine = self._rollout_backend()
+            assert isinstance(engine, VllmBackend)
+            engine.wake_up()
+            ids = probe_ids(self.policy.args.vocab_size)
+            (reference,), _ = self.policy.logprobs(  # a collective forward: every rank runs it
+                [ids[:1]], [ids[1:]], temperature=1.0, micro_batch_size=1, pad_token_id=self.pad_token_id
+            )
+            self.weight_sync = self.switch.enter_into(lambda pairs: engine.load_weights(pairs, reference))
+            self.rollout_stale = False
+            return int(self.weight_sync["bytes"])
         self.switch.enter()
         self.rollout_stale = False
         return self.switch.inference_shard_bytes
+
+    def _rollout_backend(self) -> RolloutBackend:
+        """This rank's generation engine: the dockrl engine on the switch's inference model, or (rollout.
+        backend=vllm) an in-process vLLM engine, built once (its weights come with each sync)."""
+        if self.rollout_engine is None:
+            if self.vllm_mode:
+                from dockrl.engines.rollout.vllm_backend import VllmBackend, run_settings
+
+                settings = run_settings(self.cfg, self.policy.args, self.device.type, world=self.world_size)
+                self.rollout_engine = VllmBackend(settings, name=self.name)
+            else:
+                self.rollout_engine = step_engine(
+                    self.rollout_model, self.cfg, self.pad_token_id, self.tokenizer.decode
+                )
+        return self.rollout_engine
 
     def weight_sync_address(self) -> tuple[str, int]:
         """(address, port) where this rank (rank 0) hosts the weight-sync group of separate placement."""
@@ -176,7 +212,11 @@ class ActorWorker(Worker):
         self.rollout_stale = True
         free_kv = self.cfg.reshard.free_kv_cache
         if free_kv if free_kv is not None else self.device.type == "cuda":
-            self.rollout_engine = None  # its KV cache goes with it; rebuilt at the next generate
+            if self.vllm_mode:
+                if self.rollout_engine is not None:
+                    self.rollout_engine.sleep()  # type: ignore[attr-defined]  # vLLM: KV cache and weights freed
+            else:
+                self.rollout_engine = None  # its KV cache goes with it; rebuilt at the next generate
 
     def generate(self, step: int) -> GenerateResult:
         """Serve rollout rows from the dock through the continuous-batching engine until every row has a
@@ -185,13 +225,10 @@ class ActorWorker(Worker):
         if self.rollout_stale:
             self.sync_rollout_weights()
         reshard_s = time.perf_counter() - reshard_start
-        if self.rollout_engine is None:
-            self.rollout_engine = step_engine(
-                self.rollout_model, self.cfg, self.pad_token_id, self.tokenizer.decode
-            )
+        engine = self._rollout_backend()
         version = step - 1  # colocated rollout is on-policy: the weights after step - 1 updates
         stats = serve_step(
-            self.rollout_engine,
+            engine,
             self.rollout_client,
             self.cfg,
             step,
@@ -211,6 +248,7 @@ class ActorWorker(Worker):
             interrupted=stats["interrupted"],
             continued=stats["continued"],
             env=stats.get("env", {}),
+            weight_sync=self.weight_sync,
         )
 
     # ---- log-prob stages -----------------------------------------------------------------------
@@ -327,7 +365,7 @@ class ActorWorker(Worker):
 
         if not prompts:
             return []
-        engine = step_engine(self.rollout_model, self.cfg, self.pad_token_id, self.tokenizer.decode)
+        engine = self._rollout_backend()
         settings = env_settings(
             self.cfg.env,
             response_budget(self.cfg),
@@ -367,14 +405,17 @@ class ActorWorker(Worker):
             answers = self._evaluate_trajectories(prompts, self.rollout_client.broadcast(env_rows), params)
             self.leave_rollout()
             return answers if self.rollout_client.is_head else []
-        outs = generate(
-            self.rollout_model,
-            prompts,
-            params,
-            [0] * len(prompts),
-            pad_token_id=self.pad_token_id,
-            max_batch_size=self.cfg.rollout.max_batch_size,
-        )
+        if self.vllm_mode:
+            outs = generate_with(self._rollout_backend(), prompts, params, [0] * len(prompts))
+        else:
+            outs = generate(
+                self.rollout_model,
+                prompts,
+                params,
+                [0] * len(prompts),
+                pad_token_id=self.pad_token_id,
+                max_batch_size=self.cfg.rollout.max_batch_size,
+            )
         self.leave_rollout()
         return [o.token_ids.tolist() for o in outs] if self.rollout_client.is_head else []
 

@@ -40,6 +40,8 @@ class GenerateResult:
     interrupted: list[int] = field(default_factory=list)  # rollout.partial: rows cut at the pass's budget
     continued: int = 0  # rollout.partial: carried rows this pass continued
     env: dict[str, float] = field(default_factory=dict)  # multi-turn: summed env counters (multi_turn.py)
+    # rollout.backend=vllm: the weight update before this rollout (seconds, bytes, probe_abs_diff); {} otherwise
+    weight_sync: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from dockrl.config.schema import TrainConfig
 from dockrl.config.step_plan import StepPlan
 from dockrl.dock.choice import DockChoice
+from dockrl.engines.rollout.backend import RolloutBackend
 from dockrl.engines.rollout.dock_feed import serve_step, step_engine
 from dockrl.engines.rollout.replica_weights import ReplicaWeights
-from dockrl.engines.rollout.rollout_engine import RolloutEngine
 from dockrl.models.hf import read_config
 from dockrl.models.lora import LoraSpec
 from dockrl.models.tokenizer import Tokenizer, first_token_id, stop_token_ids
@@ -74,7 +74,9 @@ class RolloutWorker(Worker):
         self.pad_token_id = first_token_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
         self.stop_token_ids = stop_token_ids(self.tokenizer.eos_token_id, args.eos_token_id)
         self.replica_client = ReplicaClient(self.client, None, 0, 1)
-        self.engine: RolloutEngine | None = None
+        self.engine: RolloutBackend | None = None
+        self.engine_version = -1  # rollout.backend=vllm: the weight version the vLLM engine holds
+        self.weight_sync: dict[str, float] = {}
         return SetupResult(args.num_params(), str(self.device), self.where())
 
     def join_weight_sync(self, addr: str, port: int, world: int) -> None:
@@ -100,10 +102,9 @@ class RolloutWorker(Worker):
         self.weights.take(version, self.cfg.run.worker_timeout_s)
         try:
             start = time.perf_counter()
-            if self.engine is None:
-                self.engine = step_engine(self.model, self.cfg, self.pad_token_id, self.tokenizer.decode)
+            engine = self._engine(version)
             stats = serve_step(
-                self.engine,
+                engine,
                 self.replica_client,
                 self.cfg,
                 step,
@@ -124,7 +125,33 @@ class RolloutWorker(Worker):
             stats["interrupted"],
             stats["continued"],
             env=stats.get("env", {}),
+            weight_sync=self.weight_sync,
         )
+
+    def _engine(self, version: int) -> RolloutBackend:
+        """The replica's generation engine with the weights of `version` (taken): the dockrl engine on the
+        received buffers, or (rollout.backend=vllm) a vLLM engine loaded from them when the version changed,
+        checked against the received weights' own log-probs of the probe sequence (WeightSyncError)."""
+        if self.cfg.rollout.backend != "vllm":
+            if self.engine is None:
+                self.engine = step_engine(self.model, self.cfg, self.pad_token_id, self.tokenizer.decode)
+            return self.engine
+        from dockrl.engines.rollout.vllm_backend import VllmBackend, probe_ids, run_settings
+
+        if self.engine is None:
+            self.engine = VllmBackend(
+                run_settings(self.cfg, self.model.args, self.device.type), name=self.name
+            )
+        engine = self.engine
+        assert isinstance(engine, VllmBackend)
+        if self.engine_version != version:
+            ids = probe_ids(self.model.args.vocab_size)
+            with torch.no_grad():
+                logits = self.model(ids[None].to(self.device))[0, :-1].float()
+            reference = torch.log_softmax(logits, dim=-1).gather(-1, ids[1:, None].to(self.device))[:, 0]
+            self.weight_sync = engine.load_weights(self.weights.named_weights(), reference)
+            self.engine_version = version
+        return engine
 
 
 class RolloutGroup(WorkerGroup):

@@ -31,8 +31,9 @@ Lifecycle: built once in `ActorWorker.setup`; enter / exit alternate (rollout be
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,8 @@ from dockrl.models.decoder import Transformer
 from dockrl.models.tp_plan import local_args, shard_dim
 from dockrl.parallel.layout import Layout
 from dockrl.parallel.tensor_parallel import parallelize
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -178,16 +181,8 @@ class RolloutSwitch:
         baseline="streaming" run the benchmark's baselines (module docstring) instead of the bucketed gather."""
         assert not self.active, "enter() twice without exit()"
         start = time.perf_counter()
-        engine = self.engine
-        offloaded = 0
-        if engine.optimizer is not None and self.flags.grads:
-            engine.optimizer.zero_grad(set_to_none=True)
-        if engine.optimizer is not None and self.flags.optimizer:
-            offloaded += self.optimizer_swap.offload(_optimizer_tensors(engine.optimizer))
-        for module in engine.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-        train_params = dict(engine.model.named_parameters())
+        offloaded = self._prepare_enter()
+        train_params = dict(self.engine.model.named_parameters())
         if baseline == "streaming":
             assert self.engine.lora is None, "the streaming baseline does not merge LoRA adapters"
             self._enter_streaming(train_params)
@@ -207,6 +202,50 @@ class RolloutSwitch:
             self.buffers.append(buffer)
         del full
         return self._finish_enter(train_params, offloaded, start)
+
+    @torch.no_grad()
+    def enter_into(self, load: Callable[[Iterator[tuple[str, torch.Tensor]]], T]) -> T:
+        """Training -> an external inference engine (rollout.backend=vllm; a collective: every actor rank calls
+        it): as `enter`, but each bucket's (name, tensor) pairs go to `load` (which consumes them one at a time,
+        as vLLM's reload does) and the bucket is freed once they are taken; no inference model is kept here.
+        Needs full tensors in the buckets (tp_infer=1: the engine cuts its own tensor-parallel slices).
+        Returns what `load` returns."""
+        assert not self.active, "enter_into() twice without exit()"
+        assert self.infer_layout.tp == 1, "enter_into streams full tensors (build the switch with tp_infer=1)"
+        start = time.perf_counter()
+        offloaded = self._prepare_enter()
+        train_params = dict(self.engine.model.named_parameters())
+        result = load(self._stream(train_params))
+        self._finish_enter(train_params, offloaded, start)
+        return result
+
+    def _stream(self, train_params: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight, full and LoRA-merged, bucket by bucket: a bucket is gathered when its first tensor is
+        asked for and dropped when the next bucket's is."""
+        adapters = self._gather_adapters(train_params)
+        for bucket in self.buckets:
+            buffer = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+            views = []
+            for spec in bucket.specs:
+                view = buffer[spec.offset : spec.offset + spec.numel].view(spec.shape)
+                self._gather_into(spec, train_params[spec.name], view)
+                self._merge_adapter(spec, view, adapters)
+                views.append((spec.name, view))
+            yield from views
+            del views, buffer
+
+    def _prepare_enter(self) -> int:
+        """Drop grads, offload optimizer state, reshard FSDP modules; returns the bytes offloaded."""
+        engine = self.engine
+        offloaded = 0
+        if engine.optimizer is not None and self.flags.grads:
+            engine.optimizer.zero_grad(set_to_none=True)
+        if engine.optimizer is not None and self.flags.optimizer:
+            offloaded += self.optimizer_swap.offload(_optimizer_tensors(engine.optimizer))
+        for module in engine.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return offloaded
 
     def _finish_enter(self, train_params: dict, offloaded: int, start: float) -> dict[str, float]:
         if self.flags.params:

@@ -41,6 +41,6 @@ class RolloutBackend(Protocol):
         """True while a request waits or a sample runs."""
         ...
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
         """Make these (parameter name, full tensor) pairs the engine's weights; only while nothing runs."""
         ...

@@ -139,3 +139,15 @@ class ReplicaWeights:
         """The step that `take` started is done generating."""
         with self.arrived:
             self.generating = False
+
+    def named_weights(self):
+        """The live weights as (HF name, tensor) pairs, one at a time, LoRA adapters merged (W + s B A, one
+        layer's merge alive at a time): what a vLLM engine on this replica loads (rollout.backend=vllm)."""
+        from dockrl.models.lora import adapter_state, merge_into
+
+        adapters = adapter_state(self.model) if self.lora is not None else {}
+        scaling = self.lora.scaling if self.lora is not None else 1.0
+        for name, param in self.model.named_parameters():
+            if name.endswith((".lora_A", ".lora_B")):
+                continue
+            yield name, merge_into(name, param.detach(), adapters, scaling)

@@ -16,11 +16,12 @@ from collections.abc import Callable
 
 import torch
 
+from dockrl.engines.rollout.backend import RolloutBackend
 from dockrl.engines.rollout.rollout_engine import Generation, Request, RolloutEngine
 from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.models.decoder import Transformer
 
-__all__ = ["Generation", "SamplingParams", "generate"]
+__all__ = ["Generation", "SamplingParams", "generate", "generate_with"]
 
 
 @torch.no_grad()
@@ -60,3 +61,20 @@ def generate(
     for completion in engine.run():
         generations[completion.tag] = completion.generation
     return [generation for generation in generations if generation is not None]  # every prompt completes
+
+
+def generate_with(
+    engine: RolloutBackend, prompts: list[list[int]], params: SamplingParams, seeds: list[int]
+) -> list[Generation]:
+    """`generate` on an existing engine (any RolloutBackend, e.g. vLLM's): one completion per prompt, request i
+    seeded with seeds[i], results in the order of `prompts`. The engine must be idle."""
+    if len(seeds) != len(prompts):
+        raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one seed per prompt")
+    assert not engine.has_work(), "generate_with needs an idle engine"
+    for index, (prompt, seed) in enumerate(zip(prompts, seeds)):
+        engine.add(Request(list(prompt), [seed], params, tag=index))
+    generations: list[Generation | None] = [None] * len(prompts)
+    while engine.has_work():
+        for completion in engine.step():
+            generations[completion.tag] = completion.generation
+    return [generation for generation in generations if generation is not None]

