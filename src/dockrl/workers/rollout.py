@@ -144,6 +144,7 @@ class RolloutWorker(Worker):
             )
         engine = self.engine
         assert isinstance(engine, VllmBackend)
+        self.weight_sync = {}  # reported only by the step that loaded new weights
         if self.engine_version != version:
             ids = probe_ids(self.model.args.vocab_size)
             with torch.no_grad():

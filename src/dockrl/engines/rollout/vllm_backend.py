@@ -169,10 +169,10 @@ class VllmBackend:
         )
         if settings.executor is not None:
             kwargs["distributed_executor_backend"] = settings.executor
+        if settings.executor == "external_launcher":
+            _launcher_env(settings.device_type)
         if settings.kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = settings.kv_cache_bytes
-        if settings.data_parallel_size > 1:
-            kwargs["data_parallel_size"] = settings.data_parallel_size
         start = time.perf_counter()
         try:
             self.llm = LLM(**kwargs)
@@ -314,6 +314,16 @@ class VllmBackend:
         del self.llm, self.engine
 
 
+def _launcher_env(device_type: str) -> None:
+    """RANK and LOCAL_RANK, which vLLM's external launcher reads, from the torch.distributed group the engine
+    joins (LOCAL_RANK picks the device: a Ray GPU actor sees its one GPU as device 0)."""
+    import torch.distributed as dist
+
+    assert dist.is_initialized(), "the external launcher runs inside an initialized torch.distributed group"
+    os.environ["RANK"] = str(dist.get_rank())
+    os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if device_type == "cuda" else dist.get_rank())
+
+
 def probe_ids(vocab_size: int) -> torch.Tensor:
     """The fixed probe sequence: PROBE_TOKENS ids drawn from the vocabulary by a fixed generator."""
     generator = torch.Generator().manual_seed(20260507)
@@ -375,7 +385,6 @@ def run_settings(cfg: Any, args: Any, device_type: str, *, world: int = 1) -> Vl
         device_type=device_type,
         tp=roll.tp,
         executor="external_launcher" if world > 1 else None,
-        data_parallel_size=world // roll.tp if world > 1 else 1,
         seed=cfg.run.seed,
         probe_tol=roll.vllm_probe_tol,
         kv_cache_bytes=kv_cache_bytes(args, roll.max_batch_size, max_len, dtype)
