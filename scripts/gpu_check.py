@@ -30,6 +30,11 @@ Parts (one tiny random Qwen2-family model from `make_tiny`, shared by all of the
                           bytes before, in the rollout layout and after exit. Checks: the parameters are bitwise
                           the same after exit as before enter. Also reports the rollout model's logits against
                           a model built from the training weights (same dtype).
+    vllm_update           rollout.backend=vllm (vLLM 0.32.0 in process; skipped, ok, without it): an engine
+                          built without weights gets two different weight sets through `load_weights`, each
+                          checked on the probe sequence (WeightSyncError past the bound); greedy tokens against
+                          dockrl's engine (the share of tokens agreeing from the start: near ties may part them
+                          in bf16); tokens/s of both engines, seconds and MiB per update.
 
 Sizes: --quick uses a hidden-64, 2-layer model and a handful of short sequences (under ~30 s on a CPU);
 otherwise a hidden-1024, 8-layer model (~100M parameters) and 64 sequences of up to 256 new tokens. With
@@ -520,11 +525,128 @@ def part_switch_offload(ctx: Context) -> dict[str, Any]:
     }
 
 
+def part_vllm_update(ctx: Context) -> dict[str, Any]:
+    """rollout.backend=vllm in this process: two weight updates into a vLLM engine built without weights, each
+    checked on the probe sequence; greedy tokens against dockrl's engine on the same weights; a fresh engine's
+    outputs against the updated one's; tokens/s of both engines; seconds per update. Skipped (ok) when vLLM
+    0.32.0 is not installed."""
+    import time as _time
+
+    from dockrl.engines.rollout import Request, RolloutEngine, SamplingParams
+    from dockrl.engines.rollout.sampler import generate_with
+    from dockrl.engines.rollout.vllm_backend import (
+        PROBE_TOL,
+        VllmBackend,
+        VllmSettings,
+        kv_cache_bytes,
+        probe_ids,
+        vllm_problem,
+    )
+    from dockrl.models.hf import load_model
+    from dockrl.models.tiny import make_tiny, peaked_state_dict
+
+    problem = vllm_problem()
+    if problem is not None:
+        return {"ok": True, "skipped": problem}
+    s = ctx.sizes
+    # vLLM's CPU attention needs a head size of 32 or more: the quick model gets 2 heads of 32.
+    heads = 2 if s.hidden_size // s.num_heads < 32 else s.num_heads
+    path = make_tiny(
+        ctx.work / "vllm_model",
+        family="qwen2",
+        hidden_size=s.hidden_size,
+        num_layers=s.num_layers,
+        num_heads=heads,
+        num_kv_heads=min(s.num_kv_heads, heads),
+        seed=0,
+        max_position_embeddings=max(512, s.prompt_len + s.new_tokens),
+    )
+    max_len = s.prompt_len + s.new_tokens
+    model = load_model(path, device=ctx.device, dtype=ctx.dtype).eval()
+    settings = VllmSettings(
+        model_dir=str(path),
+        dtype=ctx.dtype,
+        max_model_len=max_len,
+        max_num_seqs=s.num_sequences,
+        memory_utilization=0.3,
+        device_type=ctx.device.type,
+        kv_cache_bytes=None if ctx.cuda else kv_cache_bytes(model.args, s.num_sequences, max_len, ctx.dtype),
+    )
+    start = _time.perf_counter()
+    engine = VllmBackend(settings, name="gpu_check")
+    out: dict[str, Any] = {
+        "build_s": _time.perf_counter() - start,
+        "dtype": str(ctx.dtype).removeprefix("torch."),
+    }
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, model.args.vocab_size, (s.num_sequences, s.prompt_len), generator=generator)
+    greedy = SamplingParams(max_new_tokens=s.new_tokens, temperature=0.0)
+    ids = probe_ids(model.args.vocab_size)
+    for seed in (1, 2):
+        weights = {k: v.to(ctx.device, ctx.dtype) for k, v in peaked_state_dict(path, seed).items()}
+        model.load_state_dict(weights, strict=False)
+        with torch.no_grad():
+            logits = model(ids[None].to(ctx.device))[0, :-1].float()
+        reference = torch.log_softmax(logits, -1).gather(-1, ids[1:, None].to(ctx.device))[:, 0]
+        report = engine.load_weights(weights.items(), reference)  # raises WeightSyncError past the bound
+        ours = generate_with(engine, prompts.tolist(), greedy, [0] * len(prompts))
+        own = RolloutEngine(model, num_slots=len(prompts), max_seq_len=max_len)
+        for i, prompt in enumerate(prompts.tolist()):
+            own.add(Request(prompt, [0], greedy, tag=i))
+        theirs = {c.tag: c.generation for c in own.run()}
+        agreed = [
+            _common_prefix(o.token_ids.tolist(), theirs[i].token_ids.tolist()) for i, o in enumerate(ours)
+        ]
+        out[f"update_{seed}"] = {
+            "seconds": report["seconds"],
+            "mb": report["bytes"] / 2**20,
+            "probe_abs_diff": report["probe_abs_diff"],
+            "greedy_prefix_agreement": sum(agreed) / (len(prompts) * s.new_tokens),
+            "sequences_identical": sum(a == s.new_tokens for a in agreed) / len(prompts),
+        }
+    fixed = [s.new_tokens] * s.num_sequences
+    sampled = SamplingParams(max_new_tokens=s.new_tokens, temperature=1.0)
+    seeds = list(range(len(prompts)))
+    vllm_s = _time_best(
+        ctx,
+        lambda n: generate_with(engine, prompts.tolist(), _limit(sampled, n), seeds),
+        s.new_tokens,
+        s.repeats,
+    )
+    dockrl_s = _time_best(
+        ctx,
+        lambda n: _generate_dockrl(model, prompts.to(ctx.device), [n] * len(prompts)),
+        s.new_tokens,
+        s.repeats,
+    )
+    out["tokens_per_s_vllm"] = sum(fixed) / vllm_s
+    out["tokens_per_s_dockrl"] = sum(fixed) / dockrl_s
+    out["probe_tol"] = PROBE_TOL[ctx.dtype]
+    engine.close()
+    out["ok"] = True
+    return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Tokens two sequences share from the start."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _limit(params, new_tokens: int):
+    import dataclasses
+
+    return dataclasses.replace(params, max_new_tokens=new_tokens)
+
+
 PARTS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "bf16_parity": part_bf16_parity,
     "dcp_round_trip": part_dcp_round_trip,
     "rollout_tokens_per_s": part_rollout_tokens_per_s,
     "switch_offload": part_switch_offload,
+    "vllm_update": part_vllm_update,
 }
 
 

