@@ -539,7 +539,6 @@ def part_vllm_update(ctx: Context) -> dict[str, Any]:
         VllmBackend,
         VllmSettings,
         kv_cache_bytes,
-        probe_ids,
         vllm_problem,
     )
     from dockrl.models.hf import load_model
@@ -581,7 +580,7 @@ def part_vllm_update(ctx: Context) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, model.args.vocab_size, (s.num_sequences, s.prompt_len), generator=generator)
     greedy = SamplingParams(max_new_tokens=s.new_tokens, temperature=0.0)
-    ids = probe_ids(model.args.vocab_size)
+    ids = engine.probe_ids()
     for seed in (1, 2):
         weights = {k: v.to(ctx.device, ctx.dtype) for k, v in peaked_state_dict(path, seed).items()}
         model.load_state_dict(weights, strict=False)
@@ -710,11 +709,16 @@ def main(argv: list[str] | None = None) -> int:
             work.mkdir(parents=True, exist_ok=True)
         device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
         ctx = Context(device=device, sizes=QUICK if args.quick else FULL, work=work)
-        records = [run_part(name, PARTS[name], ctx, stdout) for name in names]
+        records, ray_imported = [], False
+        for name in names:
+            records.append(run_part(name, PARTS[name], ctx, stdout))
+            # vLLM imports Ray when it finds it (it is on a CPU test machine, not the GPU one): only dockrl's
+            # own parts must not need it.
+            ray_imported = ray_imported or (name != "vllm_update" and "ray" in sys.modules)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     failed = [r["part"] for r in records if "error" in r or not r.get("ok", False)]
-    ray_imported = "ray" in sys.modules  # the GPU machine has no Ray: nothing here may need it
+    # the GPU machine has no Ray: nothing of dockrl's here may need it (ray_imported, set above)
     if ray_imported:
         failed.append("ray_imported")
     import transformers

@@ -2,7 +2,10 @@
 # GPU check for tensor-parallel training and the allgather-swap switch (issue 3), on one CUDA machine with NCCL.
 #   0. scripts/gpu_check.py (one process, torch + transformers only, no Ray): bf16 logit parity with
 #      transformers, DCP save/load round trip, rollout tokens/s vs transformers' generate, and the
-#      allgather-swap switch with offload; one JSON line per part, kept in $OUT/gpu_check.jsonl.
+#      allgather-swap switch with offload, and with vLLM 0.32.0 installed (pip install 'dockrl[vllm]') the vLLM
+#      backend's verified weight updates (vllm_update: two weight sets into an engine built without weights,
+#      each checked on the probe sequence, greedy tokens against dockrl's engine, tokens/s, seconds per
+#      update; skipped, ok, without vLLM); one JSON line per part, kept in $OUT/gpu_check.jsonl.
 #   1. dockrl bench reshard on CUDA: allocator peak of the bucketed vs the naive switch (needs >= 2 GPUs
 #      for tp/dp layouts; with 1 GPU it runs dp=1 tp=1 -> tp_infer=1).
 #   2. two GRPO steps of a tiny model through the CLI with actor.tp=2 -> rollout.tp=1 (needs 2 GPUs) or

@@ -36,7 +36,8 @@ def _model_with(path, weights):
 
 
 def _reference(model) -> torch.Tensor:
-    """The dockrl model's log-probs of the probe sequence (what the trainer sends with an update)."""
+    """The dockrl model's log-probs of the probe sequence (what the trainer sends with an update); the engines
+    here take 128 tokens, so the probe is whole."""
     ids = probe_ids(model.args.vocab_size)
     with torch.no_grad():
         logits = model(ids[None])[0, :-1].float()

@@ -156,12 +156,12 @@ class ActorWorker(Worker):
         rollout.backend=vllm the buckets stream into this rank's vLLM engine instead, and the update is
         checked against the trainer's own log-probs of the probe sequence (WeightSyncError)."""
         if self.vllm_mode:
-            from dockrl.engines.rollout.vllm_backend import VllmBackend, probe_ids
+            from dockrl.engines.rollout.vllm_backend import VllmBackend
 
             engine = self._rollout_backend()
             assert isinstance(engine, VllmBackend)
             engine.wake_up()
-            ids = probe_ids(self.policy.args.vocab_size)
+            ids = engine.probe_ids()
             (reference,), _ = self.policy.logprobs(  # a collective forward: every rank runs it
                 [ids[:1]], [ids[1:]], temperature=1.0, micro_batch_size=1, pad_token_id=self.pad_token_id
             )

@@ -136,7 +136,7 @@ class RolloutWorker(Worker):
             if self.engine is None:
                 self.engine = step_engine(self.model, self.cfg, self.pad_token_id, self.tokenizer.decode)
             return self.engine
-        from dockrl.engines.rollout.vllm_backend import VllmBackend, probe_ids, run_settings
+        from dockrl.engines.rollout.vllm_backend import VllmBackend, run_settings
 
         if self.engine is None:
             self.engine = VllmBackend(
@@ -146,7 +146,7 @@ class RolloutWorker(Worker):
         assert isinstance(engine, VllmBackend)
         self.weight_sync = {}  # reported only by the step that loaded new weights
         if self.engine_version != version:
-            ids = probe_ids(self.model.args.vocab_size)
+            ids = engine.probe_ids()
             with torch.no_grad():
                 logits = self.model(ids[None].to(self.device))[0, :-1].float()
             reference = torch.log_softmax(logits, dim=-1).gather(-1, ids[1:, None].to(self.device))[:, 0]

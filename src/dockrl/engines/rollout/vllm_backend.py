@@ -244,7 +244,7 @@ class VllmBackend:
         self, weights: Iterable[tuple[str, torch.Tensor]], reference: torch.Tensor | None = None
     ) -> dict[str, float]:
         """Make these (HF name, full tensor) pairs the engine's weights, consumed one at a time; then re-pack,
-        reset the prefix cache, and with `reference` (the reference's log-probs of probe_ids(vocab)[1:])
+        reset the prefix cache, and with `reference` (the reference's log-probs of self.probe_ids()[1:])
         check the update. Only while nothing runs. Returns seconds, bytes and the probe's difference."""
         assert not self._running, "load_weights while requests run"
         start = time.perf_counter()
@@ -263,6 +263,11 @@ class VllmBackend:
 
     # ---- verification -----------------------------------------------------------------------------
 
+    def probe_ids(self) -> torch.Tensor:
+        """The probe sequence this engine checks updates on: `probe_ids`, cut to fit max_model_len."""
+        vocab = self.llm.llm_engine.model_config.get_vocab_size()
+        return probe_ids(vocab)[: min(PROBE_TOKENS, self.settings.max_model_len - 1)]
+
     def probe_logprobs(self, ids: torch.Tensor) -> torch.Tensor:
         """vLLM's log-probs (temperature 1, fp32) of ids[1:] given the tokens before each."""
         from vllm import SamplingParams
@@ -277,7 +282,7 @@ class VllmBackend:
 
     def check_probe(self, reference: torch.Tensor) -> float:
         """Mean |vLLM - reference| log-prob over the probe's tokens; WeightSyncError above the bound."""
-        ids = probe_ids(self.llm.llm_engine.model_config.get_vocab_size())
+        ids = self.probe_ids()
         ours = self.probe_logprobs(ids)
         theirs = reference.to(torch.float32).cpu()
         diff = float((ours - theirs).abs().mean())
@@ -285,7 +290,7 @@ class VllmBackend:
         if not diff <= tol:  # also catches NaN
             raise WeightSyncError(
                 f"{self.name}: after weight update {self.stats['weight_updates']} vLLM's log-probs of the "
-                f"{PROBE_TOKENS}-token probe differ from the reference's by {diff:.3g} per token (mean), over "
+                f"{len(ids)}-token probe differ from the reference's by {diff:.3g} per token (mean), over "
                 f"the bound {tol:g} (rollout.vllm_probe_tol): the engine is not generating with the trainer's "
                 "weights"
             )
