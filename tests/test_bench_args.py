@@ -31,6 +31,15 @@ def test_bench_e2e_names_an_unknown_system():
         run(args)
 
 
+@pytest.mark.parametrize("engines", ["dockrl,sglang", "vllm,transformers"])
+def test_bench_rollout_names_its_engines(engines):
+    from dockrl.bench.rollout import run
+
+    args = build_parser().parse_args(["bench", "rollout", f"--engines={engines}"])
+    with pytest.raises(SystemExit, match=f"--engines={engines}: use dockrl and any of"):
+        run(args)
+
+
 def test_bench_kernels_times_every_variant_at_a_small_shape():
     """Figures, not assertions on them: every stage and op row is there, each variant against its first."""
     from dockrl.bench.kernels import run

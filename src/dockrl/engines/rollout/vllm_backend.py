@@ -116,10 +116,11 @@ class _NothingToLoad(logging.Filter):
 
 def quiet_env(device_type: str) -> None:
     """Environment vLLM reads at import: an in-process engine (no engine-core subprocess), no CPU thread pinning
-    (a Ray worker shares the host's cores with others), warnings only in the log. Set before the import."""
+    (a Ray worker shares the host's cores with others), warnings only, on stderr. Set before the import."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the commands' (--json) output
     if device_type == "cpu":
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
