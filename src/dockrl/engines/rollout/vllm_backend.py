@@ -120,7 +120,7 @@ def quiet_env(device_type: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the commands' (--json) output
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the commands' --json
     if device_type == "cpu":
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
