@@ -101,6 +101,8 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
         seed=args.seed,
         reward_model=args.reward_model,
         tools=args.tools,
+        num_experts=args.num_experts,
+        num_experts_per_tok=args.experts_per_token,
     )
     print(path)
     return 0
@@ -149,7 +151,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dockrl.recipes.demo import run_demo
 
-    summary = run_demo(args.out, overrides=args.overrides, seed=args.seed, task=args.task)
+    summary = run_demo(args.out, overrides=args.overrides, seed=args.seed, task=args.task, family=args.family)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -260,8 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("make-tiny", _cmd_make_tiny, "tiny random model + locally trained tokenizer (a HF directory)")
     p.add_argument("out")
-    p.add_argument("--family", default="qwen2", choices=["llama", "qwen2", "qwen3"])
+    p.add_argument("--family", default="qwen2", choices=["llama", "qwen2", "qwen3", "qwen3_moe"])
     p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe: experts per layer (default 8)")
+    p.add_argument(
+        "--experts-per-token", type=int, default=2, help="qwen3_moe: the router's top-k (default 2)"
+    )
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
@@ -317,6 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--seed", type=int, default=0, help="seeds the model's initialisation, the SFT order and the GRPO run"
+    )
+    p.add_argument(
+        "--family",
+        choices=["qwen2", "qwen3_moe"],
+        default="qwen2",
+        help="the tiny model: qwen2 (dense) or qwen3_moe (8 experts, 2 per token)",
     )
     p.add_argument("overrides", nargs="*", help="GRPO overrides, e.g. run.steps=5")
 

@@ -12,12 +12,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # mistral with sliding_window=None is architecturally a llama without biases.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 @dataclass
@@ -25,7 +30,7 @@ class ModelArgs:
     """Shape and numerics of one decoder-only transformer (see module docstring)."""
 
     family: str
-    """Architecture family: "llama" | "qwen2" | "qwen3"."""
+    """Architecture family: "llama" | "qwen2" | "qwen3" | "qwen3_moe"."""
     vocab_size: int
     """Rows of the embedding and of the LM head."""
     hidden_size: int
@@ -60,10 +65,26 @@ class ModelArgs:
     """End-of-sequence token(s), carried to and from config.json."""
     pad_token_id: int | None = None
     """Padding token, carried to and from config.json."""
+    num_experts: int = 0
+    """Mixture of experts (qwen3_moe): experts per MoE layer; 0 for a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (the router's top-k)."""
+    moe_intermediate_size: int = 0
+    """Width of one expert's SwiGLU MLP."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k router probabilities to sum to 1 (Qwen3-MoE does)."""
+    decoder_sparse_step: int = 1
+    """Layer i is an MoE layer when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers that keep a dense MLP of intermediate_size."""
+    router_aux_loss_coef: float = 0.001
+    """Weight of the router's load-balancing loss in Hugging Face's config (dockrl logs it; see actor.moe_aux_loss)."""
 
     def __post_init__(self) -> None:
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
         self._validate_shape()
         self._validate_family()
+        self._validate_moe()
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
 
     def _validate_shape(self) -> None:
@@ -87,12 +108,47 @@ class ModelArgs:
             raise ValueError(
                 "model family='qwen2' always has q/k/v bias in Hugging Face; set attention_bias=True"
             )
-        if self.qk_norm != (self.family == "qwen3"):
+        qwen3 = self.family in ("qwen3", "qwen3_moe")
+        if self.qk_norm != qwen3:
             raise ValueError(
                 f"model qk_norm={self.qk_norm} does not match family={self.family!r}: "
-                "Hugging Face applies q/k RMSNorm exactly for qwen3; set qk_norm="
-                f"{self.family == 'qwen3'}"
+                f"Hugging Face applies q/k RMSNorm exactly for qwen3 and qwen3_moe; set qk_norm={qwen3}"
             )
+
+    def _validate_moe(self) -> None:
+        if (self.family == "qwen3_moe") != (self.num_experts > 0):
+            raise ValueError(
+                f"model family={self.family!r} with num_experts={self.num_experts}: experts come with "
+                "family='qwen3_moe' (num_experts >= 2) and only with it"
+            )
+        if not self.is_moe:
+            return
+        if self.num_experts < 2 or not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"model num_experts={self.num_experts}, num_experts_per_tok={self.num_experts_per_tok}: use "
+                "num_experts >= 2 and 1 <= num_experts_per_tok <= num_experts"
+            )
+        if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+            raise ValueError(
+                f"model moe_intermediate_size={self.moe_intermediate_size}, decoder_sparse_step="
+                f"{self.decoder_sparse_step} must be >= 1"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer routes tokens to experts."""
+        return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` has experts (Hugging Face Qwen3-MoE's rule)."""
+        return (
+            self.is_moe and index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the MoE layers, in order."""
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
 
     @property
     def rope_type(self) -> str:
@@ -135,10 +191,11 @@ class ModelArgs:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=True if family == "qwen2" else cfg.get("attention_bias", False),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
+            **_read_moe(cfg, family),
         )
 
     def to_hf_config(self) -> dict:
@@ -179,6 +236,18 @@ class ModelArgs:
         else:
             cfg["use_sliding_window"] = False
             cfg["sliding_window"] = None
+        if self.is_moe:
+            cfg.update(
+                num_experts=self.num_experts,
+                num_local_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+                router_aux_loss_coef=self.router_aux_loss_coef,
+                output_router_logits=False,
+            )
         return cfg
 
     def num_params(self) -> int:
@@ -195,11 +264,15 @@ class ModelArgs:
             attention += hidden
         if self.qk_norm:
             attention += 2 * self.head_dim
-        mlp = 3 * hidden * self.intermediate_size
-        per_layer = attention + mlp + 2 * hidden
+        dense_mlp = 3 * hidden * self.intermediate_size
+        moe_mlp = self.num_experts * (
+            3 * hidden * self.moe_intermediate_size + hidden
+        )  # experts + router row
+        mlps = sum(moe_mlp if self.is_moe_layer(i) else dense_mlp for i in range(self.num_layers))
+        per_layer = attention + 2 * hidden
         embedding = self.vocab_size * hidden
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * hidden
-        return embedding + self.num_layers * per_layer + hidden + lm_head
+        return embedding + self.num_layers * per_layer + mlps + hidden + lm_head
 
     def to_dict(self) -> dict:
         """Plain dict of the fields (for logs and checkpoints metadata)."""
@@ -217,8 +290,24 @@ def _reject_unsupported_features(cfg: dict, model_type: str) -> None:
             f"config.json sliding_window={cfg['sliding_window']} is not supported for mistral; "
             "only sliding_window=null (full attention) is"
         )
-    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window", False):
         raise ValueError("config.json use_sliding_window=True is not supported; only full attention is")
+
+
+def _read_moe(cfg: dict, family: str) -> dict[str, Any]:
+    """The MoE fields of a qwen3_moe config.json ({} for a dense family)."""
+    if family != "qwen3_moe":
+        return {}
+    return {
+        # transformers 5 writes num_local_experts; the hub's Qwen3-MoE configs (and vLLM) say num_experts
+        "num_experts": cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"],
+        "num_experts_per_tok": cfg["num_experts_per_tok"],
+        "moe_intermediate_size": cfg["moe_intermediate_size"],
+        "norm_topk_prob": cfg.get("norm_topk_prob", True),
+        "decoder_sparse_step": cfg.get("decoder_sparse_step", 1),
+        "mlp_only_layers": tuple(cfg.get("mlp_only_layers") or ()),
+        "router_aux_loss_coef": cfg.get("router_aux_loss_coef", 0.001),
+    }
 
 
 def _read_rope(cfg: dict) -> tuple[float, dict | None]:

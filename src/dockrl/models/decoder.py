@@ -34,6 +34,7 @@ from torch import nn
 
 from dockrl.models.attention import causal_attention, sdpa
 from dockrl.models.config import ModelArgs
+from dockrl.models.moe import MoEBlock
 
 
 class KVCache:
@@ -196,10 +197,11 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(args)
-        self.mlp = MLP(args)
+        # Qwen3-MoE: experts on the layers ModelArgs.is_moe_layer names, a dense MLP on the others.
+        self.mlp: nn.Module = MoEBlock(args, index) if args.is_moe_layer(index) else MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -227,7 +229,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         # Plain attribute, not a buffer: survives meta-device init, to_empty() and load_state_dict().
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}

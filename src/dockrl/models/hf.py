@@ -11,11 +11,19 @@ this module only handles the directory layout:
 
 Tied embeddings: Hugging Face writes the shared matrix once, as ``model.embed_tokens.weight``; a tied
 checkpoint that still carries ``lm_head.weight`` loads with that entry dropped.
+
+Experts (Qwen3-MoE): dockrl's model holds each MoE layer's experts as two 3-D parameters,
+``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I] (transformers 5's in-memory
+layout); files hold one tensor per expert and projection, ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (the
+hub's Qwen3-MoE checkpoints, and what transformers and vLLM load). `CheckpointReader` presents the per-expert
+tensors of a file as the fused ones (reading only the experts a slice asks for), and `HFWriter` splits fused
+tensors back into per-expert ones as it writes.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,12 +110,34 @@ _SAFETENSORS_DTYPES = {
 _SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 
 
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$"
+)
+FUSED_EXPERT_SUFFIXES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+def split_experts(name: str, tensor: Tensor) -> list[tuple[str, Tensor]]:
+    """A fused expert tensor (module docstring) as its per-expert file tensors; any other tensor as itself."""
+    prefix, _, leaf = name.rpartition(".")
+    if not name.endswith(FUSED_EXPERT_SUFFIXES):
+        return [(name, tensor)]
+    out = []
+    for expert in range(tensor.shape[0]):
+        if leaf == "gate_up_proj":
+            gate, up = tensor[expert].chunk(2, dim=0)
+            out += [(f"{prefix}.{expert}.gate_proj.weight", gate), (f"{prefix}.{expert}.up_proj.weight", up)]
+        else:
+            out.append((f"{prefix}.{expert}.down_proj.weight", tensor[expert]))
+    return out
+
+
 class CheckpointReader:
     """Reads tensors, or slices of tensors, of a model directory without loading whole files.
 
     Only the headers are read up front (names, shapes, dtypes). `read(name, index)` opens the tensor's file,
     reads the requested slice and closes it again: safetensors memory-maps files, and mapped pages count as
-    resident memory for as long as the map lives, so no map outlives a read.
+    resident memory for as long as the map lives, so no map outlives a read. Per-expert tensors appear under
+    their fused names (module docstring).
     """
 
     def __init__(self, path: str | Path):
@@ -127,6 +157,38 @@ class CheckpointReader:
                 f"{self.path / WEIGHTS_INDEX_FILE} lists {len(absent)} tensors its shards lack, "
                 f"e.g. {absent[:_NUM_KEYS_SHOWN]}"
             )
+        self.fused: dict[str, list[list[str]]] = {}  # fused name -> per expert, the file tensors it stacks
+        self._fuse_experts()
+
+    def _fuse_experts(self) -> None:
+        """Present per-expert tensors under their fused names: gate_up_proj [E, 2I, H] (each expert's gate rows
+        then up rows), down_proj [E, H, I]."""
+        groups: dict[str, dict[int, dict[str, str]]] = {}
+        for name in list(self.shapes):
+            match = _PER_EXPERT.match(name)
+            if match is not None:
+                experts = groups.setdefault(match["prefix"], {})
+                experts.setdefault(int(match["expert"]), {})[match["proj"]] = name
+        for prefix, experts in groups.items():
+            count = len(experts)
+            if sorted(experts) != list(range(count)) or any(len(p) != 3 for p in experts.values()):
+                raise ValueError(
+                    f"{self.path}: the experts of {prefix} are incomplete (experts {sorted(experts)}, each needs "
+                    "gate_proj, up_proj and down_proj)"
+                )
+            gate_up = [[experts[e]["gate"], experts[e]["up"]] for e in range(count)]
+            down = [[experts[e]["down"]] for e in range(count)]
+            first_gate, first_down = gate_up[0][0], down[0][0]
+            rows, width = self.shapes[first_gate]
+            self.fused[f"{prefix}.gate_up_proj"] = gate_up
+            self.shapes[f"{prefix}.gate_up_proj"] = (count, 2 * rows, width)
+            self.fused[f"{prefix}.down_proj"] = down
+            self.shapes[f"{prefix}.down_proj"] = (count, *self.shapes[first_down])
+            for fused in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"):
+                parts = [n for per in self.fused[fused] for n in per]
+                self.dtypes[fused] = self.dtypes[parts[0]]
+                for part in parts:
+                    del self.shapes[part]
 
     def names(self) -> list[str]:
         """Every tensor name in the checkpoint (rotary buffers of old checkpoints excluded)."""
@@ -139,6 +201,12 @@ class CheckpointReader:
     def read(self, name: str, index: tuple[slice, ...] = ()) -> Tensor:
         """Tensor `name`, or its sub-block `index` (one slice per leading dim), as a CPU tensor (it may map
         the file until it is freed: copy it where it must outlive a short use)."""
+        if name in self.fused:
+            experts = range(self.shapes[name][0])[index[0] if index else slice(None)]
+            stacked = torch.stack(
+                [torch.cat([self.read(part) for part in self.fused[name][e]]) for e in experts]
+            )
+            return stacked[(slice(None), *index[1:])] if len(index) > 1 else stacked
         with safe_open(str(self.files[name]), framework="pt", device="cpu") as f:
             return f.get_slice(name)[index] if index else f.get_tensor(name)
 
@@ -304,7 +372,11 @@ class HFWriter:
     ):
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
-        self.path, self.args, self.specs = Path(path), args, dict(specs)
+        self.path, self.args = Path(path), args
+        self.specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for name, (shape, dtype) in specs.items():  # fused experts are written one tensor per expert
+            for part, meta in split_experts(name, torch.empty(shape, dtype=dtype, device="meta")):
+                self.specs[part] = (tuple(meta.shape), dtype)
         self.path.mkdir(parents=True, exist_ok=True)
         for stale in [*self.path.glob("model-*-of-*.safetensors"), self.path / WEIGHTS_FILE]:
             stale.unlink(missing_ok=True)
@@ -352,7 +424,12 @@ class HFWriter:
         self._remaining = list(self.shards[shard])
 
     def write(self, name: str, tensor: Tensor) -> None:
-        """Write the next planned tensor (a CPU tensor of its planned shape and dtype)."""
+        """Write the next planned tensor (a CPU tensor of its planned shape and dtype; a fused expert tensor as
+        its per-expert parts)."""
+        if name.endswith(FUSED_EXPERT_SUFFIXES):
+            for part, piece in split_experts(name, tensor):
+                self.write(part, piece)
+            return
         expected = self._order[self._next]
         shape, dtype = self.specs[expected]
         if name != expected or tuple(tensor.shape) != shape or tensor.dtype != dtype:

@@ -13,6 +13,7 @@ import json
 import random
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
@@ -67,7 +68,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-_FAMILIES = ("llama", "qwen2", "qwen3")
+_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 _SUBJECTS = (
     "the cat",
     "a small dog",
@@ -227,6 +228,9 @@ def make_tiny(
     max_position_embeddings: int = 512,
     reward_model: bool = False,
     tools: bool = False,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int | None = None,
 ) -> Path:
     """Write a tiny random ``family`` model and its tokenizer to ``out_dir``; returns the directory.
 
@@ -236,6 +240,8 @@ def make_tiny(
     causal LM (same decoder shape and tokenizer, so it reads the policy's token ids as they are).
     ``tools`` trains the tokenizer on tool calls too and adds Qwen2.5's ``<tool_call>`` markers as single
     tokens (TOOL_TOKENS), as a real Qwen vocabulary has them: a call then costs ~20 tokens instead of ~70.
+    ``family="qwen3_moe"``: every layer routes each token to ``num_experts_per_tok`` of ``num_experts`` experts
+    of width ``moe_intermediate_size`` (default hidden_size); the other families ignore the three.
     """
     if family not in _FAMILIES:
         raise ValueError(f"make_tiny family={family!r} is not supported; use one of {_FAMILIES}")
@@ -253,6 +259,12 @@ def make_tiny(
             json.dump(tokenizer_config(backend, max_position_embeddings, added), f, indent=2)
             f.write("\n")
         tokenizer = Tokenizer.from_dir(tokenizer_dir)
+        moe: dict[str, Any] = {}
+        if family == "qwen3_moe":
+            width = moe_intermediate_size or hidden_size
+            moe = dict(
+                num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=width
+            )
         args = ModelArgs(
             family=family,
             vocab_size=tokenizer.vocab_size,
@@ -265,10 +277,11 @@ def make_tiny(
             max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=family != "llama",
             attention_bias=family == "qwen2",
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
+            **moe,
         )
         if reward_model:
             scorer = RewardModel(args)

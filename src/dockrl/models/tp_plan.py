@@ -52,6 +52,11 @@ def shard_range(size: int, rank: int, num_shards: int) -> tuple[int, int]:
 
 def tp_problem(args: ModelArgs, tp: int) -> str | None:
     """Why `args` cannot be split `tp` ways, or None when it can."""
+    if args.is_moe and tp > 1:
+        return (
+            f"model family={args.family!r} has experts, and tensor parallelism of MoE layers is not built yet "
+            "(experts and router are replicated); use 1"
+        )
     sizes = {
         "num_heads": args.num_heads,
         "num_kv_heads": args.num_kv_heads,
@@ -66,6 +71,8 @@ def tp_problem(args: ModelArgs, tp: int) -> str | None:
 
 def valid_tp_sizes(args: ModelArgs) -> list[int]:
     """Every tensor-parallel degree this model can be split into."""
+    if args.is_moe:
+        return [1]
     sizes = (args.num_heads, args.num_kv_heads, args.vocab_size, args.intermediate_size)
     return [d for d in range(1, args.num_kv_heads + 1) if all(s % d == 0 for s in sizes)]
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dockrl.models.decoder import RMSNorm, Transformer
+from dockrl.models.decoder import MLP, RMSNorm, Transformer
 from dockrl.models.lora import LoRALinear
 from dockrl.models.tp_plan import shard_range, tp_problem
 
@@ -171,6 +171,9 @@ def parallelize(
 
     for layer in model.decoder_layers():
         attn, mlp = layer.self_attn, layer.mlp
+        assert isinstance(mlp, MLP), (
+            "tensor parallelism of MoE layers is not built (config.tp_problem refuses it)"
+        )
         for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
             _shard_linear_rows(linear, tp_rank, tp_size, group)
         # The parallel modules replace the plain ones in place (same call signature, sharded weights).

@@ -39,6 +39,10 @@ TASK: dict[str, Any] = dict(num_train=160, num_test=40, max_operand=9, teacher_e
 MODEL: dict[str, Any] = dict(
     family="qwen2", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512
 )
+# `--family qwen3_moe`: the same shape with every MLP a mixture of 8 experts of width 128, 2 per token.
+MOE_MODEL: dict[str, Any] = dict(
+    MODEL, family="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128
+)
 
 
 # `--task tools`: three-digit multiplication, which the tiny model cannot do alone, with a calculator. First
@@ -77,13 +81,17 @@ def run_demo(
     overrides: list[str] | None = None,
     seed: int = 0,
     task: str = "arithmetic",
+    family: str = "qwen2",
 ) -> dict[str, Any]:
     """Run the whole demo; returns (and writes to out_dir/summary.json) accuracies and wall time. `seed` seeds
     the tiny model's initialisation, the SFT order and the GRPO run (sampling, data order); the task and its
     held-out split stay the same, so runs with different seeds score the same 40 problems. `task`:
-    arithmetic (single-turn) or tools (multi-turn with the calculator; accuracies are of whole trajectories)."""
+    arithmetic (single-turn) or tools (multi-turn with the calculator; accuracies are of whole trajectories).
+    `family`: qwen2 (dense) or qwen3_moe (MOE_MODEL)."""
     if task not in TASK_CONFIGS:
         raise ValueError(f"--task {task!r}: use one of {sorted(TASK_CONFIGS)}")
+    if family not in ("qwen2", "qwen3_moe"):
+        raise ValueError(f"--family {family!r}: use qwen2 or qwen3_moe")
     sft_config, grpo_config = TASK_CONFIGS[task]
     start = time.perf_counter()
     out = Path(out_dir)
@@ -94,7 +102,8 @@ def run_demo(
         elif target.exists():
             target.unlink()
     data = write_task("arithmetic", out / "data", seed=0, **(TOOL_TASK if task == "tools" else TASK))
-    model_dir = make_tiny(out / "tiny-model", seed=seed, tools=task == "tools", **MODEL)
+    shape = MOE_MODEL if family == "qwen3_moe" else MODEL
+    model_dir = make_tiny(out / "tiny-model", seed=seed, tools=task == "tools", **shape)
     log.info("demo: data in %s, tiny model in %s", out / "data", model_dir)
 
     def sft_stage(config: str, model: str | Path, train_path: Path, name: str) -> dict[str, Any]:

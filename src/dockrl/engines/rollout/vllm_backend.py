@@ -352,15 +352,18 @@ def probe_ids(vocab_size: int) -> torch.Tensor:
 
 
 class _Counted:
-    """An iterable of (name, tensor) pairs that counts the bytes passed through."""
+    """An iterable of (name, tensor) pairs that counts the bytes passed through; fused expert tensors go out as
+    the per-expert checkpoint tensors vLLM's loaders read (`models.hf.split_experts`)."""
 
     def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]]):
         self.pairs, self.bytes = pairs, 0
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from dockrl.models.hf import split_experts
+
         for name, tensor in self.pairs:
             self.bytes += tensor.numel() * tensor.element_size()
-            yield name, tensor
+            yield from split_experts(name, tensor)
 
 
 def _generation(completion: Any) -> Generation:

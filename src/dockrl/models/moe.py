@@ -1,0 +1,160 @@
+"""Mixture-of-experts MLP of the Qwen3-MoE family, numerically matching transformers' `Qwen3MoeSparseMoeBlock`.
+
+```
+ x [N, H] ─ gate (router, nn.Linear H -> E) ─ softmax (fp32) ─ top-k (values, experts) ─ renormalise (norm_topk_prob)
+          └─ experts: the N*k (token, expert) pairs sorted by expert; one SwiGLU matmul chain per expert over its
+             tokens; each output times its routing weight; summed back per token (index_add, expert order)
+```
+
+Parameter layout (transformers 5's, in memory): `mlp.gate.weight` [E, H], `mlp.experts.gate_up_proj`
+[E, 2I, H] (gate rows first, then up), `mlp.experts.down_proj` [E, H, I]. Checkpoints on disk (the hub's
+Qwen3-MoE files, and what dockrl writes) keep one tensor per expert and projection,
+`mlp.experts.{e}.{gate,up,down}_proj.weight`; `dockrl.models.hf` converts between the two (`fuse_experts`,
+`split_experts`).
+
+Routing replay (`Routing`): a forward run inside `routing(model, Routing(...))` can record each MoE layer's
+top-k experts and/or replay given ones; replayed experts are weighted by this model's own router probabilities
+over them (renormalised like the top-k), so gradients still reach the router.
+
+Shape letters: N tokens (batch x time, flattened), H hidden size, E experts, k experts per token, I expert width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dockrl.models.config import ModelArgs
+
+
+@dataclass
+class Routing:
+    """What the MoE layers of the forwards run under `routing(model, ...)` do with their top-k choices.
+
+    replay: MoE layer index -> experts [B, T, k] (int) to use instead of the router's top-k.
+    record: keep each layer's chosen experts [B, T, k] (after replay: what was used) in `recorded`, and the
+        router's own top-k in `routed` (they differ only under replay).
+    """
+
+    replay: dict[int, torch.Tensor] | None = None
+    record: bool = False
+    recorded: dict[int, torch.Tensor] = field(default_factory=dict)
+    routed: dict[int, torch.Tensor] = field(default_factory=dict)
+    router_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    keep_logits: bool = False
+
+    def choose(self, layer: int, top: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """The experts layer `layer` uses for its tokens: top [N, k] (the router's), or the replayed ones."""
+        used = top
+        if self.replay is not None and layer in self.replay:
+            used = self.replay[layer].reshape(top.shape).to(top.device, torch.int64)
+        if self.record:
+            self.recorded[layer] = used.reshape(*shape, -1).detach()
+            self.routed[layer] = top.reshape(*shape, -1).detach()
+        return used
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as two 3-D parameters (see the module docstring)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        experts, hidden, width = args.num_experts, args.hidden_size, args.moe_intermediate_size
+        self.num_experts = experts
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, width))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H], experts [N, k] (int), weights [N, k] -> [N, H]: sum over k of weight x expert(x)."""
+        num_tokens, top_k = experts.shape
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens ascending
+        tokens = order // top_k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        gathered = x[tokens]  # [N*k, H]
+        pieces = []
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = gathered[start : start + count]
+            gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            pieces.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
+            start += count
+        out = torch.cat(pieces) if pieces else gathered[:0]
+        out = out * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype))
+
+    def expert_load(self, experts: torch.Tensor) -> torch.Tensor:
+        """Tokens per expert [E] for routed experts [..., k]."""
+        return torch.bincount(experts.reshape(-1), minlength=self.num_experts)
+
+
+class MoEBlock(nn.Module):
+    """Router + experts at a decoder layer's `mlp` (transformers' Qwen3MoeSparseMoeBlock)."""
+
+    def __init__(self, args: ModelArgs, layer: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.experts = Experts(args)
+        self.top_k = args.num_experts_per_tok
+        self.norm_topk_prob = args.norm_topk_prob
+        self.layer = layer
+        self.routing: Routing | None = None  # set by `routing(model, ...)` for the forwards inside it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]."""
+        batch, time, hidden = x.shape
+        flat = x.reshape(-1, hidden)
+        logits = self.gate(flat)  # [N, E]
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        top_values, top = torch.topk(probs, self.top_k, dim=-1)
+        routing = self.routing
+        if routing is not None:
+            if routing.keep_logits:
+                routing.router_logits[self.layer] = logits
+            used = routing.choose(self.layer, top, (batch, time))
+            if used is not top:
+                top, top_values = used, probs.gather(-1, used)
+        if self.norm_topk_prob:
+            top_values = top_values / top_values.sum(dim=-1, keepdim=True)
+        out = self.experts(flat, top, top_values.to(logits.dtype))
+        return out.reshape(batch, time, hidden)
+
+
+def moe_blocks(model: nn.Module) -> list[MoEBlock]:
+    """The model's MoE blocks, in layer order."""
+    return [m for m in model.modules() if isinstance(m, MoEBlock)]
+
+
+@contextmanager
+def routing(model: nn.Module, state: Routing) -> Iterator[Routing]:
+    """Run the model's forwards inside with `state` recording and/or replaying routes (module docstring)."""
+    blocks = moe_blocks(model)
+    for block in blocks:
+        block.routing = state
+    try:
+        yield state
+    finally:
+        for block in blocks:
+            block.routing = None
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int, num_experts: int) -> torch.Tensor:
+    """The Switch/GShard auxiliary loss transformers' Qwen3-MoE uses (no padding mask): E x sum_e (share of
+    top-k assignments to e) x (mean router probability of e), over the tokens of all layers together."""
+    tokens_per_expert = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
+    prob_per_expert = torch.zeros_like(tokens_per_expert)
+    rows = 0
+    for logits in router_logits:
+        probs = F.softmax(logits.float(), dim=-1)
+        _, chosen = torch.topk(probs, top_k, dim=-1)
+        tokens_per_expert = tokens_per_expert + torch.bincount(chosen.reshape(-1), minlength=num_experts)
+        prob_per_expert = prob_per_expert + probs.sum(dim=0)
+        rows += probs.shape[0]
+    return num_experts * torch.sum((tokens_per_expert / rows) * (prob_per_expert / rows))
