@@ -214,3 +214,101 @@ def test_moe_config_errors():
         ModelArgs(**{**read_args().to_dict(), "family": "qwen3", "num_experts": 8})
     with pytest.raises(ValueError, match="num_experts_per_tok=9"):
         ModelArgs(**{**read_args().to_dict(), "num_experts_per_tok": 9})
+
+
+def _rollout(model, prompts, new_tokens=6):
+    from dockrl.engines.rollout.rollout_engine import Request, RolloutEngine
+    from dockrl.engines.rollout.sampling import SamplingParams
+
+    engine = RolloutEngine(model, num_slots=3, max_seq_len=64, record_routes=True)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
+    for i, prompt in enumerate(prompts):
+        engine.add(Request(prompt, [i, i + 10], params, tag=i))  # two samples share each prefill
+    return {(c.tag, c.sample): (prompts[c.tag], c.generation) for c in engine.run()}
+
+
+def _teacher_forced(model, prompt, tokens):
+    """Routes and log-probs of prompt + tokens in one forward, with each MoE layer's top-k margin (k-th minus
+    (k+1)-th router probability) per position."""
+    ids = torch.tensor(prompt + tokens)[None]
+    margins = {}
+
+    def keep(block):
+        def hook(module, args, output):
+            probs = torch.softmax(output.float(), dim=-1).sort(dim=-1, descending=True).values
+            margins[block.layer] = probs[:, TOP_K - 1] - probs[:, TOP_K]
+
+        return block.gate.register_forward_hook(hook)
+
+    handles = [keep(block) for block in moe_blocks(model)]
+    with torch.no_grad(), routing(model, Routing(record=True)) as seen:
+        logits = model(ids)[0].float()
+    for handle in handles:
+        handle.remove()
+    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(-1, torch.tensor(tokens)[:, None])[
+        :, 0
+    ]
+    return seen, margins, logprobs
+
+
+def test_rollout_records_the_routes_of_every_fed_token():
+    model = _moe_model()
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
+    checked = 0
+    for (tag, _), (prompt, gen) in _rollout(model, prompts).items():
+        tokens = gen.token_ids.tolist()
+        assert gen.routes.dtype == torch.int16 and gen.routes.shape == (
+            len(prompt) + len(tokens) - 1,
+            2,
+            TOP_K,
+        )
+        seen, margins, _ = _teacher_forced(model, prompt, tokens)
+        for j, layer in enumerate(model.args.moe_layers):
+            ours = gen.routes[:, j].long().sort(dim=-1).values
+            full = seen.recorded[layer][0, :-1].sort(dim=-1).values  # the last token is never fed
+            clear = margins[layer][:-1] > 1e-4  # cached decode vs one forward: fp32 rounding, ~1e-7
+            assert torch.equal(ours[clear], full[clear]), (tag, layer)
+            checked += int(clear.sum())
+    assert checked > 0.9 * sum(len(p) + 5 for p in prompts) * 2 * 2  # nearly every position is clear
+
+
+def test_replay_gives_the_rollouts_log_probs_where_routers_disagree():
+    """A trainer whose router differs a little from the rollout's (as different kernels' rounding makes it):
+    with the rollout's routes replayed its log-probs stay within the perturbation's reach of the rollout's;
+    routing on its own, the tokens whose experts flipped move much further."""
+    rollout_model = _moe_model()
+    trainer = _moe_model()
+    eps = 2e-2
+    generator = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for block in moe_blocks(trainer):
+            block.gate.weight.mul_(1 + eps * torch.randn(block.gate.weight.shape, generator=generator))
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
+    replayed_gap, own_gap, flipped = 0.0, 0.0, 0
+    for (_, _), (prompt, gen) in _rollout(rollout_model, prompts, new_tokens=8).items():
+        tokens = gen.token_ids.tolist()
+        replay = {
+            layer: torch.cat([gen.routes[:, j].long(), torch.arange(TOP_K)[None]])[None]
+            for j, layer in enumerate(rollout_model.args.moe_layers)
+        }
+        ids = torch.tensor(prompt + tokens)[None]
+        with torch.no_grad(), routing(trainer, Routing(replay=replay, record=True)) as seen:
+            logits = trainer(ids)[0].float()
+        lp_replay = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(
+            -1, torch.tensor(tokens)[:, None]
+        )
+        _, _, lp_own = _teacher_forced(trainer, prompt, tokens)
+        replayed_gap = max(replayed_gap, float((lp_replay[:, 0] - gen.logprobs).abs().max()))
+        own_gap = max(own_gap, float((lp_own - gen.logprobs).abs().max()))
+        flipped += sum(
+            int(
+                (seen.routed[layer][0, :-1].sort(-1).values != seen.recorded[layer][0, :-1].sort(-1).values)
+                .any(-1)
+                .sum()
+            )
+            for layer in rollout_model.args.moe_layers
+        )
+    assert flipped > 0  # the perturbation did change some routes
+    # replayed: only the gate weights of the same experts moved, by ~eps relative: the gap stays of order eps
+    assert replayed_gap < 2 * eps
+    assert own_gap > 2 * replayed_gap  # routing on its own, the flipped experts dominate

@@ -316,6 +316,14 @@ class AlgoConfig:
     critic_warmup_steps: int = setting(
         0, "PPO: the first this-many RL steps train only the critic; the actor does not update."
     )
+    routing_replay: Literal["none", "r3"] = setting(
+        "none",
+        "MoE models: r3 (rollout routing replay) makes the reference, old-log-prob and update passes use the "
+        "experts the rollout routed each token to (weighted by the trainer's own router over them), so "
+        "rollout and trainer compute the same experts where rounding makes their routers disagree; none lets "
+        "the trainer route (moe/routing_agreement measures how often the two agree).",
+        noun="routing replay",
+    )
     rollout_is: Literal["none", "tis", "decoupled"] = setting(
         "none",
         "Correct for the policy that sampled the rows (the rollout engine's, possibly stale weights) differing "

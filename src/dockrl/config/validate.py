@@ -231,6 +231,22 @@ def _check_layouts(cfg: TrainConfig) -> None:
             "rollout.max_staleness=0",
         )
     algo = cfg.algo
+    if algo.routing_replay == "r3":
+        if roll.backend != "dockrl":
+            raise config_error(
+                "algo.routing_replay",
+                "r3",
+                f"replays the experts dockrl's rollout engine records; rollout.backend={roll.backend} does not "
+                "record them yet (vLLM 0.32's enable_return_routed_experts is not wired in)",
+                "use rollout.backend=dockrl, or algo.routing_replay=none",
+            )
+        if cfg.env.name is not None:
+            raise config_error(
+                "algo.routing_replay",
+                "r3",
+                "multi-turn trajectories (env.name) do not carry the experts of their observation tokens yet",
+                "use algo.routing_replay=none with env.name",
+            )
     if algo.old_logprobs == "rollout":
         if algo.kl_in_reward or algo.rollout_is != "none":
             what = "algo.kl_in_reward" if algo.kl_in_reward else f"algo.rollout_is={algo.rollout_is}"

@@ -122,6 +122,16 @@ PARTIAL_VERSIONS = _declare(
     "rollout.partial: their policy versions (one pass per version, so their count of distinct values is the "
     "row's passes so far)",
 )
+ROUTED_EXPERTS = _declare(
+    "routed_experts",
+    "int16",
+    "sequence token",
+    (Stage.ROLLOUT,),
+    (Stage.REFERENCE, Stage.OLD_LOGPROBS, Stage.UPDATE),
+    "MoE models: [P + R - 1, L, k], the experts each of the L MoE layers routed every token the rollout fed "
+    "(prompt, then the response but its last token) to; algo.routing_replay=r3 replays them in the trainer's "
+    "passes, and without it they measure moe/routing_agreement",
+)
 LOSS_MASK = _declare(
     "loss_mask",
     "float32",

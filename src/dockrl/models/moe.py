@@ -127,6 +127,47 @@ class MoEBlock(nn.Module):
         return out.reshape(batch, time, hidden)
 
 
+@dataclass
+class RoutingStats:
+    """How often the trainer's router chose the rollout's experts (the same top-k set at a position), and the
+    tokens each expert got, summed over forwards (MoE layers together)."""
+
+    agree: float
+    total: float
+    load: torch.Tensor  # [E] float64
+
+    @classmethod
+    def empty(cls, args: ModelArgs) -> RoutingStats | None:
+        """Zeros for an MoE model; None for a dense one."""
+        return cls(0.0, 0.0, torch.zeros(args.num_experts, dtype=torch.float64)) if args.is_moe else None
+
+    def add(self, seen: Routing, given: dict[int, torch.Tensor], mask: torch.Tensor) -> None:
+        """Count the positions `mask` [B, T] marks: the trainer router's own top-k (`seen.routed`) against the
+        rollout's `given` experts, and the experts the forward used (`seen.recorded`) into the load."""
+        for layer, own in seen.routed.items():
+            theirs = given[layer].to(own.device)
+            same = (own.sort(dim=-1).values == theirs.sort(dim=-1).values).all(dim=-1) & mask
+            self.agree += float(same.sum())
+            self.total += float(mask.sum())
+            used = seen.recorded[layer][mask].reshape(-1).cpu()
+            self.load += torch.bincount(used, minlength=self.load.numel()).double()
+
+    def as_tensor(self) -> torch.Tensor:
+        """[agree, total, load...] float64, for an all-reduce over ranks."""
+        return torch.cat([torch.tensor([self.agree, self.total], dtype=torch.float64), self.load])
+
+
+def routing_metrics(summed: torch.Tensor) -> dict[str, float]:
+    """moe/routing_agreement (share of positions whose top-k sets agree) and moe/expert_load (max / mean tokens
+    per expert) from `RoutingStats.as_tensor()` summed over ranks."""
+    agree, total, load = float(summed[0]), float(summed[1]), summed[2:]
+    mean = float(load.mean())
+    return {
+        "moe/routing_agreement": agree / total if total else float("nan"),
+        "moe/expert_load": float(load.max()) / mean if mean else float("nan"),
+    }
+
+
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
     """The model's MoE blocks, in layer order."""
     return [m for m in model.modules() if isinstance(m, MoEBlock)]

@@ -365,6 +365,13 @@ def _check_model_layouts(cfg: TrainConfig) -> None:
 
     actor, roll, reshard = cfg.actor, cfg.rollout, cfg.reshard
     args = read_config(cfg.model.path)
+    if cfg.algo.routing_replay == "r3" and not args.is_moe:
+        raise config_error(
+            "algo.routing_replay",
+            "r3",
+            f"replays experts, and model.path={cfg.model.path} is a dense {args.family} model",
+            "use algo.routing_replay=none, or a qwen3_moe model",
+        )
     for key, value in (("actor.tp", actor.tp), ("rollout.tp", roll.tp)):
         problem = tp_problem(args, value)
         if problem is not None:

@@ -35,6 +35,7 @@ from dockrl.dock.columns import (
     REF_LOGPROBS,
     RESPONSE_IDS,
     ROLLOUT_LOGPROBS,
+    ROUTED_EXPERTS,
     UPDATE_WEIGHT,
 )
 from dockrl.dock.stages import Stage
@@ -52,7 +53,7 @@ from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.results import GenerateResult, LogprobResult, SetupResult, UpdateResult
 
 # Measured on the first mini-batch of an update (see ActorWorker.update).
-MISMATCH_METRICS = ("rollout/logprob_abs_diff", "rollout/kl")
+MISMATCH_METRICS = ("rollout/logprob_abs_diff", "rollout/kl", "moe/routing_agreement", "moe/expert_load")
 
 
 class ActorWorker(Worker):
@@ -109,6 +110,11 @@ class ActorWorker(Worker):
         self.tokenizer = Tokenizer.from_dir(cfg.model.path)
         self.pad_token_id = first_token_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
         self.stop_token_ids = stop_token_ids(self.tokenizer.eos_token_id, self.policy.args.eos_token_id)
+        # MoE: the rollout records each token's experts (dockrl's engine, single-turn) into routed_experts
+        self.routes_column = (
+            self.policy.args.is_moe and cfg.rollout.backend == "dockrl" and cfg.env.name is None
+        )
+        self.replay_routes = self.routes_column and cfg.algo.routing_replay == "r3"
         return SetupResult(self.policy.args.num_params(), str(self.device), self.where())
 
     def _lora_args(self) -> dict:
@@ -267,7 +273,7 @@ class ActorWorker(Worker):
 
     def _logprob_stage(self, stage: Stage, engine: TrainEngine, column: str) -> LogprobResult:
         # The dp ranks of a stage get near-equal token counts (length balance, dock.policies.balanced_partition).
-        columns = [PROMPT_IDS, RESPONSE_IDS]
+        columns = [PROMPT_IDS, RESPONSE_IDS] + ([ROUTED_EXPERTS] if self.replay_routes else [])
         got = self.train_client.get(stage, columns, self.rows_per_rank, balance_over=self.dp)
         rows, batch = got if got is not None else _no_rows(columns)  # rollout.partial: fewer rows than ranks
         logps, _ = engine.logprobs(
@@ -277,6 +283,8 @@ class ActorWorker(Worker):
             micro_batch_size=self.cfg.actor.micro_batch_size,
             max_tokens_per_micro_batch=self.cfg.actor.max_tokens_per_micro_batch,
             pad_token_id=self.pad_token_id,
+            routes=batch.get(ROUTED_EXPERTS),  # algo.routing_replay=r3: the rollout's experts
+            replay=self.replay_routes,
         )
         if rows:
             self.train_client.put(stage, rows, {column: logps})
@@ -291,6 +299,7 @@ class ActorWorker(Worker):
         columns += [REF_LOGPROBS] if use_ref else []
         columns += [] if self.plan.single_update or self.plan.old_from_rollout else [OLD_LOGPROBS]
         columns += [LOSS_MASK] if self.plan.multi_turn else []
+        columns += [ROUTED_EXPERTS] if self.routes_column else []
         # REINFORCE++'s KL in the reward reads the sampling policy's log-probs even when the update is
         # on-policy (the loss then keeps ratio 1 exactly: it does not read them).
         extra = [OLD_LOGPROBS] if self.plan.actor_shapes_kl and OLD_LOGPROBS not in columns else []
@@ -302,7 +311,7 @@ class ActorWorker(Worker):
         if self.plan.whiten:
             batch[ADVANTAGES] = whiten_rows(batch[ADVANTAGES], self.policy.dp_group, batch[UPDATE_WEIGHT])
         per_token_names = [
-            c for c in columns if c not in (PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, LOSS_MASK)
+            c for c in columns if c not in (PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, LOSS_MASK, ROUTED_EXPERTS)
         ]
         if self.plan.old_from_rollout:  # algo.old_logprobs=rollout: the sampling engine's are the old ones
             batch[OLD_LOGPROBS] = batch[ROLLOUT_LOGPROBS]
@@ -325,6 +334,7 @@ class ActorWorker(Worker):
                         max_tokens_per_micro_batch=actor.max_tokens_per_micro_batch,
                         pad_token_id=self.pad_token_id,
                         world_size=self.dp,
+                        replay=self.replay_routes,
                     )
                 )
         self.rollout_stale = True

@@ -44,6 +44,7 @@ from dockrl.dock.columns import (
     PROMPT_IDS,
     RESPONSE_IDS,
     ROLLOUT_LOGPROBS,
+    ROUTED_EXPERTS,
 )
 from dockrl.dock.errors import DockTimeoutError
 from dockrl.dock.stages import Stage
@@ -97,6 +98,7 @@ def step_engine(model: Any, cfg: Any, pad_token_id: int, detokenize: Callable) -
         max_seq_len=min(model.args.max_position_embeddings, cfg.data.max_prompt_len + response),
         pad_token_id=pad_token_id,
         detokenize=detokenize,
+        record_routes=cfg.env.name is None,  # MoE single-turn: each row's experts go to routed_experts
     )
 
 
@@ -322,6 +324,7 @@ class _Sample:
     logprobs: torch.Tensor
     versions: torch.Tensor | None
     reason: str
+    routes: torch.Tensor | None = None  # MoE: the experts of every fed token (RolloutEngine record_routes)
 
 
 def _pull_carried(
@@ -375,7 +378,8 @@ def _split(
             assert versions is not None and prefix.versions is not None
             ids, logprobs = torch.cat([prefix.ids, ids]), torch.cat([prefix.logprobs, logprobs])
             versions = torch.cat([prefix.versions, versions])
-        sample = _Sample(row, ids, logprobs, versions, gen.finish_reason)
+        # a continued row's generation saw its whole prefix as prompt: its routes cover every token already
+        sample = _Sample(row, ids, logprobs, versions, gen.finish_reason, gen.routes)
         stopped_short = partial is not None and len(ids) < partial.max_new_tokens
         (cut if gen.finish_reason == "length" and stopped_short else finished).append(sample)
     return finished, cut
@@ -390,4 +394,6 @@ def _put(
     batch: dict[str, list] = {ids: [s.ids for s in samples], logprobs: [s.logprobs for s in samples]}
     if samples[0].versions is not None:
         batch[versions] = [s.versions for s in samples]
+    if ids == RESPONSE_IDS and samples[0].routes is not None:
+        batch[ROUTED_EXPERTS] = [s.routes for s in samples]
     client.put(producer, [s.row for s in samples], batch)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ import torch
 
 from dockrl.engines.rollout.sampling import RowSettings, SamplingParams, sample_rows
 from dockrl.models.decoder import KVCache, Transformer
+from dockrl.models.moe import Routing, routing
 
 _IDLE = SamplingParams(max_new_tokens=1, temperature=0.0)
 # Move the running samples into the lowest slots once fewer than this share of the rows [0, hi) run: one copy
@@ -85,6 +87,9 @@ class Generation:
     """float32 [R] log-prob of each generated token (see `sampling` for the exact formula)."""
     finish_reason: str
     """"stop" (a stop token or stop string was produced) or "length" (max_new_tokens reached)."""
+    routes: torch.Tensor | None = None
+    """MoE models with record_routes: int16 [P + R - 1, L, k], the experts each MoE layer routed every fed
+    token to (the prompt's tokens, then each generated token but the last, which is never fed)."""
 
 
 @dataclass
@@ -106,6 +111,7 @@ class _Running:
     """Tokens in this slot's cache = cache position of the next token fed."""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)  # record_routes: [n, L, k] pieces, prompt first
 
 
 class RolloutEngine:
@@ -131,6 +137,7 @@ class RolloutEngine:
         max_seq_len: int,
         pad_token_id: int = 0,
         detokenize: Callable[[list[int]], str] | None = None,
+        record_routes: bool = False,
     ) -> None:
         limit = model.args.max_position_embeddings
         if num_slots < 1:
@@ -141,6 +148,9 @@ class RolloutEngine:
             )
         self.model, self.num_slots, self.max_seq_len = model, num_slots, max_seq_len
         self.pad_token_id, self.detokenize = pad_token_id, detokenize
+        # MoE: each Generation carries the experts its tokens were routed to (routing replay, routing stats).
+        self.record_routes = record_routes and model.args.is_moe
+        self.moe_layers = model.args.moe_layers
         weight = model.output_weight()
         self.device, self.dtype = weight.device, weight.dtype
         self.cache_dtype = cache_dtype(self.dtype, self.device)
@@ -246,10 +256,15 @@ class RolloutEngine:
             return []
         row_slots = [slot for _, slots in admitted for slot in slots]
         row_prompt = [i for i, (_, slots) in enumerate(admitted) for _ in slots]
-        logits = self._prefill([request.prompt_ids for request, _ in admitted], row_slots, row_prompt)
-        for request, slots in admitted:
+        prompts = [request.prompt_ids for request, _ in admitted]
+        with self._routes() as seen:
+            logits = self._prefill(prompts, row_slots, row_prompt)
+        for g, (request, slots) in enumerate(admitted):
+            prefix = self._layer_routes(seen, g, len(request.prompt_ids)) if seen is not None else None
             for sample, slot in enumerate(slots):
                 self.running[slot] = _Running(request, sample, len(request.prompt_ids))
+                if prefix is not None:
+                    self.running[slot].routes.append(prefix)  # type: ignore[union-attr]
         index = torch.tensor(row_slots, device=self.device)  # [R]
         self.lengths[index] = torch.tensor(
             [len(admitted[i][0].prompt_ids) for i in row_prompt], device=self.device
@@ -328,14 +343,18 @@ class RolloutEngine:
             params = [_IDLE if state is None else state.request.params for state in self.running[:hi]]
             self._settings, self._settings_key = RowSettings.build(params, self.device), hi
         offsets = self.lengths[:hi]
-        logits = self._forward_last(
-            self.pending[:hi][:, None],
-            offsets[:, None],
-            self._all_keys[:hi, :num_keys],
-            self.cache.rows(hi),
-            offsets,
-            None,
-        )  # [B, V]
+        with self._routes() as seen:
+            logits = self._forward_last(
+                self.pending[:hi][:, None],
+                offsets[:, None],
+                self._all_keys[:hi, :num_keys],
+                self.cache.rows(hi),
+                offsets,
+                None,
+            )  # [B, V]
+        if seen is not None:
+            for slot in slots:
+                self._state(slot).routes.append(self._layer_routes(seen, slot, 1))
         tokens, logprobs = sample_rows(logits, self._settings, self.seeds[:hi], self.steps[:hi])
         self.lengths[:hi] += self.active[:hi]
         self.steps[:hi] += self.active[:hi]
@@ -373,6 +392,22 @@ class RolloutEngine:
         self.stats["compactions"] += 1
         self.stats["moved_rows"] += len(movers)
         return list(range(count))
+
+    # ---- MoE routes ------------------------------------------------------------------------------
+
+    @contextmanager
+    def _routes(self) -> Iterator[Routing | None]:
+        """Record the MoE layers' experts for the forward inside (None when the engine records none)."""
+        if not self.record_routes:
+            yield None
+            return
+        with routing(self.model, Routing(record=True)) as seen:
+            yield seen
+
+    def _layer_routes(self, seen: Routing, row: int, count: int) -> torch.Tensor:
+        """Row `row`'s first `count` positions' experts across the MoE layers: int16 [count, L, k] (CPU)."""
+        per_layer = [seen.recorded[layer][row, :count] for layer in self.moe_layers]
+        return torch.stack(per_layer, dim=1).to("cpu", torch.int16)
 
     # ---- bookkeeping -----------------------------------------------------------------------------
 
@@ -425,5 +460,6 @@ class RolloutEngine:
             torch.tensor(state.token_ids, dtype=torch.long),
             torch.tensor(state.logprobs, dtype=torch.float32),
             reason,
+            torch.cat(state.routes) if self.record_routes else None,
         )
         return Completion(state.request.tag, state.sample, generation)

@@ -21,6 +21,10 @@ class MicroBatch:
     starts: list[int]  # per row: first column of the response on the shifted grid (P_i - 1)
     lengths: list[int]  # per row: response length R_i
     per_token: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B, T-1] float32
+    # MoE routing replay: MoE layer index -> experts [B, T, k] int64 for every input position (a row's last
+    # token and its padding, which score nothing, get experts 0..k-1); None without replay
+    routes: dict[int, torch.Tensor] | None = None
+    route_mask: torch.Tensor | None = None  # [B, T] bool: positions whose experts came from the rollout
 
     @property
     def num_rows(self) -> int:
@@ -41,8 +45,11 @@ def make_micro_batch(
     device: torch.device | str = "cpu",
     per_token: dict[str, list[torch.Tensor]] | None = None,
     response_masks: list[torch.Tensor] | None = None,
+    routes: list[torch.Tensor] | None = None,
+    moe_layers: list[int] | None = None,
 ) -> MicroBatch:
-    """Pad rows to one tensor; per-token columns (advantages, old/ref log-probs) are placed on the shifted grid."""
+    """Pad rows to one tensor; per-token columns (advantages, old/ref log-probs) are placed on the shifted grid.
+    `routes` (MoE): per row the rollout's experts [P + R - 1, L, k] of the MoE layers `moe_layers`."""
     seqs = [torch.cat([p.long(), r.long()]) for p, r in zip(prompts, responses)]
     num_rows, max_len = len(seqs), max(len(s) for s in seqs)
     input_ids = torch.full((num_rows, max_len), pad_token_id, dtype=torch.long)
@@ -60,7 +67,24 @@ def make_micro_batch(
         for i, values in enumerate(rows):
             grid[i, starts[i] : starts[i] + lengths[i]] = values.float()
         grids[name] = grid.to(device)
-    return MicroBatch(input_ids.to(device), mask.to(device), starts, lengths, grids)
+    batch = MicroBatch(input_ids.to(device), mask.to(device), starts, lengths, grids)
+    if routes is not None:
+        assert moe_layers is not None, "routes come with the model's MoE layer indices"
+        batch.routes, batch.route_mask = _route_grids(routes, moe_layers, max_len, device)
+    return batch
+
+
+def _route_grids(
+    routes: list[torch.Tensor], moe_layers: list[int], width: int, device: torch.device | str
+) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """Per MoE layer [B, T, k] experts from per-row [n_i, L, k] routes, and the [B, T] mask of given ones."""
+    top_k = routes[0].shape[-1]
+    grid = torch.arange(top_k).expand(len(routes), width, len(moe_layers), top_k).clone()  # fill: 0..k-1
+    given = torch.zeros(len(routes), width, dtype=torch.bool)
+    for i, row in enumerate(routes):
+        grid[i, : row.shape[0]] = row.long()
+        given[i, : row.shape[0]] = True
+    return {layer: grid[:, :, j].to(device) for j, layer in enumerate(moe_layers)}, given.to(device)
 
 
 def split_indices(num_rows: int, size: int) -> list[list[int]]:

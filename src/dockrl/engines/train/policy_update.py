@@ -24,10 +24,12 @@ from dockrl.dock.columns import (
     REF_LOGPROBS,
     RESPONSE_IDS,
     ROLLOUT_LOGPROBS,
+    ROUTED_EXPERTS,
     UPDATE_WEIGHT,
 )
 from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
 from dockrl.engines.train.train_engine import TrainEngine
+from dockrl.models.moe import RoutingStats, routing_metrics
 
 SUMMED_METRICS = (
     "loss",
@@ -68,12 +70,15 @@ def policy_update(
     max_tokens_per_micro_batch: int = 0,
     pad_token_id: int,
     world_size: int,
+    replay: bool = False,
 ) -> dict[str, float] | None:
     """Train on rows `idx` of `batch` (prompt_ids, response_ids, advantages [, ref_logprobs, old_logprobs]) with
     the policy loss `plan` (the run's StepPlan.loss, resolved in config); returns the step's metrics, or None
     when no rank had a row (the LR schedule still advances).
 
-    `world_size` is the number of data-parallel ranks; tensor-parallel peers train on the same rows.
+    `world_size` is the number of data-parallel ranks; tensor-parallel peers train on the same rows. MoE rows
+    with the rollout's experts (`routed_experts`): `replay` (algo.routing_replay=r3) trains with them, and
+    moe/routing_agreement and moe/expert_load are measured either way.
     """
     # Rows a failed reward call left out (reward.on_error=drop_group) weigh 0: masked out of the loss and
     # of its token and sequence counts.
@@ -103,6 +108,9 @@ def policy_update(
             device=engine.device,
             per_token={name: [batch[name][idx[j]] for j in chunk] for name in per_token_names},
             response_masks=None if masks is None else [masks[j] for j in chunk],
+            # algo.routing_replay=r3: the update's forwards use the rollout's experts
+            routes=None if ROUTED_EXPERTS not in batch else [batch[ROUTED_EXPERTS][idx[j]] for j in chunk],
+            moe_layers=engine.args.moe_layers,
         )
         for chunk in micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch)
     ]
@@ -111,11 +119,15 @@ def policy_update(
     micro_batches += [engine.idle_micro_batch(pad_token_id, tuple(per_token_names)) for _ in range(idle)]
     loss_fn = _loss_fn(plan, global_tokens, global_seqs, world_size)
     metrics = engine.train_step(
-        micro_batches, loss_fn, forward=lambda mb: engine.token_stats(mb, temperature)
+        micro_batches, loss_fn, forward=lambda mb: engine.token_stats(mb, temperature), replay=replay
     )
     keys = [k for k in (*SUMMED_METRICS, *ROLLOUT_METRICS) if k in metrics]  # the same on every rank
     totals = all_reduce_sum(torch.tensor([metrics[k] for k in keys], dtype=torch.float64), engine.dp_group)
     out = dict(zip(keys, totals.tolist()))
+    if ROUTED_EXPERTS in batch:  # MoE with the rollout's routes: on every rank, so all join the all-reduce
+        stats = engine.routing_stats or RoutingStats.empty(engine.args)
+        assert stats is not None, "routed_experts come from an MoE model"
+        out.update(routing_metrics(all_reduce_sum(stats.as_tensor(), engine.dp_group)))
     out["grad_norm"], out["lr"] = metrics["grad_norm"], metrics["lr"]
     return out
 

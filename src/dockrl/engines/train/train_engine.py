@@ -33,6 +33,7 @@ from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch
 from dockrl.models.decoder import DecoderModel, Transformer
 from dockrl.models.hf import CAUSAL_LM, CheckpointReader, ModelKind, read_config, weights_fingerprint
 from dockrl.models.lora import LoraSpec, adapters_disabled, apply_lora, fresh_adapters
+from dockrl.models.moe import Routing, RoutingStats, routing
 from dockrl.parallel.sharded_load import load_sharded
 
 # A loss over what `forward(mb)` returned (the actor: token_stats' log-probs and entropies; the critic: values).
@@ -63,6 +64,7 @@ class TrainEngine:
         self.mesh = mesh
         self.model_path = model_path
         self.args = read_config(model_path)
+        self.routing_stats: RoutingStats | None = None  # MoE: set by logprobs(routes=...), see there
         # `kind` builds a module with `.args` and `.model.layers` (PPO's critic passes
         # models.value.value_model_kind; its forward returns values [B, T] instead of logits).
         with torch.device("meta"):
@@ -196,9 +198,13 @@ class TrainEngine:
         pad_token_id: int,
         max_tokens_per_micro_batch: int = 0,
         with_entropy: bool = False,
+        routes: list[torch.Tensor] | None = None,
+        replay: bool = False,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Per-row response log-probs [R_i] (and entropies) under softmax(logits / temperature), in row order;
-        micro-batches as `batch.micro_batch_rows` forms them."""
+        micro-batches as `batch.micro_batch_rows` forms them. MoE `routes` (the rollout's experts per row):
+        with `replay` the forwards use them (algo.routing_replay=r3); either way `routing_stats` counts how
+        often the router's own top-k is the rollout's."""
         self.model.eval()
         logps: list[torch.Tensor | None] = [None] * len(prompts)
         ents: list[torch.Tensor | None] = [None] * len(prompts)
@@ -208,14 +214,21 @@ class TrainEngine:
         # Agree on the count first: every forward is collective under FSDP, and a rank that reached this
         # all-reduce while a peer still ran forwards would wait in a different collective than the peer's.
         total = self.common_count(len(chunks))
+        self.routing_stats = RoutingStats.empty(self.args) if routes is not None else None
         for idx in chunks:
             mb = make_micro_batch(
                 [prompts[i] for i in idx],
                 [responses[i] for i in idx],
                 pad_token_id=pad_token_id,
                 device=self.device,
+                routes=None if routes is None else [routes[i] for i in idx],
+                moe_layers=self.args.moe_layers,
             )
-            logp, entropy = self.token_stats(mb, temp)  # [B, T-1] each
+            with self.routes_context(mb, replay) as seen:
+                logp, entropy = self.token_stats(mb, temp)  # [B, T-1] each
+            if seen is not None and self.routing_stats is not None:
+                assert mb.routes is not None and mb.route_mask is not None
+                self.routing_stats.add(seen, mb.routes, mb.route_mask)
             for i, row_logp, row_entropy in zip(idx, mb.unpad(logp), mb.unpad(entropy)):
                 logps[i], ents[i] = row_logp, row_entropy
         for _ in range(total - len(chunks)):  # a rank with fewer rows keeps pace
@@ -223,6 +236,13 @@ class TrainEngine:
         # Every row is in exactly one chunk, so no None is left.
         rows_logps = cast(list[torch.Tensor], logps)
         return rows_logps, cast(list[torch.Tensor], ents) if with_entropy else None
+
+    def routes_context(self, mb: MicroBatch, replay: bool):
+        """MoE: a context in which the forwards (and the recomputes of activation checkpointing inside it) replay
+        `mb.routes` (replay) or record the model's own experts; nullcontext(None) without routes."""
+        if mb.routes is None:
+            return nullcontext(None)
+        return routing(self.model, Routing(replay=mb.routes if replay else None, record=True))
 
     def common_count(self, count: int) -> int:
         """The most micro-batches any data-parallel rank has (each forward is collective under FSDP, so every
@@ -251,18 +271,26 @@ class TrainEngine:
         micro_batches: list[MicroBatch],
         loss_fn: LossFn,
         forward: Callable[[MicroBatch], Any] | None = None,
+        replay: bool = False,
     ) -> dict[str, float]:
         """Accumulate gradients over the micro-batches, clip, take one optimizer step; returns summed metrics.
-        `loss_fn(forward(mb), mb)` per micro-batch; `forward` defaults to `logits`."""
+        `loss_fn(forward(mb), mb)` per micro-batch; `forward` defaults to `logits`. MoE micro-batches with the
+        rollout's routes: `replay` uses them (r3); either way `routing_stats` counts the router's agreement."""
         assert self.optimizer is not None, "train_step on a frozen engine"
         assert self.scheduler is not None  # built with the optimizer
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         forward = forward or self.logits
         totals: dict[str, float] = {}
+        with_routes = any(mb.routes is not None for mb in micro_batches)
+        self.routing_stats = RoutingStats.empty(self.args) if with_routes else None
         for mb in micro_batches:
-            loss, metrics = loss_fn(forward(mb), mb)
-            loss.backward()
+            with self.routes_context(mb, replay) as seen:  # backward inside: recomputes replay the same experts
+                loss, metrics = loss_fn(forward(mb), mb)
+                loss.backward()
+            if seen is not None and self.routing_stats is not None:
+                assert mb.routes is not None and mb.route_mask is not None
+                self.routing_stats.add(seen, mb.routes, mb.route_mask)
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else math.inf
