@@ -311,7 +311,9 @@ class ActorWorker(Worker):
         if self.plan.whiten:
             batch[ADVANTAGES] = whiten_rows(batch[ADVANTAGES], self.policy.dp_group, batch[UPDATE_WEIGHT])
         per_token_names = [
-            c for c in columns if c not in (PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, LOSS_MASK, ROUTED_EXPERTS)
+            c
+            for c in columns
+            if c not in (PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, LOSS_MASK, ROUTED_EXPERTS)
         ]
         if self.plan.old_from_rollout:  # algo.old_logprobs=rollout: the sampling engine's are the old ones
             batch[OLD_LOGPROBS] = batch[ROLLOUT_LOGPROBS]

@@ -285,7 +285,9 @@ class TrainEngine:
         with_routes = any(mb.routes is not None for mb in micro_batches)
         self.routing_stats = RoutingStats.empty(self.args) if with_routes else None
         for mb in micro_batches:
-            with self.routes_context(mb, replay) as seen:  # backward inside: recomputes replay the same experts
+            with self.routes_context(
+                mb, replay
+            ) as seen:  # backward inside: recomputes replay the same experts
                 loss, metrics = loss_fn(forward(mb), mb)
                 loss.backward()
             if seen is not None and self.routing_stats is not None:
