@@ -343,7 +343,8 @@ class ActorWorker(Worker):
         taken = [h for h in history if h is not None]  # None: no rank had a row for that optimizer step
         metrics = {k: sum(h[k] for h in taken) / len(taken) for k in taken[0]} if taken else {}
         # The trainer-vs-rollout mismatch is the sampling policy's only before the first optimizer step.
-        metrics.update({k: history[0][k] for k in MISMATCH_METRICS if history[0] is not None})
+        first = history[0] or {}
+        metrics.update({k: first[k] for k in MISMATCH_METRICS if k in first})
         if len(taken) < len(history):
             metrics["skipped_steps"] = float(len(history) - len(taken))
         return UpdateResult({**metrics, **reward_kl})
