@@ -532,6 +532,7 @@ def part_vllm_update(ctx: Context) -> dict[str, Any]:
     0.32.0 is not installed."""
     import time as _time
 
+    from dockrl.algos.logprobs import token_logprobs
     from dockrl.engines.rollout import Request, RolloutEngine, SamplingParams
     from dockrl.engines.rollout.sampler import generate_with
     from dockrl.engines.rollout.vllm_backend import (
@@ -586,7 +587,7 @@ def part_vllm_update(ctx: Context) -> dict[str, Any]:
         model.load_state_dict(weights, strict=False)
         with torch.no_grad():
             logits = model(ids[None].to(ctx.device))[0, :-1].float()
-        reference = torch.log_softmax(logits, -1).gather(-1, ids[1:, None].to(ctx.device))[:, 0]
+        reference = token_logprobs(logits, ids[1:].to(ctx.device))
         report = engine.load_weights(weights.items(), reference)  # raises WeightSyncError past the bound
         ours = generate_with(engine, prompts.tolist(), greedy, [0] * len(prompts))
         own = RolloutEngine(model, num_slots=len(prompts), max_seq_len=max_len)

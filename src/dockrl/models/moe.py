@@ -45,8 +45,6 @@ class Routing:
     record: bool = False
     recorded: dict[int, torch.Tensor] = field(default_factory=dict)
     routed: dict[int, torch.Tensor] = field(default_factory=dict)
-    router_logits: dict[int, torch.Tensor] = field(default_factory=dict)
-    keep_logits: bool = False
 
     def choose(self, layer: int, top: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         """The experts layer `layer` uses for its tokens: top [N, k] (the router's), or the replayed ones."""
@@ -90,10 +88,6 @@ class Experts(nn.Module):
         out = out * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype))
 
-    def expert_load(self, experts: torch.Tensor) -> torch.Tensor:
-        """Tokens per expert [E] for routed experts [..., k]."""
-        return torch.bincount(experts.reshape(-1), minlength=self.num_experts)
-
 
 class MoEBlock(nn.Module):
     """Router + experts at a decoder layer's `mlp` (transformers' Qwen3MoeSparseMoeBlock)."""
@@ -116,8 +110,6 @@ class MoEBlock(nn.Module):
         top_values, top = torch.topk(probs, self.top_k, dim=-1)
         routing = self.routing
         if routing is not None:
-            if routing.keep_logits:
-                routing.router_logits[self.layer] = logits
             used = routing.choose(self.layer, top, (batch, time))
             if used is not top:
                 top, top_values = used, probs.gather(-1, used)

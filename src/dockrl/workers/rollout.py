@@ -21,6 +21,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from dockrl.algos.logprobs import token_logprobs
 from dockrl.config.schema import TrainConfig
 from dockrl.config.step_plan import StepPlan
 from dockrl.dock.choice import DockChoice
@@ -149,7 +150,7 @@ class RolloutWorker(Worker):
             ids = engine.probe_ids()
             with torch.no_grad():
                 logits = self.model(ids[None].to(self.device))[0, :-1].float()
-            reference = torch.log_softmax(logits, dim=-1).gather(-1, ids[1:, None].to(self.device))[:, 0]
+            reference = token_logprobs(logits, ids[1:].to(self.device))
             self.weight_sync = engine.load_weights(self.weights.named_weights(), reference)
             self.engine_version = version
         return engine

@@ -134,19 +134,12 @@ class RolloutSwitch:
         rollout replicas in `group` (None on the other actor ranks). Never more than one bucket at a time;
         returns the bytes sent. Needs rollout.tp=1 (full tensors in every bucket)."""
         assert self.infer_layout.tp == 1, "broadcast_weights sends full tensors (rollout.tp=1)"
-        train_params = dict(self.engine.model.named_parameters())
-        adapters = self._gather_adapters(train_params)
         sent = 0
-        for bucket in self.buckets:
-            buffer = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
-            for spec in bucket.specs:
-                view = buffer[spec.offset : spec.offset + spec.numel].view(spec.shape)
-                self._gather_into(spec, train_params[spec.name], view)
-                self._merge_adapter(spec, view, adapters)
+        for buffer, views in self._gathered_buckets(dict(self.engine.model.named_parameters())):
             if group is not None:
                 broadcast_bucket(group, buffer)
                 sent += buffer.numel() * buffer.element_size()
-            del buffer
+            del buffer, views  # before the next bucket is gathered: one bucket alive at a time
         return sent
 
     @torch.no_grad()
@@ -222,6 +215,14 @@ class RolloutSwitch:
     def _stream(self, train_params: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight, full and LoRA-merged, bucket by bucket: a bucket is gathered when its first tensor is
         asked for and dropped when the next bucket's is."""
+        for _, views in self._gathered_buckets(train_params):
+            yield from views
+
+    def _gathered_buckets(
+        self, train_params: Mapping[str, torch.Tensor]
+    ) -> Iterator[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]]:
+        """Each bucket's buffer gathered (a collective over the actor's ranks) with its LoRA adapters merged, and
+        its (name, view) pairs; one bucket alive at a time, freed when the caller asks for the next."""
         adapters = self._gather_adapters(train_params)
         for bucket in self.buckets:
             buffer = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
@@ -231,7 +232,7 @@ class RolloutSwitch:
                 self._gather_into(spec, train_params[spec.name], view)
                 self._merge_adapter(spec, view, adapters)
                 views.append((spec.name, view))
-            yield from views
+            yield buffer, views
             del views, buffer
 
     def _prepare_enter(self) -> int:

@@ -189,7 +189,6 @@ class VllmBackend:
             _launcher_env(settings.device_type)
         if settings.kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = settings.kv_cache_bytes
-        start = time.perf_counter()
         try:
             self.llm = LLM(**kwargs)
         except Exception as error:  # vLLM raises many types here; the run needs one name and the model
@@ -198,12 +197,9 @@ class VllmBackend:
                 f"{type(error).__name__}: {error}"
             ) from error
         self.engine = self.llm.llm_engine
-        self.build_s = time.perf_counter() - start
-        self.weights_version: int | None = None  # set by load_weights' caller through `version`
         self._next_id = 0
         self._running: dict[str, tuple[Any, int]] = {}  # vLLM request id -> (request tag, sample index)
         self.stats: dict[str, int] = {"requests": 0, "engine_steps": 0, "weight_updates": 0}
-        self.last_update: dict[str, float] = {}
         self._asleep = False
 
     # ---- RolloutBackend ---------------------------------------------------------------------------
@@ -259,7 +255,6 @@ class VllmBackend:
         report = {"seconds": time.perf_counter() - start, "bytes": float(counted.bytes)}
         if reference is not None:
             report["probe_abs_diff"] = self.check_probe(reference)
-        self.last_update = report
         return report
 
     # ---- verification -----------------------------------------------------------------------------
