@@ -37,7 +37,7 @@ def full_grads(engine) -> dict[str, torch.Tensor]:
     from dockrl.parallel.layout import full_tensor
 
     return {
-        name: full_tensor(name, param.grad, engine.tp_group).detach().clone()
+        name: full_tensor(param.grad, engine.placement(name)).detach().clone()
         for name, param in engine.model.named_parameters()
     }
 

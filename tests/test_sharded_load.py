@@ -6,6 +6,7 @@ dp=3 gives uneven FSDP2 shards (64 rows -> 22, 22, 20) and empty ones (the value
 import torch
 
 from dockrl.parallel.dist import free_port
+from dockrl.parallel.layout import Placement
 from dockrl.parallel.sharded_load import checkpoint_block, fsdp_rows
 from dockrl.parallel.spawn import spawn_ranks
 
@@ -15,17 +16,17 @@ def test_blocks_compose_tensor_parallel_and_fsdp_rows():
     assert [fsdp_rows(1, r, 3) for r in range(3)] == [(0, 1), (1, 1), (1, 1)]
     assert [fsdp_rows(5, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
     # column-parallel q_proj [8, 4] at tp=2: rows 4..8 for tp rank 1, then FSDP rows 2..4 of those
-    block = checkpoint_block(
-        "model.layers.0.self_attn.q_proj.weight", (8, 4), tp_rank=1, tp=2, dp_rank=1, dp=2
-    )
-    assert block == (slice(6, 8), slice(0, 4))
+    assert checkpoint_block((8, 4), Placement(0, 1, 2, None, 1, 2)) == (slice(6, 8), slice(0, 4))
     # row-parallel o_proj [8, 4] at tp=2: columns 2..4 for tp rank 1, FSDP rows 0..4 for dp rank 0
-    block = checkpoint_block(
-        "model.layers.0.self_attn.o_proj.weight", (8, 4), tp_rank=1, tp=2, dp_rank=0, dp=2
-    )
-    assert block == (slice(0, 4), slice(2, 4))
+    assert checkpoint_block((8, 4), Placement(1, 1, 2, None, 0, 2)) == (slice(0, 4), slice(2, 4))
     # replicated norm: whole under tp, FSDP rows only
-    assert checkpoint_block("model.norm.weight", (6,), tp_rank=1, tp=2, dp_rank=1, dp=2) == (slice(3, 6),)
+    assert checkpoint_block((6,), Placement(None, 1, 2, None, 1, 2)) == (slice(3, 6),)
+    # experts [4, 6, 2] at ep=2 (edp=2): experts 2..4 for ep rank 1, then FSDP rows (experts) 3..4 for edp rank 1
+    assert checkpoint_block((4, 6, 2), Placement(0, 1, 2, None, 1, 2)) == (
+        slice(3, 4),
+        slice(0, 6),
+        slice(0, 2),
+    )
 
 
 def _step(engine, world: int) -> dict:
@@ -135,11 +136,11 @@ def _whole_state(engine) -> dict[str, torch.Tensor]:
 
     out = {}
     for name, param in engine.model.named_parameters():
-        out[f"model/{name}"] = full_tensor(name, param.data, engine.tp_group).clone()
+        out[f"model/{name}"] = full_tensor(param.data, engine.placement(name)).clone()
         for key, value in engine.optimizer.state[param].items():
             whole = value.shape == param.shape  # else the step counter (cloned: the next step moves it)
             out[f"optim/{name}/{key}"] = (
-                full_tensor(name, value, engine.tp_group) if whole else value
+                full_tensor(value, engine.placement(name)) if whole else value
             ).clone()
     return out
 

@@ -12,7 +12,9 @@ engine's ranks that is the DTensor placement [Shard(split dim) or Replicate(), S
 so DCP records every block at its offset in the whole tensor, and a load under another (dp, tp) reads each
 rank's new block from whichever saved blocks overlap it: a checkpoint resumes under any layout, with the same
 values (only the arithmetic of later steps reassociates). Replicated blocks (tp ranks of one dp rank) are
-written once. Checkpoints written before this layout (keys `<name>@tp<rank>` under tp > 1) still load, in
+written once. Experts under expert parallelism (actor.ep) are split over ep along dim 0 and FSDP2-sharded over
+edp: on an ("ep", "edp") view that is [Shard(0), Shard(0)], so an MoE checkpoint resumes under any (dp, ep) as
+well. Checkpoints written before this layout (keys `<name>@tp<rank>` under tp > 1) still load, in
 the layout that wrote them only; tp=1 ones never carried the rank and load under any layout.
 
 LoRA: a checkpoint holds the adapters and their optimizer state only, with `lora_base`, a pointer to the frozen
@@ -40,7 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dockrl.checkpoint.directory import fsync_tree
 from dockrl.models.hf import LM_HEAD_KEY, HFWriter
-from dockrl.models.tp_plan import shard_dim
+from dockrl.parallel.expert_parallel import is_expert_param
 
 _GROUP_SKIP = ("params",)
 LORA_BASE = "lora_base"
@@ -65,15 +67,28 @@ def lora_base(engine) -> dict[str, str]:
     return {"model_path": str(Path(engine.model_path).resolve()), "fingerprint": engine.base_fingerprint}
 
 
-def _layout_mesh(engine) -> DeviceMesh | None:
+class _LayoutMeshes:
     """The engine's ranks as a ("tp", "dp") mesh (tp outer: a parameter is split over tp first, and FSDP2
-    shards each slice's rows over dp); no process groups are made for it. None without a mesh."""
-    if engine.mesh is None:
-        return None
-    ranks = engine.mesh.mesh.reshape(engine.dp_size, engine.tp_size)  # (dp, tp), tp ranks contiguous
-    return DeviceMesh(
-        engine.mesh.device_type, ranks.T.contiguous(), mesh_dim_names=("tp", "dp"), _init_backend=False
-    )
+    shards each slice's rows over dp), and under expert parallelism as an ("ep", "edp") mesh for the experts;
+    no process groups are made for them."""
+
+    def __init__(self, engine) -> None:
+        ranks = engine.mesh.mesh.reshape(engine.dp_size, engine.tp_size)  # (dp, tp), tp ranks contiguous
+        device = engine.mesh.device_type
+        self.dense = DeviceMesh(
+            device, ranks.T.contiguous(), mesh_dim_names=("tp", "dp"), _init_backend=False
+        )
+        self.experts = None
+        if engine.ep_size > 1:  # tp is 1: dp_rank = edp_rank x ep + ep_rank
+            grid = engine.mesh.mesh.reshape(engine.dp_size // engine.ep_size, engine.ep_size)
+            self.experts = DeviceMesh(
+                device, grid.T.contiguous(), mesh_dim_names=("ep", "edp"), _init_backend=False
+            )
+
+
+def _layout_mesh(engine) -> _LayoutMeshes | None:
+    """The engine's layout meshes (`_LayoutMeshes`); None without a mesh."""
+    return None if engine.mesh is None else _LayoutMeshes(engine)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -81,12 +96,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local().data if isinstance(tensor, DTensor) else tensor.data
 
 
-def _whole(engine, mesh: DeviceMesh | None, name: str, local: torch.Tensor) -> torch.Tensor:
+def _whole(engine, meshes: _LayoutMeshes | None, name: str, local: torch.Tensor) -> torch.Tensor:
     """`local`, this rank's block of parameter `name` (or of a state shaped like it), as a DTensor of the whole
     tensor (sharing the block's storage, so a load fills the engine in place); `local` itself without a mesh."""
-    if mesh is None:
+    if meshes is None:
         return local
-    dim = shard_dim(name) if engine.tp_size > 1 else None
+    placement = engine.placement(name)
+    dim = placement.dim if placement.size > 1 else None
+    mesh = meshes.dense
+    if meshes.experts is not None and is_expert_param(name):
+        mesh = meshes.experts
     shape = torch.Size(engine.global_shapes[name])
     return DTensor.from_local(
         local,
@@ -293,30 +312,26 @@ def gather_to_rank0(
     engine, name: str, param: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None
 ) -> torch.Tensor | None:
     """Parameter `name` whole on global rank 0 (None elsewhere), cast to `dtype` before it moves: its FSDP
-    rows gathered over dp onto dp rank 0, then its tensor-parallel slices over tp onto tp rank 0."""
+    rows gathered over dp (edp for experts) onto that group's rank 0, then its tensor-parallel slices over tp
+    (experts: ep) onto that group's rank 0."""
     local = param.to_local() if isinstance(param, DTensor) else param.data
     local = local.detach().to(dtype or local.dtype)
-    if engine.dp_size > 1:
+    placement = engine.placement(name)
+    if placement.fsdp_size > 1:
         rows = _gather_rows(
-            local, engine.dp_group, engine.dp_rank, engine.dp_size, _tp_local_rows(engine, name, shape)
+            local, placement.fsdp_group, placement.fsdp_rank, placement.fsdp_size, placement.slice_rows(shape)
         )
-        if rows is None:  # not dp rank 0
+        if rows is None:  # not the FSDP group's rank 0
             return None
         local = rows
-    if engine.dp_rank != 0:
+    if placement.fsdp_rank != 0:
         return None
-    dim = shard_dim(name) if engine.tp_size > 1 else None
+    dim = placement.dim if placement.size > 1 else None
     if dim is None:
-        return local if engine.tp_rank == 0 else None
-    parts = [torch.empty_like(local) for _ in range(engine.tp_size)] if engine.tp_rank == 0 else None
-    dist.gather(local.contiguous(), parts, group_dst=0, group=engine.tp_group)
+        return local if placement.rank == 0 else None
+    parts = [torch.empty_like(local) for _ in range(placement.size)] if placement.rank == 0 else None
+    dist.gather(local.contiguous(), parts, group_dst=0, group=placement.group)
     return torch.cat(parts, dim=dim) if parts is not None else None
-
-
-def _tp_local_rows(engine, name: str, shape: tuple[int, ...]) -> int:
-    """Rows of this rank's tensor-parallel slice of `name` (what FSDP2 splits over dp)."""
-    dim = shard_dim(name) if engine.tp_size > 1 else None
-    return shape[0] // engine.tp_size if dim == 0 else shape[0]
 
 
 def _gather_rows(local: torch.Tensor, group, rank: int, size: int, rows: int) -> torch.Tensor | None:

@@ -58,7 +58,8 @@ class Routing:
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts as two 3-D parameters (see the module docstring)."""
+    """E SwiGLU experts as two 3-D parameters (see the module docstring). Under expert parallelism
+    (`dockrl.parallel.expert_parallel`) a subclass holds this rank's experts only and overrides `dispatch`."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -73,20 +74,38 @@ class Experts(nn.Module):
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens ascending
         tokens = order // top_k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        gathered = x[tokens]  # [N*k, H]
+        counts = torch.bincount(flat, minlength=self.num_experts)  # [E]
+        out = self.dispatch(x[tokens], counts)  # [N*k, H], same order
+        out = out * weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype))
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [M, H] grouped by expert (counts [E] rows each) -> each row through its expert, same order."""
+        return self.grouped(rows, counts.tolist())
+
+    def grouped(self, rows: torch.Tensor, counts: list[int], grad_scale: float = 1.0) -> torch.Tensor:
+        """rows grouped by this module's experts in order (counts[j] rows for its j-th) -> their outputs: one
+        SwiGLU matmul chain per expert with rows. `grad_scale` scales the weights' gradients (expert
+        parallelism: see dockrl.parallel.expert_parallel)."""
+        gate_up_proj: torch.Tensor = self.gate_up_proj
+        down_proj: torch.Tensor = self.down_proj
+        if grad_scale != 1.0:
+            from dockrl.parallel.expert_parallel import scale_grad
+
+            gate_up_proj, down_proj = scale_grad(gate_up_proj, grad_scale), scale_grad(down_proj, grad_scale)
         pieces = []
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
-            rows = gathered[start : start + count]
-            gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)
-            pieces.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
+            chunk = rows[start : start + count]
+            gate, up = F.linear(chunk, gate_up_proj[expert]).chunk(2, dim=-1)
+            pieces.append(F.linear(F.silu(gate) * up, down_proj[expert]))
             start += count
-        out = torch.cat(pieces) if pieces else gathered[:0]
-        out = out * weights.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype))
+        if not pieces:  # no rows here (an expert-parallel rank nobody routed to): still a zero gradient for
+            # the experts, so every rank reduces the same gradients (FSDP2)
+            return rows[:0] + 0.0 * (gate_up_proj.sum() + down_proj.sum())
+        return torch.cat(pieces)
 
 
 class MoEBlock(nn.Module):

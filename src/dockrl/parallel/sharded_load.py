@@ -3,9 +3,11 @@
     build on meta ─▶ tensor-parallel split (meta) ─▶ fully_shard over dp (meta) ─▶ to_empty(device)
       ─▶ for each parameter: this rank's block of the checkpoint tensor ─▶ cast ─▶ copy into the local shard
 
-A parameter's block in the checkpoint is the composition of the two layouts:
-- tensor parallel (`models.tp`): rank t of tp holds slice t of the split dim (0 or 1), whole otherwise;
-- FSDP2 over dp: rank d holds rows [d * c, min((d + 1) * c, n)) of that slice, c = ceil(n / dp) (torch.chunk).
+A parameter's block in the checkpoint is the composition of the two layouts (`parallel.layout.Placement`):
+- tensor parallel (`models.tp_plan`): rank t of tp holds slice t of the split dim (0 or 1), whole otherwise;
+  an expert parameter under expert parallelism: rank e of ep holds experts slice e (dim 0);
+- FSDP2: rank d of the FSDP ranks (dp, or edp for experts) holds rows [d * c, min((d + 1) * c, n)) of that
+  slice, c = ceil(n / size) (torch.chunk).
 So every rank reads about 1/(dp x tp) of each tensor; no rank ever holds a whole tensor, let alone the model.
 Tensors the checkpoint lacks come from `fallback` (e.g. the fresh value head of PPO's critic).
 """
@@ -19,7 +21,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dockrl.models.hf import CheckpointReader, check_shapes
-from dockrl.models.tp_plan import shard_dim, shard_range
+from dockrl.models.tp_plan import shard_range
+from dockrl.parallel.layout import Placement
 
 
 def fsdp_rows(num_rows: int, dp_rank: int, dp: int) -> tuple[int, int]:
@@ -29,18 +32,16 @@ def fsdp_rows(num_rows: int, dp_rank: int, dp: int) -> tuple[int, int]:
     return start, min(num_rows, start + chunk)
 
 
-def checkpoint_block(
-    name: str, global_shape: tuple[int, ...], *, tp_rank: int, tp: int, dp_rank: int, dp: int
-) -> tuple[slice, ...]:
-    """The block of checkpoint tensor `name` that rank (dp_rank, tp_rank) holds, one slice per dim."""
+def checkpoint_block(global_shape: tuple[int, ...], placement: Placement) -> tuple[slice, ...]:
+    """The block of a checkpoint tensor of `global_shape` that a rank holds at `placement`, one slice per dim."""
     block = [slice(0, size) for size in global_shape]
-    dim = shard_dim(name) if tp > 1 else None
+    dim = placement.dim if placement.size > 1 else None
     if dim is not None:
-        start, end = shard_range(global_shape[dim], tp_rank, tp)
+        start, end = shard_range(global_shape[dim], placement.rank, placement.size)
         block[dim] = slice(start, end)
-    if dp > 1 and global_shape:
+    if placement.fsdp_size > 1 and global_shape:
         rows = block[0].stop - block[0].start
-        start, end = fsdp_rows(rows, dp_rank, dp)
+        start, end = fsdp_rows(rows, placement.fsdp_rank, placement.fsdp_size)
         block[0] = slice(block[0].start + start, block[0].start + end)
     return tuple(block)
 
@@ -49,17 +50,14 @@ def load_sharded(
     model: nn.Module,
     reader: CheckpointReader,
     global_shapes: Mapping[str, tuple[int, ...]],
+    placement: Callable[[str], Placement] = lambda name: Placement(None),
     *,
-    tp_rank: int = 0,
-    tp: int = 1,
-    dp_rank: int = 0,
-    dp: int = 1,
     ignore: Callable[[str], bool] = lambda name: False,
     fallback: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     """Fill the parameters of `model` (materialised with `to_empty`, possibly split and sharded) with this
     rank's blocks of the checkpoint. `global_shapes`: every parameter's unsplit shape (from the meta model
-    before splitting); `ignore(name)`: checkpoint tensors the model does not have; `fallback`: whole tensors
+    before splitting); `placement(name)`: where this rank's block lies (TrainEngine.placement); `ignore(name)`: checkpoint tensors the model does not have; `fallback`: whole tensors
     for parameters the checkpoint lacks. Errors name the checkpoint and the mismatched tensors."""
     fallback = dict(fallback or {})
     found = {n: reader.shapes[n] for n in reader.names() if not ignore(n)}
@@ -68,9 +66,7 @@ def load_sharded(
     with torch.no_grad():
         for name, param in model.named_parameters():
             local = param.to_local() if isinstance(param, DTensor) else param
-            block = checkpoint_block(
-                name, global_shapes[name], tp_rank=tp_rank, tp=tp, dp_rank=dp_rank, dp=dp
-            )
+            block = checkpoint_block(global_shapes[name], placement(name))
             if name in reader.shapes and not ignore(name):
                 value = reader.read(name, block) if local.numel() else None
             else:

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from dockrl.engines.reshard.offload import HostSwap
 from dockrl.engines.train.train_engine import TrainEngine
 from dockrl.models.decoder import Transformer
-from dockrl.models.tp_plan import local_args, shard_dim
+from dockrl.models.tp_plan import local_args
 from dockrl.parallel.layout import Layout
 from dockrl.parallel.tensor_parallel import parallelize
 
@@ -337,7 +337,7 @@ class RolloutSwitch:
     def _full(self, name: str, param: torch.Tensor) -> torch.Tensor:
         from dockrl.parallel.layout import full_tensor
 
-        return full_tensor(name, param, self.engine.tp_group)
+        return full_tensor(param, self.engine.placement(name))
 
     def _cut_into(self, spec: _ParamSpec, full: torch.Tensor, out: torch.Tensor) -> None:
         dim, start, end = self.infer_layout.shard_slice(spec.name, spec.full_shape, self.rank)
@@ -357,8 +357,9 @@ class RolloutSwitch:
             dp = dist.get_world_size(dp_group)
         else:
             local, dp_group, dp = param.detach(), None, 1
-        train_dim = shard_dim(spec.name) if self.train_layout.tp > 1 else None
-        tp = self.train_layout.tp if train_dim is not None else 1
+        placement = self.engine.placement(spec.name)  # the tp split, or the ep split of experts
+        train_dim = placement.dim if placement.size > 1 else None
+        tp = placement.size if train_dim is not None else 1
         dim, start, end = self.infer_layout.shard_slice(spec.name, spec.full_shape, self.rank)
         if dp == 1 and tp == 1:
             out.copy_(local if dim is None else local.narrow(dim, start, end - start))
@@ -379,7 +380,7 @@ class RolloutSwitch:
             if dp > 1:
                 block = _all_gather(block, dp_group, dp)  # [dp * n, ...]: rank j's rows j*R + r ...
             if tp > 1:
-                block = _all_gather(block, self.engine.tp_group, tp)  # [tp * dp * n, ...]
+                block = _all_gather(block, placement.group, tp)  # [tp * dp * n, ...]
             for t in range(tp):
                 for j in range(dp):
                     lo = j * shard_rows + r  # first row of this piece in the tp slice

@@ -4,7 +4,9 @@ Shapes: B rows, T tokens, V vocab (Vl = V / tp on one rank).
 
 Layout: `mesh` is a 1-D ("dp",) mesh or a 2-D ("dp", "tp") mesh (possibly a sub-mesh of a bigger one).
 Tensor parallelism (`dockrl.parallel.tensor_parallel`) splits the model first; FSDP2 then shards each rank's local
-tensors over the dp group. Log-probs come from the hidden states and this rank's vocab slice of the LM head
+tensors over the dp group. MoE with `ep` > 1 (expert parallelism, `dockrl.parallel.expert_parallel`): the dp
+ranks form an (edp, ep) grid; each keeps E/ep experts per MoE layer, which FSDP2 shards over edp
+(`placement(name)` says where any parameter's block lies). Log-probs come from the hidden states and this rank's vocab slice of the LM head
 (`token_stats`), never from full logits.
 
 Lifecycle: built once per worker: the model is built on the meta device, split and sharded there, and each
@@ -33,7 +35,10 @@ from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch
 from dockrl.models.decoder import DecoderModel, Transformer
 from dockrl.models.hf import CAUSAL_LM, CheckpointReader, ModelKind, read_config, weights_fingerprint
 from dockrl.models.lora import LoraSpec, adapters_disabled, apply_lora, fresh_adapters
-from dockrl.models.moe import Routing, RoutingStats, routing
+from dockrl.models.moe import MoEBlock, Routing, RoutingStats, routing
+from dockrl.models.tp_plan import shard_dim
+from dockrl.parallel.expert_parallel import is_expert_param
+from dockrl.parallel.layout import Placement, full_tensor
 from dockrl.parallel.sharded_load import load_sharded
 
 # A loss over what `forward(mb)` returned (the actor: token_stats' log-probs and entropies; the critic: values).
@@ -58,6 +63,7 @@ class TrainEngine:
         lora: LoraSpec | None = None,
         lora_init: Mapping[str, torch.Tensor] | None = None,
         seed: int = 0,
+        ep: int = 1,
     ):
         self.device = torch.device(device)
         self.precision = precision
@@ -83,7 +89,7 @@ class TrainEngine:
         self.global_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         if not trainable:
             model.requires_grad_(False)
-        self._init_layout(mesh)
+        self._init_layout(mesh, ep)
         if self.tp_size > 1:
             from dockrl.parallel.tensor_parallel import parallelize, replicated_names
 
@@ -92,8 +98,13 @@ class TrainEngine:
             parallelize(cast(Transformer, model), self.tp_rank, self.tp_size, self.tp_group)
             self.replicated = replicated_names(model)
             self.vocab_start = self.tp_rank * (self.args.vocab_size // self.tp_size)
+        if self.ep_size > 1:
+            from dockrl.parallel.expert_parallel import parallelize_experts
+
+            assert self.ep_group is not None
+            parallelize_experts(model, self.ep_rank, self.ep_size, self.ep_group)
         if self.dp_mesh is not None:  # set exactly when `mesh` is
-            fully_shard_layers(model, self.dp_mesh, precision)
+            fully_shard_layers(model, self.dp_mesh, precision, self.edp_mesh)
         model.to_empty(device=self.device)
         reader = CheckpointReader(model_path)  # headers only
         # Hugging Face exports of this model are written in the dtype its checkpoint came in.
@@ -104,10 +115,7 @@ class TrainEngine:
                 model,
                 reader,
                 self.global_shapes,
-                tp_rank=self.tp_rank,
-                tp=self.tp_size,
-                dp_rank=self.dp_rank,
-                dp=self.dp_size,
+                self.placement,
                 ignore=lambda name: kind.ignore(name, self.args),
                 fallback=fallback or None,
             )
@@ -127,14 +135,18 @@ class TrainEngine:
                 self.optimizer, _lr_lambda(optim.warmup_steps, total_optimizer_steps, optim.min_lr_ratio)
             )
 
-    def _init_layout(self, mesh: DeviceMesh | None) -> None:
+    def _init_layout(self, mesh: DeviceMesh | None, ep: int) -> None:
         self.dp_mesh: DeviceMesh | None = None
         self.dp_group: dist.ProcessGroup | None = None
         self.dp_size, self.dp_rank = 1, 0
         self.tp_group: dist.ProcessGroup | None = None
         self.tp_size, self.tp_rank = 1, 0
         self.vocab_start = 0  # the first id of this rank's vocab slice (set under tp)
+        self.ep_size, self.ep_rank = 1, 0
+        self.ep_group: dist.ProcessGroup | None = None
+        self.edp_mesh: DeviceMesh | None = None  # expert parallelism: the ranks holding the same experts
         if mesh is None:
+            assert ep == 1, "expert parallelism needs a data-parallel mesh"
             return
         names = mesh.mesh_dim_names
         assert names is not None, "dockrl's meshes name their dims (dp, tp)"
@@ -147,6 +159,40 @@ class TrainEngine:
             self.tp_group = mesh.get_group("tp")
             self.tp_size = mesh["tp"].size()
             self.tp_rank = mesh["tp"].get_local_rank()
+        if ep > 1:
+            self._init_expert_layout(dp_mesh, ep)
+
+    def _init_expert_layout(self, dp_mesh: DeviceMesh, ep: int) -> None:
+        """The (edp, ep) grid over the dp ranks: dp_rank = edp_rank x ep + ep_rank (module docstring)."""
+        assert self.tp_size == 1, (
+            "expert parallelism with tensor parallelism is not built (config refuses it)"
+        )
+        assert self.args.is_moe and self.args.num_experts % ep == 0 and self.dp_size % ep == 0, (
+            f"ep={ep} needs an MoE model whose experts and dp={self.dp_size} it divides (config checks this)"
+        )
+        # (from the dp mesh, so a dp sub-mesh of a bigger mesh unflattens consistently on every rank)
+        expert_mesh = dp_mesh._unflatten(0, (self.dp_size // ep, ep), ("edp", "ep"))
+        self.ep_size, self.ep_rank = ep, self.dp_rank % ep
+        self.ep_group = expert_mesh.get_group("ep")
+        self.edp_mesh = expert_mesh["edp"]
+
+    def placement(self, name: str) -> Placement:
+        """Where this rank's block of parameter `name` lies in the whole tensor (parallel.layout.Placement)."""
+        if self.ep_size > 1 and is_expert_param(name):
+            assert self.edp_mesh is not None
+            return Placement(
+                0,
+                self.ep_rank,
+                self.ep_size,
+                self.ep_group,
+                self.edp_mesh.get_local_rank(),
+                self.edp_mesh.size(),
+                self.edp_mesh.get_group(),
+            )
+        dim = shard_dim(name) if self.tp_size > 1 else None
+        return Placement(
+            dim, self.tp_rank, self.tp_size, self.tp_group, self.dp_rank, self.dp_size, self.dp_group
+        )
 
     def token_stats(self, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the next tokens and entropies [B, T-1] fp32 under softmax(logits / temperature), from the
@@ -296,8 +342,8 @@ class TrainEngine:
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + v
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else math.inf
-        if self.tp_size > 1:
-            grad_norm = self._clip_tp_grad_norm(max_norm)
+        if self.tp_size > 1 or self.ep_size > 1:
+            grad_norm = self._clip_grad_norm(max_norm)
         else:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
             if isinstance(norm, DTensor):
@@ -321,8 +367,10 @@ class TrainEngine:
             assert self.scheduler is not None, "skip_step on a frozen engine"
             self.scheduler.step()
 
-    def _clip_tp_grad_norm(self, max_norm: float) -> float:
-        """Global gradient norm over dp x tp (replicated parameters counted once); clips in place."""
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        """Global gradient norm over dp x tp (tp-replicated parameters counted once; the expert and dense
+        parameters' FSDP2 shards live on different meshes, which torch's clip_grad_norm_ cannot mix); clips
+        in place."""
         square = torch.zeros((), dtype=torch.float64, device=self.device)
         grads = []
         for name, param in self.model.named_parameters():
@@ -330,7 +378,7 @@ class TrainEngine:
                 continue
             grads.append(param.grad)
             local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            if name not in self.replicated or self.tp_rank == 0:
+            if self.tp_rank == 0 or name not in self.replicated:
                 square += local.double().pow(2).sum()
         for group in (self.dp_group, self.tp_group):
             if group is not None:
@@ -344,11 +392,9 @@ class TrainEngine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded fp32 CPU state dict (a collective: every rank must call it)."""
-        from dockrl.parallel.layout import full_tensor
-
         out = {}
         for name, tensor in self.model.state_dict().items():
-            out[name] = full_tensor(name, tensor, self.tp_group).detach().to("cpu", torch.float32)
+            out[name] = full_tensor(tensor, self.placement(name)).detach().to("cpu", torch.float32)
         return out
 
 
@@ -361,7 +407,12 @@ def _frozen_to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 setattr(module, name, torch.nn.Parameter(param.detach().to(dtype), requires_grad=False))
 
 
-def fully_shard_layers(model: torch.nn.Module, mesh: DeviceMesh, precision: str) -> None:
+def fully_shard_layers(
+    model: torch.nn.Module, mesh: DeviceMesh, precision: str, expert_mesh: DeviceMesh | None = None
+) -> None:
+    """FSDP2 over `mesh` per decoder layer and at the root; with `expert_mesh` (expert parallelism) each MoE
+    layer's experts are sharded over it instead (their gradients come out averaged over dp like the rest's:
+    see dockrl.parallel.expert_parallel)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(
@@ -369,6 +420,8 @@ def fully_shard_layers(model: torch.nn.Module, mesh: DeviceMesh, precision: str)
         reduce_dtype=torch.float32,
     )
     for layer in _decoder(model).layers:
+        if expert_mesh is not None and isinstance(layer.mlp, MoEBlock):
+            fully_shard(layer.mlp.experts, mesh=expert_mesh, mp_policy=mp)
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
