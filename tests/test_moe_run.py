@@ -1,6 +1,6 @@
-"""GRPO on a tiny Qwen3-MoE through the CLI and the dock, with routing replay (r3): the rollout's experts
-travel in routed_experts, the trainer replays them, and the run's checkpoint exports per-expert files that
-load back; config errors before Ray."""
+"""GRPO on a tiny Qwen3-MoE through the CLI and the dock, with expert parallelism (ep=2) and routing replay
+(r3): the rollout's experts travel in routed_experts, the trainer replays them while its experts live on two
+ranks, and the run's checkpoint exports per-expert files that load back; config errors before Ray."""
 
 import json
 import math
@@ -14,7 +14,7 @@ from dockrl.recipes.preflight import preflight_train
 
 CONFIG = (
     "rollout: {samples_per_prompt: 4, max_new_tokens: 6, groups_per_pull: 2}\n"
-    "actor: {dp: 2, lr: 1.0e-3, micro_batch_size: 4}\n"
+    "actor: {dp: 2, ep: 2, lr: 1.0e-3, micro_batch_size: 4}\n"
     "algo: {kl_coef: 0.01, routing_replay: r3}\n"
     "reward: {functions: [{name: exact_answer}, {name: 'reward_fixtures:length_reward', weight: 0.1}]}\n"
     "run: {steps: 2, prompts_per_step: 4, progress: false, worker_timeout_s: 300, precision: fp32}\n"
@@ -43,6 +43,9 @@ def test_grpo_with_routing_replay_through_cli(ray_session, tmp_path, moe_model, 
         assert 0.9 <= row["moe/routing_agreement"] <= 1.0
         assert row["moe/expert_load"] >= 1.0 and math.isfinite(row["actor/kl"])
         assert row["rollout/logprob_abs_diff"] < 1e-5
+        # each pass sends every token's 2 slots x H=64 fp32 out and back per MoE layer (2 layers): 2 KiB a
+        # token and pass; a rank's 8 rows of >= 10 tokens, reference + update forward + backward: > 0.4 MiB
+        assert row["moe/all_to_all_mb"] > 0.1
     summary = json.loads((tmp_path / "moe" / "summary.json").read_text())
     exported = load_model(f"{summary['checkpoint']}/hf")  # per-expert files, read back fused
     assert exported.args.num_experts == 8 and exported.args.moe_layers == [0, 1]
@@ -63,6 +66,13 @@ def test_grpo_with_routing_replay_through_cli(ray_session, tmp_path, moe_model, 
         ),
         (["algo.routing_replay=r3", "env.name=tools"], "moe", "multi-turn trajectories"),
         (["actor.tp=2"], "moe", "tensor parallelism of MoE layers is not built yet"),
+        (["actor.dp=2", "actor.ep=2"], "dense", "actor.ep=2: splits experts, and model.path=.* dense"),
+        (
+            ["actor.dp=3", "actor.ep=3", "run.prompts_per_step=6"],
+            "moe",
+            "does not divide the model's num_experts=8",
+        ),
+        (["actor.dp=4", "actor.ep=3"], "moe", "actor.ep=3: does not divide actor.dp=4"),
     ],
 )
 def test_moe_config_errors(tiny_model, moe_model, arithmetic_data, extra, model, expected):

@@ -252,6 +252,13 @@ class ActorConfig(OptimConfig):
         "Tensor-parallel degree of training (column/row-parallel linears, vocab-parallel embedding and LM "
         "head); must divide the model's num_heads, num_kv_heads (split, never replicated), vocab and MLP width.",
     )
+    ep: int = setting(
+        1,
+        "Expert-parallel degree of training (MoE models): each rank holds num_experts / ep experts of every "
+        "MoE layer and tokens reach their experts by all-to-all; FSDP2 shards the experts over the actor.dp / "
+        "ep ranks that hold the same ones, the rest over all actor.dp. Must divide actor.dp and the model's "
+        "num_experts; tp must be 1. The rollout holds whole experts (docs/moe.md).",
+    )
     lora: LoraConfig = field(
         default_factory=LoraConfig, metadata={"doc": "LoRA adapters (rank 0: full fine-tuning)."}
     )

@@ -164,6 +164,22 @@ def _check_layouts(cfg: TrainConfig) -> None:
     """Training (dp, tp) and rollout tp layouts against each other (against the model: the preflight)."""
     actor, roll = cfg.actor, cfg.rollout
     positive("actor.tp", actor.tp)
+    positive("actor.ep", actor.ep)
+    if actor.dp % actor.ep:
+        raise config_error(
+            "actor.ep",
+            actor.ep,
+            f"does not divide actor.dp={actor.dp} (the experts are split over ep ranks and sharded over the "
+            "dp / ep ranks holding the same ones)",
+            f"use a divisor of actor.dp: {[d for d in range(1, actor.dp + 1) if actor.dp % d == 0]}",
+        )
+    if actor.ep > 1 and actor.tp > 1:
+        raise config_error(
+            "actor.ep",
+            actor.ep,
+            f"with actor.tp={actor.tp}: tensor parallelism of MoE layers is not built",
+            "use actor.tp=1 with expert parallelism",
+        )
     positive("rollout.tp", roll.tp)
     world = actor.dp * actor.tp
     positive("rollout.replicas", roll.replicas)

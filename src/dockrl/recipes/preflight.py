@@ -376,7 +376,25 @@ def _check_model_layouts(cfg: TrainConfig) -> None:
         problem = tp_problem(args, value)
         if problem is not None:
             raise config_error(key, value, problem, f"set {key} to a valid size")
+    if actor.ep > 1 and not args.is_moe:
+        raise config_error(
+            "actor.ep",
+            actor.ep,
+            f"splits experts, and model.path={cfg.model.path} is a dense {args.family} model",
+            "use actor.ep=1, or a qwen3_moe model",
+        )
+    if args.is_moe and args.num_experts % actor.ep:
+        divisors = [d for d in range(1, args.num_experts + 1) if args.num_experts % d == 0]
+        raise config_error(
+            "actor.ep",
+            actor.ep,
+            f"does not divide the model's num_experts={args.num_experts}",
+            f"use one of {divisors} that also divides actor.dp",
+        )
+    # the largest tensor: the embedding / LM head, a dense MLP matrix, or one MoE layer's fused experts
     numel = max(args.vocab_size, args.intermediate_size) * args.hidden_size
+    if args.is_moe:
+        numel = max(numel, args.num_experts * 2 * args.moe_intermediate_size * args.hidden_size)
     largest = 4 * numel  # fp32, the training dtype
     if reshard.bucket_mb is not None and reshard.bucket_mb * 2**20 < largest:
         raise config_error(

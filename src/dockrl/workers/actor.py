@@ -48,6 +48,7 @@ from dockrl.engines.train.train_engine import TrainEngine
 from dockrl.models.lora import LoraSpec, read_peft_adapters
 from dockrl.models.tokenizer import Tokenizer, first_token_id, stop_token_ids
 from dockrl.parallel.dist import free_port, host_ip, inference_mesh, side_group, training_mesh
+from dockrl.parallel.expert_parallel import ALL_TO_ALL_BYTES
 from dockrl.parallel.replica import ReplicaClient
 from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.results import GenerateResult, LogprobResult, SetupResult, UpdateResult
@@ -88,7 +89,9 @@ class ActorWorker(Worker):
         `resume_from` (a checkpoint root) the policy, its optimizer and LR schedule come from there."""
         cfg = self.cfg
         mesh = training_mesh(self.device.type, self.dp, cfg.actor.tp)
-        common: dict[str, Any] = dict(device=self.device, precision=cfg.run.precision, mesh=mesh)
+        common: dict[str, Any] = dict(
+            device=self.device, precision=cfg.run.precision, mesh=mesh, ep=cfg.actor.ep
+        )
         self.policy = TrainEngine(
             cfg.model.path,
             optim=cfg.actor,
@@ -115,6 +118,7 @@ class ActorWorker(Worker):
             self.policy.args.is_moe and cfg.rollout.backend == "dockrl" and cfg.env.name is None
         )
         self.replay_routes = self.routes_column and cfg.algo.routing_replay == "r3"
+        self.all_to_all_mark = ALL_TO_ALL_BYTES[0]  # actor.ep > 1: bytes sent before this step's passes
         return SetupResult(self.policy.args.num_params(), str(self.device), self.where())
 
     def _lora_args(self) -> dict:
@@ -347,7 +351,17 @@ class ActorWorker(Worker):
         metrics.update({k: first[k] for k in MISMATCH_METRICS if k in first})
         if len(taken) < len(history):
             metrics["skipped_steps"] = float(len(history) - len(taken))
+        if self.policy.ep_size > 1:
+            metrics.update(self._all_to_all_metrics())
         return UpdateResult({**metrics, **reward_kl})
+
+    def _all_to_all_metrics(self) -> dict[str, float]:
+        """moe/all_to_all_mb: MiB of tokens and gradients one rank sent to its experts' ranks in this step's
+        passes (reference, old log-probs, update; forward and backward), the mean over the dp ranks."""
+        sent = (ALL_TO_ALL_BYTES[0] - self.all_to_all_mark) / 2**20
+        self.all_to_all_mark = ALL_TO_ALL_BYTES[0]
+        total = all_reduce_sum(torch.tensor([sent], dtype=torch.float64), self.policy.dp_group)
+        return {"moe/all_to_all_mb": float(total[0]) / self.dp}
 
     def _kl_shaped_advantages(self, batch: dict[str, list]) -> tuple[list[torch.Tensor], dict[str, float]]:
         """REINFORCE++ with algo.kl_in_reward: each row's advantage minus kl_coef x the KL to go (sampling
