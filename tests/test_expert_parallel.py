@@ -2,6 +2,7 @@
 FSDP2), ep=2 (experts split in two, FSDP2 over the 2 ranks holding each half) and ep=4 (one rank per two experts)
 gives the single-process update's loss and gradients; with routing replay too. A checkpoint written under ep=2
 loads under ep=4 and ep=1 with the same values, and the Hugging Face export of ep=2 equals the single process's.
+The router's load-balancing loss is logged, and trained on with actor.moe_aux_loss_coef.
 """
 
 import torch
@@ -67,16 +68,16 @@ def make_rows(vocab: int, with_routes: bool) -> dict[str, list]:
     return batch
 
 
-def make_engine(model_dir: str, mesh=None, ep: int = 1, load_weights: bool = True):
+def make_engine(model_dir: str, mesh=None, ep: int = 1, load_weights: bool = True, grad_clip: float = 1.0):
     from dockrl.engines.train.train_engine import TrainEngine
 
-    optim = ActorConfig(lr=1e-2, grad_clip=1.0, micro_batch_size=2)
+    optim = ActorConfig(lr=1e-2, grad_clip=grad_clip, micro_batch_size=2)
     return TrainEngine(
         model_dir, device="cpu", precision="fp32", mesh=mesh, optim=optim, ep=ep, load_weights=load_weights
     )
 
 
-def run_update(engine, idx: list[int], dp: int, replay: bool) -> dict:
+def run_update(engine, idx: list[int], dp: int, replay: bool, aux_loss_coef: float = 0.0) -> dict:
     from dockrl.engines.train.policy_update import policy_update
 
     batch = make_rows(engine.args.vocab_size, with_routes=replay)
@@ -91,6 +92,7 @@ def run_update(engine, idx: list[int], dp: int, replay: bool) -> dict:
         pad_token_id=0,
         world_size=dp,
         replay=replay,
+        aux_loss_coef=aux_loss_coef,
     )
 
 
@@ -168,3 +170,44 @@ def test_expert_parallel_updates_equal_single_process(tmp_path):
     assert set(exported) == set(saved)
     for name, value in saved.items():
         assert torch.equal(exported[name], value), name
+
+
+def test_load_balancing_loss_is_logged_and_trained_with_its_weight(tmp_path):
+    from dockrl.engines.train.batch import make_micro_batch, micro_batch_rows
+    from dockrl.models.moe import load_balancing_loss, router_logits
+
+    model_dir = write_moe(tmp_path / "moe")
+    rows = list(range(NUM_ROWS))
+    logged = make_engine(model_dir, grad_clip=0.0)  # no clipping: gradients add up exactly
+    metrics = run_update(logged, rows, 1, replay=False)
+    trained = make_engine(model_dir, grad_clip=0.0)
+    coef = 0.5
+    metrics_trained = run_update(trained, rows, 1, replay=False, aux_loss_coef=coef)
+    # the same forwards: the same figure, the mean over micro-batches of each one's loss over its tokens
+    reference = make_engine(model_dir)
+    batch = make_rows(reference.args.vocab_size, with_routes=False)
+    lengths = [len(p) + len(r) for p, r in zip(batch["prompt_ids"], batch["response_ids"])]
+    chunks = micro_batch_rows(lengths, 2, 0)
+    losses = []
+    for chunk in chunks:
+        mb = make_micro_batch(
+            [batch["prompt_ids"][i] for i in chunk], [batch["response_ids"][i] for i in chunk], pad_token_id=0
+        )
+        with router_logits(reference.model) as logits:
+            reference.model(mb.input_ids)
+        losses.append(load_balancing_loss(logits, TOP_K, EXPERTS, mb.token_mask().reshape(-1)))
+    expected = torch.stack(losses)
+    assert 1.0 <= float(expected.min())  # E x sum of shares x mean probabilities >= 1 (k=2: ~2 when even)
+    torch.testing.assert_close(metrics["moe/aux_loss"], float(expected.mean()), rtol=1e-5, atol=0)
+    torch.testing.assert_close(metrics_trained["moe/aux_loss"], metrics["moe/aux_loss"], rtol=1e-6, atol=0)
+    # with the weight, the gradients move by coef x the gradient of the micro-batches' mean aux loss
+    (coef * expected.mean()).backward()
+    base, with_aux = full_grads(logged), full_grads(trained)
+    for name, param in reference.model.named_parameters():
+        if param.grad is None:  # the LM head and final norm do not feed the routers
+            torch.testing.assert_close(with_aux[name], base[name], rtol=0, atol=0)
+            continue
+        scale = float(base[name].abs().max()) + float(param.grad.abs().max())
+        # fp32 reassociation of two separately summed gradients (helpers.GRAD_ATOL_OF_SCALE)
+        torch.testing.assert_close(with_aux[name] - base[name], param.grad, rtol=0, atol=1e-4 * scale)
+    assert float(reference.model.model.layers[1].mlp.gate.weight.grad.abs().max()) > 1e-3

@@ -9,6 +9,12 @@ every rank first. CPU: process RSS high-water mark
 (reset through /proc/self/clear_refs; glibc's mmap threshold is pinned so freed tensors leave RSS); CUDA:
 the caching allocator's peak. Offload moves nothing on CPU, so the inference buffers count in full. Also
 reports `dockrl plan`'s prediction of the bucketed extra peak and its error.
+
+MoE (`--experts N`): a Qwen3-MoE of the same shape whose every MLP is N experts (top-2, width hidden / 2),
+trained with expert parallelism `--ep` (experts split over ep ranks, FSDP2 over dp / ep of them); the switch
+gathers experts over ep and edp into the same inference buffers (experts whole in inference). Also reported:
+each rank's steady-state training bytes (parameters, gradients, AdamW state: the max over ranks) and the
+all-to-all bytes a rank sent in the training step (forward and backward).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--experts", type=int, default=0, help="MoE: experts per layer (0: a dense llama)")
+    parser.add_argument("--ep", type=int, default=1, help="MoE: expert-parallel degree of training")
     parser.add_argument("--bucket-mb", type=float, default=None, help="default: the largest tensor")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
 
@@ -59,15 +67,19 @@ def _worker(
     from dockrl.engines.reshard.switch import OffloadFlags, RolloutSwitch
     from dockrl.engines.train.train_engine import TrainEngine
     from dockrl.parallel.dist import inference_mesh, init_distributed, training_mesh
+    from dockrl.parallel.expert_parallel import ALL_TO_ALL_BYTES
 
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)  # one GPU per spawned rank
     device = init_distributed(rank, world, "127.0.0.1", port, args.device, timeout_s=600)
     train_mesh = training_mesh(args.device, args.dp, args.tp_train)
-    engine = TrainEngine(model_dir, device=device, precision="fp32", mesh=train_mesh, optim=ActorConfig())
+    engine = TrainEngine(
+        model_dir, device=device, precision="fp32", mesh=train_mesh, optim=ActorConfig(), ep=args.ep
+    )
     start = time.perf_counter()
     take_one_step(engine, args.dp, seed=rank // args.tp_train)
     train_s = time.perf_counter() - start
+    all_to_all = ALL_TO_ALL_BYTES[0]
     group = inference_mesh(args.device, world, args.tp_infer).get_group("tp")
     bucket = None if args.bucket_mb is None else int(args.bucket_mb * 2**20)
     switch = RolloutSwitch(
@@ -95,12 +107,30 @@ def _worker(
         "shard": switch.inference_shard_bytes,
         "train_s": train_s,
         "switch_s": switch_s,
+        "train_state": _train_state_bytes(engine),
+        "all_to_all": all_to_all,
     }
     results = [None] * world
     torch.distributed.all_gather_object(results, result)
     if rank == 0:
         torch.save(results, out)
     leave(rank)
+
+
+def _train_state_bytes(engine) -> int:
+    """This rank's parameters, gradients and optimizer state (local shards), in bytes."""
+    from torch.distributed.tensor import DTensor
+
+    def size(t) -> int:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return local.numel() * local.element_size()
+
+    total = 0
+    for param in engine.model.parameters():
+        total += size(param) + (size(param.grad) if param.grad is not None else 0)
+        for value in engine.optimizer.state.get(param, {}).values():
+            total += size(value) if value.dim() else 0
+    return total
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -120,8 +150,13 @@ def run(args: argparse.Namespace) -> dict:
 
     args.device = resolve_device(args.device, "--device")
     world = args.dp * args.tp_train
+    moe = (
+        dict(num_experts=args.experts, num_experts_per_tok=2, moe_intermediate_size=args.hidden_size // 2)
+        if args.experts
+        else {}
+    )
     model_args = ModelArgs(
-        family="llama",
+        family="qwen3_moe" if args.experts else "llama",
         vocab_size=args.vocab_size,
         hidden_size=args.hidden_size,
         intermediate_size=3 * args.hidden_size,
@@ -129,6 +164,8 @@ def run(args: argparse.Namespace) -> dict:
         num_heads=8,
         num_kv_heads=8,
         head_dim=args.hidden_size // 8,
+        qk_norm=bool(args.experts),
+        **moe,
     )
     # A freed tensor must leave RSS for the CPU peak to mean anything: pin glibc's mmap threshold at 64 KiB.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
@@ -164,5 +201,8 @@ def run(args: argparse.Namespace) -> dict:
         "plan_error": predicted["switch_extra_bytes"] / max(bucketed, 1) - 1,
         "switch_s": max(r["switch_s"] for r in results),
         "num_params": model_args.num_params(),
-        "layout": f"dp={args.dp} tp_train={args.tp_train} -> tp_infer={args.tp_infer}",
+        "train_state_bytes": max(r["train_state"] for r in results),
+        "all_to_all_bytes": max(r["all_to_all"] for r in results),
+        "layout": f"dp={args.dp} tp_train={args.tp_train} ep={args.ep} -> tp_infer={args.tp_infer}"
+        + (f" ({args.experts} experts)" if args.experts else ""),
     }

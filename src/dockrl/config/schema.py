@@ -259,6 +259,12 @@ class ActorConfig(OptimConfig):
         "ep ranks that hold the same ones, the rest over all actor.dp. Must divide actor.dp and the model's "
         "num_experts; tp must be 1. The rollout holds whole experts (docs/moe.md).",
     )
+    moe_aux_loss_coef: float = setting(
+        0.0,
+        "MoE models: weight of the router's load-balancing loss (Switch/GShard, transformers' form, over each "
+        "micro-batch's tokens) in the actor's loss; 0 logs it (moe/aux_loss) without training on it. The "
+        "model's own router_aux_loss_coef (config.json) is what its pretraining used, e.g. 0.001.",
+    )
     lora: LoraConfig = field(
         default_factory=LoraConfig, metadata={"doc": "LoRA adapters (rank 0: full fine-tuning)."}
     )

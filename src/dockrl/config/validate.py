@@ -165,6 +165,13 @@ def _check_layouts(cfg: TrainConfig) -> None:
     actor, roll = cfg.actor, cfg.rollout
     positive("actor.tp", actor.tp)
     positive("actor.ep", actor.ep)
+    if actor.moe_aux_loss_coef < 0:
+        raise config_error(
+            "actor.moe_aux_loss_coef",
+            actor.moe_aux_loss_coef,
+            "is a loss weight and must be >= 0",
+            "use 0 (log only) or a small weight such as 0.001",
+        )
     if actor.dp % actor.ep:
         raise config_error(
             "actor.ep",

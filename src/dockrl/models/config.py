@@ -78,7 +78,7 @@ class ModelArgs:
     mlp_only_layers: tuple[int, ...] = ()
     """Layers that keep a dense MLP of intermediate_size."""
     router_aux_loss_coef: float = 0.001
-    """Weight of the router's load-balancing loss in Hugging Face's config (dockrl logs it; see actor.moe_aux_loss)."""
+    """Weight of the router's load-balancing loss in Hugging Face's config (dockrl logs its loss; actor.moe_aux_loss_coef weighs it in)."""
 
     def __post_init__(self) -> None:
         self.mlp_only_layers = tuple(self.mlp_only_layers)

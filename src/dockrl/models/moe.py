@@ -119,12 +119,17 @@ class MoEBlock(nn.Module):
         self.norm_topk_prob = args.norm_topk_prob
         self.layer = layer
         self.routing: Routing | None = None  # set by `routing(model, ...)` for the forwards inside it
+        self.router_log: list[torch.Tensor] | None = (
+            None  # set by `router_logits(model)`: logits [N, E] go here
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]."""
         batch, time, hidden = x.shape
         flat = x.reshape(-1, hidden)
         logits = self.gate(flat)  # [N, E]
+        if self.router_log is not None:
+            self.router_log.append(logits)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         top_values, top = torch.topk(probs, self.top_k, dim=-1)
         routing = self.routing
@@ -197,16 +202,37 @@ def routing(model: nn.Module, state: Routing) -> Iterator[Routing]:
             block.routing = None
 
 
-def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int, num_experts: int) -> torch.Tensor:
-    """The Switch/GShard auxiliary loss transformers' Qwen3-MoE uses (no padding mask): E x sum_e (share of
-    top-k assignments to e) x (mean router probability of e), over the tokens of all layers together."""
+@contextmanager
+def router_logits(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Collect every MoE layer's router logits [N, E] of the forwards run inside, in call order (an
+    activation-checkpointing recompute appends again)."""
+    log: list[torch.Tensor] = []
+    blocks = moe_blocks(model)
+    for block in blocks:
+        block.router_log = log
+    try:
+        yield log
+    finally:
+        for block in blocks:
+            block.router_log = None
+
+
+def load_balancing_loss(
+    router_logits: list[torch.Tensor], top_k: int, num_experts: int, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The Switch/GShard auxiliary loss transformers' Qwen3-MoE uses: E x sum_e (share of top-k assignments to
+    e) x (mean router probability of e), over the tokens of all layers together; `mask` [N] (bool) keeps only
+    those rows of every layer's logits (transformers' attention-mask form), None keeps all."""
     tokens_per_expert = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
     prob_per_expert = torch.zeros_like(tokens_per_expert)
     rows = 0
     for logits in router_logits:
+        if mask is not None:
+            logits = logits[mask.to(logits.device)]
         probs = F.softmax(logits.float(), dim=-1)
         _, chosen = torch.topk(probs, top_k, dim=-1)
         tokens_per_expert = tokens_per_expert + torch.bincount(chosen.reshape(-1), minlength=num_experts)
         prob_per_expert = prob_per_expert + probs.sum(dim=0)
         rows += probs.shape[0]
+    rows = max(rows, 1)
     return num_experts * torch.sum((tokens_per_expert / rows) * (prob_per_expert / rows))

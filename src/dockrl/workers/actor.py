@@ -341,6 +341,7 @@ class ActorWorker(Worker):
                         pad_token_id=self.pad_token_id,
                         world_size=self.dp,
                         replay=self.replay_routes,
+                        aux_loss_coef=actor.moe_aux_loss_coef,
                     )
                 )
         self.rollout_stale = True

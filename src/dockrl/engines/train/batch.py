@@ -31,6 +31,13 @@ class MicroBatch:
         """Rows in this micro-batch."""
         return len(self.lengths)
 
+    def token_mask(self) -> torch.Tensor:
+        """[B, T] bool: the positions holding a row's tokens (prompt and response), not padding."""
+        ends = torch.tensor(
+            [s + 1 + n for s, n in zip(self.starts, self.lengths)], device=self.input_ids.device
+        )
+        return torch.arange(self.input_ids.shape[1], device=ends.device)[None, :] < ends[:, None]
+
     def unpad(self, values: torch.Tensor) -> list[torch.Tensor]:
         """[B, T-1] grid -> one [R_i] tensor per row (detached, on CPU)."""
         values = values.detach().cpu()

@@ -71,6 +71,7 @@ def policy_update(
     pad_token_id: int,
     world_size: int,
     replay: bool = False,
+    aux_loss_coef: float = 0.0,
 ) -> dict[str, float] | None:
     """Train on rows `idx` of `batch` (prompt_ids, response_ids, advantages [, ref_logprobs, old_logprobs]) with
     the policy loss `plan` (the run's StepPlan.loss, resolved in config); returns the step's metrics, or None
@@ -78,7 +79,9 @@ def policy_update(
 
     `world_size` is the number of data-parallel ranks; tensor-parallel peers train on the same rows. MoE rows
     with the rollout's experts (`routed_experts`): `replay` (algo.routing_replay=r3) trains with them, and
-    moe/routing_agreement and moe/expert_load are measured either way.
+    moe/routing_agreement and moe/expert_load are measured either way. MoE models also report moe/aux_loss (the
+    router's load-balancing loss, mean over micro-batches and ranks), which joins the loss times `aux_loss_coef`
+    (actor.moe_aux_loss_coef).
     """
     # Rows a failed reward call left out (reward.on_error=drop_group) weigh 0: masked out of the loss and
     # of its token and sequence counts.
@@ -119,7 +122,11 @@ def policy_update(
     micro_batches += [engine.idle_micro_batch(pad_token_id, tuple(per_token_names)) for _ in range(idle)]
     loss_fn = _loss_fn(plan, global_tokens, global_seqs, world_size)
     metrics = engine.train_step(
-        micro_batches, loss_fn, forward=lambda mb: engine.token_stats(mb, temperature), replay=replay
+        micro_batches,
+        loss_fn,
+        forward=lambda mb: engine.token_stats(mb, temperature),
+        replay=replay,
+        aux_loss_coef=aux_loss_coef,
     )
     keys = [k for k in (*SUMMED_METRICS, *ROLLOUT_METRICS) if k in metrics]  # the same on every rank
     totals = all_reduce_sum(torch.tensor([metrics[k] for k in keys], dtype=torch.float64), engine.dp_group)
@@ -128,6 +135,12 @@ def policy_update(
         stats = engine.routing_stats or RoutingStats.empty(engine.args)
         assert stats is not None, "routed_experts come from an MoE model"
         out.update(routing_metrics(all_reduce_sum(stats.as_tensor(), engine.dp_group)))
+    if engine.args.is_moe:  # every rank has the figure (idle micro-batches too), so all join the all-reduce
+        aux = all_reduce_sum(
+            torch.tensor([metrics["moe_aux_loss"], metrics["moe_aux_count"]], dtype=torch.float64),
+            engine.dp_group,
+        ).tolist()
+        out["moe/aux_loss"] = aux[0] / max(aux[1], 1.0)
     out["grad_norm"], out["lr"] = metrics["grad_norm"], metrics["lr"]
     return out
 

@@ -35,7 +35,14 @@ from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch
 from dockrl.models.decoder import DecoderModel, Transformer
 from dockrl.models.hf import CAUSAL_LM, CheckpointReader, ModelKind, read_config, weights_fingerprint
 from dockrl.models.lora import LoraSpec, adapters_disabled, apply_lora, fresh_adapters
-from dockrl.models.moe import MoEBlock, Routing, RoutingStats, routing
+from dockrl.models.moe import (
+    MoEBlock,
+    Routing,
+    RoutingStats,
+    load_balancing_loss,
+    router_logits,
+    routing,
+)
 from dockrl.models.tp_plan import shard_dim
 from dockrl.parallel.expert_parallel import is_expert_param
 from dockrl.parallel.layout import Placement, full_tensor
@@ -290,6 +297,19 @@ class TrainEngine:
             return nullcontext(None)
         return routing(self.model, Routing(replay=mb.routes if replay else None, record=True))
 
+    def _router_logits(self):
+        """MoE: a context collecting the router logits of the forwards inside; nullcontext(None) if dense."""
+        return router_logits(self.model) if self.args.is_moe else nullcontext(None)
+
+    def _aux_loss(self, logits: list[torch.Tensor], mb: MicroBatch, with_grad: bool) -> torch.Tensor:
+        """The load-balancing loss of one micro-batch's forward (its first num-MoE-layers logits: a recompute
+        appends more) over its tokens."""
+        logits = logits[: len(self.args.moe_layers)]
+        if not with_grad:
+            logits = [x.detach() for x in logits]
+        mask = mb.token_mask().reshape(-1)
+        return load_balancing_loss(logits, self.args.num_experts_per_tok, self.args.num_experts, mask)
+
     def common_count(self, count: int) -> int:
         """The most micro-batches any data-parallel rank has (each forward is collective under FSDP, so every
         rank runs that many; the ones with fewer rows add idle micro-batches)."""
@@ -318,10 +338,14 @@ class TrainEngine:
         loss_fn: LossFn,
         forward: Callable[[MicroBatch], Any] | None = None,
         replay: bool = False,
+        aux_loss_coef: float = 0.0,
     ) -> dict[str, float]:
         """Accumulate gradients over the micro-batches, clip, take one optimizer step; returns summed metrics.
         `loss_fn(forward(mb), mb)` per micro-batch; `forward` defaults to `logits`. MoE micro-batches with the
-        rollout's routes: `replay` uses them (r3); either way `routing_stats` counts the router's agreement."""
+        rollout's routes: `replay` uses them (r3); either way `routing_stats` counts the router's agreement.
+        MoE: each micro-batch's router load-balancing loss (models.moe.load_balancing_loss over its tokens) is
+        summed into moe_aux_loss (with moe_aux_count micro-batches), and `aux_loss_coef` x its mean over the
+        micro-batches joins the loss."""
         assert self.optimizer is not None, "train_step on a frozen engine"
         assert self.scheduler is not None  # built with the optimizer
         self.model.train()
@@ -331,10 +355,14 @@ class TrainEngine:
         with_routes = any(mb.routes is not None for mb in micro_batches)
         self.routing_stats = RoutingStats.empty(self.args) if with_routes else None
         for mb in micro_batches:
-            with self.routes_context(
-                mb, replay
-            ) as seen:  # backward inside: recomputes replay the same experts
+            # backward inside: recomputes replay the same experts
+            with self.routes_context(mb, replay) as seen, self._router_logits() as logits:
                 loss, metrics = loss_fn(forward(mb), mb)
+                if logits is not None and bool(mb.response_mask.any()):  # not an idle micro-batch
+                    aux = self._aux_loss(logits, mb, with_grad=aux_loss_coef > 0)
+                    metrics = {**metrics, "moe_aux_loss": float(aux.detach()), "moe_aux_count": 1.0}
+                    if aux_loss_coef > 0:
+                        loss = loss + aux_loss_coef * aux / len(micro_batches)
                 loss.backward()
             if seen is not None and self.routing_stats is not None:
                 assert mb.routes is not None and mb.route_mask is not None
