@@ -2,6 +2,7 @@
 FSDP2), ep=2 (experts split in two, FSDP2 over the 2 ranks holding each half) and ep=4 (one rank per two experts)
 gives the single-process update's loss and gradients; with routing replay too. A checkpoint written under ep=2
 loads under ep=4 and ep=1 with the same values, and the Hugging Face export of ep=2 equals the single process's.
+LoRA on the attention of an MoE model (experts frozen, split over ep) trains the same adapters under ep=2.
 The router's load-balancing loss is logged, and trained on with actor.moe_aux_loss_coef.
 """
 
@@ -68,13 +69,40 @@ def make_rows(vocab: int, with_routes: bool) -> dict[str, list]:
     return batch
 
 
-def make_engine(model_dir: str, mesh=None, ep: int = 1, load_weights: bool = True, grad_clip: float = 1.0):
+def make_engine(
+    model_dir: str,
+    mesh=None,
+    ep: int = 1,
+    load_weights: bool = True,
+    grad_clip: float = 1.0,
+    lora: bool = False,
+):
     from dockrl.engines.train.train_engine import TrainEngine
+    from dockrl.models.lora import LoraSpec
 
     optim = ActorConfig(lr=1e-2, grad_clip=grad_clip, micro_batch_size=2)
+    spec = LoraSpec(4, 8.0, 0.0, ("q_proj", "k_proj", "v_proj", "o_proj")) if lora else None
     return TrainEngine(
-        model_dir, device="cpu", precision="fp32", mesh=mesh, optim=optim, ep=ep, load_weights=load_weights
+        model_dir,
+        device="cpu",
+        precision="fp32",
+        mesh=mesh,
+        optim=optim,
+        ep=ep,
+        load_weights=load_weights,
+        lora=spec,
     )
+
+
+def adapter_grads(engine) -> dict[str, torch.Tensor]:
+    """The whole gradients of the trained parameters (LoRA: the adapters)."""
+    from dockrl.parallel.layout import full_tensor
+
+    return {
+        name: full_tensor(param.grad, engine.placement(name)).detach().clone()
+        for name, param in engine.model.named_parameters()
+        if param.requires_grad
+    }
 
 
 def run_update(engine, idx: list[int], dp: int, replay: bool, aux_loss_coef: float = 0.0) -> dict:
@@ -116,6 +144,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, tmp: str, leave) -
             results[(ep, replay, "shapes")] = {
                 n: tuple(p.to_local().shape) for n, p in engine.model.named_parameters() if "experts" in n
             }
+    engine = make_engine(model_dir, mesh, 2, lora=True)
+    results["lora"] = run_update(engine, idx, world, replay=True), adapter_grads(engine)
     # ep=2 after an update: its checkpoint loads under ep=4 and ep=1 (DCP reshards experts by offset)
     engine = make_engine(model_dir, mesh, 2)
     run_update(engine, idx, world, replay=False)
@@ -159,6 +189,19 @@ def test_expert_parallel_updates_equal_single_process(tmp_path):
             rows = -(-local // (WORLD // ep))
             assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == (rows, 32, 32)
             assert (sent > 0) == (ep > 1)
+    # LoRA on the attention, experts frozen and split: the single process's adapter gradients
+    reference = make_engine(model_dir, lora=True)
+    ref_metrics = run_update(reference, list(range(NUM_ROWS)), 1, replay=True)
+    metrics, grads = results["lora"]
+    torch.testing.assert_close(metrics["loss"], ref_metrics["loss"], rtol=1e-4, atol=1e-6)
+    assert len(grads) == 4 * 2 * LAYERS  # A and B of q, k, v, o per layer
+    expected = adapter_grads(reference)
+    # B starts at zero, so A's first gradient is zero everywhere; B's carries the update
+    assert all(float(g.abs().max()) == 0 for n, g in {**grads, **expected}.items() if n.endswith("lora_A"))
+    assert_grads_close(
+        {n: g for n, g in grads.items() if n.endswith("lora_B")},
+        {n: g for n, g in expected.items() if n.endswith("lora_B")},
+    )
     # a checkpoint of ep=2 loads under ep=4 and ep=1 with the same values, bit for bit
     saved = results["saved"]
     for ep in (4, 1):

@@ -81,3 +81,16 @@ def test_moe_config_errors(tiny_model, moe_model, arithmetic_data, extra, model,
     base += ["run.prompts_per_step=4", "rollout.samples_per_prompt=2"]
     with pytest.raises(ConfigError, match=expected):
         preflight_train(load_config(TrainConfig, None, base + extra))
+
+
+def test_lora_on_expert_projections_is_refused(moe_model, arithmetic_data):
+    base = [f"model.path={moe_model}", f"data.train_path={arithmetic_data['train']}", "run.steps=1"]
+    base += ["run.prompts_per_step=4", "rollout.samples_per_prompt=2", "actor.lora.rank=4"]
+    with pytest.raises(
+        ConfigError, match=r"names MLP projections \['gate_proj'\].*LoRA on experts is not built"
+    ):
+        preflight_train(
+            load_config(TrainConfig, None, [*base, "actor.lora.target_modules=[q_proj,gate_proj]"])
+        )
+    preflight_train(load_config(TrainConfig, None, [*base, "actor.lora.target_modules=[q_proj,v_proj]"]))
+    preflight_train(load_config(TrainConfig, None, base))  # all-linear: the attention on an all-MoE model

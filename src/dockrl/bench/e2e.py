@@ -1,7 +1,9 @@
 """`dockrl bench e2e`: dockrl against TRL's GRPOTrainer on the same GRPO work, each at its own CPU default.
 
     model  a make-tiny Qwen2: hidden 256, 8 layers, 8/4 heads, MLP 768, its tokenizer's vocab (~6.4M params);
-           --small: the demo's shape (hidden 128, 4 layers, ~0.85M)
+           --small: the demo's shape (hidden 128, 4 layers, ~0.85M); --moe: a Qwen3-MoE of the same shape
+           whose every MLP is 8 experts, 2 per token, each half the dense MLP's width (the active MLP work per
+           token is the dense model's; 4x its MLP weights), e.g. with actor.ep=2 among the overrides
     work   the arithmetic task, --prompts prompts (16; 32 small) x --samples samples per step, up to
            --max-new-tokens new tokens (128; 10 small), KL to the reference (--kl-coef), one on-policy
            optimizer step per step
@@ -15,7 +17,7 @@ completions, gradient accumulation over the prompts). Reported per system over t
   trl     generate (generation, rewards and reference log-probs: `_generate_and_score_completions`), train
           (its training_step calls less generate) and overhead = step - training_step calls
 `speedup` is dockrl's response tokens/s over TRL's. Ratios, not absolute times, carry to other machines.
-`peak_share` per stage: its matmul work on the weights (2 x params per token for a forward pass over prompt and
+`peak_share` per stage: its matmul work on the weights (2 x active params per token for a forward pass over prompt and
 response tokens, 6 x for forward and backward; attention's score matmuls left out) over its seconds times
 --peak-gflops (290: this project's CPU's bf16 matmul peak with 2 threads; fp32 reaches about 135).
 """
@@ -48,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the small workload: the demo's 0.85M model, 32 prompts, 10 tokens",
     )
+    parser.add_argument(
+        "--moe", action="store_true", help="a Qwen3-MoE of the same shape (8 experts, 2 per token)"
+    )
     parser.add_argument("--systems", default="dockrl,trl", help="comma list of dockrl, trl")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="bound on each run")
     parser.add_argument(
@@ -70,10 +75,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="dockrl-bench-e2e-") as tmp:
         root = Path(tmp)
-        model = make_tiny(root / "model", seed=0, **(_SMALL if args.small else _LARGE))
+        shape = dict(_SMALL if args.small else _LARGE)
+        if args.moe:
+            width = shape.get("intermediate_size") or 3 * shape["hidden_size"]
+            shape.update(
+                family="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=width // 2
+            )
+        model = make_tiny(root / "model", seed=0, **shape)
         data = write_task("arithmetic", root / "data", num_train=256, num_test=32, seed=0)
         out["workload"] = {
             "params_m": _num_params(model) / 1e6,
+            "active_params_m": _active_params(model) / 1e6,
+            "family": "qwen3_moe" if args.moe else "qwen2",
             "prompts": args.prompts,
             "samples": args.samples,
             "max_new_tokens": args.max_new_tokens,
@@ -100,6 +113,15 @@ def _num_params(model_dir: Path) -> int:
     from dockrl.models.hf import read_config
 
     return read_config(model_dir).num_params()
+
+
+def _active_params(model_dir: Path) -> int:
+    """Parameters one token's forward multiplies by: an MoE layer's k routed experts, not all E."""
+    from dockrl.models.hf import read_config
+
+    a = read_config(model_dir)
+    idle = (a.num_experts - a.num_experts_per_tok) * 3 * a.hidden_size * a.moe_intermediate_size
+    return a.num_params() - idle * len(a.moe_layers)
 
 
 def _dockrl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> dict[str, Any]:
@@ -135,7 +157,7 @@ def _dockrl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> d
     resolved = yaml.safe_load((root / "runs" / "dockrl" / "config.yaml").read_text())
     tokens = median(names.TOKENS_PROMPT) + median(names.TOKENS_RESPONSE)
     work = {Stage.ROLLOUT: 2, Stage.REFERENCE: 2, Stage.OLD_LOGPROBS: 2, Stage.UPDATE: 6}  # x params x tokens
-    params = _num_params(model)
+    params = _active_params(model)
     return {
         "precision": resolved["run"]["precision"],
         "step_s": step,

@@ -307,6 +307,6 @@ def peaked_state_dict(model_dir: str | Path, seed: int) -> dict[str, torch.Tenso
         elif tensor.dim() == 1:
             out[name] = torch.zeros_like(tensor)
         else:
-            std = 1.0 if "embed_tokens" in name else tensor.shape[1] ** -0.5
+            std = 1.0 if "embed_tokens" in name else tensor.shape[-1] ** -0.5  # 1 / sqrt(fan_in)
             out[name] = (torch.randn(tensor.shape, generator=generator) * std).to(tensor.dtype)
     return out

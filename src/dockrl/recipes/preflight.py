@@ -391,6 +391,7 @@ def _check_model_layouts(cfg: TrainConfig) -> None:
             f"does not divide the model's num_experts={args.num_experts}",
             f"use one of {divisors} that also divides actor.dp",
         )
+    _check_moe_lora(cfg, args)
     # the largest tensor: the embedding / LM head, a dense MLP matrix, or one MoE layer's fused experts
     numel = max(args.vocab_size, args.intermediate_size) * args.hidden_size
     if args.is_moe:
@@ -411,6 +412,27 @@ def _check_model_layouts(cfg: TrainConfig) -> None:
                     "(the switch runs the same code path and moves nothing)",
                     stacklevel=3,
                 )
+
+
+def _check_moe_lora(cfg: TrainConfig, args) -> None:
+    """LoRA adapters on MoE models go on the attention (and dense MLP layers): experts take none (not built),
+    so naming the MLP projections on an MoE model is refused rather than adapting only its dense layers."""
+    from dockrl.config.schema import ALL_LINEAR
+
+    lora = cfg.actor.lora
+    if lora.rank == 0 or not args.is_moe or lora.target_modules in (None, ALL_LINEAR):
+        return
+    targets = [lora.target_modules] if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    mlp = [t for t in targets if t in ("gate_proj", "up_proj", "down_proj")]
+    if mlp:
+        raise config_error(
+            "actor.lora.target_modules",
+            targets,
+            f"names MLP projections {mlp}, and model.path={cfg.model.path} routes its MLPs to experts: LoRA on "
+            "experts is not built (the experts and routers stay frozen)",
+            "target the attention, [q_proj, k_proj, v_proj, o_proj] (all-linear adapts attention and any dense "
+            "MLP layers)",
+        )
 
 
 def _check_vllm(cfg: TrainConfig) -> None:

@@ -250,6 +250,7 @@ class VllmBackend:
             "reload_weights", kwargs={"weights_iterator": iter(counted), "is_checkpoint_format": True}
         )
         self.llm.collective_rpc(_repack_vocab)
+        self.llm.collective_rpc(_repack_experts)
         self.llm.reset_prefix_cache()
         self.stats["weight_updates"] += 1
         report = {"seconds": time.perf_counter() - start, "bytes": float(counted.bytes)}
@@ -382,6 +383,30 @@ def _repack_vocab(worker: Any) -> int:
         if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
             count += 1
+    return count
+
+
+def _repack_experts(worker: Any) -> int:
+    """MoE on CPU: vLLM packs each layer's expert weights (w13, w2) into its grouped-GEMM layout after the
+    first load, and an in-place reload leaves the new weights there unpacked (measured with 0.32.0: the
+    reloaded tensors equal the checkpoint's, a fresh engine's are packed); pack them in place (run on each
+    vLLM worker through collective_rpc; a no-op without CPU experts). Returns the layers re-packed. The probe
+    check after every update verifies the result."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
+        CPUUnquantizedExperts,
+        cpu_prepack_moe_weight,
+    )
+
+    count = 0
+    for module in worker.model_runner.get_model().modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+            continue
+        for name in ("w13_weight", "w2_weight"):
+            param = getattr(module, name)
+            param.data.copy_(cpu_prepack_moe_weight(param.data, experts.isa))
+        count += 1
     return count
 
 
