@@ -13,8 +13,10 @@ reports `dockrl plan`'s prediction of the bucketed extra peak and its error.
 MoE (`--experts N`): a Qwen3-MoE of the same shape whose every MLP is N experts (top-2, width hidden / 2),
 trained with expert parallelism `--ep` (experts split over ep ranks, FSDP2 over dp / ep of them); the switch
 gathers experts over ep and edp into the same inference buffers (experts whole in inference). Also reported:
-each rank's steady-state training bytes (parameters, gradients, AdamW state: the max over ranks) and the
-all-to-all bytes a rank sent in the training step (forward and backward).
+each rank's steady-state training bytes (parameters, gradients, AdamW state: the max over ranks), the extra
+peak of a training step over that steady state (FSDP2's gathered layers, activations: expert parallelism
+gathers E/ep experts per MoE layer where plain FSDP2 gathers all E), and the all-to-all bytes a rank sent in
+the first training step (forward and backward).
 """
 
 from __future__ import annotations
@@ -39,20 +41,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _measure(switch, device: str, naive: bool = False, baseline: str | None = None) -> int:
+    extra = _extra_peak(lambda: switch.enter(naive=naive, baseline=baseline), device)
+    switch.exit()
+    return extra
+
+
+def _extra_peak(action, device: str) -> int:
+    """Bytes `action()` adds at its peak over what was held before it."""
     import torch
 
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        switch.enter(naive=naive, baseline=baseline)
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        base = rss_reset()
-        switch.enter(naive=naive, baseline=baseline)
-        peak = proc_status("VmHWM")
-    switch.exit()
-    return peak - base
+        action()
+        return torch.cuda.max_memory_allocated() - base
+    base = rss_reset()
+    action()
+    return proc_status("VmHWM") - base
 
 
 def _worker(
@@ -80,6 +86,7 @@ def _worker(
     take_one_step(engine, args.dp, seed=rank // args.tp_train)
     train_s = time.perf_counter() - start
     all_to_all = ALL_TO_ALL_BYTES[0]
+    step_peak = _extra_peak(lambda: take_one_step(engine, args.dp, seed=rank // args.tp_train), args.device)
     group = inference_mesh(args.device, world, args.tp_infer).get_group("tp")
     bucket = None if args.bucket_mb is None else int(args.bucket_mb * 2**20)
     switch = RolloutSwitch(
@@ -109,6 +116,7 @@ def _worker(
         "switch_s": switch_s,
         "train_state": _train_state_bytes(engine),
         "all_to_all": all_to_all,
+        "step_peak": step_peak,
     }
     results = [None] * world
     torch.distributed.all_gather_object(results, result)
@@ -203,6 +211,7 @@ def run(args: argparse.Namespace) -> dict:
         "num_params": model_args.num_params(),
         "train_state_bytes": max(r["train_state"] for r in results),
         "all_to_all_bytes": max(r["all_to_all"] for r in results),
+        "train_step_extra_peak_bytes": max(r["step_peak"] for r in results),
         "layout": f"dp={args.dp} tp_train={args.tp_train} ep={args.ep} -> tp_infer={args.tp_infer}"
         + (f" ({args.experts} experts)" if args.experts else ""),
     }
