@@ -55,6 +55,17 @@ def test_balance_over_hands_each_peer_a_bin_of_equal_rows_and_near_equal_tokens(
         controller.allocate("x", COLS, 4, balance_over=2, whole_groups=True)
 
 
+def test_balance_over_with_peer_gives_each_rank_its_bin_whoever_asks_first():
+    lengths = [100, 90, 1, 1, 1, 1, 80, 70]
+    for order in ((0, 1), (1, 0)):  # the same rows per peer in either call order (the test above's bins)
+        controller = with_responses(lengths)
+        got = {peer: controller.allocate("train", COLS, 4, balance_over=2, peer=peer).rows for peer in order}
+        assert got == {0: [0, 2, 4, 7], 1: [1, 3, 5, 6]}
+        assert controller.all_consumed("train")
+    with pytest.raises(ValueError, match="peer=2 must be in 0..1"):
+        with_responses(lengths).allocate("train", COLS, 4, balance_over=2, peer=2)
+
+
 def test_balance_over_waits_for_all_peers_rows_then_serves_the_tail():
     controller = DockController(1)
     controller.add_groups([1] * 6, [1] * 6)
@@ -175,9 +186,9 @@ def test_random_interleavings_over_two_warehouses_serve_every_row_once(
             got = controller.allocate("train", ["response_ids", "reward"], 2, balance_over=2)
             if got is not None:
                 served["train"].append(got.rows)
-                planned = controller._planned.get("train", [])
+                planned = controller._planned.get("train", {})
                 if planned:  # this call made a plan: its bins are this one and the planned one
-                    balance_checks.append([got.rows, planned[0].rows])
+                    balance_checks.append([got.rows, next(iter(planned.values())).rows])
 
     for actor in schedule:
         act(actor)

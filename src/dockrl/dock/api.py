@@ -46,10 +46,12 @@ class DockAPI(Protocol):
         timeout_s: float | None = None,
         balance_over: int = 1,
         policy: str | None = None,
+        peer: int | None = None,
     ) -> tuple[list[int], dict[str, list]] | None:
         """Stage `consumer` takes up to `count` rows whose `columns` are ready and that it has not taken
         (DockController.allocate); (rows, {column: values in row order}), or None once it has taken every
-        row. Raises DockTimeoutError after `timeout_s` (default: the client's get timeout)."""
+        row. Raises DockTimeoutError after `timeout_s` (default: the client's get timeout). With `balance_over`
+        = k, `peer` (0..k-1) takes bin `peer` of the balanced split (None: bins in call order)."""
         ...
 
     def drop(self, rows: list[int]) -> int:

@@ -198,6 +198,7 @@ class CentralClient(ClientCounters):
         timeout_s: float | None = None,
         balance_over: int = 1,
         policy: str | None = None,
+        peer: int | None = None,
     ) -> tuple[list[int], dict[str, list]] | None:
         """As DockClient.get."""
         name = check_get(consumer, columns).value  # the store keys its bitmaps by the plain name
@@ -206,7 +207,7 @@ class CentralClient(ClientCounters):
         given: dict[str, Any] = dict(
             whole_groups=whole_groups, min_count=min_count, balance_over=balance_over
         )
-        options = {k: v for k, v in {**given, "policy": policy}.items() if v is not None}
+        options = {k: v for k, v in {**given, "policy": policy, "peer": peer}.items() if v is not None}
         while True:
             wait_s = max(0.0, min(WAIT_SLICE_S, start + timeout_s - time.monotonic()))
             rows, value = self.transport.request(

@@ -63,6 +63,7 @@ class DockChoice:
         timeout_s: float | None = None,
         balance_over: int = 1,
         policy: str | None = None,
+        peer: int | None = None,
     ) -> tuple[list[int], dict[str, list]] | None:
         """DockAPI.get on the selected dock."""
         return self.current.get(
@@ -74,6 +75,7 @@ class DockChoice:
             timeout_s=timeout_s,
             balance_over=balance_over,
             policy=policy,
+            peer=peer,
         )
 
     def drop(self, rows: list[int]) -> int:

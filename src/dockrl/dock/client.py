@@ -190,6 +190,7 @@ class DockClient(ClientCounters):
         timeout_s: float | None = None,
         balance_over: int = 1,
         policy: str | None = None,
+        peer: int | None = None,
     ) -> tuple[list[int], dict[str, list]] | None:
         """Take up to `count` rows for stage `consumer` (see DockController.allocate) and fetch their `columns`.
 
@@ -206,6 +207,7 @@ class DockClient(ClientCounters):
             whole_groups=whole_groups, min_count=min_count, balance_over=balance_over
         )
         options.update({"policy": policy} if policy is not None else {})
+        options.update({"peer": peer} if peer is not None else {})
         while True:
             wait_s = max(0.0, min(HEALTH_CHECK_S, deadline - time.monotonic()))
             allocation, done = self._call_controller(

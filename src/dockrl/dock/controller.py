@@ -80,7 +80,7 @@ class DockController:
     _location: dict[str, np.ndarray]  # column -> int32 [capacity], -1 = nowhere
     _consumed: dict[str, np.ndarray]  # consumer -> bool [capacity]
     _dropped: np.ndarray  # rows taken out of the step (DAPO dynamic sampling)
-    _planned: dict[str, list[Allocation]]  # consumer -> balanced bins not yet handed out
+    _planned: dict[str, dict[int, Allocation]]  # consumer -> balanced bins not yet handed out, by peer
 
     def __init__(self, num_warehouses: int, *, policy: str = "first", max_rows: int | None = None) -> None:
         if num_warehouses < 1:
@@ -289,6 +289,7 @@ class DockController:
         min_count: int | None = None,
         balance_over: int = 1,
         policy: str | None = None,
+        peer: int | None = None,
     ) -> Allocation | None:
         """Serve up to `count` rows whose `columns` are all ready and that `consumer` has not taken yet.
 
@@ -309,19 +310,27 @@ class DockController:
         balance_over=k (row mode): `consumer` is a stage served by k data-parallel peers that each ask for
         `count`. The first call that can take k x min_count rows (or the whole remainder) takes up to
         k x count, splits them into k bins of near-equal prompt+response tokens (policies.balanced_partition)
-        and returns one; the next k-1 calls of that consumer get the other bins.
+        and returns one; the next k-1 calls of that consumer get the other bins. With `peer` (0..k-1) each
+        caller gets bin `peer` whichever calls first, so which rows a data-parallel rank trains on does not
+        depend on timing (sums over ranks then run in the same order every run: bit-for-bit repeats).
         """
         t0 = time.perf_counter()
         try:
-            return self._allocate(consumer, columns, count, whole_groups, min_count, balance_over, policy)
+            return self._allocate(
+                consumer, columns, count, whole_groups, min_count, balance_over, policy, peer
+            )
         finally:
             self.latency.record("allocate", time.perf_counter() - t0)
 
-    def _allocate(self, consumer, columns, count, whole_groups, min_count, balance_over, policy):
+    def _allocate(self, consumer, columns, count, whole_groups, min_count, balance_over, policy, peer):
         min_count = count if min_count is None else min_count
         self._check_request(columns, count, min_count, whole_groups, balance_over)
-        if self._planned.get(consumer):
-            return self._planned[consumer].pop(0)
+        if peer is not None and not 0 <= peer < balance_over:
+            raise ValueError(f"peer={peer} must be in 0..{balance_over - 1} (balance_over={balance_over})")
+        planned = self._planned.get(consumer)
+        if planned:  # bins of an earlier call: this peer's, or (peer None) the next in call order
+            key = next(iter(planned)) if peer is None else peer
+            return planned.pop(key, None)
         n = self._num_rows
         consumed = self._consumed_of(consumer)[:n]
         remaining = n - int(consumed.sum())
@@ -341,9 +350,10 @@ class DockController:
         if balance_over == 1:
             return self._allocation(np.sort(rows), columns)
         bins = balanced_partition(self._tokens(rows), balance_over)
-        allocations = [self._allocation(np.sort(rows[b]), columns) for b in bins if b.size]
-        self._planned[consumer] = allocations[1:]
-        return allocations[0]
+        allocations = {i: self._allocation(np.sort(rows[b]), columns) for i, b in enumerate(bins) if b.size}
+        mine = allocations.pop(next(iter(allocations)) if peer is None else peer, None)
+        self._planned[consumer] = allocations
+        return mine
 
     def _allocation(self, rows: np.ndarray, columns: list[str]) -> Allocation:
         return Allocation(

@@ -64,6 +64,7 @@ class ReplicaClient:
         timeout_s: float | None = None,
         balance_over: int = 1,
         policy: str | None = None,
+        peer: int | None = None,
     ) -> tuple[list[int], dict[str, list]] | None:
         """`client.get` on the head; its result (or exception) on every rank."""
         return self._on_head(
@@ -76,6 +77,7 @@ class ReplicaClient:
                 timeout_s=timeout_s,
                 balance_over=balance_over,
                 policy=policy,
+                peer=peer,
             )
         )
 

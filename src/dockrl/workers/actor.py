@@ -278,7 +278,9 @@ class ActorWorker(Worker):
     def _logprob_stage(self, stage: Stage, engine: TrainEngine, column: str) -> LogprobResult:
         # The dp ranks of a stage get near-equal token counts (length balance, dock.policies.balanced_partition).
         columns = [PROMPT_IDS, RESPONSE_IDS] + ([ROUTED_EXPERTS] if self.replay_routes else [])
-        got = self.train_client.get(stage, columns, self.rows_per_rank, balance_over=self.dp)
+        got = self.train_client.get(
+            stage, columns, self.rows_per_rank, balance_over=self.dp, peer=self.policy.dp_rank
+        )
         rows, batch = got if got is not None else _no_rows(columns)  # rollout.partial: fewer rows than ranks
         logps, _ = engine.logprobs(
             batch[PROMPT_IDS],
@@ -307,7 +309,9 @@ class ActorWorker(Worker):
         # REINFORCE++'s KL in the reward reads the sampling policy's log-probs even when the update is
         # on-policy (the loss then keeps ratio 1 exactly: it does not read them).
         extra = [OLD_LOGPROBS] if self.plan.actor_shapes_kl and OLD_LOGPROBS not in columns else []
-        got = self.train_client.get(Stage.UPDATE, columns + extra, self.rows_per_rank, balance_over=self.dp)
+        got = self.train_client.get(
+            Stage.UPDATE, columns + extra, self.rows_per_rank, balance_over=self.dp, peer=self.policy.dp_rank
+        )
         rows, batch = got if got is not None else _no_rows(columns + extra)  # rollout.partial: see _no_rows
         reward_kl: dict[str, float] = {}
         if self.plan.actor_shapes_kl:

@@ -115,7 +115,11 @@ class CriticWorker(Worker):
     def compute_values(self) -> LogprobResult:
         """Values of this rank's share of rows -> `values` [R] per row."""
         got = self.client.get(
-            Stage.CRITIC_VALUES, [PROMPT_IDS, RESPONSE_IDS], self.rows_per_rank, balance_over=self.world_size
+            Stage.CRITIC_VALUES,
+            [PROMPT_IDS, RESPONSE_IDS],
+            self.rows_per_rank,
+            balance_over=self.world_size,
+            peer=self.rank,
         )
         assert got is not None, "the dock had no rows left for this critic rank"
         rows, batch = got
@@ -147,7 +151,9 @@ class CriticWorker(Worker):
         algo = self.cfg.algo
         columns = [PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, REWARD, VALUES]
         columns += [REF_LOGPROBS, OLD_LOGPROBS] if algo.kl_in_reward else []
-        got = self.client.get(Stage.CRITIC_UPDATE, columns, self.rows_per_rank, balance_over=self.world_size)
+        got = self.client.get(
+            Stage.CRITIC_UPDATE, columns, self.rows_per_rank, balance_over=self.world_size, peer=self.rank
+        )
         assert got is not None, "the dock had no rows left for this critic rank"
         rows, batch = got
         start = time.perf_counter()
