@@ -1,6 +1,7 @@
 """GRPO on a tiny Qwen3-MoE through the CLI and the dock, with expert parallelism (ep=2) and routing replay
 (r3): the rollout's experts travel in routed_experts, the trainer replays them while its experts live on two
-ranks, and the run's checkpoint exports per-expert files that load back; config errors before Ray."""
+ranks, and the run's checkpoint exports per-expert files that load back and resumes step 3 bit for bit; config
+errors before Ray."""
 
 import json
 import math
@@ -11,13 +12,14 @@ from dockrl.cli import main
 from dockrl.config import ConfigError, TrainConfig, load_config
 from dockrl.models.hf import load_model
 from dockrl.recipes.preflight import preflight_train
+from runs import computed_metrics, metric_differences
 
 CONFIG = (
     "rollout: {samples_per_prompt: 4, max_new_tokens: 6, groups_per_pull: 2}\n"
     "actor: {dp: 2, ep: 2, lr: 1.0e-3, micro_batch_size: 4}\n"
     "algo: {kl_coef: 0.01, routing_replay: r3}\n"
     "reward: {functions: [{name: exact_answer}, {name: 'reward_fixtures:length_reward', weight: 0.1}]}\n"
-    "run: {steps: 2, prompts_per_step: 4, progress: false, worker_timeout_s: 300, precision: fp32}\n"
+    "run: {steps: 3, save_every: 2, prompts_per_step: 4, progress: false, worker_timeout_s: 300, precision: fp32}\n"
 )
 
 
@@ -36,7 +38,7 @@ def test_grpo_with_routing_replay_through_cli(ray_session, tmp_path, moe_model, 
     args = ["train", str(config), f"model.path={moe_model}", f"data.train_path={arithmetic_data['train']}"]
     assert main([*args, f"run.output_dir={tmp_path}", "run.name=moe"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
         # the same fp32 weights on both sides: the trainer's router picks the rollout's experts nearly always,
         # and with them replayed the log-prob gap is rounding (1e-5 leaves ~100x, as for dense models)
@@ -49,6 +51,12 @@ def test_grpo_with_routing_replay_through_cli(ray_session, tmp_path, moe_model, 
     summary = json.loads((tmp_path / "moe" / "summary.json").read_text())
     exported = load_model(f"{summary['checkpoint']}/hf")  # per-expert files, read back fused
     assert exported.args.num_experts == 8 and exported.args.moe_layers == [0, 1]
+    # exact resume: from step 2's checkpoint (experts split over ep=2 in DCP), step 3 again, bit for bit
+    resumed = [*args, f"run.output_dir={tmp_path}", "run.name=resumed"]
+    assert main([*resumed, f"run.resume={tmp_path}/moe/checkpoints/step_000002"]) == 0
+    expected = computed_metrics(tmp_path / "moe")
+    again = computed_metrics(tmp_path / "resumed")  # steps 1-2 carried over from the checkpoint's run
+    assert again == expected, metric_differences(again, expected)
 
 
 @pytest.mark.parametrize(
