@@ -163,8 +163,8 @@ class _CriticDock:
     def __init__(self, columns: dict[str, list]) -> None:
         self.table = [dict(zip(columns, values)) for values in zip(*columns.values())]
 
-    def get(self, consumer, columns, count, *, balance_over):
-        assert count == len(self.table) and balance_over == 1
+    def get(self, consumer, columns, count, *, balance_over, peer):
+        assert count == len(self.table) and balance_over == 1 and peer == 0
         return list(range(count)), {c: [row[c] for row in self.table] for c in columns}
 
     def put(self, producer, rows, batch):
