@@ -183,7 +183,10 @@ def _lora_grads(model: Transformer, tp_group, tp: int) -> tuple[float, dict[str,
 
     Under tp the final norm's output passes copy_to_tp, which sums the tp ranks' gradients (each rank's LM
     head scores its vocab slice, a partial loss): a loss that every rank computes whole counts 1/tp per rank."""
-    from dockrl.parallel.layout import full_tensor
+    import torch.distributed as dist
+
+    from dockrl.models.tp_plan import shard_dim
+    from dockrl.parallel.layout import Placement, full_tensor
 
     model.train()
     hidden = model.hidden_states(IDS, None, None)  # [B, T, H], whole on every tp rank
@@ -191,7 +194,11 @@ def _lora_grads(model: Transformer, tp_group, tp: int) -> tuple[float, dict[str,
     loss = (hidden * probe).sum()
     (loss / tp).backward()
     grads = {
-        name: full_tensor(name, p.grad, tp_group) for name, p in model.named_parameters() if p.requires_grad
+        name: full_tensor(
+            p.grad, Placement(shard_dim(name), dist.get_rank(tp_group) if tp > 1 else 0, tp, tp_group)
+        )
+        for name, p in model.named_parameters()
+        if p.requires_grad
     }
     return float(loss.detach()), grads
 
@@ -278,7 +285,7 @@ def _engine_update(model_dir: str, idx: list[int], dp: int, mesh, precision: str
 
     engine.train_step([mb], loss_fn, forward=lambda mb: engine.token_stats(mb, 1.0))
     grads = {
-        name: full_tensor(name, p.grad, engine.tp_group).detach().clone()
+        name: full_tensor(p.grad, engine.placement(name)).detach().clone()
         for name, p in engine.model.named_parameters()
         if p.requires_grad
     }
@@ -364,7 +371,7 @@ def _switch_pair(rank: int, world: int, model_dir: str, tp_train: int, tp_infer:
             if name.endswith("lora_B"):
                 param.to_local().uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(rank))
     full = {
-        n: full_tensor(n, p, engine.tp_group).detach().clone() for n, p in engine.model.named_parameters()
+        n: full_tensor(p, engine.placement(n)).detach().clone() for n, p in engine.model.named_parameters()
     }
     before = {n: p.to_local().clone() for n, p in engine.model.named_parameters()}
     infer_mesh = init_device_mesh("cpu", (world // tp_infer, tp_infer), mesh_dim_names=("replica", "tp"))

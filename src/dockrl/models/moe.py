@@ -57,6 +57,22 @@ class Routing:
         return used
 
 
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """x forward; its gradient times `factor` backward."""
+    return _ScaleGrad.apply(x, factor)
+
+
 class Experts(nn.Module):
     """E SwiGLU experts as two 3-D parameters (see the module docstring). Under expert parallelism
     (`dockrl.parallel.expert_parallel`) a subclass holds this rank's experts only and overrides `dispatch`."""
@@ -90,8 +106,6 @@ class Experts(nn.Module):
         gate_up_proj: torch.Tensor = self.gate_up_proj
         down_proj: torch.Tensor = self.down_proj
         if grad_scale != 1.0:
-            from dockrl.parallel.expert_parallel import scale_grad
-
             gate_up_proj, down_proj = scale_grad(gate_up_proj, grad_scale), scale_grad(down_proj, grad_scale)
         pieces = []
         start = 0

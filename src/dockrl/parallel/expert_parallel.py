@@ -9,7 +9,8 @@ tokens travel to their experts and back with all-to-all.
 
 The all-to-alls are differentiable (the backward sends gradients back along the reverse splits), so the
 experts' gradients on a rank sum the tokens of all ep sources; FSDP2 then averages them over the edp ranks
-holding the same experts (divides by edp), and the weights' uses scale their gradient by 1/ep (`scale_grad`),
+holding the same experts (divides by edp), and the weights' uses scale their gradient by 1/ep
+(`models.moe.scale_grad`, through `Experts.grouped`),
 so they come out averaged over all dp = edp x ep ranks like the dense parameters'. (FSDP2's own
 set_gradient_divide_factor would do it in the reduction, but needs PREMUL_SUM, which gloo lacks.)
 Parameter names stay Hugging Face's, with [E/ep, ...] local shapes (`dockrl.parallel.layout.Placement`).
@@ -58,22 +59,6 @@ def all_to_all(
     """Rows x[sum(in_splits[:j]) : ...] go to group rank j; returns the rows every rank sent here, by source
     rank (out_splits[j] from rank j). Differentiable."""
     return _AllToAll.apply(x, out_splits, in_splits, group)
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, factor):
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
-
-
-def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
-    """x forward; its gradient times `factor` backward."""
-    return _ScaleGrad.apply(x, factor)
 
 
 class ParallelExperts(Experts):

@@ -392,10 +392,13 @@ def _repack_experts(worker: Any) -> int:
     reloaded tensors equal the checkpoint's, a fresh engine's are packed); pack them in place (run on each
     vLLM worker through collective_rpc; a no-op without CPU experts). Returns the layers re-packed. The probe
     check after every update verifies the result."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
-        CPUUnquantizedExperts,
-        cpu_prepack_moe_weight,
-    )
+    try:  # vLLM's CPU build; a CUDA build has no CPU experts to re-pack
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (
+            CPUUnquantizedExperts,
+            cpu_prepack_moe_weight,
+        )
+    except ImportError:
+        return 0
 
     count = 0
     for module in worker.model_runner.get_model().modules():

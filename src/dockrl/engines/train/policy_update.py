@@ -135,9 +135,11 @@ def policy_update(
         stats = engine.routing_stats or RoutingStats.empty(engine.args)
         assert stats is not None, "routed_experts come from an MoE model"
         out.update(routing_metrics(all_reduce_sum(stats.as_tensor(), engine.dp_group)))
-    if engine.args.is_moe:  # every rank has the figure (idle micro-batches too), so all join the all-reduce
+    if engine.args.is_moe:  # on every rank (one with only idle micro-batches adds 0 of 0), so all join it
         aux = all_reduce_sum(
-            torch.tensor([metrics["moe_aux_loss"], metrics["moe_aux_count"]], dtype=torch.float64),
+            torch.tensor(
+                [metrics.get("moe_aux_loss", 0.0), metrics.get("moe_aux_count", 0.0)], dtype=torch.float64
+            ),
             engine.dp_group,
         ).tolist()
         out["moe/aux_loss"] = aux[0] / max(aux[1], 1.0)

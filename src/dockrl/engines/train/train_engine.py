@@ -149,6 +149,7 @@ class TrainEngine:
         self.tp_group: dist.ProcessGroup | None = None
         self.tp_size, self.tp_rank = 1, 0
         self.vocab_start = 0  # the first id of this rank's vocab slice (set under tp)
+        self.replicated = set[str]()  # tp-replicated parameter names (filled under tp)
         self.ep_size, self.ep_rank = 1, 0
         self.ep_group: dist.ProcessGroup | None = None
         self.edp_mesh: DeviceMesh | None = None  # expert parallelism: the ranks holding the same experts
@@ -344,8 +345,8 @@ class TrainEngine:
         `loss_fn(forward(mb), mb)` per micro-batch; `forward` defaults to `logits`. MoE micro-batches with the
         rollout's routes: `replay` uses them (r3); either way `routing_stats` counts the router's agreement.
         MoE: each micro-batch's router load-balancing loss (models.moe.load_balancing_loss over its tokens) is
-        summed into moe_aux_loss (with moe_aux_count micro-batches), and `aux_loss_coef` x its mean over the
-        micro-batches joins the loss."""
+        summed into moe_aux_loss (with moe_aux_count micro-batches), and `aux_loss_coef` x its mean over this
+        rank's micro-batches with tokens joins the loss (FSDP2 then averages over ranks)."""
         assert self.optimizer is not None, "train_step on a frozen engine"
         assert self.scheduler is not None  # built with the optimizer
         self.model.train()
@@ -353,6 +354,9 @@ class TrainEngine:
         forward = forward or self.logits
         totals: dict[str, float] = {}
         with_routes = any(mb.routes is not None for mb in micro_batches)
+        scored = sum(
+            bool(mb.response_mask.any()) for mb in micro_batches
+        )  # not idle: they carry the aux loss
         self.routing_stats = RoutingStats.empty(self.args) if with_routes else None
         for mb in micro_batches:
             # backward inside: recomputes replay the same experts
@@ -362,7 +366,7 @@ class TrainEngine:
                     aux = self._aux_loss(logits, mb, with_grad=aux_loss_coef > 0)
                     metrics = {**metrics, "moe_aux_loss": float(aux.detach()), "moe_aux_count": 1.0}
                     if aux_loss_coef > 0:
-                        loss = loss + aux_loss_coef * aux / len(micro_batches)
+                        loss = loss + aux_loss_coef * aux / scored
                 loss.backward()
             if seen is not None and self.routing_stats is not None:
                 assert mb.routes is not None and mb.route_mask is not None
