@@ -1,14 +1,17 @@
 """Exact resume: kill -9 of the driver, then run.resume=auto, repeats the uninterrupted run bit for bit.
 
 One reference run (4 steps, a checkpoint every 2) is compared with:
-- the same run again (dockrl is bitwise repeatable run to run);
 - a run whose driver is killed with SIGKILL while it saves step 4's checkpoint (the workers' shards are
-  written, trainer_state.json and the rename are not: a torn checkpoint), then resumed with run.resume=auto:
-  it must ignore the torn step 4, continue from step 2, and end with identical metrics and weights;
+  written, trainer_state.json and the rename are not: a torn checkpoint). Up to the kill it is the same run
+  again in another process: its 4 steps' metrics and the shards of step 4 equal the reference's bit for bit
+  (dockrl is repeatable run to run). Resumed with run.resume=auto it must ignore the torn step 4, continue from
+  step 2, and end with identical metrics and weights; a copy of it, taken before that resume, is resumed and
+  killed once more by the second-resume test;
 - a resume with a changed setting, refused before Ray starts with the key named.
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -56,13 +59,47 @@ def _final_weights(run_dir: Path) -> dict:
     return load_state_dict(run_dir / "checkpoints" / f"step_{STEPS:06d}" / "hf")
 
 
-def test_runs_repeat_bitwise(setup, reference):
+def _sharded_model(actor_dir: Path, out: Path) -> dict:
+    """The policy's full tensors (model/*) from a checkpoint's sharded actor/ state (every rank's shards)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(actor_dir, out)
+    return {k: v for k, v in torch.load(out, weights_only=False).items() if k.startswith("model/")}
+
+
+@pytest.fixture(scope="module")
+def killed(setup, reference):
+    """The reference run again in a child process whose driver is SIGKILLed while it commits step 4's
+    checkpoint: (its computed metrics and its step 4 shards as the kill left them, a copy of its run directory
+    taken then). The kill test resumes the run itself; the second-resume test resumes the copy."""
     root, args = setup
-    assert main([*args, "run.name=again"]) == 0
-    again_metrics, reference_metrics = computed_metrics(root / "again"), computed_metrics(reference)
-    assert again_metrics == reference_metrics, metric_differences(again_metrics, reference_metrics)
-    again, ref = _final_weights(root / "again"), _final_weights(reference)
-    assert all(torch.equal(again[k], ref[k]) for k in ref)
+    result, marker = run_cli(
+        [*args, "run.name=killed"], env={"DOCKRL_FAULTS": f"kill:driver:save:{STEPS}:commit"}
+    )
+    assert result.returncode == -9, result.stderr[-2000:]
+    # Ray's fate-sharing takes the run's workers and daemons down with the driver.
+    assert wait_gone(marker, within_s=SWEEP_S + 5) == []  # the reaper's longest sweep, and its own start
+    torn = root / "killed" / "checkpoints" / f"step_{STEPS:06d}.tmp"
+    assert (torn / "actor").is_dir() and not (torn / "trainer_state.json").exists()  # torn: shards, no state
+    shutil.copytree(root / "killed", root / "killed_copy")
+    return (
+        computed_metrics(root / "killed"),
+        _sharded_model(torn / "actor", root / "killed.pt"),
+        root / "killed_copy",
+    )
+
+
+def test_runs_repeat_bitwise(setup, reference, killed):
+    root, _ = setup
+    metrics, shards, _ = killed
+    # The killed run logged all 4 steps before the kill (in another process, with its own Ray) and wrote the
+    # workers' shards of step 4: the same numbers and the same policy, bit for bit.
+    reference_metrics = computed_metrics(reference)
+    assert metrics == reference_metrics, metric_differences(metrics, reference_metrics)
+    step4 = reference / "checkpoints" / f"step_{STEPS:06d}"
+    expected = _sharded_model(step4 / "actor", root / "reference.pt")
+    assert shards.keys() == expected.keys() and len(expected) > 0
+    assert all(torch.equal(shards[k], expected[k]) for k in expected)
     # checkpoints hold the sharded state and a Hugging Face export; nothing is left half-written
     step = reference / "checkpoints" / "step_000002"
     assert {p.name for p in step.iterdir()} == {"actor", "hf", "trainer_state.json"}
@@ -70,17 +107,10 @@ def test_runs_repeat_bitwise(setup, reference):
     assert state["step"] == 2 and state["sampler"]["position"] == 8 and len(state["config_hash"]) == 16
 
 
-def test_driver_killed_mid_save_resumes_exactly(setup, reference):
+def test_driver_killed_mid_save_resumes_exactly(setup, reference, killed):
     root, args = setup
-    killed, marker = run_cli(
-        [*args, "run.name=killed"], env={"DOCKRL_FAULTS": f"kill:driver:save:{STEPS}:commit"}
-    )
-    assert killed.returncode == -9, killed.stderr[-2000:]
-    # Ray's fate-sharing takes the run's workers and daemons down with the driver.
-    assert wait_gone(marker, within_s=SWEEP_S + 5) == []  # the reaper's longest sweep, and its own start
     run = root / "killed"
-    assert (run / "checkpoints" / f"step_{STEPS:06d}.tmp" / "actor").is_dir()  # torn: shards, no state
-    assert len(computed_metrics(run)) == STEPS  # step 4 was logged before the save began
+    assert len(killed[0]) == STEPS  # step 4 was logged before the save began
 
     assert main([*args, "run.name=killed", "run.resume=auto"]) == 0
     assert not (run / "checkpoints" / f"step_{STEPS:06d}.tmp").exists()
@@ -139,32 +169,33 @@ def test_a_checkpoint_root_as_model_path_keeps_the_runs_reference(
     assert cfg.model.path == str(root / "hf") and cfg.model.ref_path == str(tiny_model)
 
 
-def test_a_second_resume_after_two_driver_kills_repeats_the_run_exactly(setup, reference, tiny_model):
+def test_a_second_resume_after_two_driver_kills_repeats_the_run_exactly(setup, reference, killed, tiny_model):
     """kill -9 of the driver, run.resume=auto, kill -9 again, run.resume=auto again. The second resume loads a
     checkpoint the first resumed run wrote: the config it records must still be the user's (a resumed run once
     wrote its resolved KL reference into model.ref_path, so every second resume was refused as a config
-    change); the reference itself is recorded as trainer_state's reference_path. run.save_every=1 (a neutral
-    key) makes each attempt commit a checkpoint before its kill: the first attempt step 1, the second step 2."""
+    change); the reference itself is recorded as trainer_state's reference_path. The first kill is the kill
+    test's (a copy of its run as the kill left it: step 2 committed, step 4 torn); the first resume saves every
+    step (run.save_every=1, a neutral key), so it commits step 3 before it is killed committing step 4."""
     from dockrl.checkpoint.directory import newest_checkpoint, read_trainer_state
 
     root, args = setup
-    args = [*args, "run.name=twice", "run.save_every=1"]
-    checkpoints = root / "twice" / "checkpoints"
-    for attempt, killed_at in enumerate((2, 3)):
-        resume = ["run.resume=auto"] if attempt else []
-        fault = {"DOCKRL_FAULTS": f"kill:driver:save:{killed_at}:commit"}
-        killed, marker = run_cli([*args, *resume], env=fault, timeout=600)
-        assert killed.returncode == -9, killed.stderr[-2000:]
-        assert wait_gone(marker, within_s=SWEEP_S + 5) == []
-        assert newest_checkpoint(checkpoints).name == f"step_{killed_at - 1:06d}"
-    state = read_trainer_state(checkpoints / "step_000002")  # written by the resumed run
+    run = root / "twice"
+    shutil.copytree(killed[2], run)
+    checkpoints = run / "checkpoints"
+    assert newest_checkpoint(checkpoints).name == "step_000002"  # the first kill's newest checkpoint
+    args = [*args, "run.name=twice", "run.save_every=1", "run.resume=auto"]
+    resumed, marker = run_cli(args, env={"DOCKRL_FAULTS": f"kill:driver:save:{STEPS}:commit"}, timeout=600)
+    assert resumed.returncode == -9, resumed.stderr[-2000:]
+    assert wait_gone(marker, within_s=SWEEP_S + 5) == []
+    assert newest_checkpoint(checkpoints).name == f"step_{STEPS - 1:06d}"
+    state = read_trainer_state(checkpoints / f"step_{STEPS - 1:06d}")  # written by the resumed run
     assert state["config"]["model.ref_path"] is None and state["reference_path"] == str(tiny_model)
 
-    assert main([*args, "run.resume=auto"]) == 0
-    resumed, expected = computed_metrics(root / "twice"), computed_metrics(reference)
+    assert main(args) == 0
+    resumed, expected = computed_metrics(run), computed_metrics(reference)
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     assert resumed == expected, metric_differences(resumed, expected)
-    final, ref = _final_weights(root / "twice"), _final_weights(reference)
+    final, ref = _final_weights(run), _final_weights(reference)
     assert all(torch.equal(final[k], ref[k]) for k in ref)
 
 

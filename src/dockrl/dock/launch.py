@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from dockrl.dock.central import ActorTransport, CentralClient, CentralDock, HubTransport
 from dockrl.dock.client import DockClient
 from dockrl.dock.errors import DockError
+from dockrl.dock.remote import remote_class
 from dockrl.dock.shared import SharedController
 from dockrl.dock.transport import ServiceHub
 from dockrl.dock.warehouse import Warehouse
@@ -136,7 +137,7 @@ def launch_dock(
     # Actor handles are Any: Ray's stubs type a handle's methods as the plain methods, without `.remote`.
     if mode == "single":
         actor: Any = (
-            ray.remote(CentralDock)
+            remote_class(CentralDock)
             .options(name=f"{name_prefix}-buffer", num_cpus=0, max_concurrency=SINGLE_MAX_CONCURRENCY)
             .remote(policy=policy, max_rows=max_rows)
         )
@@ -154,7 +155,7 @@ def launch_dock(
         raise ValueError(f"num_warehouses={num_warehouses} must be >= 1 (or None for one per node)")
 
     controller: Any = (
-        ray.remote(SharedController)
+        remote_class(SharedController)
         .options(
             name=f"{name_prefix}-controller",
             num_cpus=0,
@@ -165,7 +166,7 @@ def launch_dock(
     )
     endpoints: list[tuple[tuple, bytes]] | None = None
     warehouse_nodes = [nodes[i % len(nodes)] for i in range(num_warehouses)]
-    warehouse_class = ray.remote(Warehouse)
+    warehouse_class = remote_class(Warehouse)
     warehouses: list[Any] = [
         warehouse_class.options(
             name=f"{name_prefix}-warehouse-{i}",

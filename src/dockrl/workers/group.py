@@ -27,6 +27,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from dockrl.checkpoint.shared_dir import Probe, check_probe
 from dockrl.dock.choice import DockChoice
+from dockrl.dock.remote import remote_class
 from dockrl.parallel.dist import free_port, host_ip, init_distributed
 from dockrl.workers.fault_injection import process_identity
 from dockrl.workers.supervisor import HEALTH_GROUP, POLL_S, Supervisor, WorkerError, WorkerFailure
@@ -128,7 +129,7 @@ class WorkerGroup:
         self.name, self.timeout_s, self.supervisor = name, timeout_s, supervisor
         # ray.remote's typed overloads omit concurrency_groups, which it takes (an actor option).
         groups = {HEALTH_GROUP: 1, **worker_cls.threads}
-        remote_cls = ray.remote(concurrency_groups=groups)(worker_cls)  # type: ignore[call-overload]
+        remote_cls = remote_class(worker_cls, tuple(sorted(groups.items())))
         self.names = [f"{name}-{rank}" for rank in range(num_workers)]
 
         def placed(rank: int) -> dict[str, float]:  # rank i on a node offering node_resources[i mod len]
