@@ -364,6 +364,15 @@ def check_sft(cfg: SFTConfig) -> None:
         raise config_error("actor.dp", cfg.actor.dp, "dockrl sft runs in one process", "use actor.dp=1")
     if cfg.actor.tp != 1:
         raise config_error("actor.tp", cfg.actor.tp, "dockrl sft runs in one process", "use actor.tp=1")
+    if cfg.actor.ep != 1:
+        raise config_error("actor.ep", cfg.actor.ep, "dockrl sft runs in one process", "use actor.ep=1")
+    if cfg.actor.moe_aux_loss_coef < 0:
+        raise config_error(
+            "actor.moe_aux_loss_coef",
+            cfg.actor.moe_aux_loss_coef,
+            "is a loss weight and must be >= 0",
+            "use 0 (log only) or a small weight such as 0.001",
+        )
     for key, value in (("actor.mini_batches", cfg.actor.mini_batches), ("actor.epochs", cfg.actor.epochs)):
         if value != 1:
             raise config_error(

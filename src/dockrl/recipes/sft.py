@@ -209,7 +209,8 @@ def _train_batch(engine: TrainEngine, batch, pad: int, actor: ActorConfig) -> di
         loss = nll / num_tokens
         return loss, {"sft/loss": loss.item(), "sft/token_accuracy": (hits / num_tokens).item()}
 
-    return engine.train_step(_micro_batches(engine, batch, pad, actor), loss_fn)
+    micro_batches = _micro_batches(engine, batch, pad, actor)
+    return engine.train_step(micro_batches, loss_fn, aux_loss_coef=actor.moe_aux_loss_coef)
 
 
 @torch.no_grad()
