@@ -116,6 +116,26 @@ def _margins(model, prompt, tokens):
     return (top2[:, 0] - top2[:, 1]).tolist(), float(logits.abs().max())
 
 
+def _greedy_matches(engine, model, seed) -> int:
+    """Greedy decoding of PROMPTS by `engine` against dockrl's `model`: tokens and log-probs agree up to each
+    prompt's first near tie; returns the tokens compared."""
+    compared = 0
+    ours = generate_with(engine, PROMPTS, GREEDY, [0] * len(PROMPTS))
+    for prompt, out in zip(PROMPTS, ours):
+        theirs = _dockrl_greedy(model, prompt, 12)
+        margins, largest = _margins(model, prompt, theirs.token_ids.tolist())
+        # Kernels differ (oneDNN vs torch): each logit carries fp32 rounding of dot products over at most
+        # K = 192 terms per layer, |error| <~ sqrt(K) x eps x |logit| per layer, over 3 layers (2 + head).
+        bound = 3 * 192**0.5 * FP32_EPS * largest
+        for t, margin in enumerate(margins):
+            if margin <= 2 * bound:  # a near tie: either token is a correct argmax, and the rest may part
+                break
+            assert out.token_ids[t] == theirs.token_ids[t], (seed, prompt, t)
+            assert abs(out.logprobs[t] - theirs.logprobs[t]) <= 2 * bound
+            compared += 1
+    return compared
+
+
 def test_greedy_tokens_equal_the_dockrl_engine_at_step_0_and_after_two_updates(vllm_model, weight_sets):
     engine = VllmBackend(_settings(vllm_model))
     compared = 0
@@ -123,19 +143,7 @@ def test_greedy_tokens_equal_the_dockrl_engine_at_step_0_and_after_two_updates(v
         weights = peaked_weights(vllm_model, 0) if seed == 0 else weight_sets[seed]
         model = _model_with(vllm_model, weights)
         engine.load_weights(weights.items(), _reference(model))
-        ours = generate_with(engine, PROMPTS, GREEDY, [0] * len(PROMPTS))
-        for prompt, out in zip(PROMPTS, ours):
-            theirs = _dockrl_greedy(model, prompt, 12)
-            margins, largest = _margins(model, prompt, theirs.token_ids.tolist())
-            # Kernels differ (oneDNN vs torch): each logit carries fp32 rounding of dot products over at most
-            # K = 192 terms per layer, |error| <~ sqrt(K) x eps x |logit| per layer, over 3 layers (2 + head).
-            bound = 3 * 192**0.5 * FP32_EPS * largest
-            for t, margin in enumerate(margins):
-                if margin <= 2 * bound:  # a near tie: either token is a correct argmax, and the rest may part
-                    break
-                assert out.token_ids[t] == theirs.token_ids[t], (seed, prompt, t)
-                assert abs(out.logprobs[t] - theirs.logprobs[t]) <= 2 * bound
-                compared += 1
+        compared += _greedy_matches(engine, model, seed)
     assert compared >= 100  # peaked weights: ties are rare, so nearly all 3 x 4 x 12 tokens are compared
     engine.close()
 
@@ -176,19 +184,9 @@ def test_qwen3_moe_weights_stream_in_and_greedy_tokens_equal_the_dockrl_engine(t
         model = _model_with(path, weights)
         report = engine.load_weights(weights.items(), _reference(model))
         assert report["probe_abs_diff"] < 1e-4
-        ours = generate_with(engine, PROMPTS, GREEDY, [0] * len(PROMPTS))
-        for prompt, out in zip(PROMPTS, ours):
-            theirs = _dockrl_greedy(model, prompt, 12)
-            margins, largest = _margins(model, prompt, theirs.token_ids.tolist())
-            # as the dense test's bound, with the experts' width (64) inside the 192-term dot products; a
-            # router near tie would move a token's experts, which the margin check cannot see: with peaked
-            # weights router logits lie ~1 apart, so a tie within fp32 rounding is a ~1e-5 event per token
-            bound = 3 * 192**0.5 * FP32_EPS * largest
-            for t, margin in enumerate(margins):
-                if margin <= 2 * bound:
-                    break
-                assert out.token_ids[t] == theirs.token_ids[t], (seed, prompt, t)
-                assert abs(out.logprobs[t] - theirs.logprobs[t]) <= 2 * bound
-                compared += 1
+        # the dense bound, with the experts' width (64) inside the 192-term dot products; a router near tie
+        # would move a token's experts, which the margin check cannot see: with peaked weights router logits
+        # lie ~1 apart, so a tie within fp32 rounding is a ~1e-5 event per token
+        compared += _greedy_matches(engine, model, seed)
     assert compared >= 60
     engine.close()

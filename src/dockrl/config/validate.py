@@ -165,13 +165,7 @@ def _check_layouts(cfg: TrainConfig) -> None:
     actor, roll = cfg.actor, cfg.rollout
     positive("actor.tp", actor.tp)
     positive("actor.ep", actor.ep)
-    if actor.moe_aux_loss_coef < 0:
-        raise config_error(
-            "actor.moe_aux_loss_coef",
-            actor.moe_aux_loss_coef,
-            "is a loss weight and must be >= 0",
-            "use 0 (log only) or a small weight such as 0.001",
-        )
+    _check_aux_loss_coef(actor)
     if actor.dp % actor.ep:
         raise config_error(
             "actor.ep",
@@ -354,6 +348,17 @@ def _check_reward_model(cfg: TrainConfig) -> None:
         raise config_error("reward.model.weight", rm.weight, "must be finite", "use e.g. 1.0")
 
 
+def _check_aux_loss_coef(actor) -> None:
+    """actor.moe_aux_loss_coef is a loss weight (train and sft alike)."""
+    if actor.moe_aux_loss_coef < 0:
+        raise config_error(
+            "actor.moe_aux_loss_coef",
+            actor.moe_aux_loss_coef,
+            "is a loss weight and must be >= 0",
+            "use 0 (log only) or a small weight such as 0.001",
+        )
+
+
 def check_sft(cfg: SFTConfig) -> None:
     """The rules of a `dockrl sft` config that need nothing but the config (then recipes/preflight.py)."""
     positive("run.batch_size", cfg.run.batch_size)
@@ -366,13 +371,7 @@ def check_sft(cfg: SFTConfig) -> None:
         raise config_error("actor.tp", cfg.actor.tp, "dockrl sft runs in one process", "use actor.tp=1")
     if cfg.actor.ep != 1:
         raise config_error("actor.ep", cfg.actor.ep, "dockrl sft runs in one process", "use actor.ep=1")
-    if cfg.actor.moe_aux_loss_coef < 0:
-        raise config_error(
-            "actor.moe_aux_loss_coef",
-            cfg.actor.moe_aux_loss_coef,
-            "is a loss weight and must be >= 0",
-            "use 0 (log only) or a small weight such as 0.001",
-        )
+    _check_aux_loss_coef(cfg.actor)
     for key, value in (("actor.mini_batches", cfg.actor.mini_batches), ("actor.epochs", cfg.actor.epochs)):
         if value != 1:
             raise config_error(

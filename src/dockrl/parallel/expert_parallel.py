@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dockrl.models.hf import FUSED_EXPERT_SUFFIXES
 from dockrl.models.moe import Experts, moe_blocks
 from dockrl.models.tp_plan import shard_range
 
@@ -104,4 +105,4 @@ def parallelize_experts(model: nn.Module, rank: int, size: int, group: dist.Proc
 
 def is_expert_param(name: str) -> bool:
     """Whether parameter `name` holds experts (split over ep along dim 0)."""
-    return name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))
+    return name.endswith(FUSED_EXPERT_SUFFIXES)

@@ -97,7 +97,6 @@ class RolloutSwitch:
     ) -> None:
         self.engine, self.rank, self.dtype, self.flags = engine, rank, dtype, offload
         self.device = engine.device
-        self.train_layout = Layout(world, engine.tp_size)
         self.infer_layout = Layout(world, tp_infer)
         self.extra_offload = extra_offload
         with torch.device("meta"):
