@@ -2,6 +2,8 @@
 
 import torch
 
+from dockrl.dock.columns import check_get, check_put
+
 
 def close(actual, expected, atol=1e-5):
     """assert_close in fp32 against hand-computed numbers, absolute tolerance only."""
@@ -51,3 +53,33 @@ def assert_grads_close(actual: dict, expected: dict, msg=None) -> None:
         torch.testing.assert_close(
             actual[name], ref, rtol=GRAD_RTOL, atol=GRAD_ATOL_OF_SCALE * scale, msg=(msg, name)
         )
+
+
+class FakeDock:
+    """DockClient's get/put over a table of whole groups; each consumer gets every row once, in order."""
+
+    def __init__(self, columns: dict[str, list], group_size: int) -> None:
+        self.table = [dict(zip(columns, values)) for values in zip(*columns.values())]
+        self.group_size = group_size
+        self.served: dict[str, int] = {}
+        self.pulls: list[tuple[str, list[int]]] = []
+
+    def get(self, consumer, columns, count, *, whole_groups, min_count):
+        check_get(consumer, columns)  # the real clients' schema check
+        assert whole_groups and min_count == self.group_size and count % self.group_size == 0
+        start = self.served.get(consumer, 0)
+        if start == len(self.table):
+            return None
+        rows = list(range(start, min(start + count, len(self.table))))
+        # The real dock waits until the columns are ready; this table has them from the start.
+        assert all(c in self.table[r] for r in rows for c in columns), "column not ready"
+        self.served[consumer] = rows[-1] + 1
+        self.pulls.append((consumer, rows))
+        return rows, {c: [self.table[r][c] for r in rows] for c in columns}
+
+    def put(self, producer, rows, batch):
+        check_put(producer, batch)  # the real clients' schema check
+        for column, values in batch.items():
+            for row, value in zip(rows, values):
+                assert column not in self.table[row], f"{column} of row {row} written twice"
+                self.table[row][column] = value

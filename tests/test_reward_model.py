@@ -23,7 +23,6 @@ from dockrl.algos.estimators import compute_advantages
 from dockrl.cli import main
 from dockrl.config import ConfigError, TrainConfig, load_config
 from dockrl.config.schema import AlgoConfig, RewardConfig, RewardFnConfig, RewardModelConfig
-from dockrl.dock.columns import check_get, check_put
 from dockrl.models.classifier import (
     RewardModel,
     check_reward_model_dir,
@@ -33,12 +32,12 @@ from dockrl.models.classifier import (
 from dockrl.models.config import ModelArgs
 from dockrl.models.hf import load_state_dict
 from dockrl.models.tiny import make_tiny
-from dockrl.models.tokenizer import Tokenizer
+from dockrl.models.tokenizer import Tokenizer, same_vocabulary
 from dockrl.recipes.dynamic_sampling import group_rewards, select_groups
 from dockrl.recipes.preflight import preflight_train
 from dockrl.workers.reward import RewardWorker
-from dockrl.workers.reward_model import RM_SCORE, RewardModelWorker, rm_token_ids, same_vocabulary
-from helpers import perturb_
+from dockrl.workers.reward_model import RM_SCORE, RewardModelWorker, rm_token_ids
+from helpers import FakeDock, perturb_
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 VOCAB = 96
@@ -174,36 +173,6 @@ def test_make_tiny_reward_model_loads_in_transformers(tiny_reward_model, tiny_mo
     assert scores.std().item() > 0  # random weights, not a constant head
     # Same tokenizer as the policy of the same command, so the dock's ids go in unchanged.
     assert same_vocabulary(tiny_model, tiny_reward_model)
-
-
-class FakeDock:
-    """DockClient's get/put over a table of whole groups; each consumer gets every row once, in order."""
-
-    def __init__(self, columns: dict[str, list], group_size: int) -> None:
-        self.table = [dict(zip(columns, values)) for values in zip(*columns.values())]
-        self.group_size = group_size
-        self.served: dict[str, int] = {}
-        self.pulls: list[tuple[str, list[int]]] = []
-
-    def get(self, consumer, columns, count, *, whole_groups, min_count):
-        check_get(consumer, columns)  # the real clients' schema check
-        assert whole_groups and min_count == self.group_size and count % self.group_size == 0
-        start = self.served.get(consumer, 0)
-        if start == len(self.table):
-            return None
-        rows = list(range(start, min(start + count, len(self.table))))
-        # The real dock waits until the columns are ready; this table has them from the start.
-        assert all(c in self.table[r] for r in rows for c in columns), "column not ready"
-        self.served[consumer] = rows[-1] + 1
-        self.pulls.append((consumer, rows))
-        return rows, {c: [self.table[r][c] for r in rows] for c in columns}
-
-    def put(self, producer, rows, batch):
-        check_put(producer, batch)  # the real clients' schema check
-        for column, values in batch.items():
-            for row, value in zip(rows, values):
-                assert column not in self.table[row], f"{column} of row {row} written twice"
-                self.table[row][column] = value
 
 
 def _group_rows(tokenizer: Tokenizer) -> dict[str, list]:

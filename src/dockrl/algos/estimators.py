@@ -14,6 +14,7 @@ broadcasts it over the row's response tokens. `compute_advantages` picks one by 
     reinforce_pp_baseline
                        r - group mean; whitened later over every valid token of the step
     gae                needs a critic (token values); see `gae_advantages`
+    none               0 (opd: the teacher's per-token term, algos/distill.py, is the whole advantage)
 
 Whitening over the whole step needs every row, so it cannot run where groups are scored one pull at a
 time; `needs_batch_whitening` tells the trainer to do it over its rows (all-reduced over dp ranks).
@@ -92,6 +93,8 @@ def compute_advantages(
     if name == "reinforce_pp":
         _grouped(rewards, group_size)
         return rewards.float().clone()
+    if name == "none":
+        return torch.zeros(_grouped(rewards, group_size).numel(), dtype=torch.float32)
     if name == "gae":
         raise ValueError("the gae estimator needs critic values per token; call gae_advantages")
     raise ValueError(f"unknown advantage estimator {name!r}; choose one of {ADV_ESTIMATORS}")

@@ -14,6 +14,11 @@ that is new too.
     dr_grpo                dr_grpo                 0.2 / 0.2      seq-mean-token-sum   0        token     max_new_tokens
     gspo                   grpo                    3e-4 / 4e-4    seq-mean-token-mean  0        sequence  tokens
     ppo                    gae (a critic)          0.2 / 0.2      token-mean           0.001    token     tokens
+    opd                    none                    0.2 / 0.2      token-mean           0        token     tokens
+
+opd is on-policy distillation (docs/distillation.md): the `none` estimator gives every row a zero sequence
+advantage, and the teacher's per-token term (distill.coef x (teacher - sampling log-prob)) is the whole signal;
+without a reference model (the teacher anchors the policy), as Agarwal et al. 2024 and Lu et al. 2025 train.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from typing import Literal
 
 # Advantage estimators (algos/estimators.py computes them). The group estimators need only the rewards of whole
 # groups (what a RewardWorker holds); gae needs a critic's values per token.
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+# `none` (opd's): no sequence advantage at all, only the teacher's per-token term (distill.coef).
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "none")
 ADV_ESTIMATORS = (*GROUP_ESTIMATORS, "gae")
 # Estimators whose advantages are whitened over every valid token of the step (by the trainer: it needs all rows).
 WHITENED_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")
@@ -53,7 +59,9 @@ class Preset:
 # The closed choices of algo.name and algo.adv_estimator (schema.py declares the settings with them).
 # Algorithm spells out PRESETS' rows, in table order, so mypy checks the names a config can hold; the check
 # after the table keeps the two equal.
-Algorithm = Literal["grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo", "gspo", "ppo"]
+Algorithm = Literal[
+    "grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo", "gspo", "ppo", "opd"
+]
 AdvEstimator = Literal[ADV_ESTIMATORS]  # type: ignore[valid-type]
 
 
@@ -73,6 +81,8 @@ PRESETS: dict[Algorithm, Preset] = {
     # sequence-level ratios (Zheng et al. 2025)
     "gspo": Preset("grpo", 3e-4, 4e-4, "seq-mean-token-mean", 0.0, ratio_level="sequence"),
     "ppo": _ppo_clip("gae"),
+    # on-policy distillation: the teacher's per-token term only, no reference model
+    "opd": Preset("none", 0.2, 0.2, "token-mean", 0.0),
 }
 
 ALGORITHMS: tuple[str, ...] = typing.get_args(Algorithm)

@@ -282,8 +282,9 @@ class AlgoConfig:
     )
     adv_estimator: AdvEstimator | None = setting(
         None,
-        "Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, or gae (ppo's; needs "
-        "the critic); None uses the algorithm's own (dapo and gspo use grpo's).",
+        "Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, none (opd's: no "
+        "sequence advantage, the teacher's per-token term only), or gae (ppo's; needs the critic); None uses "
+        "the algorithm's own (dapo and gspo use grpo's).",
         noun="estimator",
     )
     overlong_buffer_len: int = setting(
@@ -502,6 +503,35 @@ class RewardConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (docs/distillation.md): a teacher model gives a log-prob for every token the policy
+    sampled; each token's advantage gains distill.coef x (teacher log-prob - sampling log-prob), the negative
+    per-token reverse KL to the teacher. algo.name=opd trains on that term alone."""
+
+    teacher_path: str | None = setting(
+        None,
+        "The teacher: a Hugging Face causal-LM directory (or a dockrl checkpoint root) whose tokenizer has the "
+        "policy's vocabulary (the same id for every token); None: no teacher (algo.name=opd needs one).",
+    )
+    coef: float = setting(
+        1.0,
+        "Weight of the teacher term in each token's advantage (added to the algorithm's own advantages; with "
+        "algo.name=opd the whole advantage); 0 scores and logs distill/reverse_kl without training on it.",
+    )
+    num_workers: int = setting(
+        1,
+        "TeacherWorker ranks, in one process group of their own: the teacher is sharded over them with FSDP2 "
+        "(distill.num_workers / distill.tp ways) and tensor parallelism (distill.tp); one GPU each on cuda.",
+    )
+    tp: int = setting(
+        1,
+        "Tensor-parallel degree of the teacher; must divide distill.num_workers and the teacher's heads, "
+        "key-value heads, vocabulary and MLP width.",
+    )
+    micro_batch_size: int = setting(8, "Sequences (prompt + response) per forward pass of the teacher.")
+
+
+@dataclass
 class DockConfig:
     """The transfer dock: one controller (metadata) and warehouses (payload)."""
 
@@ -609,6 +639,7 @@ class PlacementConfig:
     reward: list[str] = setting([], "Custom resource per RewardWorker.")
     reward_model: list[str] = setting([], "Custom resource per RewardModelWorker.")
     critic: list[str] = setting([], "Custom resource per critic rank (PPO).")
+    teacher: list[str] = setting([], "Custom resource per teacher rank (distill.teacher_path).")
 
 
 @dataclass
@@ -659,6 +690,9 @@ class TrainConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)  # used only with algo.name=ppo
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn rollout when env.name is set
+    distill: DistillConfig = field(
+        default_factory=DistillConfig
+    )  # a teacher when distill.teacher_path is set
 
 
 @dataclass

@@ -21,6 +21,7 @@ from dockrl.config.lora_checks import check_lora
 from dockrl.config.presets import LOSS_AGGS
 from dockrl.config.schema import (
     DataConfig,
+    DistillConfig,
     KLEstimator,
     RewardModelConfig,
     SFTConfig,
@@ -113,7 +114,7 @@ def check_train(cfg: TrainConfig) -> None:
             "clip ranges must be >= 0 and clip_low < 1",
             "use e.g. clip_low=0.2 clip_high=0.28",
         )
-    group_baseline = estimator_of(algo) not in ("reinforce_pp", "gae")
+    group_baseline = estimator_of(algo) not in ("reinforce_pp", "gae", "none")
     if roll.samples_per_prompt == 1 and algo.norm_adv_by_std and group_baseline:
         warnings.warn(
             "rollout.samples_per_prompt=1: group-baseline advantages are all zero with groups of one; "
@@ -139,6 +140,7 @@ def check_train(cfg: TrainConfig) -> None:
     _check_dock(cfg)
     check_data(cfg.data)
     _check_reward_model(cfg)
+    _check_distill(cfg)
     _check_layouts(cfg)
     check_env(cfg)
 
@@ -346,6 +348,57 @@ def _check_reward_model(cfg: TrainConfig) -> None:
     positive("reward.model.micro_batch_size", rm.micro_batch_size)
     if not math.isfinite(rm.weight):
         raise config_error("reward.model.weight", rm.weight, "must be finite", "use e.g. 1.0")
+
+
+def _check_distill(cfg: TrainConfig) -> None:
+    """distill.*: a teacher for the algorithms that read it, its numbers (its checkpoint and vocabulary: the
+    preflight)."""
+    distill, algo = cfg.distill, cfg.algo
+    estimator = estimator_of(algo)
+    if distill.teacher_path is None:
+        if algo.name == "opd" or estimator == "none":
+            key, value = ("algo.name", algo.name) if algo.name == "opd" else ("algo.adv_estimator", "none")
+            raise config_error(
+                key,
+                value,
+                "trains on the teacher's per-token log-probs alone, and distill.teacher_path is unset",
+                "set distill.teacher_path to a teacher model with the policy's tokenizer",
+            )
+        if distill != DistillConfig():
+            warnings.warn("distill settings have no effect without distill.teacher_path", stacklevel=3)
+        return
+    positive("distill.num_workers", distill.num_workers)
+    positive("distill.tp", distill.tp)
+    positive("distill.micro_batch_size", distill.micro_batch_size)
+    if not math.isfinite(distill.coef) or distill.coef < 0:
+        raise config_error(
+            "distill.coef",
+            distill.coef,
+            "is the weight of the teacher term in the advantages and must be finite and >= 0",
+            "use 1.0 (algo.name=opd), a smaller weight beside a reward, or 0 to log distill/* only",
+        )
+    if distill.num_workers % distill.tp:
+        raise config_error(
+            "distill.tp",
+            distill.tp,
+            f"does not divide distill.num_workers={distill.num_workers}",
+            f"use a divisor: {[d for d in range(1, distill.num_workers + 1) if distill.num_workers % d == 0]}",
+        )
+    if estimator == "gae":
+        raise config_error(
+            "distill.teacher_path",
+            distill.teacher_path,
+            "adds a per-token term to the reward stage's advantages, and ppo's advantages come from its critic "
+            "(GAE) instead",
+            "use a group algorithm (grpo, rloo, ...) or algo.name=opd with a teacher",
+        )
+    if algo.name == "opd" and algo.dynamic_sampling:
+        raise config_error(
+            "algo.dynamic_sampling",
+            True,
+            "keeps groups whose rewards differ, and algo.name=opd does not train on rewards",
+            "use algo.dynamic_sampling=false with algo.name=opd",
+        )
 
 
 def _check_aux_loss_coef(actor) -> None:

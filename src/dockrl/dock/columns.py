@@ -53,6 +53,7 @@ PROMPT_IDS = _declare(
         Stage.ROLLOUT,
         Stage.REWARD,
         Stage.REWARD_MODEL,
+        Stage.TEACHER,
         Stage.REFERENCE,
         Stage.OLD_LOGPROBS,
         Stage.CRITIC_VALUES,
@@ -72,6 +73,7 @@ RESPONSE_IDS = _declare(
     (
         Stage.REWARD,
         Stage.REWARD_MODEL,
+        Stage.TEACHER,
         Stage.REFERENCE,
         Stage.OLD_LOGPROBS,
         Stage.CRITIC_VALUES,
@@ -85,8 +87,9 @@ ROLLOUT_LOGPROBS = _declare(
     "float32",
     "token",
     (Stage.ROLLOUT,),
-    (Stage.UPDATE,),
-    "log-probs of the sampled tokens under the rollout model (the rollout/trainer mismatch, algo.rollout_is)",
+    (Stage.TEACHER, Stage.REWARD, Stage.UPDATE),
+    "log-probs of the sampled tokens under the rollout model (the rollout/trainer mismatch, algo.rollout_is; "
+    "the student's side of distillation's per-token reverse KL)",
 )
 POLICY_VERSION = _declare(
     "policy_version",
@@ -137,7 +140,7 @@ LOSS_MASK = _declare(
     "float32",
     "token",
     (Stage.ROLLOUT,),
-    (Stage.REWARD, Stage.UPDATE),
+    (Stage.TEACHER, Stage.REWARD, Stage.UPDATE),
     "multi-turn (env.name): 1 on the tokens the policy sampled, 0 on observation tokens (tool answers, the chat "
     "template's turn markers), which every loss, KL, entropy and normaliser leaves out",
 )
@@ -167,6 +170,15 @@ ENV_FAILED = _declare(
 )
 RM_SCORE = _declare(
     "rm_score", "float32", "row", (Stage.REWARD_MODEL,), (Stage.REWARD,), "the reward model's raw score"
+)
+TEACHER_LOGPROBS = _declare(
+    "teacher_logprobs",
+    "float32",
+    "token",
+    (Stage.TEACHER,),
+    (Stage.REWARD,),
+    "distillation (distill.teacher_path): the teacher's log-prob of each sampled token, at the rollout's "
+    "temperature; the reward stage adds distill.coef x (teacher_logprobs - rollout_logprobs) to the advantages",
 )
 REWARD = _declare(
     "reward",
@@ -210,7 +222,8 @@ ADVANTAGES = _declare(
     "token",
     (Stage.REWARD, Stage.CRITIC_UPDATE),
     (Stage.UPDATE,),
-    "per-token advantages: the reward stage's (group estimators) or critic_update's (GAE)",
+    "per-token advantages: the reward stage's (group estimators, plus distillation's per-token term) or "
+    "critic_update's (GAE)",
 )
 RETURNS = _declare(
     "returns", "float32", "token", (Stage.CRITIC_UPDATE,), (), "GAE returns (the critic's regression target)"

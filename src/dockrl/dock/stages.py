@@ -2,7 +2,7 @@
 supervisor's stage are one `Stage`.
 
 ```
- driver ──prompt_ids, label──▶ dock ◀──▶ rollout ◀──▶ reward_model ◀──▶ reward          (generation side)
+ driver ──prompt_ids, label──▶ dock ◀──▶ rollout ◀──▶ reward_model, teacher ◀──▶ reward (generation side)
                                dock ◀──▶ reference, old_logprobs, critic_values, critic_update, update
                                dock ◀──▶ checkpoint (reads every column of the rows in flight at a save,
                                                      writes them back on resume; recipes/inflight.py)
@@ -28,6 +28,7 @@ class Stage(StrEnum):
     DRIVER = "driver"  # adds the step's prompts (prompt_ids, label)
     ROLLOUT = "rollout"  # generation: the colocated actor or the separate rollout replicas
     REWARD_MODEL = "reward_model"  # the reward model's score head
+    TEACHER = "teacher"  # on-policy distillation: the teacher's log-probs (TeacherWorker)
     REWARD = "reward"  # rule rewards, the total reward, group advantages (RewardWorker)
     REFERENCE = "reference"  # the reference model's log-probs (ActorWorker.compute_ref)
     OLD_LOGPROBS = "old_logprobs"  # the policy's log-probs before the update (ActorWorker.compute_old)
@@ -49,6 +50,7 @@ DOCK_STAGES = frozenset(
         Stage.DRIVER,
         Stage.ROLLOUT,
         Stage.REWARD_MODEL,
+        Stage.TEACHER,
         Stage.REWARD,
         Stage.REFERENCE,
         Stage.OLD_LOGPROBS,

@@ -230,3 +230,13 @@ def stop_token_ids(*ids: Any) -> list[int]:
             if j is not None and int(j) not in out:
                 out.append(int(j))
     return out
+
+
+def same_vocabulary(first_dir: str | Path, second_dir: str | Path) -> bool:
+    """Whether both tokenizer directories map every token (added tokens included) to the same id (a reward
+    model or a distillation teacher then reads the policy's token ids unchanged)."""
+    vocabularies = [
+        _BackendTokenizer.from_file(str(Path(d) / TOKENIZER_FILE)).get_vocab(with_added_tokens=True)
+        for d in (first_dir, second_dir)
+    ]
+    return vocabularies[0] == vocabularies[1]

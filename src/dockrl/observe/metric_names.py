@@ -115,6 +115,12 @@ TIMING_WEIGHT_LOAD = "timing/weight_load"  # seconds to gather and load the weig
 ROLLOUT_WEIGHT_LOAD_MB = "rollout/weight_load_mb"  # MiB streamed into one engine
 ROLLOUT_PROBE_ABS_DIFF = "rollout/probe_abs_diff"  # mean |vLLM - trainer| log-prob on the probe sequence
 
+# On-policy distillation (distill.teacher_path): per sampled token, over the step's rows.
+DISTILL_REVERSE_KL = "distill/reverse_kl"  # mean (sampling - teacher) log-prob: the reverse KL estimate
+DISTILL_TEACHER_LOGPROB = "distill/teacher_logprob"  # mean teacher log-prob of the sampled tokens
+TIMING_TEACHER = "timing/teacher"  # from the start of generation to the teacher's last put (overlaps rollout)
+TIMING_TEACHER_BUSY = "timing/teacher_busy"  # the teacher's own forward time (its cost per step; max rank)
+
 DAPO_ROUNDS = "dapo/rounds"
 DAPO_GENERATED_GROUPS = "dapo/generated_groups"
 DAPO_INFORMATIVE_GROUPS = "dapo/informative_groups"

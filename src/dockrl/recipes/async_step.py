@@ -5,7 +5,8 @@ ahead of training, each step in a dock of its own (step mod (k+1)).
                ▲ started k steps ago, with                      │ reference, old log-probs, update (actor)
                │ the weights after update t-1-k                 ▼
     Generation(s): draw prompts ─▶ dock s mod (k+1) ─▶ weights after update s-1-k to the rollout replicas
-                   ─▶ rollout replicas generate, reward models and workers score   (while steps s-k.. train)
+                   ─▶ rollout replicas generate, reward models, teacher and reward workers score
+                      (while steps s-k.. train)
 
 Which weights generate which step is fixed by the step number, never by timing, so runs repeat bit for bit.
 `ahead` (step -> Generation, recipes/inflight.py) holds the started generations; a checkpoint saves them.
@@ -51,7 +52,9 @@ def async_step(
         cluster.client.select(current.dock)
         dock_stats = cluster.client.stats()
         cluster.client.reset()
-    return StepRecord(step, current.batch, gen, scored, updates, timer.seconds, dock_stats)
+    return StepRecord(
+        step, current.batch, gen, scored, updates, timer.seconds, dock_stats, teacher=current.teacher
+    )
 
 
 def _take_generation(
@@ -96,5 +99,7 @@ def _start_generation(
     # Each call names its dock, and a worker selects it when the call starts (after its running calls): the
     # driver queues steps t+1..t+k without waiting for the generations still running (k >= 2 overlaps k).
     model_scoring = cluster.reward_models.score(dock) if cluster.reward_models is not None else None
-    pending = (cluster.rollouts.generate(step, version, dock), cluster.rewards.score(dock), model_scoring)
+    teaching = cluster.teacher.score(dock) if cluster.teacher is not None else None
+    generating = cluster.rollouts.generate(step, version, dock)
+    pending = (generating, cluster.rewards.score(dock), model_scoring, teaching)
     return Generation(step, version, dock, batch, started, synced_s, pending)

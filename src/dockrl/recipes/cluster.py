@@ -1,7 +1,7 @@
 """Cluster: everything one attempt of a run starts on Ray, started together and stopped together.
 
 Cluster.start(resolved, resume_from) ──▶ dock (controller + warehouses) ──▶ actor, reward[, reward_model,
-                                    critic] worker groups ──▶ every actor and critic node sees run.output_dir
+                                    critic, teacher, rollout] worker groups ──▶ every actor and critic node sees run.output_dir
                                     (checkpoint/shared_dir.py) ──▶ setup (from the checkpoint when resuming)
 every actor is watched by one Supervisor (heartbeats; a death or hang becomes a named WorkerFailure)
 close(): the normal end (reward process pools are stopped politely, then every actor is killed)
@@ -30,6 +30,7 @@ from dockrl.workers.reward import RewardGroup
 from dockrl.workers.reward_model import RewardModelGroup
 from dockrl.workers.rollout import RolloutGroup
 from dockrl.workers.supervisor import Supervisor
+from dockrl.workers.teacher import TeacherGroup
 
 log = logging.getLogger(__name__)
 G = TypeVar("G", bound=WorkerGroup)
@@ -66,6 +67,7 @@ class Cluster:
     supervisor: Supervisor
     reference_path: str  # the KL reference the actors load (recipes/resume.reference_path)
     rollouts: RolloutGroup | None = None  # rollout.placement=separate
+    teacher: TeacherGroup | None = None  # distill.teacher_path
     rollout_version: int = -1  # actor updates behind the rollouts' weights; -1: none sent yet
     # The checkpoint the next save descends from: the one this attempt resumed from, then each one it saved.
     parent_checkpoint: str | None = None
@@ -112,6 +114,7 @@ class Cluster:
             started["reward_models"] = _start_reward_models(cfg, dock, supervisor)
             started["critic"] = _start_critic(cfg, plan, dock, supervisor)
             started["rollouts"] = _start_rollouts(cfg, plan, dock, supervisor)
+            started["teacher"] = _start_teacher(cfg, dock, supervisor)
             for group in started.values():
                 if isinstance(group, WorkerGroup):
                     group.wait_started()
@@ -122,6 +125,8 @@ class Cluster:
                 started["critic"].setup(resume_from, kl_coef).wait()
             if started["rollouts"] is not None:
                 started["rollouts"].setup().wait()
+            if started["teacher"] is not None:
+                started["teacher"].setup().wait()
             setup.wait()
             if started["rollouts"] is not None:
                 _connect_weight_sync(started["actors"], started["rollouts"])
@@ -145,7 +150,7 @@ class Cluster:
 
     def worker_nodes(self) -> dict[str, str]:
         """The node address each worker runs on (`actor-0` -> `10.0.0.5`), for the run's summary."""
-        groups = [self.actors, self.rewards, self.reward_models, self.critic, self.rollouts]
+        groups = [self.actors, self.rewards, self.reward_models, self.critic, self.rollouts, self.teacher]
         return {
             name: ident["node_ip"]
             for group in groups
@@ -175,7 +180,7 @@ def check_placement(cfg: TrainConfig) -> None:
     from dockrl.config.fields import config_error
 
     offered = ray.cluster_resources()
-    for group in ("actor", "reward", "reward_model", "critic"):
+    for group in ("actor", "rollout", "reward", "reward_model", "critic", "teacher"):
         for resource in getattr(cfg.placement, group):
             if offered.get(resource, 0) <= 0:
                 custom = sorted(
@@ -247,6 +252,7 @@ def _start_workers(
         log_samples=cfg.run.log_samples,
         max_new_tokens=cfg.rollout.max_new_tokens,
         env_weight=cfg.env.reward_weight if cfg.env.name is not None else None,
+        distill_coef=cfg.distill.coef if cfg.distill.teacher_path is not None else None,
     )
     return actors, rewards
 
@@ -292,6 +298,27 @@ def _start_critic(cfg: TrainConfig, plan: StepPlan, dock, supervisor: Supervisor
         client=dock.client(),
         total_optimizer_steps=cfg.run.steps * critic.mini_batches * critic.epochs,
         num_threads=_threads_per_rank(cfg, critic.dp),
+    )
+
+
+def _start_teacher(cfg: TrainConfig, dock, supervisor: Supervisor) -> TeacherGroup | None:
+    """distill.teacher_path: distill.num_workers TeacherWorkers in their own process group (one GPU each on
+    cuda), else None."""
+    if cfg.distill.teacher_path is None:
+        return None
+    ranks = cfg.distill.num_workers
+    return _group(
+        cfg.run,
+        supervisor,
+        TeacherGroup,
+        ranks,
+        "teacher",
+        place=cfg.placement.teacher,
+        gpu=True,
+        distributed=True,
+        cfg=cfg,
+        client=dock.client(),
+        num_threads=_threads_per_rank(cfg, ranks),
     )
 
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dockrl.algos.distill import DistillSums
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import (
     ENV_ROW,
@@ -41,7 +42,7 @@ from dockrl.dock.columns import (
 )
 from dockrl.dock.stages import Stage
 from dockrl.recipes.common import EncodedPrompt, add_prompts
-from dockrl.workers.results import GenerateResult, ScoreResult
+from dockrl.workers.results import GenerateResult, ScoreResult, TeacherResult
 
 INFLIGHT = "inflight.pt"
 DUMP_CONSUMER = Stage.CHECKPOINT  # the stage of load_inflight's puts (a save peeks: it consumes nothing)
@@ -62,18 +63,24 @@ class Generation:
     batch: list[EncodedPrompt]
     started: float
     weight_sync_s: float
-    pending: tuple[Any, Any, Any] | None  # (generating, scoring, model_scoring or None): Pending calls
+    # (generating, scoring, model_scoring or None, teaching or None): Pending calls
+    pending: tuple[Any, Any, Any, Any] | None
     results: tuple[list[GenerateResult], list[ScoreResult], float] | None = None
+    teacher: list[TeacherResult] = field(
+        default_factory=list
+    )  # distillation: per teacher rank, once finished
 
     def finish(self) -> tuple[list[GenerateResult], list[ScoreResult], float]:
         """(per-replica generate results, per-reward-worker score results, seconds from start to the last
         score), waiting for the rollout and scoring the first time."""
         if self.results is None:
             assert self.pending is not None
-            generating, scoring, model_scoring = self.pending
+            generating, scoring, model_scoring, teaching = self.pending
             gen = generating.wait()
             if model_scoring is not None:  # the reward workers wait for rm_score, so this ends first
                 model_scoring.wait()
+            if teaching is not None:  # and for teacher_logprobs
+                self.teacher = teaching.wait()
             scored = scoring.wait()
             self.results, self.pending = (gen, scored, time.perf_counter() - self.started), None
         return self.results
@@ -114,6 +121,7 @@ def save_inflight(
                 "columns": columns,
                 "generate": [dataclasses.asdict(g) for g in gen],
                 "score": [dataclasses.asdict(s) for s in scored],
+                "teacher": [dataclasses.asdict(t) for t in generation.teacher],
             }
         )
     kept = _read_carried(client) if carried else None
@@ -204,6 +212,9 @@ def load_inflight(root: Path, client: DockChoice, group_size: int) -> dict[int, 
             [ScoreResult(**s) for s in record["score"]],
             record["rollout_s"],
         )
+        teacher = [
+            TeacherResult(t["rows"], DistillSums(**t["sums"]), t["busy_s"]) for t in record.get("teacher", [])
+        ]
         loaded[record["step"]] = Generation(
             record["step"],
             record["version"],
@@ -213,5 +224,6 @@ def load_inflight(root: Path, client: DockChoice, group_size: int) -> dict[int, 
             record["weight_sync_s"],
             None,
             results,
+            teacher,
         )
     return loaded

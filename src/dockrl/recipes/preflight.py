@@ -108,8 +108,11 @@ def preflight_train(cfg: TrainConfig) -> Resolved:
     run_cfg = resolved.cfg
     _check_loggers(run_cfg.run.loggers)
     actor = run_cfg.actor
-    _check_devices(run_cfg.run.device, actor.dp * actor.tp + (run_cfg.critic.dp if plan.critic else 0))
+    teacher_ranks = run_cfg.distill.num_workers if run_cfg.distill.teacher_path is not None else 0
+    critic_ranks = run_cfg.critic.dp if plan.critic else 0
+    _check_devices(run_cfg.run.device, actor.dp * actor.tp + critic_ranks + teacher_ranks)
     _check_reward_model_files(run_cfg)
+    _check_teacher(run_cfg)
     _check_model_layouts(run_cfg)
     _check_vllm(run_cfg)
     return resolved
@@ -208,6 +211,12 @@ def _checkpoint_roots(cfg: TrainConfig, reference: bool) -> dict[str, Any]:
                 f"stays that run's reference {found['model.ref_path']} (set model.ref_path to choose another)",
                 stacklevel=3,
             )
+    teacher = cfg.distill.teacher_path
+    if teacher is not None and is_checkpoint(teacher):  # a dockrl run's checkpoint: its hf/ export
+        try:
+            found["distill.teacher_path"] = resolve_model_path(teacher)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"distill.teacher_path={teacher!r}: {exc}") from exc
     if cfg.critic.path is not None and is_checkpoint(cfg.critic.path):
         try:
             found["critic.path"] = resolve_critic_path(cfg.critic.path)
@@ -323,6 +332,48 @@ def _check_devices(device: str, ranks: int) -> None:
             "visible to the driver; Ray must find the rest",
             stacklevel=2,
         )
+
+
+def _check_teacher(cfg: TrainConfig) -> None:
+    """distill.teacher_path: a causal LM whose tokenizer gives every token the policy's id, whose embedding
+    covers those ids, and whose shapes split over distill.tp."""
+    from dockrl.models.hf import read_config
+    from dockrl.models.tokenizer import TOKENIZER_FILE, same_vocabulary
+    from dockrl.models.tp_plan import tp_problem
+
+    path = cfg.distill.teacher_path
+    if path is None:
+        return
+    check_model_dir(path, "distill.teacher_path")
+    if not (Path(path) / TOKENIZER_FILE).is_file():
+        raise config_error(
+            "distill.teacher_path",
+            path,
+            f"the directory has no {TOKENIZER_FILE} (the teacher's vocabulary must be checked against the "
+            "policy's)",
+            "pass a Hugging Face directory with its tokenizer",
+        )
+    if not same_vocabulary(cfg.model.path, path):
+        raise config_error(
+            "distill.teacher_path",
+            path,
+            f"its tokenizer maps tokens to other ids than the policy's (model.path={cfg.model.path}), and the "
+            "teacher scores the policy's token ids as they are",
+            "use a teacher of the policy's model family and tokenizer (the same token -> id map)",
+        )
+    teacher, policy = read_config(path), read_config(cfg.model.path)
+    if teacher.vocab_size < policy.vocab_size:
+        raise config_error(
+            "distill.teacher_path",
+            path,
+            f"its embedding has {teacher.vocab_size} rows, fewer than the policy's vocab_size={policy.vocab_size}",
+            "use a teacher whose vocab_size covers the policy's",
+        )
+    problem = tp_problem(teacher, cfg.distill.tp)
+    if teacher.is_moe and cfg.distill.tp > 1:
+        problem = "tensor parallelism of MoE layers is not built (a qwen3_moe teacher shards with FSDP2 only)"
+    if problem is not None:
+        raise config_error("distill.tp", cfg.distill.tp, problem, "set distill.tp to a valid size")
 
 
 def _check_reward_model_files(cfg: TrainConfig) -> None:

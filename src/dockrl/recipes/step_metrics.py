@@ -13,11 +13,12 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from dockrl.algos.distill import DistillSums
 from dockrl.dock.metrics import bytes_moved, driver_bytes
 from dockrl.dock.stages import Stage
 from dockrl.observe import metric_names as names
 from dockrl.recipes.common import EncodedPrompt
-from dockrl.workers.results import GenerateResult, ScoreResult, UpdateResult
+from dockrl.workers.results import GenerateResult, ScoreResult, TeacherResult, UpdateResult
 
 
 @dataclass
@@ -49,6 +50,9 @@ class StepRecord:
     dock_stats: dict[str, Any]  # the driver client's stats() before the step's reset
     critic_updates: list[UpdateResult] = field(default_factory=list)
     sampling: SamplingCounts | None = None  # DAPO dynamic sampling only
+    teacher: list[TeacherResult] = field(
+        default_factory=list
+    )  # distillation: one per teacher rank (and round)
 
     @property
     def samples(self) -> list[dict[str, Any]]:
@@ -83,7 +87,19 @@ def step_metrics(
     if record.sampling is not None:
         m.update(_sampling(record.sampling))
     m.update(record.critic_updates[0].metrics if record.critic_updates else {})
+    m.update(_distill(record.teacher))
     return m
+
+
+def _distill(results: list[TeacherResult]) -> dict[str, float]:
+    """distill/reverse_kl and distill/teacher_logprob per sampled token, and the teacher's busy time (its
+    slowest rank's; the ranks run in lockstep); {} without a teacher."""
+    if not results:
+        return {}
+    sums = DistillSums()
+    for result in results:
+        sums = sums.merge(result.sums)
+    return {**sums.means(), names.TIMING_TEACHER_BUSY: max(r.busy_s for r in results)}
 
 
 def describe(values: list[float], prefix: str) -> dict[str, float]:

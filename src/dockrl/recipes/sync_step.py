@@ -2,7 +2,7 @@
 
     sampler ─▶ batch ─▶ dock.add_groups ─▶ [separate placement: weights after update step - 1 to the replicas]
       ├─▶ actor ranks or rollout replicas: generate   ┐ overlap through the dock: each group is scored
-      ├─▶ reward models, reward workers: score        ┘ as soon as it is complete
+      ├─▶ reward models, teacher, reward workers: score ┘ as soon as it is complete
       │     dynamic sampling: more rounds of new prompts until the batch is full, the other groups dropped
       │     partial rollout: the groups of cut rows leave the step (the dock keeps them for the next)
       ├─▶ critic: values                             ┐ overlap (ppo)
@@ -30,7 +30,7 @@ from dockrl.recipes.common import EncodedPrompt, EpochSampler, add_prompts
 from dockrl.recipes.dynamic_sampling import group_rewards, select_groups
 from dockrl.recipes.step_metrics import SamplingCounts, StepRecord
 from dockrl.workers.actor import ActorGroup
-from dockrl.workers.results import GenerateResult, ScoreResult, UpdateResult
+from dockrl.workers.results import GenerateResult, ScoreResult, TeacherResult, UpdateResult
 
 
 def sync_step(
@@ -43,16 +43,18 @@ def sync_step(
         sampling, values = None, None
         if schedule.dynamic_sampling_rounds:  # group-baseline algorithms only: never with a critic
             rounds = _sample_until_full(cfg, schedule, step, batch, sampler, cluster, timer)
-            batch, gen, scored, sampling = rounds
+            batch, gen, scored, sampling, teacher = rounds
         else:
-            gen, scored, values = _round(cfg, schedule, step, batch, cluster, timer)
+            gen, scored, values, teacher = _round(cfg, schedule, step, batch, cluster, timer)
         logprob_stages(plan, cluster.actors, timer)
         if values is not None:
             with timer(Stage.CRITIC_VALUES):  # what is left of it: it overlaps the log-prob stages
                 values.wait()
         updates, critic_updates = _update(plan, step, cluster, timer)
         dock_stats = _close(schedule, cluster)
-    return StepRecord(step, batch, gen, scored, updates, timer.seconds, dock_stats, critic_updates, sampling)
+    return StepRecord(
+        step, batch, gen, scored, updates, timer.seconds, dock_stats, critic_updates, sampling, teacher
+    )
 
 
 def logprob_stages(plan: StepPlan, actors: ActorGroup, timer: StageTimer) -> None:
@@ -97,9 +99,10 @@ def _round(
     batch: list[EncodedPrompt],
     cluster: Cluster,
     timer: StageTimer,
-) -> tuple[list[GenerateResult], list[ScoreResult], Any]:
+) -> tuple[list[GenerateResult], list[ScoreResult], Any, list[TeacherResult]]:
     """Add `batch`'s groups, generate and score them (overlapped through the dock); returns (per-actor
-    generate results, per-reward-worker score results, the critic's pending compute_values or None)."""
+    generate results, per-reward-worker score results, the critic's pending compute_values or None, per-teacher-
+    rank results)."""
     n = cfg.rollout.samples_per_prompt
     add_prompts(cluster.client, batch, n)
     synced_s = sync_rollout_weights(cluster, version=step - 1)  # separate placement: the step's policy
@@ -112,6 +115,7 @@ def _round(
         generating = cluster.actors.generate(step)
     scoring = cluster.rewards.score()
     model_scoring = cluster.reward_models.score() if cluster.reward_models is not None else None
+    teaching = cluster.teacher.score() if cluster.teacher is not None else None
     gen = generating.wait()
     timer.add(Stage.ROLLOUT, time.perf_counter() - start)
     if schedule.partial:  # the groups of rows cut at the budget leave the step (the dock keeps them)
@@ -122,9 +126,13 @@ def _round(
     if model_scoring is not None:  # the reward workers wait for rm_score, so this ends first
         model_scoring.wait()
         timer.add(Stage.REWARD_MODEL, time.perf_counter() - start)  # overlaps rollout too
+    teacher: list[TeacherResult] = []
+    if teaching is not None:  # the reward workers wait for teacher_logprobs too
+        teacher = teaching.wait()
+        timer.add(Stage.TEACHER, time.perf_counter() - start)  # overlaps rollout too
     scored = scoring.wait()
     timer.add(Stage.REWARD, time.perf_counter() - start)  # overlaps rollout; ends at the last group
-    return gen, scored, values
+    return gen, scored, values, teacher
 
 
 def _sample_until_full(
@@ -135,18 +143,19 @@ def _sample_until_full(
     sampler: EpochSampler,
     cluster: Cluster,
     timer: StageTimer,
-) -> tuple[list[EncodedPrompt], list[GenerateResult], list[ScoreResult], SamplingCounts]:
+) -> tuple[list[EncodedPrompt], list[GenerateResult], list[ScoreResult], SamplingCounts, list[TeacherResult]]:
     """DAPO dynamic sampling (recipes/dynamic_sampling.py): rounds of generate + score until
     prompts_per_step groups have reward spread; drops the other groups from the dock. Returns (every
-    prompt generated this step, generate results, score results, the rounds' counts)."""
+    prompt generated this step, generate results, score results, the rounds' counts, teacher results)."""
     n, target = cfg.rollout.samples_per_prompt, cfg.run.prompts_per_step
     most = schedule.dynamic_sampling_rounds
     prompts = list(batch)
     gen: list[GenerateResult] = []
     scored: list[ScoreResult] = []
+    teacher: list[TeacherResult] = []
     for rounds in range(1, most + 1):
-        round_gen, round_scored, _ = _round(cfg, schedule, step, batch, cluster, timer)
-        gen, scored = gen + round_gen, scored + round_scored
+        round_gen, round_scored, _, round_teacher = _round(cfg, schedule, step, batch, cluster, timer)
+        gen, scored, teacher = gen + round_gen, scored + round_scored, teacher + round_teacher
         # DAPO keeps a group whose answers are partly right: correctness before any shaping, never a group
         # left out for a failed reward (recipes/dynamic_sampling.py).
         rows, weights = [r for s in scored for r in s.rows], [w for s in scored for w in s.weights]
@@ -160,4 +169,4 @@ def _sample_until_full(
     if selection.drop:
         cluster.client.drop([first + i for first in selection.drop for i in range(n)])
     counts = SamplingCounts(rounds, len(groups), selection.informative, selection.filled, len(selection.drop))
-    return prompts, gen, scored, counts
+    return prompts, gen, scored, counts, teacher

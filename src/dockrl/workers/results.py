@@ -6,6 +6,7 @@
     ActorWorker.update -> UpdateResult        CriticWorker.compute_values -> LogprobResult
     CriticWorker.update -> UpdateResult       RewardModelWorker.score -> ModelScoreResult
     CriticWorker.save -> CriticState          ActorWorker.save -> str (the checkpoint path)
+    TeacherWorker.setup -> SetupResult        TeacherWorker.score -> TeacherResult
 
 One record per rank; recipes/step_metrics.py combines them. Metric dicts that are already
 all-reduced across a group's ranks say so.
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from dockrl.algos.distill import DistillSums
 
 
 @dataclass
@@ -88,6 +91,15 @@ class ModelScoreResult:
     """One RewardModelWorker's scoring of a step."""
 
     scores: list[float]
+    busy_s: float
+
+
+@dataclass
+class TeacherResult:
+    """One TeacherWorker's scoring of a step: rows it put, its sums for distill/* (tp peers: none), busy time."""
+
+    rows: int
+    sums: DistillSums
     busy_s: float
 
 

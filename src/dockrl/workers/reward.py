@@ -3,12 +3,14 @@
     loop: pull whole groups (prompt_ids, response_ids, label[, rm_score]) ─▶ decode ─▶ reward functions
           (process pool, per-call timeout) ─▶ [+ reward.model.weight x rm_score] ─▶ [overlong shaping]
           ─▶ advantages of the algorithm's estimator (algos.compute_advantages)
+          ─▶ [+ distill.coef x (teacher_logprobs - rollout_logprobs) per token (algos/distill.py)]
           ─▶ put reward, reward/<component>, advantages (not for ppo: its CriticWorker computes them)
     ends when the dock has no unserved rows for the `reward` consumer
 
 Because it pulls whole groups while the actor still generates later ones, reward work overlaps rollout.
 With a reward model (`reward.model.path`), a group is served once its `rm_score` is in the dock too
-(workers/reward_model.py); reward.functions may then be empty.
+(workers/reward_model.py); reward.functions may then be empty. With a teacher (distill.teacher_path) a group is
+served once its teacher_logprobs are in too (workers/teacher.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from dockrl.algos.distill import distill_advantages
 from dockrl.algos.estimators import compute_advantages, overlong_penalty
 from dockrl.config.schema import AlgoConfig, RewardConfig
 from dockrl.dock.choice import DockChoice
@@ -32,6 +35,8 @@ from dockrl.dock.columns import (
     RESPONSE_IDS,
     REWARD,
     RM_SCORE,
+    ROLLOUT_LOGPROBS,
+    TEACHER_LOGPROBS,
     UPDATE_WEIGHT,
     reward_component,
 )
@@ -74,9 +79,11 @@ class RewardWorker(Worker):
         log_samples: int = 0,
         max_new_tokens: int | None = None,
         env_weight: float | None = None,
+        distill_coef: float | None = None,
     ):
         """`estimator`: the group estimator of the run's step plan (StepPlan.estimator) when the reward workers
-        compute advantages (StepPlan.advantages_by == "reward"), None when the critic does (gae)."""
+        compute advantages (StepPlan.advantages_by == "reward"), None when the critic does (gae).
+        `distill_coef`: distill.coef when a teacher scores the rows (its term joins the advantages), else None."""
         super().__init__(name, rank, world_size, num_threads=1)
         self.cfg, self.algo, self.client, self.group_size = reward, algo, client, group_size
         self.log_samples = log_samples
@@ -87,6 +94,7 @@ class RewardWorker(Worker):
         # environment's final reward joins the total with this weight, and a failed environment is a failed
         # call; None for single-turn runs.
         self.env_weight = env_weight
+        self.distill_coef = distill_coef
         self.tokenizer = Tokenizer.from_dir(tokenizer_path)
         specs = reward_specs(reward)
         self.runner = (
@@ -117,6 +125,7 @@ class RewardWorker(Worker):
         columns = [PROMPT_IDS, RESPONSE_IDS, LABEL, POLICY_VERSION]
         columns += [RM_SCORE] if self.rm_weight is not None else []
         columns += [LOSS_MASK, ENV_REWARD, ENV_FAILED] if self.env_weight is not None else []
+        columns += [TEACHER_LOGPROBS, ROLLOUT_LOGPROBS] if self.distill_coef is not None else []
         while True:
             got = self.client.get(
                 Stage.REWARD,
@@ -159,6 +168,8 @@ class RewardWorker(Worker):
                     normalize_std=self.algo.norm_adv_by_std,
                 )
                 out[ADVANTAGES] = [torch.full((len(r),), float(a)) for r, a in zip(batch[RESPONSE_IDS], adv)]
+                if self.distill_coef is not None:
+                    out[ADVANTAGES] = self._add_teacher_term(out[ADVANTAGES], batch)
             out.update({reward_component(k): v for k, v in components.items()})
             self.client.put(Stage.REWARD, rows, out)
             rewards += scores
@@ -213,6 +224,18 @@ class RewardWorker(Worker):
             stats = {**stats, "failed": sorted(set(stats.get("failed", [])) | set(failed))}
             stats["errors"] = stats.get("errors", 0) + len(failed)
         return scores, components, stats
+
+    def _add_teacher_term(self, advantages: list[torch.Tensor], batch: dict[str, list]) -> list[torch.Tensor]:
+        """Each row's advantages plus distill.coef x (teacher - rollout log-prob) of each sampled token
+        (multi-turn observation tokens, loss_mask 0, get none)."""
+        assert self.distill_coef is not None
+        masks = batch[LOSS_MASK] if self.env_weight is not None else [None] * len(advantages)
+        return [
+            adv + distill_advantages(teacher, student, self.distill_coef, mask)
+            for adv, teacher, student, mask in zip(
+                advantages, batch[TEACHER_LOGPROBS], batch[ROLLOUT_LOGPROBS], masks
+            )
+        ]
 
     def _update_weights(self, num_rows: int, failed: list[int]) -> list[float]:
         """1 per row, or 0 for every row of a group with a failed reward call under reward.on_error=drop_group

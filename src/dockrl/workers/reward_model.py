@@ -24,28 +24,17 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer as BackendTokenizer
 
 from dockrl.config.schema import RewardModelConfig
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import PROMPT_IDS, RESPONSE_IDS, RM_SCORE
 from dockrl.dock.stages import Stage
 from dockrl.models.classifier import load_reward_model
-from dockrl.models.tokenizer import TOKENIZER_FILE, Tokenizer
+from dockrl.models.tokenizer import Tokenizer, same_vocabulary
 from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.results import ModelScoreResult
-
-
-def same_vocabulary(policy_dir: str | Path, reward_model_dir: str | Path) -> bool:
-    """Whether both tokenizer directories map every token (added tokens included) to the same id."""
-    vocabularies = [
-        BackendTokenizer.from_file(str(Path(d) / TOKENIZER_FILE)).get_vocab(with_added_tokens=True)
-        for d in (policy_dir, reward_model_dir)
-    ]
-    return vocabularies[0] == vocabularies[1]
 
 
 def rm_token_ids(
