@@ -22,4 +22,5 @@ BENCHMARKS: dict[str, str] = {
     "logprobs": "dockrl.bench.logprob_memory",
     "kernels": "dockrl.bench.kernels",
     "lora": "dockrl.bench.lora",
+    "distill": "dockrl.bench.distill",
 }

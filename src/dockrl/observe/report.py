@@ -63,6 +63,12 @@ LINE_PLOTS = [
         "tokens/s",
     ),
     ("eval.png", "Held-out accuracy", [(names.EVAL_ACCURACY, "eval accuracy")], ""),
+    (
+        "distill.png",
+        "Distillation: reverse KL to the teacher per sampled token",
+        [(names.DISTILL_REVERSE_KL, "reverse KL")],
+        "nats",
+    ),
 ]
 # Stages of the step timeline that do not overlap one another (the reward's time past the rollout's is its own).
 TIMELINE = [
