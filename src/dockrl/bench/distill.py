@@ -1,7 +1,7 @@
 """`dockrl bench distill`: on-policy distillation against GRPO, and the two combined, on the demo's task.
 
     teacher: the demo's model (hidden 128, 4 layers), SFT then GRPO on single-digit arithmetic (`dockrl demo`)
-    student: a smaller one (hidden 64, 2 layers, the same tokenizer), after a short SFT on the hedging teacher
+    student: a smaller one (hidden 128, 2 layers, the same tokenizer), after a shorter SFT (15 epochs, not 25)
     per seed, three runs from the same student checkpoint, the same steps and prompts per step:
         grpo          the demo's GRPO config (exact-answer reward)
         opd           algo.name=opd with the teacher (the exact-answer reward only logged)
@@ -28,7 +28,7 @@ from typing import Any
 # The student: smaller than the demo's model (its teacher), same family and vocabulary (make_tiny's tokenizer
 # does not depend on the shape or the seed).
 STUDENT: dict[str, Any] = dict(
-    family="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512
+    family="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512
 )
 MODES = ("grpo", "opd", "grpo+distill")
 
@@ -38,10 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (student init, SFT, RL)")
     parser.add_argument("--steps", type=int, default=30, help="RL steps per run")
     parser.add_argument("--eval-every", type=int, default=5, help="held-out accuracy every this many steps")
-    parser.add_argument("--sft-epochs", type=float, default=6.0, help="the student's short SFT (epochs)")
+    parser.add_argument("--sft-epochs", type=float, default=15.0, help="the student's short SFT (epochs)")
     parser.add_argument("--coef", type=float, default=0.5, help="distill.coef of grpo+distill")
     parser.add_argument("--teacher", default=None, help="a trained teacher directory (default: train one)")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--student-hidden", type=int, default=STUDENT["hidden_size"])
+    parser.add_argument("--student-layers", type=int, default=STUDENT["num_layers"])
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -75,7 +77,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     rows: list[dict] = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         base = out / f"seed{seed}"
-        student = make_tiny(base / "student-init", seed=seed, **STUDENT)
+        shape = STUDENT | {"hidden_size": args.student_hidden, "num_layers": args.student_layers}
+        student = make_tiny(base / "student-init", seed=seed, **shape)
         sft_cfg = load_config(
             SFTConfig,
             config_path("demo_sft.yaml"),

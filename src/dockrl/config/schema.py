@@ -528,7 +528,14 @@ class DistillConfig:
         "Tensor-parallel degree of the teacher; must divide distill.num_workers and the teacher's heads, "
         "key-value heads, vocabulary and MLP width.",
     )
-    micro_batch_size: int = setting(8, "Sequences (prompt + response) per forward pass of the teacher.")
+    max_tokens_per_micro_batch: int = setting(
+        4096,
+        "Token budget of one teacher forward pass (as actor.max_tokens_per_micro_batch: rows sorted by length, "
+        "each pass takes rows while rows x its longest row fits); 0: distill.micro_batch_size rows per pass.",
+    )
+    micro_batch_size: int = setting(
+        8, "Sequences per teacher forward pass when distill.max_tokens_per_micro_batch is 0."
+    )
 
 
 @dataclass

@@ -370,6 +370,7 @@ def _check_distill(cfg: TrainConfig) -> None:
     positive("distill.num_workers", distill.num_workers)
     positive("distill.tp", distill.tp)
     positive("distill.micro_batch_size", distill.micro_batch_size)
+    positive("distill.max_tokens_per_micro_batch", distill.max_tokens_per_micro_batch, allow_zero=True)
     if not math.isfinite(distill.coef) or distill.coef < 0:
         raise config_error(
             "distill.coef",

@@ -105,6 +105,7 @@ class TeacherWorker(Worker):
                 batch[RESPONSE_IDS],
                 temperature=self.temperature,
                 micro_batch_size=self.cfg.distill.micro_batch_size,
+                max_tokens_per_micro_batch=self.cfg.distill.max_tokens_per_micro_batch,
                 pad_token_id=self.pad_token_id,
             )
             if rows:
