@@ -36,6 +36,7 @@ def test_starting_a_generation_names_its_dock_and_never_waits_to_switch(monkeypa
         rollouts=_Group(log, "rollouts"),
         rewards=_Group(log, "rewards"),
         reward_models=_Group(log, "reward_models"),
+        teacher=_Group(log, "teacher"),
     )
     monkeypatch.setattr(async_step, "sync_rollout_weights", lambda cluster, version: 0.0)
     prompts = [EncodedPrompt(ids=[1, 2], text="p", label="1", index=i) for i in range(4)]
@@ -51,6 +52,7 @@ def test_starting_a_generation_names_its_dock_and_never_waits_to_switch(monkeypa
         for step in (1, 2, 3)
         for entry in (
             ("reward_models", "score", step % 3),
+            ("teacher", "score", step % 3),
             ("rollouts", "generate", step, 0, step % 3),
             ("rewards", "score", step % 3),
         )
