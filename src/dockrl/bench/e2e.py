@@ -53,6 +53,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--moe", action="store_true", help="a Qwen3-MoE of the same shape (8 experts, 2 per token)"
     )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="LM-head rows (the tokenizer's ~500 padded up, as real checkpoints pad): 8000 or 32000 give a "
+        "real vocabulary-to-hidden ratio (Qwen2.5-0.5B: 151,936 / 896 = 170)",
+    )
+    parser.add_argument(
+        "--eos-rate",
+        type=float,
+        default=None,
+        help="the model ends a response with about this probability per token (geometric, long-tailed "
+        "lengths: mean ~1/rate, a few reach --max-new-tokens), e.g. 0.01 with --max-new-tokens 512",
+    )
     parser.add_argument("--systems", default="dockrl,trl", help="comma list of dockrl, trl")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="bound on each run")
     parser.add_argument(
@@ -81,12 +95,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shape.update(
                 family="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=width // 2
             )
-        model = make_tiny(root / "model", seed=0, **shape)
+        model = make_tiny(
+            root / "model", seed=0, padded_vocab_size=args.vocab_size, eos_rate=args.eos_rate, **shape
+        )
         data = write_task("arithmetic", root / "data", num_train=256, num_test=32, seed=0)
         out["workload"] = {
             "params_m": _num_params(model) / 1e6,
             "active_params_m": _active_params(model) / 1e6,
             "family": "qwen3_moe" if args.moe else "qwen2",
+            "vocab_size": _vocab_size(model),
+            "eos_rate": args.eos_rate,
             "prompts": args.prompts,
             "samples": args.samples,
             "max_new_tokens": args.max_new_tokens,
@@ -115,13 +133,21 @@ def _num_params(model_dir: Path) -> int:
     return read_config(model_dir).num_params()
 
 
+def _vocab_size(model_dir: Path) -> int:
+    from dockrl.models.hf import read_config
+
+    return read_config(model_dir).vocab_size
+
+
 def _active_params(model_dir: Path) -> int:
-    """Parameters one token's forward multiplies by: an MoE layer's k routed experts, not all E."""
+    """Parameters one token's forward multiplies by: an MoE layer's k routed experts, not all E; the LM head
+    once (an untied embedding is a lookup, not a matmul)."""
     from dockrl.models.hf import read_config
 
     a = read_config(model_dir)
     idle = (a.num_experts - a.num_experts_per_tok) * 3 * a.hidden_size * a.moe_intermediate_size
-    return a.num_params() - idle * len(a.moe_layers)
+    lookup = 0 if a.tie_word_embeddings else a.vocab_size * a.hidden_size
+    return a.num_params() - idle * len(a.moe_layers) - lookup
 
 
 def _dockrl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> dict[str, Any]:

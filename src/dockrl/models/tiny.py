@@ -10,6 +10,7 @@ transformers rebuilds exactly this pipeline from the vocabulary, so dockrl and t
 from __future__ import annotations
 
 import json
+import math
 import random
 import tempfile
 from pathlib import Path
@@ -21,7 +22,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from dockrl.models.classifier import RewardModel, save_reward_model
 from dockrl.models.config import ModelArgs
-from dockrl.models.decoder import Transformer
+from dockrl.models.decoder import MLP, Transformer
 from dockrl.models.hf import load_state_dict, save_model
 from dockrl.models.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
@@ -231,6 +232,8 @@ def make_tiny(
     num_experts: int = 8,
     num_experts_per_tok: int = 2,
     moe_intermediate_size: int | None = None,
+    padded_vocab_size: int | None = None,
+    eos_rate: float | None = None,
 ) -> Path:
     """Write a tiny random ``family`` model and its tokenizer to ``out_dir``; returns the directory.
 
@@ -242,6 +245,10 @@ def make_tiny(
     tokens (TOOL_TOKENS), as a real Qwen vocabulary has them: a call then costs ~20 tokens instead of ~70.
     ``family="qwen3_moe"``: every layer routes each token to ``num_experts_per_tok`` of ``num_experts`` experts
     of width ``moe_intermediate_size`` (default hidden_size); the other families ignore the three.
+    ``padded_vocab_size``: the embedding and LM head get this many rows (>= the tokenizer's), as real checkpoints
+    pad theirs (Qwen2.5: 151,936 rows for 151,665 tokens); the extra ids decode to nothing. Benchmarks use it for
+    a real vocabulary-to-hidden ratio. ``eos_rate``: a dense model that ends each response with about this
+    probability per token (geometric lengths: long-tailed, mean ~1 / eos_rate), see ``with_eos_rate``.
     """
     if family not in _FAMILIES:
         raise ValueError(f"make_tiny family={family!r} is not supported; use one of {_FAMILIES}")
@@ -265,9 +272,15 @@ def make_tiny(
             moe = dict(
                 num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=width
             )
+        if padded_vocab_size is not None and padded_vocab_size < tokenizer.vocab_size:
+            raise ValueError(
+                f"make_tiny padded_vocab_size={padded_vocab_size} is below the tokenizer's {tokenizer.vocab_size}"
+            )
+        if eos_rate is not None and (family == "qwen3_moe" or reward_model or not 0 < eos_rate < 1):
+            raise ValueError(f"make_tiny eos_rate={eos_rate}: a rate in (0, 1) for a dense causal LM")
         args = ModelArgs(
             family=family,
-            vocab_size=tokenizer.vocab_size,
+            vocab_size=padded_vocab_size or tokenizer.vocab_size,
             hidden_size=hidden_size,
             intermediate_size=intermediate_size or 3 * hidden_size,
             num_layers=num_layers,
@@ -275,7 +288,7 @@ def make_tiny(
             num_kv_heads=num_kv_heads,
             head_dim=hidden_size // num_heads,
             max_position_embeddings=max_position_embeddings,
-            tie_word_embeddings=family != "llama",
+            tie_word_embeddings=family != "llama" and eos_rate is None,
             attention_bias=family == "qwen2",
             qk_norm=family in ("qwen3", "qwen3_moe"),
             bos_token_id=tokenizer.bos_token_id,
@@ -290,8 +303,50 @@ def make_tiny(
             return out_dir
         model = Transformer(args)
         model.init_weights(seed)
+        if eos_rate is not None:
+            with_eos_rate(model, eos_rate, seed)
         save_model(model, args, out_dir, tokenizer_dir=tokenizer_dir)
     return out_dir
+
+
+@torch.no_grad()
+def with_eos_rate(model: Transformer, rate: float, seed: int = 0) -> float:
+    """Make a fresh random `model` (untied LM head) emit its EOS token with probability ~`rate` per token.
+
+    A fresh tiny model predicts an almost uniform distribution, so EOS comes once per ~vocab tokens and every
+    response runs to the limit. Here hidden lane 0 carries a constant: every embedding row holds 1.0 there (the
+    other entries are ~0.02), no layer writes to it (row 0 of each o_proj and down_proj is zeroed), so after the
+    final norm it is ~sqrt(hidden) for every token; only the EOS row of the LM head reads it, with a weight
+    solved from the measured lane and then corrected once on random sequences. The rest of the model is the
+    random one. Returns the measured mean EOS probability."""
+    args = model.args
+    eos = args.eos_token_id
+    assert eos is not None and not args.tie_word_embeddings, (
+        "with_eos_rate needs an EOS id and an untied head"
+    )
+    decoder = model.model
+    decoder.embed_tokens.weight[:, 0] = 1.0
+    for layer in model.decoder_layers():
+        layer.self_attn.o_proj.weight[0].zero_()
+        mlp = layer.mlp
+        assert isinstance(mlp, MLP), "with_eos_rate builds dense models"
+        mlp.down_proj.weight[0].zero_()
+    head = model.lm_head.weight
+    head[:, 0] = 0.0
+    generator = torch.Generator().manual_seed(seed)
+    probe = torch.randint(0, args.vocab_size, (8, 64), generator=generator)
+
+    def eos_probability() -> tuple[float, float]:
+        hidden = model.hidden_states(probe)  # [B, T, H] after the final norm
+        probs = torch.softmax(model.lm_logits(hidden).float(), dim=-1)[..., eos]
+        return float(probs.mean()), float(hidden[..., 0].mean())
+
+    _, lane = eos_probability()
+    target = math.log(rate / (1 - rate) * (args.vocab_size - 1))  # EOS logit against ~uniform others
+    head[eos, 0] = target / lane
+    measured, _ = eos_probability()
+    head[eos, 0] += (math.log(rate / (1 - rate)) - math.log(measured / (1 - measured))) / lane
+    return eos_probability()[0]
 
 
 def peaked_state_dict(model_dir: str | Path, seed: int) -> dict[str, torch.Tensor]:

@@ -106,6 +106,8 @@ class RowSettings:
     """Some row uses min-p."""
     all_greedy: bool
     """Every row is greedy: skip the random draw."""
+    unit_temperature: bool
+    """Every row samples at temperature 1 or greedily: no division of the logits."""
     any_greedy: bool
     """Some row is greedy: take an argmax too."""
 
@@ -120,6 +122,7 @@ class RowSettings:
             any_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
             all_greedy=all(p.temperature == 0 for p in params),
+            unit_temperature=all(p.temperature in (0.0, 1.0) for p in params),
             any_greedy=any(p.temperature == 0 for p in params),
         )
 
@@ -154,9 +157,15 @@ def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
     cdf = probs.cumsum(dim=-1)  # [B, V]
     targets = uniforms.to(cdf.dtype) * cdf[:, -1]  # [B]
     tokens = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(-1)
-    # Rounding can push the target to the total; fall back to the last token that has probability.
-    last_kept = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
-    return torch.minimum(tokens, last_kept)
+    # Rounding can push the target to the total (index V, or a zero-probability tail the cdf is flat over):
+    # fall back to the last token that has probability. A zero-probability token is never the first index
+    # whose cdf exceeds a target below the total, so only such rows need the fallback (rare: no [B, V] pass).
+    tokens = tokens.clamp(max=probs.shape[-1] - 1)
+    off = probs.gather(-1, tokens[:, None]).squeeze(-1) <= 0
+    if bool(off.any()):
+        last_kept = probs.shape[-1] - 1 - (probs[off].flip(-1) > 0).int().argmax(dim=-1)
+        tokens = tokens.masked_scatter(off, last_kept)
+    return tokens
 
 
 def sample_rows(
@@ -165,17 +174,26 @@ def sample_rows(
     """One token per row from logits [B, V]; returns (tokens int64 [B], logprobs float32 [B]).
 
     seeds int64 [B] and steps int64 [B] (index of the token being drawn within its sample) pick the uniform.
+    Passes over [B, V] per call, which a real vocabulary makes a large share of a decode step: the fp32 copy,
+    the division by the temperature (none when every row samples at temperature 1 or greedily), the
+    log-normaliser, the softmax, its cumulative sum; top-k / top-p add a sort and min-p a softmax, only when a
+    row asks. The fallback for a target rounded past the total costs no [B, V] pass (`inverse_cdf_sample`).
     """
     logits = logits.float()
     greedy = rows.temperature == 0  # [B]
-    temperature = torch.where(greedy, 1.0, rows.temperature)
-    scaled = logits / temperature[:, None]  # [B, V]
+    if rows.unit_temperature:
+        scaled = logits
+    else:
+        temperature = torch.where(greedy, 1.0, rows.temperature)
+        scaled = logits / temperature[:, None]  # [B, V]
+    log_norm = torch.logsumexp(scaled, dim=-1)  # [B]: the log-probs' normaliser, over the full vocabulary
     if rows.all_greedy:
         tokens = scaled.argmax(dim=-1)
     else:
-        probs = torch.softmax(filter_logits(scaled, rows), dim=-1)  # [B, V]
+        filtered = filter_logits(scaled, rows) if rows.any_sort or rows.any_min_p else scaled
+        probs = torch.softmax(filtered, dim=-1)  # [B, V]
         tokens = inverse_cdf_sample(probs, counter_uniforms(seeds, steps))
         if rows.any_greedy:
             tokens = torch.where(greedy, scaled.argmax(dim=-1), tokens)
-    logprobs = scaled.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    logprobs = scaled.gather(-1, tokens[:, None]).squeeze(-1) - log_norm
     return tokens, logprobs
