@@ -64,3 +64,26 @@ def test_custom_corpus_and_vocab_target(tmp_path):
     assert len(tokenizer.encode(" abc")) == 1  # the merge learned from this corpus
     with pytest.raises(ValueError, match="family='gpt2'"):
         make_tiny(tmp_path / "bad", family="gpt2")
+
+
+def test_a_padded_vocabulary_and_an_eos_rate(tmp_path):
+    """padded_vocab_size gives the head more rows than the tokenizer has tokens (ids past it decode to nothing);
+    eos_rate makes a random model end a response with that probability per token (geometric lengths). The rate
+    is solved from a ~uniform softmax over V - 1 other tokens and corrected once; the measured mean of a fresh
+    draw lands within 10% of it (the other logits' spread, std ~0.02 x sqrt(hidden), moves it by a few percent)."""
+    out = make_tiny(tmp_path, hidden_size=64, num_layers=2, padded_vocab_size=2048, eos_rate=0.02)
+    tokenizer, model = Tokenizer.from_dir(out), load_model(out)
+    args = model.args
+    assert args.vocab_size == 2048 > tokenizer.vocab_size and not args.tie_word_embeddings
+    assert tokenizer.decode([2000, 2047]) == ""
+    ids = torch.randint(0, 2048, (8, 96), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(ids)
+        eos = torch.softmax(logits.float(), dim=-1)[..., args.eos_token_id]
+        hf_model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        assert (hf_model(ids).logits - logits).abs().max().item() <= 1e-4
+    assert abs(eos.mean().item() - 0.02) <= 0.002
+    with pytest.raises(ValueError, match="below the tokenizer's"):
+        make_tiny(tmp_path / "small", padded_vocab_size=300, **SMALL)
+    with pytest.raises(ValueError, match="eos_rate=1.5"):
+        make_tiny(tmp_path / "rate", eos_rate=1.5, **SMALL)
