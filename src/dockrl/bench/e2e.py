@@ -9,9 +9,10 @@
            optimizer step per step
 
 dockrl runs `dockrl train` (actor.dp=--dp, its CPU default precision) in its own local Ray; TRL (when
-importable: `pip install -e .[bench]`) runs GRPOTrainer in this process's child at its defaults (one process;
-its own precision default), with one optimizer step per generation batch (micro-batches of --samples
-completions, gradient accumulation over the prompts). Reported per system over the steps after the first
+importable: `pip install -e .[bench]`) runs GRPOTrainer in this process's child at its defaults (one process),
+but for the precision: dockrl's rule (bf16 only on a CPU that computes it natively; TRL's own default is bf16,
+which a CPU without AVX512-BF16 or AMX emulates ~100x slower than fp32), with one optimizer step per
+generation batch (micro-batches of --samples completions, gradient accumulation over the prompts). Reported per system over the steps after the first
 (median): step seconds, response tokens per second, and where the time went:
   dockrl  rollout, reference, old log-probs, update (its stage timers) and overhead = step - their sum
   trl     generate (generation, rewards and reference log-probs: `_generate_and_score_completions`), train
@@ -212,7 +213,12 @@ def _trl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> dict
         import trl  # noqa: F401
     except ImportError:
         return "trl is not installed (pip install -e .[bench]); skipped"
+    from dockrl.recipes.preflight import resolve_precision
+
+    # TRL's GRPOConfig defaults to bf16 even on a CPU, where a CPU without native bf16 (AVX2 only) emulates it
+    # at ~1 GFLOP/s; TRL then gets dockrl's rule (run.precision=auto): bf16 only where the CPU computes it.
     spec = {
+        "bf16": resolve_precision("auto", "cpu") == "bf16",
         "model": str(model),
         "train": str(train),
         "out": str(root / "trl"),
@@ -262,6 +268,7 @@ def trl_child(spec_json: str) -> None:
         learning_rate=1e-5,
         temperature=1.0,
         use_cpu=True,
+        bf16=spec["bf16"],
         logging_steps=1,
         report_to=[],
         save_strategy="no",
