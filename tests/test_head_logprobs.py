@@ -166,3 +166,44 @@ def test_log_probs_at_qwen_vocabulary_stay_under_a_gigabyte():
     would be 2 x 297 MiB at this size and 2 x 4.7 GiB at 8k tokens). `dockrl bench logprobs` measures 8k."""
     row = measure("fused", tokens=512, vocab=151936, hidden=896)
     assert row["peak_mb"] < 1024, row
+
+
+def test_token_stats_score_only_response_positions(tiny_model):
+    """TrainEngine.token_stats sends only each row's response positions through the LM head: there its
+    log-probs and entropies are log_softmax of the full logits (up to the matmul's and the log-sum-exp's
+    summation order: at most (H + V + 8) u (|z| + |lse|) with H 64, V ~500, logits of a few units, so 1e-4), 0
+    on prompt and padding positions; and the parameters' gradients of a loss on them are those of the same
+    loss on the full logits (each a sum of at most N + V fp32 products in another order: 1e-4 of the largest)."""
+    from dockrl.config.schema import ActorConfig
+    from dockrl.engines.train.batch import make_micro_batch
+    from dockrl.engines.train.train_engine import TrainEngine
+
+    engine = TrainEngine(str(tiny_model), device="cpu", precision="fp32", optim=ActorConfig(lr=1e-3))
+    g = torch.Generator().manual_seed(0)
+    lengths = [(5, 9), (11, 3), (2, 14)]  # (prompt, response): rows of different shapes, right padding
+    prompts = [torch.randint(3, 400, (p,), generator=g) for p, _ in lengths]
+    responses = [torch.randint(3, 400, (r,), generator=g) for _, r in lengths]
+    mb = make_micro_batch(prompts, responses, pad_token_id=0)
+    weights = torch.randn(mb.response_mask.shape, generator=g)
+
+    def grads(loss):
+        engine.model.zero_grad()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in engine.model.named_parameters()}
+
+    logp, entropy = engine.token_stats(mb, 1.0)
+    fused = grads((logp * weights * mb.response_mask).sum() + (entropy * mb.response_mask).sum())
+    logits = engine.logits(mb).float()
+    full = torch.log_softmax(logits, -1)
+    full_logp = full.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
+    full_entropy = -(full.exp() * full).sum(-1)
+    plain = grads((full_logp * weights * mb.response_mask).sum() + (full_entropy * mb.response_mask).sum())
+    mask = mb.response_mask.bool()
+    assert int(mask.sum()) == sum(r for _, r in lengths)
+    assert torch.allclose(logp[mask], full_logp[mask].detach(), rtol=0, atol=1e-4)
+    assert torch.allclose(entropy[mask], full_entropy[mask].detach(), rtol=0, atol=1e-4)
+    assert torch.equal(logp[~mask], torch.zeros_like(logp[~mask]))
+    assert torch.equal(entropy[~mask], torch.zeros_like(entropy[~mask]))
+    for name, grad in plain.items():
+        scale = float(grad.abs().max())
+        assert torch.allclose(fused[name], grad, rtol=0, atol=1e-4 * scale + 1e-12), name

@@ -34,6 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="1m", help="model size (default 1m)")
     parser.add_argument("--hidden-size", type=int, default=None, help="override the preset's hidden size")
     parser.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="LM-head rows, the tokenizer's ~500 padded up (8000 or 32000: a real vocabulary-to-hidden ratio)",
+    )
     parser.add_argument("--num-sequences", type=int, default=128, help="sequences sampled at once")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per sequence")
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
@@ -97,6 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out["tokens_per_s_vllm"] = num_tokens / out.pop("vllm_s")
     return {
         "model_params": dockrl_model.args.num_params(),
+        "vocab_size": dockrl_model.args.vocab_size,
         "num_sequences": args.num_sequences,
         "new_tokens": args.new_tokens,
         "lengths": args.lengths,
@@ -139,6 +146,7 @@ def _make_model(model_dir: str, hidden_size: int, num_layers: int, args: argpars
         num_layers=num_layers,
         seed=args.seed,
         max_position_embeddings=max_positions,
+        padded_vocab_size=args.vocab_size,
     )
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     return load_model(model_dir, dtype=dtype).eval()

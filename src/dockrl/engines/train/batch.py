@@ -44,6 +44,16 @@ class MicroBatch:
         return [values[i, s : s + n].clone() for i, (s, n) in enumerate(zip(self.starts, self.lengths))]
 
 
+def response_positions(mb: MicroBatch) -> torch.Tensor:
+    """int64 [N] indices into the flattened [B (T-1)] grid of every row's response columns (N = sum R_i), row
+    by row: the positions whose next token a log-prob pass scores."""
+    width = mb.input_ids.shape[1] - 1
+    index = [
+        torch.arange(i * width + s, i * width + s + n) for i, (s, n) in enumerate(zip(mb.starts, mb.lengths))
+    ]
+    return torch.cat(index).to(mb.input_ids.device) if index else torch.zeros(0, dtype=torch.long)
+
+
 def make_micro_batch(
     prompts: list[torch.Tensor],
     responses: list[torch.Tensor],

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from dockrl.algos.head_logprobs import head_token_stats
 from dockrl.config.schema import OptimConfig
-from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
+from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch_rows, response_positions
 from dockrl.models.decoder import DecoderModel, Transformer
 from dockrl.models.hf import CAUSAL_LM, CheckpointReader, ModelKind, read_config, weights_fingerprint
 from dockrl.models.lora import LoraSpec, adapters_disabled, apply_lora, fresh_adapters
@@ -205,21 +205,27 @@ class TrainEngine:
     def token_stats(self, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the next tokens and entropies [B, T-1] fp32 under softmax(logits / temperature), from the
         hidden states and the LM head chunk by chunk (dockrl.algos.head_logprobs: no [B, T, V] logits; under
-        tensor parallelism over this rank's vocab slice, statistics all-reduced over tp)."""
+        tensor parallelism over this rank's vocab slice, statistics all-reduced over tp).
+
+        Only the response positions go through the head (a prompt's tokens and the padding are never scored,
+        and at a real vocabulary the head is a third or more of the work); the grid holds 0 elsewhere."""
         targets = mb.input_ids[:, 1:]  # [B, T-1]
         rows, width = targets.shape
+        scored = response_positions(mb)  # [N] indices into the flat [B (T-1)] grid
 
         def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             flat = hidden[:, :-1].reshape(rows * width, hidden.shape[-1])  # [B (T-1), H]
             logp, entropy = head_token_stats(
-                flat,
+                flat.index_select(0, scored),
                 weight,
-                targets.reshape(-1),
+                targets.reshape(-1).index_select(0, scored),
                 temperature,
                 vocab_start=self.vocab_start,
                 group=self.tp_group,
-            )
-            return logp, entropy  # [B (T-1)] each: flat, so FSDP2's root output is not a view
+            )  # [N] each
+            grid = flat.new_zeros(rows * width, dtype=torch.float32)
+            # [B (T-1)] each: flat, so FSDP2's root output is not a view
+            return grid.index_copy(0, scored, logp), grid.index_copy(0, scored, entropy)
 
         with self.autocast():
             logp, entropy = self.model(mb.input_ids, head=head)
