@@ -106,3 +106,55 @@ def test_bench_lora_counts_trainable_parameters_and_optimizer_state():
     assert adapted["sync_mb"] * 2**20 == 4 * adapted["trainable_params"]
     assert full["sync_mb"] * 2**20 == (2 if full["precision"] == "bf16" else 4) * full["model_params"]
     assert adapted["model_state_mb"] < full["model_state_mb"]
+
+
+def test_bench_scaling_names_an_unknown_size():
+    from dockrl.bench.scaling import run
+
+    args = build_parser().parse_args(["bench", "scaling", "--sizes=1m,7b"])
+    with pytest.raises(SystemExit, match=r"--sizes=1m,7b: unknown \['7b'\]"):
+        run(args)
+
+
+def test_bench_scaling_sizes_work_and_speedups(tmp_path):
+    """The grid's shapes have about the parameters their names say (8,000-row tied head); the work is
+    5 forwards of 2 x params per token plus causal attention; speedup pairs each dockrl row with TRL's."""
+    from dockrl.bench.scaling import SIZES, _speedups, work_tflop
+    from dockrl.models.config import ModelArgs
+    from dockrl.observe.report import scaling_plot
+
+    counts = {}
+    for name, (hidden, layers, heads, kv_heads, mlp) in SIZES.items():
+        args = ModelArgs(
+            family="qwen2",
+            vocab_size=8000,
+            hidden_size=hidden,
+            intermediate_size=mlp,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=hidden // heads,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            attention_bias=True,
+            qk_norm=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+        counts[name] = args.num_params() / 1e6
+    assert counts == pytest.approx({"1m": 1.20, "6m": 8.35, "25m": 28.2, "50m": 51.8}, rel=0.01)
+    # 16 sequences of 128 tokens, 1M params, hidden 64, 2 layers: 5 x (2e6 x 2048 + 2 x 2 x 64 x 16 x 128^2)
+    assert work_tflop(1_000_000, 64, 2, 16, 128) == pytest.approx(
+        5 * (2e6 * 2048 + 4 * 64 * 16 * 128**2) / 1e12
+    )
+    rows = [
+        {"size": "1m", "params_m": 1.2, "length": 128, "system": "dockrl", "step_s": 2.0},
+        {"size": "1m", "params_m": 1.2, "length": 128, "system": "trl", "step_s": 3.0},
+        {"size": "1m", "params_m": 1.2, "length": 512, "system": "dockrl", "step_s": 6.0},
+    ]
+    for row, tokens_per_s in zip(rows, (300.0, 100.0, 250.0)):
+        row.update(response_tokens_per_s=tokens_per_s, s_per_tflop=row["step_s"] / 0.1)
+    _speedups(rows)
+    assert rows[0]["speedup"] == 3.0 and "speedup" not in rows[1] and "speedup" not in rows[2]
+    assert scaling_plot(rows, tmp_path / "scaling.png") and (tmp_path / "scaling.png").stat().st_size > 0

@@ -166,12 +166,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         rows = result if isinstance(result, list) else [result]
-        keys = list(rows[0]) if rows else []
+        keys = list(dict.fromkeys(k for row in rows for k in row))  # rows may differ: a blank where absent
         print("  ".join(f"{k:>14}" for k in keys))
         for row in rows:
             print(
                 "  ".join(
-                    f"{row[k]:>14.4g}" if isinstance(row[k], float) else f"{row[k]!s:>14}" for k in keys
+                    f"{row[k]:>14.4g}" if isinstance(row.get(k), float) else f"{row.get(k, '')!s:>14}"
+                    for k in keys
                 )
             )
     return 0

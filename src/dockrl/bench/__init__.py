@@ -23,4 +23,5 @@ BENCHMARKS: dict[str, str] = {
     "kernels": "dockrl.bench.kernels",
     "lora": "dockrl.bench.lora",
     "distill": "dockrl.bench.distill",
+    "scaling": "dockrl.bench.scaling",
 }

@@ -267,3 +267,48 @@ def _html(runs: list[Run], plots: list[str]) -> str:
 
 def _fmt(value: Any) -> str:
     return "" if value is None else f"{value:.4g}" if isinstance(value, float) else html.escape(str(value))
+
+
+def scaling_plot(rows: list[dict[str, Any]], path: str | Path) -> bool:
+    """`dockrl bench scaling`'s rows as one figure: step seconds against response length (log-log), and seconds
+    per TFLOP of the step's work, a line per (model size, system); False when no row has a time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in rows if "step_s" in r]
+    if not timed:
+        return False
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    sizes = list(dict.fromkeys(r["size"] for r in timed))
+    for system, style in (("dockrl", "-"), ("trl", "--")):
+        for size in sizes:
+            line = sorted(
+                (r for r in timed if r["system"] == system and r["size"] == size), key=lambda r: r["length"]
+            )
+            if not line:
+                continue
+            colour = colours[sizes.index(size) % len(colours)]
+            label = f"{system} {size} ({line[0]['params_m']:.1f}M)"
+            lengths = [r["length"] for r in line]
+            left.plot(
+                lengths, [r["step_s"] for r in line], style, color=colour, marker="o", ms=3, label=label
+            )
+            right.plot(lengths, [r["s_per_tflop"] for r in line], style, color=colour, marker="o", ms=3)
+    for axis, title, ylabel in (
+        (left, "Step time", "seconds per step"),
+        (right, "Time per unit of work (flat: grows as the work)", "seconds per TFLOP"),
+    ):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("max new tokens")
+        axis.set_ylabel(ylabel)
+        axis.set_title(title)
+        axis.grid(alpha=0.3, which="both")
+    left.legend(fontsize=7, loc="best")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return True

@@ -153,7 +153,8 @@ def filter_logits(scaled: torch.Tensor, rows: RowSettings) -> torch.Tensor:
 
 
 def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Row i takes the first token whose cumulative probability exceeds uniforms[i] * total; probs [B, V]."""
+    """Row i takes the first token whose cumulative probability exceeds uniforms[i] * total; probs [B, V], which
+    need not sum to 1 (the total is their sum)."""
     cdf = probs.cumsum(dim=-1)  # [B, V]
     targets = uniforms.to(cdf.dtype) * cdf[:, -1]  # [B]
     tokens = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(-1)
@@ -175,9 +176,10 @@ def sample_rows(
 
     seeds int64 [B] and steps int64 [B] (index of the token being drawn within its sample) pick the uniform.
     Passes over [B, V] per call, which a real vocabulary makes a large share of a decode step: the fp32 copy,
-    the division by the temperature (none when every row samples at temperature 1 or greedily), the
-    log-normaliser, the softmax, its cumulative sum; top-k / top-p add a sort and min-p a softmax, only when a
-    row asks. The fallback for a target rounded past the total costs no [B, V] pass (`inverse_cdf_sample`).
+    the division by the temperature (none when every row samples at temperature 1 or greedily), the max, one
+    exp whose sum is the log-normaliser's and whose cumulative sum the inverse CDF reads (unnormalised: the
+    target is the uniform times the total); top-k / top-p add a sort and a softmax and min-p a softmax, only
+    when a row asks. The fallback for a target rounded past the total costs no [B, V] pass (`inverse_cdf_sample`).
     """
     logits = logits.float()
     greedy = rows.temperature == 0  # [B]
@@ -186,13 +188,18 @@ def sample_rows(
     else:
         temperature = torch.where(greedy, 1.0, rows.temperature)
         scaled = logits / temperature[:, None]  # [B, V]
-    log_norm = torch.logsumexp(scaled, dim=-1)  # [B]: the log-probs' normaliser, over the full vocabulary
     if rows.all_greedy:
+        log_norm = torch.logsumexp(scaled, dim=-1)  # [B]: the log-probs' normaliser, over the full vocabulary
         tokens = scaled.argmax(dim=-1)
     else:
-        filtered = filter_logits(scaled, rows) if rows.any_sort or rows.any_min_p else scaled
-        probs = torch.softmax(filtered, dim=-1)  # [B, V]
-        tokens = inverse_cdf_sample(probs, counter_uniforms(seeds, steps))
+        if rows.any_sort or rows.any_min_p:
+            log_norm = torch.logsumexp(scaled, dim=-1)
+            weights = torch.softmax(filter_logits(scaled, rows), dim=-1)  # [B, V]
+        else:  # one exp pass serves both: exp(z - max) is the normaliser's sum and the unnormalised probs
+            peak = scaled.amax(dim=-1, keepdim=True)  # [B, 1]
+            weights = (scaled - peak).exp_()  # [B, V]
+            log_norm = peak.squeeze(-1) + weights.sum(dim=-1).log()  # logsumexp's own formula
+        tokens = inverse_cdf_sample(weights, counter_uniforms(seeds, steps))  # the cdf's total scales u
         if rows.any_greedy:
             tokens = torch.where(greedy, scaled.argmax(dim=-1), tokens)
     logprobs = scaled.gather(-1, tokens[:, None]).squeeze(-1) - log_norm

@@ -1,0 +1,152 @@
+"""`dockrl bench scaling`: how a GRPO step's cost grows with model size and response length, dockrl and TRL.
+
+The grid: model sizes (--sizes, from SIZES: about 1M, 6M, 25M and 50M parameters, all with an LM head of
+--vocab-size rows, 8,000 by default, so the head is a real share of the work) x response lengths (--lengths:
+128, 512, 2048 new tokens). Each point is `dockrl bench e2e`'s workload at that shape (the arithmetic task,
+--prompts x --samples sequences per step, KL 0.001, each system at its CPU default precision, dockrl with
+actor.dp=--dp) run for --steps steps, the first untimed. A random model ends a response with its own small
+end-of-sequence probability (about 1 / vocab per token), so lengths are close to the maximum.
+
+Per point and system: step seconds, response tokens/s, and `work`, the matmul work of the step in TFLOP:
+10 x params x tokens (a forward of the rollout, one of the reference, forward and backward of the update; the
+LM head counted once, tied embeddings a lookup) plus attention's scores, 2 x layers x hidden x the sum of each
+sequence's squared length per forward (causal: half of QK^T and PV), x 5 likewise. `s_per_tflop` is step
+seconds over work: constant when the time grows as the work does; it rises where a system's time grows faster
+(per-token overhead of decoding small batches, memory traffic), and falls where larger matmuls run nearer the
+CPU's peak. `speedup`: dockrl's tokens/s over TRL's at the same point.
+
+--out DIR writes DIR/scaling.json and DIR/scaling.png (step time against response length per size and system,
+and s_per_tflop) with the report code (dockrl.observe.report.scaling_plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# name -> decoder shape (hidden, layers, heads, kv heads, MLP width); parameters with an 8,000-row tied head:
+# 1m 1.2M, 6m 8.3M (bench e2e's shape), 25m 28M, 50m 52M.
+SIZES: dict[str, tuple[int, int, int, int, int]] = {
+    "1m": (96, 4, 3, 1, 288),
+    "6m": (256, 8, 8, 4, 768),
+    "25m": (512, 8, 16, 4, 1536),
+    "50m": (640, 10, 20, 4, 1920),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The grid, the workload per point and the systems."""
+    parser.add_argument("--sizes", default="1m,6m,25m,50m", help=f"comma list of {', '.join(SIZES)}")
+    parser.add_argument("--lengths", default="128,512,2048", help="comma list of max new tokens")
+    parser.add_argument("--vocab-size", type=int, default=8000, help="LM-head rows of every model")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    parser.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--steps", type=int, default=2, help="steps per point and system (the first untimed)")
+    parser.add_argument("--dp", type=int, default=2, help="dockrl's actor.dp")
+    parser.add_argument("--systems", default="dockrl,trl", help="comma list of dockrl, trl")
+    parser.add_argument("--timeout-s", type=float, default=3600.0, help="bound on each run")
+    parser.add_argument("--out", default=None, help="write scaling.json and scaling.png here")
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every (size, length) point for each system; one row per point and system."""
+    from dockrl.bench import e2e
+    from dockrl.data.synthetic import write_task
+    from dockrl.models.tiny import make_tiny
+
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = sorted(set(sizes) - set(SIZES))
+    if unknown:
+        raise SystemExit(f"--sizes={args.sizes}: unknown {unknown}; use a comma list of {', '.join(SIZES)}")
+    lengths = [int(n) for n in args.lengths.split(",") if n.strip()]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if sorted(set(systems) - {"dockrl", "trl"}):
+        raise SystemExit(f"--systems={args.systems}: use a comma list of dockrl, trl")
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="dockrl-bench-scaling-") as tmp:
+        root = Path(tmp)
+        data = write_task("arithmetic", root / "data", num_train=256, num_test=32, seed=0)
+        for size in sizes:
+            hidden, layers, heads, kv_heads, mlp = SIZES[size]
+            model = make_tiny(
+                root / f"model-{size}",
+                family="qwen2",
+                hidden_size=hidden,
+                num_layers=layers,
+                num_heads=heads,
+                num_kv_heads=kv_heads,
+                intermediate_size=mlp,
+                padded_vocab_size=args.vocab_size,
+                max_position_embeddings=64 + max(lengths) + 8,
+                seed=0,
+            )
+            params = e2e._active_params(model)
+            for length in lengths:
+                point = argparse.Namespace(
+                    steps=args.steps,
+                    prompts=args.prompts,
+                    samples=args.samples,
+                    max_new_tokens=length,
+                    kl_coef=0.001,
+                    dp=args.dp,
+                    timeout_s=args.timeout_s,
+                    peak_gflops=290.0,
+                    overrides=[],
+                )
+                for system in systems:
+                    work_dir = root / f"{size}-{length}-{system}"
+                    work_dir.mkdir()
+                    if system == "dockrl":
+                        got: dict[str, Any] | str = e2e._dockrl(point, work_dir, model, data["train"])
+                    else:
+                        got = e2e._trl(point, work_dir, model, data["train"])
+                    if isinstance(got, str):  # TRL not installed
+                        rows.append({"size": size, "length": length, "system": system, "skipped": got})
+                        continue
+                    mean_length = got.get("response_length_mean") or length
+                    sequences = args.prompts * args.samples
+                    rows.append(
+                        {
+                            "size": size,
+                            "params_m": params / 1e6,
+                            "length": length,
+                            "system": system,
+                            "step_s": got["step_s"],
+                            "response_tokens_per_s": got["response_tokens_per_s"],
+                            "response_length_mean": mean_length,
+                            "work_tflop": work_tflop(params, hidden, layers, sequences, mean_length),
+                        }
+                    )
+    for row in rows:
+        if "step_s" in row:
+            row["s_per_tflop"] = row["step_s"] / row["work_tflop"]
+    _speedups(rows)
+    if args.out:
+        from dockrl.observe.report import scaling_plot
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "scaling.json").write_text(json.dumps(rows, indent=1))
+        scaling_plot(rows, out / "scaling.png")
+    return rows
+
+
+def work_tflop(params: int, hidden: int, layers: int, sequences: int, response_length: float) -> float:
+    """A step's matmul work in TFLOP (see the module docstring): five forward-equivalents over the step's
+    tokens (rollout, reference, update forward + backward) of 2 x params per token plus causal attention's
+    2 x layers x hidden x length^2 per sequence. Prompts (~15 tokens here) are left out of the lengths."""
+    tokens = sequences * response_length
+    attention = 2 * layers * hidden * sequences * response_length**2
+    return 5 * (2 * params * tokens + attention) / 1e12
+
+
+def _speedups(rows: list[dict[str, Any]]) -> None:
+    """dockrl's tokens/s over TRL's, on dockrl's row of each point that has both."""
+    trl = {(r["size"], r["length"]): r for r in rows if r["system"] == "trl" and "step_s" in r}
+    for row in rows:
+        other = trl.get((row["size"], row["length"]))
+        if row["system"] == "dockrl" and "step_s" in row and other is not None:
+            row["speedup"] = row["response_tokens_per_s"] / other["response_tokens_per_s"]
