@@ -96,8 +96,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shape.update(
                 family="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=width // 2
             )
+        # positions for the longest prompt kept (data.max_prompt_len: 64) and the longest response
+        positions = max(512, _MAX_PROMPT_LEN + args.max_new_tokens)
         model = make_tiny(
-            root / "model", seed=0, padded_vocab_size=args.vocab_size, eos_rate=args.eos_rate, **shape
+            root / "model",
+            seed=0,
+            padded_vocab_size=args.vocab_size,
+            eos_rate=args.eos_rate,
+            max_position_embeddings=positions,
+            **shape,
         )
         data = write_task("arithmetic", root / "data", num_train=256, num_test=32, seed=0)
         out["workload"] = {
@@ -120,6 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+_MAX_PROMPT_LEN = 64  # dockrl's data.max_prompt_len (the task's prompts are ~15 tokens)
 _LARGE: dict[str, Any] = dict(
     family="qwen2", hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=768
 )
@@ -159,7 +167,7 @@ def _dockrl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> d
         f"actor: {{dp: {args.dp}, lr: 1.0e-5}}\n"  # micro-batches: the token budget, dockrl's default
         f"algo: {{kl_coef: {args.kl_coef}}}\n"
         "reward: {functions: [{name: exact_answer}]}\n"
-        f"data: {{max_prompt_len: 64}}\n"
+        f"data: {{max_prompt_len: {_MAX_PROMPT_LEN}}}\n"
         f"run: {{steps: {args.steps}, prompts_per_step: {args.prompts}, progress: false, log_samples: 0}}\n"
     )
     argv = [sys.executable, "-m", "dockrl.cli", "train", str(config), f"model.path={model}"]

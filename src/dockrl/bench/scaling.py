@@ -7,7 +7,8 @@ The grid: model sizes (--sizes, from SIZES: about 1M, 6M, 25M and 50M parameters
 actor.dp=--dp) run for --steps steps, the first untimed. A random model ends a response with its own small
 end-of-sequence probability (about 1 / vocab per token), so lengths are close to the maximum.
 
-Per point and system: step seconds, response tokens/s, and `work`, the matmul work of the step in TFLOP:
+Per point and system: step seconds, response tokens/s, where the time went (bench e2e's stage figures), and
+`work`, the matmul work of the step in TFLOP:
 10 x params x tokens (a forward of the rollout, one of the reference, forward and backward of the update; the
 LM head counted once, tied embeddings a lookup) plus attention's scores, 2 x layers x hidden x the sum of each
 sequence's squared length per forward (causal: half of QK^T and PV), x 5 likewise. `s_per_tflop` is step
@@ -118,6 +119,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             "response_tokens_per_s": got["response_tokens_per_s"],
                             "response_length_mean": mean_length,
                             "work_tflop": work_tflop(params, hidden, layers, sequences, mean_length),
+                            # where the time went: dockrl's stages, TRL's generate / train (bench e2e's)
+                            **{k: v for k, v in got.items() if k.endswith("_s") and k != "step_s" and v},
                         }
                     )
     for row in rows:
