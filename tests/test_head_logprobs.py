@@ -171,7 +171,8 @@ def test_log_probs_at_qwen_vocabulary_stay_under_a_gigabyte():
 def test_token_stats_score_only_response_positions(tiny_model):
     """TrainEngine.token_stats sends only each row's response positions through the LM head: there its
     log-probs and entropies are log_softmax of the full logits (up to the matmul's and the log-sum-exp's
-    summation order: at most (H + V + 8) u (|z| + |lse|) with H 64, V ~500, logits of a few units, so 1e-4), 0
+    summation order: at most (H + 1) u |z| + (V + 8) u + u |lse| with H 64, V ~500, logits of a few units and
+    lse ~6: about 4e-5, under 1e-4), 0
     on prompt and padding positions; and the parameters' gradients of a loss on them are those of the same
     loss on the full logits (each a sum of at most N + V fp32 products in another order: 1e-4 of the largest)."""
     from dockrl.config.schema import ActorConfig

@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 num_kv_heads=kv_heads,
                 intermediate_size=mlp,
                 padded_vocab_size=args.vocab_size,
-                max_position_embeddings=64 + max(lengths) + 8,
+                max_position_embeddings=e2e._MAX_PROMPT_LEN
+                + max(lengths),  # the longest prompt kept + response
                 seed=0,
             )
             params = e2e._active_params(model)
