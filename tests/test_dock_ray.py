@@ -314,3 +314,36 @@ def test_dock_stats_report_traffic_latency_and_driver_bytes(dock, client):
     assert stats["warehouses"][1]["bytes_out"] == sum(t.nbytes for t in batch["response_ids"])
     assert {"add_groups", "mark_ready", "allocate"} <= set(stats["latency_ms"])
     assert driver_bytes(stats) == prompt_of(0).nbytes + prompt_of(1).nbytes + 2 * sys.getsizeof("label-0")
+
+
+def test_warehouses_store_tensors_without_importing_torch(ray_session):
+    """Tensors travel sealed (dock/cells.py): a warehouse stores their bytes and never imports torch. Four
+    warehouses importing torch beside a step cut the dock's rows/s by two thirds on 4 emulated nodes once
+    (issue 46): this fails if a warehouse decodes a cell or preloads torch again."""
+    import ray
+
+    dock = launch_dock(num_warehouses=2, name_prefix="test-sealed", get_timeout_s=20.0)
+    try:
+        client = dock.client()
+        rows = add_prompts(client, num_groups=2)
+        logprobs = [torch.randn(1 + row % 3).to(torch.bfloat16) for row in rows]
+        dock.client(home=1).put(
+            "rollout",
+            rows,
+            {"response_ids": [response_of(r) for r in rows], "rollout_logprobs": logprobs},
+        )
+        got_rows, batch = client.get("update", ["response_ids", "rollout_logprobs"], 8)
+        assert got_rows == rows
+        assert all(torch.equal(a, response_of(r)) for a, r in zip(batch["response_ids"], rows))
+        assert all(
+            torch.equal(a, b) and a.dtype == torch.bfloat16
+            for a, b in zip(batch["rollout_logprobs"], logprobs)
+        )
+
+        def torch_imported(warehouse) -> bool:
+            return "torch" in sys.modules
+
+        imported = ray.get([w.__ray_call__.remote(torch_imported) for w in dock.warehouses], timeout=20)
+        assert imported == [False, False]
+    finally:
+        dock.shutdown()

@@ -114,23 +114,16 @@ def test_unauthenticated_connections_are_capped(monkeypatch):
     hub.close()
 
 
-class _Recorder:
-    """A connection's send side that keeps the frames."""
-
-    def __init__(self) -> None:
-        self.frames: list[bytes] = []
-
-    def send_bytes(self, data: bytes) -> None:
-        self.frames.append(bytes(data))
-
-
 def _frames(key: bytes, direction: bytes, *messages) -> list[bytes]:
-    """The frames a channel with `key` sends for `messages`, in order."""
-    recorder = _Recorder()
-    channel = transport._Channel(recorder, key, direction, b"?")
+    """The frames a channel with `key` sends for `messages`, in order, as they arrive at the other end."""
+    sender, reader = multiprocessing.Pipe()
+    channel = transport._Channel(sender, key, direction, b"?")
     for message in messages:
         channel.send(message)
-    return recorder.frames
+    frames = [reader.recv_bytes() for _ in messages]
+    channel.close()
+    reader.close()
+    return frames
 
 
 @pytest.mark.parametrize("attack", ["tampered", "replayed", "reordered", "reflected", "other_session"])

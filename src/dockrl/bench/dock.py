@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dockrl.dock.api import DockAPI
 from dockrl.dock.columns import (
@@ -36,6 +36,10 @@ from dockrl.dock.columns import (
     UPDATE_WEIGHT,
 )
 from dockrl.dock.stages import Stage
+
+if TYPE_CHECKING:
+    from dockrl.dock.central import CentralClient
+    from dockrl.dock.client import DockClient
 
 STAGES = (Stage.ROLLOUT, Stage.REWARD, Stage.OLD_LOGPROBS, Stage.UPDATE)
 
@@ -86,6 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per configuration")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="bound on every step")
     parser.add_argument(
+        "--policies",
+        default="first,local",
+        help="comma list of dock.policy values tried in dock mode (first: lowest row ids; local: rows held on "
+        "the consumer's node first, bins cut by node); the central modes have one store and run first",
+    )
+    parser.add_argument(
         "--transport",
         default=None,
         help="comma list of socket, ray (dock.transport) for the dock and single modes (default socket,ray on one "
@@ -97,10 +107,16 @@ class BenchConsumer:
     """One data-parallel rank: serves every stage in its own thread until the dock says the step is done."""
 
     def __init__(self, index: int, num_consumers: int, args: dict) -> None:
-        self.index, self.num_consumers, self.args = index, num_consumers, args
-        self.client: DockAPI | None = None
+        from concurrent.futures import ThreadPoolExecutor
 
-    def set_client(self, client: DockAPI) -> None:
+        self.index, self.num_consumers, self.args = index, num_consumers, args
+        self.client: DockClient | CentralClient | None = None
+        # One thread per stage for the actor's life, as a worker's threads live for the run: the socket
+        # transport keeps one connection per thread, and a pool made per step would pay a new connection and
+        # handshake to every dock actor on every step (measured: a fifth of a consumer's CPU).
+        self._pool = ThreadPoolExecutor(len(STAGES), thread_name_prefix="bench-stage")
+
+    def set_client(self, client: DockClient | CentralClient) -> None:
         """The client of the dock under test, given once per configuration as a worker gets it at start-up
         (unpickling a client resolves Ray actor handles, which is not per-step work)."""
         self.client = client
@@ -111,14 +127,16 @@ class BenchConsumer:
 
         return ray.get_runtime_context().get_node_id()
 
-    def run_step(self, step: int) -> list[float]:
-        """Serve the four stages of one step; returns the put/get latencies (s) this rank saw."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        client = self.client
-        with ThreadPoolExecutor(len(STAGES)) as pool:
-            futures = [pool.submit(getattr(self, f"_{stage}"), client, step) for stage in STAGES]
-            return [x for f in futures for x in f.result()]
+    def run_step(self, step: int) -> tuple[list[float], int, int]:
+        """Serve the four stages of one step; returns the put/get latencies (s) this rank saw, and the bytes it
+        got: in all, and from a warehouse on its own node (dock mode; 0 in the central modes)."""
+        stats = self.client.client_stats() if self.client is not None else {}
+        before = stats.get("bytes_got", 0), stats.get("bytes_got_near", 0)
+        futures = [self._pool.submit(getattr(self, f"_{stage}"), self.client, step) for stage in STAGES]
+        latencies = [x for f in futures for x in f.result()]
+        stats = self.client.client_stats() if self.client is not None else {}
+        got = stats.get("bytes_got", 0) - before[0]
+        return latencies, got, stats.get("bytes_got_near", 0) - before[1]
 
     def _loop(
         self, client: DockAPI, stage: Stage, columns: list[str], count: int, work, **options
@@ -246,7 +264,7 @@ def _run_emulated(args: argparse.Namespace) -> list[dict[str, Any]]:
     if reason is not None:
         raise SystemExit(f"dockrl bench dock --emulate-nodes: {reason}")
     names: tuple[str, ...] = ("modes", "warehouses", "consumers", "prompts", "samples", "tokens_per_row")
-    names += ("prompt_tokens", "steps", "warmup", "timeout_s", "transport")
+    names += ("prompt_tokens", "steps", "warmup", "timeout_s", "transport", "policies")
     passed = [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in names if getattr(args, n) is not None]
     results = []
     shapes = [(int(n), float(b)) for b in args.link_mbit.split(",") for n in args.emulate_nodes.split(",")]
@@ -269,6 +287,7 @@ def _budget_s(args: argparse.Namespace) -> float:
     """A bound on one cluster's whole run: start-up, then every configuration's steps at --timeout-s each."""
     warehouse_counts = len((args.warehouses or "1").split(","))
     configs = len(args.modes.split(",")) * warehouse_counts * len((args.transport or "socket").split(","))
+    configs *= len(args.policies.split(","))
     return 120.0 + configs * (args.warmup + args.steps) * args.timeout_s
 
 
@@ -314,19 +333,22 @@ def _run_on_cluster(args: argparse.Namespace, nodes: int) -> list[dict[str, Any]
     transports = (args.transport or "socket,ray").split(",")
     for mode in args.modes.split(","):
         counts = [int(w) for w in (args.warehouses or "1,2,4").split(",")] if mode == "dock" else [1]
+        policies = args.policies.split(",") if mode == "dock" else ["first"]
         for transport in ["socket"] if mode == "driver" else transports:  # the driver's hub is a socket
-            configs += [(mode, w, transport) for w in counts]
+            configs += [(mode, w, transport, policy) for w in counts for policy in policies]
     results = []
-    for mode, num_warehouses, transport in configs:
+    for mode, num_warehouses, transport, policy in configs:
         dock = launch_dock(
             mode=mode,
             num_warehouses=num_warehouses,
-            name_prefix=f"bench-{mode}-{num_warehouses}-{transport}",
+            name_prefix=f"bench-{mode}-{num_warehouses}-{transport}-{policy}",
             get_timeout_s=args.timeout_s,
             transport=transport,
+            policy=policy,
         )
         try:
-            results.append(_measure(args, dock, consumers, nodes, mode, num_warehouses, transport))
+            row = _measure(args, dock, consumers, nodes, mode, num_warehouses, transport)
+            results.append({**row, "policy": policy})
         finally:
             dock.shutdown()
     for consumer in consumers:
@@ -347,6 +369,7 @@ def _measure(
     ray.get([c.set_client.remote(dock.client()) for c in consumers], timeout=args.timeout_s)
     rows_per_step = args.prompts * args.samples
     seconds, moved, through_driver, prompt_bytes, latencies = 0.0, 0, 0, 0, []
+    consumer_got, consumer_got_near = 0, 0
     served = [0, 0.0]  # calls and seconds of the controller's (other modes: the store's) own service
     for step in range(args.warmup + args.steps):
         prompts = [np.arange(args.prompt_tokens, dtype=np.int32) + p for p in range(args.prompts)]
@@ -354,7 +377,7 @@ def _measure(
         client.add_groups(prompts, [f"answer-{p}" for p in range(args.prompts)], args.samples)
         refs = [c.run_step.remote(step) for c in consumers]
         try:
-            step_latencies = [x for r in ray.get(refs, timeout=args.timeout_s) for x in r]
+            per_rank = ray.get(refs, timeout=args.timeout_s)
         except ray.exceptions.GetTimeoutError:
             stats = client.stats()
             raise RuntimeError(
@@ -362,6 +385,7 @@ def _measure(
                 f"--timeout-s={args.timeout_s:g}: ready {stats['ready']}, consumed {stats['consumed']}"
             ) from None
         elapsed = time.perf_counter() - start
+        step_latencies = [x for latencies_of_rank, _, _ in per_rank for x in latencies_of_rank]
         before = busy_totals(stats.get("latency_ms", {})) if step else (0, 0.0)
         stats = client.stats()
         client.reset()
@@ -373,6 +397,8 @@ def _measure(
                 sys.getsizeof(f"answer-{p}") for p in range(len(prompts))
             )
             latencies += step_latencies
+            consumer_got += sum(got for _, got, _ in per_rank)
+            consumer_got_near += sum(near for _, _, near in per_rank)
             after = busy_totals(stats.get("latency_ms", {}))
             served = [served[0] + after[0] - before[0], served[1] + after[1] - before[1]]
     ms = np.asarray(latencies) * 1e3
@@ -393,4 +419,6 @@ def _measure(
         # (near 1, the controller is the limit); single/driver mode: the one store's
         "controller_ops_per_s": served[0] / seconds,
         "controller_busy": served[1] / seconds,
+        # dock mode: the share of the bytes consumers got that came from a warehouse on their own node
+        "near_share": consumer_got_near / consumer_got if mode == "dock" and consumer_got else None,
     }

@@ -561,7 +561,8 @@ class DockConfig:
     policy: str = setting(
         "first",
         "Which ready rows a consumer gets first: first (lowest row ids), oldest (rows carried over by "
-        "partial rollout first), or a function 'module:function' (see dockrl/dock/policies.py).",
+        "partial rollout first), local (rows held on the consumer's node first; see docs/design.md#the-dock), "
+        "or a function 'module:function' (see dockrl/dock/policies.py).",
     )
     max_rows: int | None = setting(
         None, "Rows the table may hold (unfinished rows carried over + the step's new rows); None: no limit."

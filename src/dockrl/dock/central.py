@@ -20,6 +20,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from dockrl.dock.cells import seal_batch, unseal_batch
 from dockrl.dock.columns import LABEL, PROMPT_IDS, check_columns, check_get, check_put
 from dockrl.dock.errors import DockError, DockTimeoutError, WarehouseDiedError
 from dockrl.dock.metrics import ClientCounters, batch_nbytes
@@ -176,14 +177,14 @@ class CentralClient(ClientCounters):
                 batch[column].extend([value] * group_size)
         self.bytes_put += batch_nbytes(batch)
         return self.transport.request(
-            "add_groups", [group_size] * len(prompts), [len(p) for p in prompts], dict(batch)
+            "add_groups", [group_size] * len(prompts), [len(p) for p in prompts], seal_batch(batch)
         )
 
     def put(self, producer: Stage, rows: list[int], batch: dict[str, list]) -> None:
         """As DockClient.put."""
         check_put(producer, batch)
         t0 = time.perf_counter()
-        self.transport.request("put", rows, batch)
+        self.transport.request("put", rows, seal_batch(batch))
         self.bytes_put += batch_nbytes(batch)
         self.latency.record("put", time.perf_counter() - t0)
 
@@ -216,7 +217,7 @@ class CentralClient(ClientCounters):
             if rows is not None:
                 self.bytes_got += batch_nbytes(value)
                 self.latency.record("get", time.monotonic() - start)
-                return rows, value
+                return rows, unseal_batch(value)
             if value:
                 return None
             if time.monotonic() - start >= timeout_s:
@@ -232,7 +233,7 @@ class CentralClient(ClientCounters):
         check_columns(columns, "peek")
         rows, batch = self.transport.request("peek_get", columns)
         self.bytes_got += batch_nbytes(batch)
-        return rows, batch
+        return rows, unseal_batch(batch)
 
     def drop(self, rows: list[int]) -> int:
         """As DockClient.drop."""

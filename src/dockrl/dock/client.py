@@ -11,7 +11,8 @@
 
 The client holds only actor handles, socket endpoints and settings, so it pickles into Ray tasks and actors.
 Requests go over direct sockets to each actor's hub (or as Ray actor calls without endpoints; see
-transport.py). Payload moves between the caller's process and the warehouses; it never passes the controller.
+transport.py). Payload moves between the caller's process and the warehouses; it never passes the controller. Tensors and
+arrays travel sealed (cells.py): sealed at put, unsealed at get, stored undecoded in between.
 
 Failures: a dead controller or warehouse raises WarehouseDiedError naming the actor and the rows it held;
 a consumer waiting for rows pings the warehouses every HEALTH_CHECK_S, so a warehouse that dies mid-step
@@ -29,6 +30,7 @@ from typing import Any, cast
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from dockrl.dock.cells import seal_batch, unseal_batch
 from dockrl.dock.columns import LABEL, PROMPT_IDS, check_columns, check_get, check_put
 from dockrl.dock.errors import DockError, DockTimeoutError, StaleHandleError, WarehouseDiedError
 from dockrl.dock.metrics import ClientCounters, batch_nbytes
@@ -84,6 +86,7 @@ class DockClient(ClientCounters):
         self.get_timeout_s = get_timeout_s
         self._home_setting = home
         self._home = home
+        self._near: list[int] | None = None  # resolved on first use, in the process that uses the client
         self._next_warehouse = 0  # round-robin cursor for add_groups
         self.names = names
         self.incarnations = incarnations
@@ -98,10 +101,19 @@ class DockClient(ClientCounters):
         self._controller_transport, self._warehouse_transports = transports[0], transports[1:]
         self._reset_counters()
 
+    def _reset_counters(self) -> None:
+        super()._reset_counters()
+        self.bytes_got_near = 0  # of bytes_got, what came from a warehouse on this process's node
+
+    def client_stats(self) -> dict:
+        """ClientCounters' figures plus bytes_got_near (read from a warehouse on this process's node)."""
+        return {**super().client_stats(), "bytes_got_near": self.bytes_got_near}
+
     def __getstate__(self) -> dict:
         state = super().__getstate__()
+        state["_near"] = None  # re-resolve on the node of the process that unpickles us
         if self._home_setting is None:
-            state["_home"] = None  # re-resolve on the node of the process that unpickles us
+            state["_home"] = None
         return state
 
     @property
@@ -109,13 +121,20 @@ class DockClient(ClientCounters):
         """Index of the warehouse `put` writes to: one on this process's node (with several there, chosen by
         process id, so the node's producers spread over them), else warehouse 0."""
         if self._home is None:
-            self._home = 0
+            near = self.near
+            self._home = near[os.getpid() % len(near)] if near else 0
+        return self._home
+
+    @property
+    def near(self) -> list[int]:
+        """The warehouses on this process's node (sent with every get: the `local` policy serves rows held
+        there first); [] when none is, or the warehouses' nodes are not known."""
+        if self._near is None:
+            self._near = []
             if self.warehouse_nodes is not None:
                 node = ray.get_runtime_context().get_node_id()
-                local = [w for w, n in enumerate(self.warehouse_nodes) if n == node]
-                if local:
-                    self._home = local[os.getpid() % len(local)]
-        return self._home
+                self._near = [w for w, n in enumerate(self.warehouse_nodes) if n == node]
+        return self._near
 
     # ---------------------------------------------------------------- producers
 
@@ -144,7 +163,7 @@ class DockClient(ClientCounters):
             for column, values in per_prompt.items():
                 batch[column].extend([values[group]] * group_size)
         self._next_warehouse = (self._next_warehouse + len(prompts)) % len(self.warehouses)
-        self._put_many({w: (r, dict(b)) for w, (r, b) in puts.items()})
+        self._put_many({w: (r, seal_batch(b)) for w, (r, b) in puts.items()})
         self.bytes_put += sum(batch_nbytes(b) for _, b in puts.values())
         return rows
 
@@ -154,7 +173,7 @@ class DockClient(ClientCounters):
         t0 = time.perf_counter()
         check_put(producer, batch)
         check_batch(rows, batch, "the dock")
-        self._put_many({self.home: (rows, batch)})
+        self._put_many({self.home: (rows, seal_batch(batch))})
         self.bytes_put += batch_nbytes(batch)
         self.latency.record("put", time.perf_counter() - t0)
 
@@ -208,6 +227,7 @@ class DockClient(ClientCounters):
         )
         options.update({"policy": policy} if policy is not None else {})
         options.update({"peer": peer} if peer is not None else {})
+        options.update({"near": self.near} if self.near else {})
         while True:
             wait_s = max(0.0, min(HEALTH_CHECK_S, deadline - time.monotonic()))
             allocation, done = self._call_controller(
@@ -256,8 +276,10 @@ class DockClient(ClientCounters):
             for column, values in cells.items():
                 for position, value in zip(positions[warehouse][column], values):
                     out[column][position] = value
+            if warehouse in self.near:
+                self.bytes_got_near += batch_nbytes(cells)
         self.bytes_got += batch_nbytes(out)
-        return out
+        return unseal_batch(out)
 
     def _timeout_error(
         self,
@@ -318,7 +340,7 @@ class DockClient(ClientCounters):
         kept = self._call_controller("reset", keep_unfinished, served)
         refs = {w: self._request(w, "clear", kept) for w in range(len(self.warehouses))}
         self._gather(refs, {w: [] for w in refs}, "clear")
-        self.bytes_put = self.bytes_got = 0
+        self.bytes_put = self.bytes_got = self.bytes_got_near = 0
         return kept
 
     # ---------------------------------------------------------------- failures

@@ -42,8 +42,9 @@ import numpy as np
 
 from dockrl.dock.columns import PROMPT_LEN, RESPONSE_LEN
 from dockrl.dock.errors import DockError
+from dockrl.dock.locality import held_by_warehouse, local_partition, near_share
 from dockrl.dock.metrics import OpLatency
-from dockrl.dock.policies import Candidates, balanced_partition, checked_order, pack, resolve_policy
+from dockrl.dock.policies import LOCAL, Candidates, balanced_partition, checked_order, pack, resolve_policy
 
 
 @dataclass
@@ -81,6 +82,7 @@ class DockController:
     _consumed: dict[str, np.ndarray]  # consumer -> bool [capacity]
     _dropped: np.ndarray  # rows taken out of the step (DAPO dynamic sampling)
     _planned: dict[str, dict[int, Allocation]]  # consumer -> balanced bins not yet handed out, by peer
+    _planned_held: dict[str, dict[int, np.ndarray]]  # consumer -> per bin, its payload per warehouse
 
     def __init__(self, num_warehouses: int, *, policy: str = "first", max_rows: int | None = None) -> None:
         if num_warehouses < 1:
@@ -168,6 +170,7 @@ class DockController:
         self._consumed = {}
         self._dropped = np.zeros(0, dtype=np.bool_)
         self._planned = {}
+        self._planned_held = {}
 
     def _fit(self, values: np.ndarray) -> np.ndarray:
         """`values` (one per kept row) padded to the current capacity with the array's empty value."""
@@ -290,6 +293,7 @@ class DockController:
         balance_over: int = 1,
         policy: str | None = None,
         peer: int | None = None,
+        near: list[int] | None = None,
     ) -> Allocation | None:
         """Serve up to `count` rows whose `columns` are all ready and that `consumer` has not taken yet.
 
@@ -313,24 +317,27 @@ class DockController:
         and returns one; the next k-1 calls of that consumer get the other bins. With `peer` (0..k-1) each
         caller gets bin `peer` whichever calls first, so which rows a data-parallel rank trains on does not
         depend on timing (sums over ranks then run in the same order every run: bit-for-bit repeats).
+
+        near: the warehouses on the caller's node (the clients send it). The `local` policy serves units held
+        there first, cuts balanced bins by home warehouse (locality.local_partition, ordered by warehouse) and,
+        without `peer`, hands each caller the bin held most on its node.
         """
         t0 = time.perf_counter()
         try:
             return self._allocate(
-                consumer, columns, count, whole_groups, min_count, balance_over, policy, peer
+                consumer, columns, count, whole_groups, min_count, balance_over, policy, peer, near
             )
         finally:
             self.latency.record("allocate", time.perf_counter() - t0)
 
-    def _allocate(self, consumer, columns, count, whole_groups, min_count, balance_over, policy, peer):
+    def _allocate(self, consumer, columns, count, whole_groups, min_count, balance_over, policy, peer, near):
         min_count = count if min_count is None else min_count
         self._check_request(columns, count, min_count, whole_groups, balance_over)
         if peer is not None and not 0 <= peer < balance_over:
             raise ValueError(f"peer={peer} must be in 0..{balance_over - 1} (balance_over={balance_over})")
-        planned = self._planned.get(consumer)
-        if planned:  # bins of an earlier call: this peer's, or (peer None) the next in call order
-            key = next(iter(planned)) if peer is None else peer
-            return planned.pop(key, None)
+        local = self._is_local(policy)
+        if self._planned.get(consumer):  # bins of an earlier call
+            return self._planned_bin(consumer, peer, near if local else None)
         n = self._num_rows
         consumed = self._consumed_of(consumer)[:n]
         remaining = n - int(consumed.sum())
@@ -341,19 +348,44 @@ class DockController:
         need = min(min_count, remaining)
         if whole_groups:
             need = min(need, count - max(self._group_sizes) + 1)
-            rows = self._pick_groups(ready, consumed, count, policy)
+            rows = self._pick_groups(ready, consumed, count, policy, columns, near)
         else:
-            rows = self._pick_rows(np.flatnonzero(ready & ~consumed), count, policy)
+            rows = self._pick_rows(np.flatnonzero(ready & ~consumed), count, policy, columns, near)
         if rows.size == 0 or rows.size < need:
             return None
         consumed[rows] = True
         if balance_over == 1:
             return self._allocation(np.sort(rows), columns)
-        bins = balanced_partition(self._tokens(rows), balance_over)
-        allocations = {i: self._allocation(np.sort(rows[b]), columns) for i, b in enumerate(bins) if b.size}
-        mine = allocations.pop(next(iter(allocations)) if peer is None else peer, None)
-        self._planned[consumer] = allocations
-        return mine
+        held = self._held(rows, columns)
+        if local:
+            bins = local_partition(self._tokens(rows), held.argmax(axis=1), balance_over)
+        else:
+            bins = balanced_partition(self._tokens(rows), balance_over)
+        self._planned[consumer] = {
+            i: self._allocation(np.sort(rows[b]), columns) for i, b in enumerate(bins) if b.size
+        }
+        self._planned_held[consumer] = {i: held[b].sum(axis=0) for i, b in enumerate(bins) if b.size}
+        return self._planned_bin(consumer, peer, near if local else None)
+
+    def _planned_bin(self, consumer: str, peer: int | None, near: list[int] | None) -> Allocation | None:
+        """One planned bin of `consumer`: bin `peer`; else the bin held most on `near`'s warehouses (the local
+        policy), else the next in bin order. None if `peer`'s bin was empty (or already taken)."""
+        planned, held = self._planned[consumer], self._planned_held[consumer]
+        if peer is not None:
+            key = peer
+        elif near:
+            key = max(planned, key=lambda i: (held[i][near].sum() / max(held[i].sum(), 1e-12), -i))
+        else:
+            key = next(iter(planned))
+        held.pop(key, None)
+        return planned.pop(key, None)
+
+    def _is_local(self, policy: str | None) -> bool:
+        return (self._policy_name if policy is None else policy) == LOCAL
+
+    def _held(self, rows: np.ndarray, columns: list[str]) -> np.ndarray:
+        """[rows, warehouses]: the elements of each row's `columns` each warehouse holds (locality.py)."""
+        return held_by_warehouse(rows, columns, self._location, self._lengths, self.num_warehouses)
 
     def _allocation(self, rows: np.ndarray, columns: list[str]) -> Allocation:
         return Allocation(
@@ -368,7 +400,14 @@ class DockController:
                 total += np.maximum(self._lengths[name][rows], 0)
         return total
 
-    def _pick_rows(self, eligible: np.ndarray, count: int, policy: str | None) -> np.ndarray:
+    def _pick_rows(
+        self,
+        eligible: np.ndarray,
+        count: int,
+        policy: str | None,
+        columns: list[str],
+        near: list[int] | None,
+    ) -> np.ndarray:
         if policy is None and self._policy_name == "first":
             return eligible[:count]  # the common case stays a slice
         units = Candidates(
@@ -377,6 +416,7 @@ class DockController:
             tokens=self._tokens(eligible),
             ages=self._age[eligible],
             count=count,
+            near=near_share(self._held(eligible, columns), near),
         )
         order = checked_order(self._resolve(policy), units)
         return eligible[order[:count]]
@@ -422,7 +462,13 @@ class DockController:
         return int(self._dropped[: self._num_rows].sum())
 
     def _pick_groups(
-        self, ready: np.ndarray, consumed: np.ndarray, count: int, policy: str | None
+        self,
+        ready: np.ndarray,
+        consumed: np.ndarray,
+        count: int,
+        policy: str | None,
+        columns: list[str],
+        near: list[int] | None,
     ) -> np.ndarray:
         """Whole groups (all rows ready, some unconsumed), first-fit in policy order, up to `count` rows."""
         starts = np.asarray(self._group_starts, dtype=np.int64)
@@ -432,13 +478,16 @@ class DockController:
         groups = np.flatnonzero((num_ready == sizes) & (num_unconsumed > 0))
         if groups.size == 0:
             return np.zeros(0, dtype=np.int64)
-        row_tokens = self._tokens(np.arange(consumed.size))
+        all_rows = np.arange(consumed.size)
+        row_tokens = self._tokens(all_rows)
+        group_held = np.add.reduceat(self._held(all_rows, columns), starts, axis=0)[groups]
         units = Candidates(
             first_rows=starts[groups],
             sizes=num_unconsumed[groups],
             tokens=np.add.reduceat(row_tokens, starts)[groups],
             ages=self._age[starts[groups]],
             count=count,
+            near=near_share(group_held, near),
         )
         order = checked_order(self._resolve(policy), units)
         picked = []

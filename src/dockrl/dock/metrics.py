@@ -86,7 +86,7 @@ def bytes_moved(stats: dict) -> int:
     return int(sum(w.get("bytes_in", 0) + w.get("bytes_out", 0) for w in stats.get("warehouses", [])))
 
 
-COUNTER_KEYS = ("bytes_put", "bytes_got", "latency")
+COUNTER_KEYS = ("bytes_put", "bytes_got", "bytes_got_near", "latency")
 
 
 class ClientCounters:

@@ -10,7 +10,9 @@
 A policy is a plain function `policy(candidates: Candidates) -> Sequence[int]` (or an int array) returning the
 indices of the candidate units in order of preference (a subset is allowed: units left out are not served this
 time). Name one in config as `dock.policy: "my_pkg.my_module:my_function"`; the built-ins are `first` (lowest
-row ids) and `oldest` (rows carried over from earlier steps first, then lowest row ids). No Ray, numpy only.
+row ids), `oldest` (rows carried over from earlier steps first, then lowest row ids) and `local` (rows whose
+payload lives on the caller's node first; its balanced bins are cut by node too, see locality.py). No Ray,
+numpy only.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class Candidates:
 
     first_rows: first row id of each unit. sizes: rows per unit. tokens: prompt+response tokens per unit
     (unknown response lengths count as 0). ages: steps the unit has survived a reset (0 = this step's).
-    count: the most rows the consumer asked for.
+    count: the most rows the consumer asked for. near: the share (0..1) of each unit's requested payload held
+    by a warehouse on the caller's node (all 0 when the caller's node has none or is not known).
     """
 
     first_rows: np.ndarray
@@ -38,6 +41,7 @@ class Candidates:
     tokens: np.ndarray
     ages: np.ndarray
     count: int
+    near: np.ndarray
 
 
 Policy = Callable[[Candidates], Sequence[int] | np.ndarray]  # unit indices, in order of preference
@@ -53,7 +57,15 @@ def oldest(candidates: Candidates) -> np.ndarray:
     return np.argsort(-candidates.ages, kind="stable")
 
 
-BUILTIN_POLICIES: dict[str, Policy] = {"first": first, "oldest": oldest}
+def local(candidates: Candidates) -> np.ndarray:
+    """Units whose payload lives on the caller's node first (largest near share first), then lowest row ids:
+    a consumer reads over its own node's link-free path when the table lets it. Which rows a rank gets then
+    follows where they were produced, so a run repeats only up to the order of sums across ranks."""
+    return np.argsort(-candidates.near, kind="stable")
+
+
+BUILTIN_POLICIES: dict[str, Policy] = {"first": first, "oldest": oldest, "local": local}
+LOCAL = "local"
 
 
 def resolve_policy(name: str, setting: str = "dock.policy") -> Policy:

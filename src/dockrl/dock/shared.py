@@ -80,15 +80,24 @@ class SharedController(DockController):
             raise waiter.error
         return waiter.result  # type: ignore[return-value]  # set with the served allocation
 
-    def _serve_waiters(self, columns: set[str] | None = None, consumers: set[str] | None = None) -> None:
+    def _serve_waiters(
+        self,
+        columns: set[str] | None = None,
+        consumers: set[str] | None = None,
+        warehouse: int | None = None,
+    ) -> None:
         """Answer the parked waiters a change may concern (all when both filters are None); under the lock.
 
         columns: columns that became ready; consumers: consumers whose own state changed (an allocation
-        planned bins for peers, or consumed their last rows).
+        planned bins for peers, or consumed their last rows). warehouse: where the ready cells are; waiters on
+        its node are served first, so rows go to a consumer beside them when one is waiting.
         """
         while self._waiters:
             touched: set[str] = set()
-            for waiter in list(self._waiters):
+            waiters = list(self._waiters)
+            if warehouse is not None:
+                waiters.sort(key=lambda w: warehouse not in (w.options.get("near") or ()))
+            for waiter in waiters:
                 concerned = (columns is None and consumers is None) or (
                     (columns is not None and not columns.isdisjoint(waiter.columns))
                     or (consumers is not None and waiter.consumer in consumers)
@@ -122,7 +131,7 @@ class SharedController(DockController):
     def mark_ready(self, warehouse, rows, columns, lengths=None) -> None:
         with self._lock:
             DockController.mark_ready(self, warehouse, rows, columns, lengths)
-            self._serve_waiters(columns=set(columns))
+            self._serve_waiters(columns=set(columns), warehouse=warehouse)
 
     def drop(self, rows: list[int]) -> int:
         with self._lock:

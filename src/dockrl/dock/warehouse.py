@@ -1,6 +1,9 @@
 """Dock warehouse: the payload half of the transfer dock (no Ray import; launch.py wraps it as an actor).
 
-A warehouse stores column cells for the rows written to it and serves them back by (row, column). In dock
+A warehouse stores column cells for the rows written to it and serves them back by (row, column). The
+clients seal tensors and arrays before they send them (cells.py), so a warehouse holds bytes it never decodes
+and never imports torch: four warehouses importing torch beside a step cost the dock its multi-node gain once
+(2026-12-04, issue 46: 143 -> 45 rows/s on 4 emulated nodes). In dock
 mode the client tells the controller about a put itself, in parallel with sending the payload here (one
 round trip instead of two in a row); a consumer served those rows may then ask for cells still in flight,
 so `get_cells` waits up to `in_flight_s` for them. In the central modes the warehouse is given the
@@ -48,10 +51,6 @@ class ReadyListener(Protocol):
     ) -> None: ...
 
 
-def _import_torch() -> None:
-    import torch  # noqa: F401 - the import is the point
-
-
 class Warehouse:
     """Holds column cells for the rows put to it.
 
@@ -95,9 +94,6 @@ class Warehouse:
 
         if getattr(self, "_hub", None) is None:
             self._hub = ServiceHub(self, host)
-            # Payloads are torch tensors: import torch now, beside the run's start-up, rather than inside the
-            # first put's unpickling (about a second and a half on a small CPU, on the driver's critical path).
-            threading.Thread(target=_import_torch, name="warehouse-preload", daemon=True).start()
         return self._hub.address, self._hub.authkey
 
     def ping(self) -> int:
