@@ -52,7 +52,9 @@ def test_a_value_repeated_across_rows_is_sealed_once_and_opened_once():
     assert len({id(cell) for cell in batch["prompt_ids"]}) == 1
     assert len(pickle.dumps(batch)) < 2 * prompt.nbytes  # the frame carries the prompt once
     opened = unseal_batch(pickle.loads(pickle.dumps(batch)))
-    assert len({id(cell) for cell in opened["prompt_ids"]}) == 1 and torch.equal(opened["prompt_ids"][3], prompt)
+    assert len({id(cell) for cell in opened["prompt_ids"]}) == 1 and torch.equal(
+        opened["prompt_ids"][3], prompt
+    )
 
 
 def test_a_warehouse_stores_sealed_cells_as_they_came_and_counts_their_bytes():
