@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -152,12 +151,16 @@ def engine_state(engine) -> dict[str, Any]:
 
 def save_engine(engine, path: str | Path) -> None:
     """Write `engine`'s model, optimizer and LR schedule to directory `path` (all ranks call it)."""
+    import torch.distributed.checkpoint as dcp  # here, not at import: it costs every worker ~0.2 s of start
+
     dcp.save(engine_state(engine), checkpoint_id=str(path))
 
 
 def load_engine(engine, path: str | Path) -> None:
     """Restore what `save_engine` wrote into `engine`, resharded to `engine`'s (dp, tp) layout when it differs
     from the one that saved it (all ranks call it)."""
+    import torch.distributed.checkpoint as dcp
+
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     _check_kind(engine, path, LORA_BASE in saved)
     legacy = any("@tp" in key for key in saved)  # written before elastic checkpoints: same layout only

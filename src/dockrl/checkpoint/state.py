@@ -16,7 +16,6 @@ import random
 from typing import Any
 
 import numpy as np
-import torch
 
 # Settings that change no number the run computes (outputs, timeouts, reporting, recovery).
 NEUTRAL_KEYS = frozenset(
@@ -88,6 +87,8 @@ def data_fingerprint(items: list[tuple[list[int], Any]]) -> str:
 
 def rng_states() -> dict[str, Any]:
     """This process's Python, NumPy and torch RNG states, JSON-encodable."""
+    import torch  # here: the driver reads this module before any worker starts, and torch costs seconds
+
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # the MT19937 tuple
     return {
@@ -99,6 +100,8 @@ def rng_states() -> dict[str, Any]:
 
 def set_rng_states(states: dict[str, Any]) -> None:
     """Restore what `rng_states` returned."""
+    import torch
+
     version, internal, gauss = states["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = states["numpy"]

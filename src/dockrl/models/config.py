@@ -9,8 +9,18 @@ that passes validation always describes a model transformers can build with iden
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+_DIR_CONTENTS = (
+    f"a model directory must contain {CONFIG_FILE} and either {WEIGHTS_FILE} or "
+    f"model-0000x-of-0000y.safetensors shards with {WEIGHTS_INDEX_FILE}"
+)
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # mistral with sliding_window=None is architecturally a llama without biases.
@@ -351,3 +361,17 @@ def _normalize_rope_scaling(rope_scaling: dict | None, max_position_embeddings: 
     if missing:
         raise ValueError(f"model rope_scaling rope_type='llama3' is missing {missing}")
     return scaling
+
+
+def read_config(path: str | Path) -> ModelArgs:
+    """Read ``config.json`` of the model directory ``path`` into ``ModelArgs``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model directory {path} does not exist or is not a directory; {_DIR_CONTENTS}"
+        )
+    config_file = path / CONFIG_FILE
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in model directory {path}; {_DIR_CONTENTS}")
+    with open(config_file, encoding="utf-8") as f:
+        return ModelArgs.from_hf_config(json.load(f))

@@ -33,37 +33,23 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from dockrl.models.config import ModelArgs
+from dockrl.models.config import (  # read_config lives there, torch-free: the driver checks configs with it
+    _DIR_CONTENTS,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
+    ModelArgs,
+    read_config,
+)
 from dockrl.models.decoder import Transformer
 from dockrl.models.tokenizer import copy_tokenizer_files
 
-CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 LM_HEAD_KEY = "lm_head.weight"
 
-_DIR_CONTENTS = (
-    f"a model directory must contain {CONFIG_FILE} and either {WEIGHTS_FILE} or "
-    f"model-0000x-of-0000y.safetensors shards with {WEIGHTS_INDEX_FILE}"
-)
 # Older Hugging Face checkpoints store rotary inverse frequencies; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _NUM_KEYS_SHOWN = 5
-
-
-def read_config(path: str | Path) -> ModelArgs:
-    """Read ``config.json`` of the model directory ``path`` into ``ModelArgs``."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"model directory {path} does not exist or is not a directory; {_DIR_CONTENTS}"
-        )
-    config_file = path / CONFIG_FILE
-    if not config_file.is_file():
-        raise FileNotFoundError(f"no {CONFIG_FILE} in model directory {path}; {_DIR_CONTENTS}")
-    with open(config_file, encoding="utf-8") as f:
-        return ModelArgs.from_hf_config(json.load(f))
 
 
 def load_state_dict(path: str | Path) -> dict[str, Tensor]:

@@ -22,6 +22,7 @@ from dockrl.config.step_plan import StepPlan
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.launch import CentralDockHandle, Dock, launch_dock
 from dockrl.dock.stages import Stage
+from dockrl.observe import startup
 from dockrl.workers.actor import ActorGroup
 from dockrl.workers.critic import CriticGroup
 from dockrl.workers.fault_injection import FaultInjector, process_identity
@@ -109,15 +110,17 @@ class Cluster:
                     )
                 )
                 _watch_dock(supervisor, dock.docks[-1])
+            startup.mark("dock")
             # Every group's processes start side by side (imports dominate), then each is waited for.
             started["actors"], started["rewards"] = _start_workers(cfg, plan, dock, supervisor)
             started["reward_models"] = _start_reward_models(cfg, dock, supervisor)
             started["critic"] = _start_critic(cfg, plan, dock, supervisor)
             started["rollouts"] = _start_rollouts(cfg, plan, dock, supervisor)
             started["teacher"] = _start_teacher(cfg, dock, supervisor)
-            for group in started.values():
+            for name, group in started.items():
                 if isinstance(group, WorkerGroup):
                     group.wait_started()
+                    startup.mark(f"started/{name}")
             _check_output_dir(cfg, started["actors"], started["critic"])
             supervisor.step, supervisor.stage = None, Stage.SETUP
             setup = started["actors"].setup(resume_from)
@@ -130,6 +133,7 @@ class Cluster:
             setup.wait()
             if started["rollouts"] is not None:
                 _connect_weight_sync(started["actors"], started["rollouts"])
+            startup.mark("setup")
             supervisor.stage = None
             return cls(
                 client=dock.client(),

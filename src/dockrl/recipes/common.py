@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import random
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,29 +18,65 @@ from dockrl.models.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-def init_ray(address: str | None) -> None:
+_reaped = False  # this process started a local Ray with a reaper (init_ray)
+
+
+def owns_reaped_ray() -> bool:
+    """Whether this process started its own local Ray under a reaper: its processes die with this process,
+    so the process may exit without Ray's shutdown (dockrl.cli.console_main)."""
+    return _reaped
+
+
+def init_ray(address: str | None, beside: tuple[str, ...] = ()) -> None:
     """Join the cluster at `address`, or start a local Ray bound to localhost without a dashboard; a local
-    Ray gets a reaper (workers/reaper.py), so even a driver killed with SIGKILL leaves no process behind."""
+    Ray gets a reaper (workers/reaper.py), so even a driver killed with SIGKILL leaves no process behind.
+
+    beside: modules to import in a thread while Ray starts (ray.init must run on the main thread, and spends
+    most of its seconds waiting for Ray's daemons; the run's imports of torch and the workers fill that time).
+    An import that fails raises here, after Ray is up.
+    """
+    failures: list[BaseException] = []
+    importer = threading.Thread(target=_import_all, args=(beside, failures), name="dockrl-import")
+    importer.start()
+    try:
+        _start_ray(address)
+    finally:
+        importer.join()
+    if failures:
+        raise failures[0]
+
+
+def _import_all(modules: tuple[str, ...], failures: list[BaseException]) -> None:
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    except BaseException as error:  # noqa: BLE001 - re-raised by init_ray on the main thread
+        failures.append(error)
+
+
+def _start_ray(address: str | None) -> None:
     import ray
 
+    global _reaped
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if address:
         ray.init(address=address, log_to_driver=True, configure_logging=False)
-    else:
-        from dockrl.workers.reaper import reaped_ray_start
+        return
+    from dockrl.workers.reaper import reaped_ray_start
 
-        # Ray's daemons inherit the reaper's run id; the driver's later children do not (the id leaves
-        # os.environ once Ray runs).
-        with reaped_ray_start() if os.path.isdir("/proc/self") else contextlib.nullcontext():
-            ray.init(
-                address="local",  # a new local Ray, never a cluster left behind on this machine by `ray start`
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                configure_logging=False,
-                log_to_driver=True,
-            )
+    # Ray's daemons inherit the reaper's run id; the driver's later children do not (the id leaves
+    # os.environ once Ray runs).
+    with reaped_ray_start() if os.path.isdir("/proc/self") else contextlib.nullcontext():
+        ray.init(
+            address="local",  # a new local Ray, never a cluster left behind on this machine by `ray start`
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            configure_logging=False,
+            log_to_driver=True,
+        )
+    _reaped = os.path.isdir("/proc/self")
 
 
 @dataclass

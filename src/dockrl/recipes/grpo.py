@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dockrl.checkpoint import directory
 from dockrl.checkpoint.state import data_fingerprint
@@ -43,9 +43,8 @@ from dockrl.dock.errors import DockError
 from dockrl.dock.stages import Stage
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.observe import metric_names as names
+from dockrl.observe import startup
 from dockrl.observe.run_dir import RunDir
-from dockrl.recipes.async_step import async_step
-from dockrl.recipes.cluster import Cluster, check_placement
 from dockrl.recipes.common import (
     EncodedPrompt,
     EpochSampler,
@@ -53,8 +52,6 @@ from dockrl.recipes.common import (
     encode_prompts,
     init_ray,
 )
-from dockrl.recipes.eval import score_answers
-from dockrl.recipes.inflight import Generation, load_inflight, save_inflight
 from dockrl.recipes.resume import (
     ResumePoint,
     plan_resume,
@@ -63,13 +60,26 @@ from dockrl.recipes.resume import (
     timeline_head,
     trainer_state,
 )
-from dockrl.recipes.step_metrics import StepRecord, step_metrics
-from dockrl.recipes.sync_step import sync_step
-from dockrl.workers.actor import ActorGroup
 from dockrl.workers.fault_injection import FaultInjector
-from dockrl.workers.group import WorkerError
-from dockrl.workers.reward import reward_specs
-from dockrl.workers.supervisor import WorkerFailure
+from dockrl.workers.supervisor import WorkerError, WorkerFailure
+
+if TYPE_CHECKING:
+    from dockrl.recipes.cluster import Cluster
+    from dockrl.recipes.inflight import Generation
+    from dockrl.recipes.step_metrics import StepRecord
+    from dockrl.workers.actor import ActorGroup
+
+# What the run loop needs once Ray is up: torch, the workers' classes, the step schedules. init_ray imports
+# them in a thread beside Ray's start, so the driver's seconds of imports overlap the seconds Ray takes to
+# come up; the functions below import from them where they use them.
+RUN_MODULES = (
+    "dockrl.recipes.cluster",
+    "dockrl.recipes.sync_step",
+    "dockrl.recipes.async_step",
+    "dockrl.recipes.inflight",
+    "dockrl.recipes.step_metrics",
+    "dockrl.recipes.eval",
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +92,7 @@ def train(resolved: Resolved) -> dict[str, Any]:
     and the dock and resumes from the newest checkpoint.
     """
     cfg = resolved.cfg
+    startup.mark("config")
     run = RunDir(cfg.run.output_dir, cfg.run.name)
     tokenizer = Tokenizer.from_dir(cfg.model.path)
     train_prompts, skipped = _encode(cfg, cfg.data.train_path, tokenizer)
@@ -93,7 +104,12 @@ def train(resolved: Resolved) -> dict[str, Any]:
     origin = point  # where this timeline starts; restarts continue from its newest checkpoint (timeline_head)
     reference = reference_path(cfg, point)  # the run's config stays the user's: the next resume compares it
     run.write_config(to_dict(cfg))
-    init_ray(cfg.run.ray_address)
+    startup.mark("data")
+    init_ray(cfg.run.ray_address, beside=RUN_MODULES)
+    startup.mark("ray")
+    from dockrl.recipes.cluster import Cluster, check_placement
+    from dockrl.recipes.inflight import load_inflight
+
     check_placement(cfg)  # placement.* against the nodes' resources, before any worker starts
     faults = FaultInjector()
     summary: dict[str, Any] = {"run_dir": str(run.path), "skipped_prompts": skipped, "restarts": []}
@@ -139,8 +155,11 @@ def train(resolved: Resolved) -> dict[str, Any]:
             if cluster is not None:
                 cluster.kill()
             raise
+        startup.mark("steps")
         cluster.close()
+        startup.mark("close")
         break
+    summary["startup"] = startup.phases()
     summary["eval_accuracy"] = summary.get("final_metrics", {}).get(names.EVAL_ACCURACY)
     run.write_summary(summary)
     return summary
@@ -167,6 +186,7 @@ def _run_steps(
     with run.loggers(
         cfg.run.loggers, to_dict(cfg), first_step
     ):  # jsonl, and tensorboard/wandb/mlflow if asked
+        startup.mark("loggers")
         for step in range(first_step, cfg.run.steps + 1):
             cluster.supervisor.step, cluster.supervisor.stage = step, Stage.STEP
             record = take_step(step)
@@ -196,6 +216,9 @@ def _step_function(
     ahead: dict[int, Generation],
 ) -> Callable[[int], StepRecord]:
     """The schedule's step (step number -> its record), chosen once for the run."""
+    from dockrl.recipes.async_step import async_step
+    from dockrl.recipes.sync_step import sync_step
+
     if schedule.kind == "async":
         return lambda step: async_step(cfg, plan, schedule, step, sampler, cluster, ahead)
     return lambda step: sync_step(cfg, plan, schedule, step, sampler, cluster)
@@ -205,6 +228,8 @@ def _metrics(
     cfg: TrainConfig, schedule: Schedule, record: StepRecord, sampler: EpochSampler, restarts: int
 ) -> dict[str, float]:
     """The step's metrics (recipes/step_metrics.py), and the run loop's: epoch, restarts so far."""
+    from dockrl.recipes.step_metrics import step_metrics
+
     metrics = step_metrics(
         record,
         samples_per_prompt=cfg.rollout.samples_per_prompt,
@@ -229,6 +254,8 @@ def _save(
     """A resumable checkpoint of `step` (checkpoint/directory.py): the workers write their shards and exports
     into a staging directory (an asynchronous run's driver adds the generations in flight, recipes/inflight.py),
     the driver adds trainer_state.json and renames it, then prunes old ones."""
+    from dockrl.recipes.inflight import save_inflight
+
     cluster.supervisor.stage = Stage.SAVE
     staging = directory.begin(run.checkpoints, step)
     actor_save = cluster.actors.save(str(staging))
@@ -284,7 +311,7 @@ def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None
     env = cfg.env
     if env.name is not None:  # multi-turn: the first turn is the environment's, rendered with its tools
         from dockrl.envs.loader import env_factory
-        from dockrl.models.hf import read_config
+        from dockrl.models.config import read_config
 
         make_env = env_factory(
             env.name,
@@ -311,6 +338,9 @@ def _evaluate(
     cfg: TrainConfig, actors: ActorGroup, prompts: list[EncodedPrompt], tokenizer: Tokenizer
 ) -> dict:
     """Greedy answers from the current policy (prompts split over the actor ranks), scored in the driver."""
+    from dockrl.recipes.eval import score_answers
+    from dockrl.workers.reward import reward_specs
+
     # One shard per rollout replica, given to its head rank (tp peers get theirs by broadcast, answer []).
     tp, replicas = cfg.rollout.tp, len(actors) // cfg.rollout.tp
     shards = [prompts[r // tp :: replicas] if r % tp == 0 else [] for r in range(len(actors))]

@@ -28,6 +28,8 @@ from dockrl.errors import ConfigError
 
 def resolve_device(device: str, key: str = "run.device") -> str:
     """`auto` -> cuda when available, else cpu; `cuda` without CUDA is an error."""
+    if device == "cpu":
+        return device  # no torch import for that: a CPU run's driver starts a second and a half sooner
     import torch
 
     if device == "auto":
@@ -40,7 +42,15 @@ def resolve_device(device: str, key: str = "run.device") -> str:
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX tiles)."""
+    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX tiles): the kernel's CPU flags on
+    Linux (what torch's CPUID checks read, without importing torch), else torch's checks."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
+    except OSError:
+        flags = None
+    if flags is not None:
+        return "avx512_bf16" in flags or "amx_tile" in flags
     import torch
 
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
@@ -133,10 +143,10 @@ def preflight_sft(cfg: SFTConfig) -> SFTConfig:
 def _lora_adapter(cfg: TrainConfig, lora_path: str | None) -> dict[str, Any]:
     """model.lora_path (or the adapter/ of a LoRA checkpoint root in model.path): the PEFT adapter's rank,
     alpha, dropout and targets become actor.lora's (a key the user set must agree); {} without one."""
-    from dockrl.models.lora import read_peft_spec
-
     if lora_path is None:
         return {}
+    from dockrl.models.lora import read_peft_spec  # torch: only when there is an adapter to read
+
     try:
         spec = read_peft_spec(lora_path)
     except (OSError, ValueError, KeyError) as exc:
@@ -258,7 +268,7 @@ def _check_environment(cfg: TrainConfig, model_path: str) -> None:
         return
     from dockrl.envs.loader import env_factory
     from dockrl.envs.tool_calls import FAMILY_FORMAT
-    from dockrl.models.hf import read_config
+    from dockrl.models.config import read_config
     from dockrl.models.tokenizer import Tokenizer
 
     family = read_config(model_path).family
@@ -337,7 +347,7 @@ def _check_devices(device: str, ranks: int) -> None:
 def _check_teacher(cfg: TrainConfig) -> None:
     """distill.teacher_path: a causal LM whose tokenizer gives every token the policy's id, whose embedding
     covers those ids, and whose shapes split over distill.tp."""
-    from dockrl.models.hf import read_config
+    from dockrl.models.config import read_config
     from dockrl.models.tokenizer import TOKENIZER_FILE, same_vocabulary
     from dockrl.models.tp_plan import tp_problem
 
@@ -378,11 +388,11 @@ def _check_teacher(cfg: TrainConfig) -> None:
 
 def _check_reward_model_files(cfg: TrainConfig) -> None:
     """reward.model: a one-output *ForSequenceClassification checkpoint with its tokenizer; GPUs to hold it."""
-    from dockrl.models.classifier import check_reward_model_dir
-
     rm = cfg.reward.model
     if rm.path is None:
         return
+    from dockrl.models.classifier import check_reward_model_dir
+
     check_model_dir(rm.path, "reward.model.path")
     try:
         check_reward_model_dir(rm.path)
@@ -411,7 +421,7 @@ def _check_reward_model_files(cfg: TrainConfig) -> None:
 def _check_model_layouts(cfg: TrainConfig) -> None:
     """The model's shapes against the training and rollout tp sizes and reshard.bucket_mb; the reshard
     offload flags against the resolved device."""
-    from dockrl.models.hf import read_config
+    from dockrl.models.config import read_config
     from dockrl.models.tp_plan import tp_problem
 
     actor, roll, reshard = cfg.actor, cfg.rollout, cfg.reshard
@@ -491,7 +501,7 @@ def _check_vllm(cfg: TrainConfig) -> None:
     if cfg.rollout.backend != "vllm":
         return
     from dockrl.engines.rollout.vllm_backend import model_problem, vllm_problem
-    from dockrl.models.hf import read_config
+    from dockrl.models.config import read_config
 
     problem = vllm_problem()
     if problem is not None:
