@@ -32,20 +32,21 @@ $(VLLM_STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/dockrl demo --out runs/demo
 
+# The tier is the folder: tests/unit, tests/distributed, tests/e2e (make test), tests/slow, tests/faults, tests/vllm.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x --durations=15 tests/unit tests/distributed tests/e2e
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -x -m unit
+	$(BIN)/python -m pytest -q -x tests/unit
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -x -m slow
+	$(BIN)/python -m pytest -q -x --durations=10 tests/slow
 
 test-faults: $(STAMP)
-	$(BIN)/python -m pytest -q -x -m faults tests/test_faults.py
+	$(BIN)/python -m pytest -q -x --durations=10 tests/faults
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -x -m vllm --durations=10 tests/vllm_tier
+	$(VLLM_VENV)/bin/python -m pytest -q -x --durations=10 tests/vllm
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

@@ -53,23 +53,42 @@ def arithmetic_data(tmp_path_factory):
     return write_task("arithmetic", tmp_path_factory.mktemp("data"), num_train=256, num_test=32, seed=0)
 
 
-# Test tiers (markers; `make test-fast` runs the unit tier):
-#   unit         one process, no Ray: numbers against hand-computed values, parity, configs, the dock's logic
-#   distributed  real processes: gloo ranks (spawned) or Ray actors (the session's Ray)
-#   e2e          whole runs through the CLI (and the scripts): training, resume, faults
-# A test's tier follows from what it uses, so no test file has to repeat it.
-_SPAWNING = {"test_dp_equivalence", "test_tp_equivalence", "test_reshard_switch", "test_sharded_load"}
-_SPAWNING |= {"test_collective_devices", "test_netem"}
-_END_TO_END = {"test_e2e_grpo", "test_e2e_algos", "test_resume", "test_faults", "test_gpu_check", "test_demo"}
-_END_TO_END |= {"test_emulated_train"}
+@pytest.fixture(scope="module")
+def ppo_args(tmp_path_factory, tiny_model, arithmetic_data, ray_session):
+    """The fault tests' PPO run (tests/fault_runs.py): its root and `dockrl` arguments; every worker kind
+    exists in it (actor, critic, reward, reward model, the dock's warehouse and controller)."""
+    from dockrl.models.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("faults")
+    reward_model = make_tiny(
+        root / "rm", family="qwen2", hidden_size=64, num_layers=2, seed=1, reward_model=True
+    )
+    from fault_runs import CONFIG
+    from runs import write_config
+
+    config = write_config(root / "ppo.yaml", CONFIG)
+    return root, [
+        "train",
+        str(config),
+        f"model.path={tiny_model}",
+        f"reward.model.path={reward_model}",
+        f"data.train_path={arithmetic_data['train']}",
+        f"run.output_dir={root}",
+    ]
+
+
+# Test tiers are folders (each also sets its marker, so `-m` selects the same tests):
+#   unit/         one process, no Ray: numbers against hand-computed values, parity, configs, the dock's logic
+#   distributed/  real processes: gloo ranks (spawned), Ray actors (the session's Ray), subprocesses
+#   e2e/          whole runs (`dockrl train` in-process or through the console script): training, resume, faults
+#   slow/, faults/, vllm/   CI only: the demos learn, the fault matrix, the vLLM backend (its own venv)
+# `make test` runs unit, distributed and e2e (pyproject's testpaths); a new test goes in the folder of its tier.
+TIERS = ("unit", "distributed", "e2e", "slow", "faults", "vllm")
 
 
 def pytest_collection_modifyitems(config, items):
+    root = os.path.dirname(os.path.abspath(__file__))
     for item in items:
-        module = item.module.__name__.rpartition(".")[2]
-        if module in _END_TO_END or "through_cli" in item.name:
-            item.add_marker(pytest.mark.e2e)
-        elif module in _SPAWNING or "ray_session" in item.fixturenames:
-            item.add_marker(pytest.mark.distributed)
-        else:
-            item.add_marker(pytest.mark.unit)
+        tier = os.path.relpath(str(item.path), root).split(os.sep)[0]
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))

@@ -1,4 +1,4 @@
-"""User-style reward functions for tests/test_rewards.py, resolved as 'reward_fixtures:<name>'."""
+"""User-style reward functions for tests/unit/test_rewards.py, resolved as 'reward_fixtures:<name>'."""
 
 import os
 import time

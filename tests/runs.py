@@ -14,6 +14,11 @@ from pathlib import Path
 _TIMED = ("timing/", "throughput/", "run/", "rollout/kl", "rollout/logprob_abs_diff")
 
 
+def tiny_paths(tiny_model, arithmetic_data) -> list[str]:
+    """The overrides that point a config at the session's tiny model and arithmetic task (conftest fixtures)."""
+    return [f"model.path={tiny_model}", f"data.train_path={arithmetic_data['train']}"]
+
+
 def write_config(path: Path, body: str) -> Path:
     path.write_text(body)
     return path

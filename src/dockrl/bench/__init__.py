@@ -24,4 +24,5 @@ BENCHMARKS: dict[str, str] = {
     "lora": "dockrl.bench.lora",
     "distill": "dockrl.bench.distill",
     "scaling": "dockrl.bench.scaling",
+    "startup": "dockrl.bench.startup",
 }

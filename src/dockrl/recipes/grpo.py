@@ -196,6 +196,8 @@ def _run_steps(
                 metrics.update(_evaluate(cfg, cluster.actors, eval_prompts, tokenizer))
             run.log_metrics(step, metrics)
             run.log_samples(step, record.samples)
+            if step == first_step:
+                startup.mark("first step")
             if _due(step, cfg.run.save_every, cfg.run.steps):
                 summary["checkpoint"] = _save(cfg, run, cluster, step, sampler, data, list(ahead.values()))
             progress.update(1)

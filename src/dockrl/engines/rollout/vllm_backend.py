@@ -18,7 +18,7 @@ vLLM packs linear weights for oneDNN after loading; `reload_weights` re-packs th
 the vocabulary matrices (the embedding, and with it a tied LM head, whose packed copy `dispatch_cpu_unquantized_
 gemm(remove_weight=False)` made) stale: after a reload with another model's weights the logits come from the old
 LM head. `_repack_vocab` re-packs them from the reloaded weights, which makes the engine's outputs bit-equal to a
-fresh engine built on those weights (tests/vllm_tier/test_vllm_backend.py). Each update is then checked: the engine's
+fresh engine built on those weights (tests/vllm/test_vllm_backend.py). Each update is then checked: the engine's
 log-probs of a fixed probe sequence must match the reference's (the trainer's own forward, or a separate
 replica's received weights) within `probe_tol` (mean absolute difference per token), else `WeightSyncError`.
 

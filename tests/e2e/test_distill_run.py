@@ -1,0 +1,78 @@
+"""On-policy distillation through the CLI: opd with LoRA and asynchronous rollout, and its exact resume."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dockrl.cli import main
+from dockrl.dock.columns import TEACHER_LOGPROBS
+from dockrl.models.tiny import make_tiny
+from runs import computed_metrics, metric_differences, tiny_paths
+
+
+@pytest.fixture(scope="module")
+def teacher_model(tmp_path_factory):
+    """A different tiny model with the policy's tokenizer (make_tiny's tokenizer does not depend on the seed)."""
+    return make_tiny(
+        tmp_path_factory.mktemp("teacher") / "model", family="qwen2", hidden_size=64, num_layers=2, seed=7
+    )
+
+
+CONFIG = (
+    "rollout: {samples_per_prompt: 4, max_new_tokens: 6, groups_per_pull: 2, placement: separate,"
+    " max_staleness: 1}\n"
+    "actor: {dp: 2, lr: 1.0e-2, micro_batch_size: 4, lora: {rank: 4}}\n"
+    "algo: {name: opd}\n"
+    "distill: {coef: 0.5, num_workers: 2, micro_batch_size: 4}\n"
+    "dock: {num_warehouses: 2, get_timeout_s: 120}\n"
+    "run: {steps: 3, prompts_per_step: 4, progress: false, worker_timeout_s: 300, log_samples: 0,"
+    " save_every: 2, keep_checkpoints: null}\n"
+)
+
+
+_TRAFFIC = ("dock/bytes_moved", "dock/driver_bytes", "dock/bytes_in_warehouses")
+
+
+def test_opd_with_lora_and_async_rollout_through_cli(
+    ray_session, tmp_path, tiny_model, teacher_model, arithmetic_data
+):
+    """opd with distill.coef=0.5, LoRA adapters, a teacher sharded over 2 ranks (FSDP2) and a separate rollout
+    one step ahead. Each on-policy update's ratio is exactly 1, so its token-mean policy loss is -mean(advantage)
+    = 0.5 x distill/reverse_kl: the advantages that reached the update are the teacher term of the very tokens
+    the metric averages. The checkpoint after step 2 holds step 3 in flight with its teacher_logprobs; resuming
+    from it repeats step 3 bit for bit."""
+    config = tmp_path / "opd.yaml"
+    config.write_text(CONFIG)
+    base = ["train", str(config), *tiny_paths(tiny_model, arithmetic_data)]
+    base += [f"distill.teacher_path={teacher_model}", f"run.output_dir={tmp_path}"]
+    assert main([*base, "run.name=whole"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        kl, pg_loss = row["distill/reverse_kl"], row["actor/pg_loss"]
+        # The fp32 token-mean of 0.5 x (rollout - teacher) against the fp64 mean of the same fp32 log-probs: one
+        # rounding of each difference (|log-prob| < 8: 2**-21) plus a sum of ~100 terms (100 x 2**-24 relative).
+        assert abs(pg_loss - 0.5 * kl) <= 2**-21 + 1e-5 * abs(kl), (pg_loss, kl)
+        assert -math.log(512) - 1 < row["distill/teacher_logprob"] < 0
+        assert row["actor/grad_norm"] > 0 and row["timing/teacher_busy"] > 0
+    assert "timing/teacher" not in rows[0]  # asynchronous: the teacher's time is inside the rollout's
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+
+    checkpoint = tmp_path / "whole" / "checkpoints" / "step_000002"
+    inflight = torch.load(checkpoint / "inflight.pt", weights_only=True)["generations"]
+    assert [g["step"] for g in inflight] == [3]
+    lengths = [len(ids) for ids in inflight[0]["columns"]["response_ids"]]
+    assert [len(t) for t in inflight[0]["columns"][TEACHER_LOGPROBS]] == lengths
+    assert sum(t["rows"] for t in inflight[0]["teacher"]) == 16
+    adapters = load_file(checkpoint / "adapter" / "adapter_model.safetensors")
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapters.items())
+
+    assert main([*base, "run.name=resumed", f"run.resume={checkpoint}"]) == 0
+    whole, resumed = (
+        [{k: v for k, v in r.items() if k not in _TRAFFIC} for r in computed_metrics(tmp_path / name)]
+        for name in ("whole", "resumed")
+    )
+    assert resumed == whole, metric_differences(resumed, whole)

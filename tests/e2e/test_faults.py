@@ -1,0 +1,49 @@
+"""A dead or hung worker ends the run within 60 s with a one-line error naming it, its step and stage.
+
+Each case runs `dockrl train` (PPO with a reward model, so every worker kind exists: actor, critic, reward,
+reward_model, and the dock's warehouse and controller) under DOCKRL_FAULTS, which SIGKILLs (or SIGSTOPs) the
+target process when the driver reaches the stage. The run shares the test session's Ray; an alarm fails the
+test if the run has not ended 60 s after it started. (tests/e2e/test_resume.py kills a driver in a child process.)
+
+The default run has one kill per worker kind and one hang; the full matrix (every kind x every stage, and
+kills before, during and after a save) carries the `faults` marker: `make test-faults`. The matrix kills in
+step 2 of 3: a worker killed after its last use in a step (a reward worker during the update) is noticed by
+the next step's first wait for it, so the error may name step 3.
+"""
+
+import pytest
+
+from fault_runs import KINDS, _fails_named
+
+# Default run: the driver's stage at which each kind is killed (in step 1), and the stage the error names:
+# the target's own call in flight, or for a dock actor the driver's current stage.
+DEFAULT_STAGE = {
+    "actor-0": ("update", "update"),
+    "critic-0": ("compute_values", "compute_values"),
+    "reward-0": ("generate", "score"),
+    "reward_model-0": ("generate", "score"),
+    "dockrl-warehouse-0": ("compute_ref", "compute_ref"),
+    "dockrl-controller": ("compute_old", "compute_old"),
+}
+
+
+@pytest.mark.parametrize("target", KINDS)
+def test_killed_worker_ends_the_run_with_its_name(ppo_args, monkeypatch, capsys, target):
+    kill_at, named_stage = DEFAULT_STAGE[target]
+    fault = f"kill:{target}:{kill_at}:1:during"
+    expect = dict(target=target, stage=named_stage, step=1, cause="died")
+    _fails_named(ppo_args, monkeypatch, capsys, fault, f"kill-{target}", **expect)
+
+
+def test_hung_worker_ends_the_run_after_the_heartbeat_timeout(ppo_args, monkeypatch, capsys):
+    fault = "hang:actor-0:compute_ref:1:during"
+    # 10 s, not the default 30: short for the test, long enough that a busy machine never starves a healthy
+    # worker's heartbeat thread that long
+    expect = dict(
+        target="actor-0",
+        stage="compute_ref",
+        step=1,
+        cause="hung: no heartbeat",
+        extra=["run.heartbeat_timeout_s=10"],
+    )
+    _fails_named(ppo_args, monkeypatch, capsys, fault, "hang-actor", **expect)
