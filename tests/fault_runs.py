@@ -27,6 +27,20 @@ CONFIG = (
 
 KINDS = ("actor-0", "critic-0", "reward-0", "reward_model-0", "dockrl-warehouse-0", "dockrl-controller")
 
+# Default run: the driver's stage at which each kind is killed (in step 1), and the stage the error names:
+# the target's own call in flight, or for a dock actor the driver's current stage.
+# make test kills a worker of the actor group and a dock warehouse; the other kinds are killed the same way in
+# tests/faults/test_fault_matrix.py (make test-faults, CI).
+IN_MAKE_TEST = ("actor-0", "dockrl-warehouse-0")
+DEFAULT_STAGE = {
+    "actor-0": ("update", "update"),
+    "critic-0": ("compute_values", "compute_values"),
+    "reward-0": ("generate", "score"),
+    "reward_model-0": ("generate", "score"),
+    "dockrl-warehouse-0": ("compute_ref", "compute_ref"),
+    "dockrl-controller": ("compute_old", "compute_old"),
+}
+
 
 class _RunTimedOut(Exception):
     pass

@@ -5,29 +5,18 @@ reward_model, and the dock's warehouse and controller) under DOCKRL_FAULTS, whic
 target process when the driver reaches the stage. The run shares the test session's Ray; an alarm fails the
 test if the run has not ended 60 s after it started. (tests/e2e/test_resume.py kills a driver in a child process.)
 
-The default run has one kill per worker kind and one hang; the full matrix (every kind x every stage, and
-kills before, during and after a save) carries the `faults` marker: `make test-faults`. The matrix kills in
-step 2 of 3: a worker killed after its last use in a step (a reward worker during the update) is noticed by
-the next step's first wait for it, so the error may name step 3.
+make test kills an actor rank and a dock warehouse and hangs an actor rank; tests/faults/test_fault_matrix.py
+(`make test-faults`, CI) kills every other kind the same way, and every kind at every stage in step 2 of 3 (a
+worker killed after its last use in a step is noticed by the next step's first wait for it, so the error may
+name step 3), and kills before, during and after a save.
 """
 
 import pytest
 
-from fault_runs import KINDS, _fails_named
-
-# Default run: the driver's stage at which each kind is killed (in step 1), and the stage the error names:
-# the target's own call in flight, or for a dock actor the driver's current stage.
-DEFAULT_STAGE = {
-    "actor-0": ("update", "update"),
-    "critic-0": ("compute_values", "compute_values"),
-    "reward-0": ("generate", "score"),
-    "reward_model-0": ("generate", "score"),
-    "dockrl-warehouse-0": ("compute_ref", "compute_ref"),
-    "dockrl-controller": ("compute_old", "compute_old"),
-}
+from fault_runs import DEFAULT_STAGE, IN_MAKE_TEST, _fails_named
 
 
-@pytest.mark.parametrize("target", KINDS)
+@pytest.mark.parametrize("target", IN_MAKE_TEST)
 def test_killed_worker_ends_the_run_with_its_name(ppo_args, monkeypatch, capsys, target):
     kill_at, named_stage = DEFAULT_STAGE[target]
     fault = f"kill:{target}:{kill_at}:1:during"

@@ -5,23 +5,14 @@ same numbers as the colocated one: the computed metrics of two steps are equal, 
 
 import json
 
-import hypothesis
 import pytest
-from hypothesis import strategies as st
 
+import async_runs
+from async_runs import CONFIG
 from dockrl.cli import main
 from runs import computed_metrics, metric_differences, tiny_paths
 
-CONFIG = (
-    "rollout: {samples_per_prompt: 4, max_new_tokens: 6, groups_per_pull: 2}\n"
-    "actor: {dp: 2, lr: 1.0e-3, micro_batch_size: 4}\n"
-    "algo: {kl_coef: 0.01}\n"
-    "reward: {functions: [{name: exact_answer}, {name: 'reward_fixtures:length_reward', weight: 0.1}]}\n"
-    "dock: {num_warehouses: 2, get_timeout_s: 120}\n"
-    # a bucket smaller than the model: every sync sends several buckets
-    "reshard: {bucket_mb: 1}\n"
-    "run: {steps: 2, prompts_per_step: 4, progress: false, worker_timeout_s: 300, log_samples: 0}\n"
-)
+two_ahead = pytest.fixture(scope="module")(async_runs.two_ahead)
 
 
 @pytest.fixture(scope="module")
@@ -123,21 +114,6 @@ def _restored_steps_untimed(rows: list[dict], checkpoint_step: int) -> list[dict
     ]
 
 
-@pytest.fixture(scope="module")
-def two_ahead(ray_session, tmp_path_factory, tiny_model, arithmetic_data):
-    """An uninterrupted rollout.max_staleness=2 run of 5 steps, checkpointed after every step: (its run root,
-    its computed metrics, the arguments that ran it). With run.save_every=1 < max_staleness every step from 3
-    on is in flight at two saves (generated during step t - 2's training, trained at step t)."""
-    root = tmp_path_factory.mktemp("two_ahead")
-    config = root / "grpo.yaml"
-    config.write_text(CONFIG.replace("steps: 2", "steps: 5"))
-    base = ["train", str(config), *tiny_paths(tiny_model, arithmetic_data)]
-    base += [f"run.output_dir={root}", "rollout.placement=separate", "rollout.max_staleness=2"]
-    base += ["run.save_every=1", "run.keep_checkpoints=null"]
-    assert main([*base, "run.name=whole"]) == 0
-    return root, computed_metrics(root / "whole"), base
-
-
 def test_two_steps_ahead_resumes_with_its_rows_in_flight(two_ahead):
     """rollout.max_staleness=2: three docks; steps t+1 and t+2 generate while step t trains, step t+2 with the
     weights after update t-1 (staged on the replicas while step t+1 still generates). Staleness runs 0, 1, 2,
@@ -188,50 +164,6 @@ def test_every_save_holds_the_steps_in_flight_whole(two_ahead):
     resumed = computed_metrics(root / "from_last")
     resumed, expected = _restored_steps_untimed(resumed, 4), _restored_steps_untimed(whole, 4)
     assert resumed == expected, metric_differences(resumed, expected)
-
-
-_PAUSABLE = [  # (process, a stage the driver starts): stragglers anywhere in the pipeline
-    ("rollout-0", "generate"),
-    ("rollout-1", "receive_weights"),
-    ("reward-0", "score"),
-    ("actor-0", "update"),
-    ("actor-1", "compute_ref"),
-    ("dockrl-warehouse-1", "generate"),
-]
-
-
-@hypothesis.settings(
-    max_examples=2,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture],
-)
-@hypothesis.given(
-    pauses=st.lists(
-        st.tuples(st.sampled_from(_PAUSABLE), st.integers(1, 4), st.sampled_from([0.2, 0.7, 1.5])),
-        min_size=1,
-        max_size=3,
-        unique_by=lambda p: (p[0], p[1]),
-    )
-)
-def test_stragglers_change_no_staleness_and_no_number(two_ahead, pauses):
-    """Random processes paused (SIGSTOP, then SIGCONT seconds later) at random stages and steps: which weights
-    generate which step is fixed by the step number, so the staleness stays within rollout.max_staleness=2
-    and the run computes the undisturbed run's numbers bit for bit."""
-    import os
-
-    root, whole, base = two_ahead
-    spec = ";".join(f"pause={s}:{who}:{stage}:{step}" for (who, stage), step, s in pauses)
-    name = f"paused-{len(list(root.glob('paused-*')))}"
-    os.environ["DOCKRL_FAULTS"] = spec
-    try:
-        assert main([*base, f"run.name={name}"]) == 0
-    finally:
-        del os.environ["DOCKRL_FAULTS"]
-    paused = computed_metrics(root / name)
-    assert max(r["async/staleness_max"] for r in paused) <= 2
-    assert paused == whole, (spec, metric_differences(paused, whole))
 
 
 def test_partial_rollout_stays_within_its_budget_and_resumes_exactly(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fault_runs import KINDS, _fails_named
+from fault_runs import DEFAULT_STAGE, IN_MAKE_TEST, KINDS, _fails_named
 
 STAGES = ("generate", "compute_ref", "compute_old", "compute_values", "update")
 
@@ -25,3 +25,13 @@ def test_fault_matrix_kills_around_a_save(ppo_args, monkeypatch, capsys, target,
     fault = f"kill:{target}:save:2:{when}"
     expect = dict(target=target, stage="", step=(2, 3), cause="died", extra=["run.steps=3"])
     _fails_named(ppo_args, monkeypatch, capsys, fault, f"s-{target}-{when}", **expect)
+
+
+@pytest.mark.parametrize("target", [kind for kind in KINDS if kind not in IN_MAKE_TEST])
+def test_killed_worker_of_every_other_kind_ends_the_run_with_its_name(ppo_args, monkeypatch, capsys, target):
+    """tests/e2e/test_faults.py's check for the kinds make test leaves out: critic, reward, reward model and
+    the dock's controller, each killed in step 1 at the stage DEFAULT_STAGE names."""
+    kill_at, named_stage = DEFAULT_STAGE[target]
+    fault = f"kill:{target}:{kill_at}:1:during"
+    expect = dict(target=target, stage=named_stage, step=1, cause="died")
+    _fails_named(ppo_args, monkeypatch, capsys, fault, f"kill-{target}", **expect)
