@@ -152,3 +152,25 @@ def test_a_reward_file_next_to_the_config_trains(
     assert (
         tmp_path / "both" / "report" / "timeline_runs-file_reward.png"
     ).is_file()  # same names: parent added
+
+
+def test_the_console_script_leaves_no_process_and_marks_its_start_up(tmp_path, tiny_model, arithmetic_data):
+    """`dockrl train` as a user runs it (its own local Ray): it exits without Ray's graceful shutdown, and the
+    reaper still takes every process of the run down; summary.json has the start-up phases, in order."""
+    from dockrl.workers.reaper import SWEEP_S
+    from runs import run_cli, wait_gone
+
+    config = tmp_path / "grpo.yaml"
+    config.write_text(
+        "rollout: {samples_per_prompt: 2, max_new_tokens: 4}\n"
+        "reward: {functions: [{name: exact_answer}]}\n"
+        "run: {steps: 1, prompts_per_step: 2, progress: false}\n"
+    )
+    args = ["train", str(config), *tiny_paths(tiny_model, arithmetic_data), f"run.output_dir={tmp_path}"]
+    result, marker = run_cli([*args, "run.name=console"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert wait_gone(marker, within_s=SWEEP_S + 5, prefix="") == []  # Ray's daemons and workers too
+    phases = json.loads((tmp_path / "console" / "summary.json").read_text())["startup"]
+    order = ["cli", "config", "data", "ray", "dock", "started/actors", "setup", "first step", "close"]
+    assert [p for p in phases if p in order] == order
+    assert all(phases[a] <= phases[b] for a, b in zip(order, order[1:]))
