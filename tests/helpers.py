@@ -24,6 +24,12 @@ def perturb_(module: torch.nn.Module, seed: int) -> None:
             param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.1 * noise)
 
 
+# dockrl's logits against transformers' on the same fp32 weights: the decoder parity bound of
+# tests/unit/test_decoder.py::test_logits_match_transformers (other kernels, other summation order). The adapters add
+# the same two matmuls (x A^T, then B) on both sides, so the bound carries over unchanged.
+PARITY_BOUND = 1e-4  # LoRA parity with PEFT/transformers (tests/unit/test_lora.py, e2e/test_lora_run.py)
+
+
 # fp32 gradients summed in another order (micro-batches, dp ranks, tp partial sums) differ by rounding only:
 # each element accumulates at most ~10^3 products here (tokens x micro-batches x ranks), so its relative
 # error stays below ~1e3 x eps_fp32 = 1.2e-4 of the tensor's scale. A real bug (a missing 1/dp, a dropped

@@ -35,6 +35,11 @@ def test_data_and_rewards_import_without_torch_or_ray():
     assert _loaded_after("import dockrl.data, dockrl.rewards") == []
 
 
+def test_the_registries_config_reads_import_without_torch():
+    """The sockets' records the config validates against (backends: names, settings sections, checks)."""
+    assert _loaded_after("import dockrl.backends, dockrl.backends.vllm, dockrl.backends.dockrl") == []
+
+
 def test_the_dock_imports_without_torch():
     """The controller's and the warehouses' modules (their processes never decode a tensor: dock/cells.py)."""
     loaded = _loaded_after("import dockrl.dock.warehouse, dockrl.dock.shared, dockrl.dock.cells")

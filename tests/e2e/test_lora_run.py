@@ -116,10 +116,9 @@ def test_export_writes_the_adapter_and_the_merged_model(lora_run, tiny_model, ca
     # PEFT loads the exported adapter onto the transformers base with dockrl's logits (tests/unit/test_lora.py's
     # parity bound: other kernels, other summation order, the same two adapter matmuls on both sides).
     peft, transformers = pytest.importorskip("peft"), pytest.importorskip("transformers")
-    from test_lora import PARITY_BOUND
-
     from dockrl.models.hf import load_model
     from dockrl.models.lora import load_peft
+    from helpers import PARITY_BOUND
 
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager")

@@ -26,12 +26,9 @@ from dockrl.models.lora import (
     resolve_targets,
     save_peft,
 )
+from helpers import PARITY_BOUND
 
 VOCAB = 128
-# dockrl's logits against transformers' on the same fp32 weights: the decoder parity bound of
-# tests/unit/test_decoder.py::test_logits_match_transformers (other kernels, other summation order). The adapters add
-# the same two matmuls (x A^T, then B) on both sides, so the bound carries over unchanged.
-PARITY_BOUND = 1e-4
 
 
 @pytest.fixture(scope="module", autouse=True)

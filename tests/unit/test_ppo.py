@@ -21,6 +21,7 @@ from dockrl.algos.ppo import (
 )
 from dockrl.cli import main
 from dockrl.config import ConfigError, CriticConfig, TrainConfig, load_config, step_plan
+from dockrl.config.specs import specs
 from dockrl.engines.train.batch import make_micro_batch
 from dockrl.engines.train.train_engine import TrainEngine
 from dockrl.models.hf import save_model
@@ -200,7 +201,7 @@ def _critic_step(
     )
     dock.table = dock.table[:rows]
     plan = step_plan(cfg)
-    worker = CriticWorker("critic-0", 0, 1, cfg=cfg, plan=plan, client=dock, total_optimizer_steps=1)
+    worker = CriticWorker("critic-0", 0, 1, spec=specs(cfg, plan).critic, plan=plan, client=dock)
     worker.engine = TrainEngine(
         tiny_model, device="cpu", precision="fp32", optim=cfg.critic, kind=value_model_kind(cfg.run.seed)
     )

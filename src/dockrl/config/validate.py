@@ -24,6 +24,7 @@ from dockrl.config.schema import (
     DistillConfig,
     KLEstimator,
     RewardModelConfig,
+    RolloutConfig,
     SFTConfig,
     TrainConfig,
 )
@@ -201,15 +202,7 @@ def _check_layouts(cfg: TrainConfig) -> None:
             "replicas are not built yet)",
             "use rollout.tp=1 with several rollout.replicas, or rollout.placement=colocated",
         )
-    if not 0 < roll.vllm_memory_utilization <= 1:
-        raise config_error(
-            "rollout.vllm_memory_utilization",
-            roll.vllm_memory_utilization,
-            "is a share of the device's memory",
-            "use a value in (0, 1], e.g. 0.5 colocated",
-        )
-    if roll.vllm_probe_tol is not None:
-        positive("rollout.vllm_probe_tol", roll.vllm_probe_tol)
+    _check_backend(roll)
     positive("rollout.max_staleness", roll.max_staleness, allow_zero=True)
     if roll.max_staleness > 8:
         raise config_error(
@@ -251,12 +244,14 @@ def _check_layouts(cfg: TrainConfig) -> None:
         )
     algo = cfg.algo
     if algo.routing_replay == "r3":
-        if roll.backend != "dockrl":
+        from dockrl.backends import backend
+
+        if not backend(roll.backend).records_routes:
             raise config_error(
                 "algo.routing_replay",
                 "r3",
-                f"replays the experts dockrl's rollout engine records; rollout.backend={roll.backend} does not "
-                "record them yet (vLLM 0.32's enable_return_routed_experts is not wired in)",
+                f"replays the experts the rollout engine records; rollout.backend={roll.backend} does not "
+                "record them",
                 "use rollout.backend=dockrl, or algo.routing_replay=none",
             )
         if cfg.env.name is not None:
@@ -491,3 +486,15 @@ def _check_dock(cfg: TrainConfig) -> None:
             "driver's socket hub); it applies to dock.mode=dock and single",
             stacklevel=3,
         )
+
+
+def _check_backend(roll: RolloutConfig) -> None:
+    """rollout.backend names a registered backend (backends), whose section's settings can work."""
+    from dockrl.backends import backend, names
+
+    if roll.backend not in names():
+        raise config_error("rollout.backend", roll.backend, "unknown backend", f"use one of {list(names())}")
+    entry = backend(roll.backend)
+    if entry.settings is not None:
+        for key, value, problem, fix in entry.settings_problems(getattr(roll, roll.backend)):
+            raise config_error(key, value, problem, fix)

@@ -76,3 +76,17 @@ def env_factory(
 def env_tools(env: Environment) -> list[dict[str, Any]]:
     """The JSON schemas an environment's tools declare ([] when it has none)."""
     return list(getattr(env, "tools", None) or [])
+
+
+def factory_of(env: Any, family: str) -> Callable[[], Environment]:
+    """The environment factory of a run's environment `env` (an EnvSpec: name, kwargs, its file's code and
+    origin, call_timeout_s) for a model of `family`: the one way the driver, the preflight and the rollout build
+    it."""
+    return env_factory(
+        env.name,
+        env.kwargs,
+        code=env.code,
+        origin=env.origin,
+        family=family,
+        call_timeout_s=env.call_timeout_s,
+    )

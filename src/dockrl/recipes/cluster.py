@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from dockrl.checkpoint.shared_dir import remove_probe, write_probe
 from dockrl.config.resolve import Resolved
 from dockrl.config.schema import RunConfig, TrainConfig
+from dockrl.config.specs import Specs, specs
 from dockrl.config.step_plan import StepPlan
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.launch import CentralDockHandle, Dock, launch_dock
@@ -111,12 +112,14 @@ class Cluster:
                 )
                 _watch_dock(supervisor, dock.docks[-1])
             startup.mark("dock")
+            # Each group gets its spec (config/specs.py), the plan and its dock client: the config stops here.
             # Every group's processes start side by side (imports dominate), then each is waited for.
-            started["actors"], started["rewards"] = _start_workers(cfg, plan, dock, supervisor)
+            parts = specs(cfg, plan)
+            started["actors"], started["rewards"] = _start_workers(cfg, parts, plan, dock, supervisor)
             started["reward_models"] = _start_reward_models(cfg, dock, supervisor)
-            started["critic"] = _start_critic(cfg, plan, dock, supervisor)
-            started["rollouts"] = _start_rollouts(cfg, plan, dock, supervisor)
-            started["teacher"] = _start_teacher(cfg, dock, supervisor)
+            started["critic"] = _start_critic(cfg, parts, plan, dock, supervisor)
+            started["rollouts"] = _start_rollouts(cfg, parts, plan, dock, supervisor)
+            started["teacher"] = _start_teacher(cfg, parts, dock, supervisor)
             for name, group in started.items():
                 if isinstance(group, WorkerGroup):
                     group.wait_started()
@@ -219,10 +222,8 @@ def _watch_dock(supervisor: Supervisor, dock: Dock | CentralDockHandle) -> None:
 
 
 def _start_workers(
-    cfg: TrainConfig, plan: StepPlan, dock, supervisor: Supervisor
+    cfg: TrainConfig, parts: Specs, plan: StepPlan, dock, supervisor: Supervisor
 ) -> tuple[ActorGroup, RewardGroup]:
-    # PPO's actor does not update during the critic's warm-up steps.
-    rl_steps = max(1, cfg.run.steps - cfg.algo.critic_warmup_steps)
     num_actor_ranks = cfg.actor.dp * cfg.actor.tp
     actors = _group(
         cfg.run,
@@ -233,10 +234,9 @@ def _start_workers(
         place=cfg.placement.actor,
         gpu=True,
         distributed=True,
-        cfg=cfg,
+        spec=parts.actor,
         plan=plan,
         client=dock.client(),
-        total_optimizer_steps=rl_steps * cfg.actor.mini_batches * cfg.actor.epochs,
         num_threads=_threads_per_rank(cfg, num_actor_ranks),
     )
     rewards = _group(
@@ -283,9 +283,11 @@ def _start_reward_models(cfg: TrainConfig, dock, supervisor: Supervisor) -> Rewa
     )
 
 
-def _start_critic(cfg: TrainConfig, plan: StepPlan, dock, supervisor: Supervisor) -> CriticGroup | None:
+def _start_critic(
+    cfg: TrainConfig, parts: Specs, plan: StepPlan, dock, supervisor: Supervisor
+) -> CriticGroup | None:
     """PPO's CriticWorkers (critic.dp ranks in their own process group; one GPU each on cuda), else None."""
-    if not plan.critic:
+    if parts.critic is None:
         return None
     critic = cfg.critic
     return _group(
@@ -297,18 +299,17 @@ def _start_critic(cfg: TrainConfig, plan: StepPlan, dock, supervisor: Supervisor
         place=cfg.placement.critic,
         gpu=True,
         distributed=True,
-        cfg=cfg,
+        spec=parts.critic,
         plan=plan,
         client=dock.client(),
-        total_optimizer_steps=cfg.run.steps * critic.mini_batches * critic.epochs,
         num_threads=_threads_per_rank(cfg, critic.dp),
     )
 
 
-def _start_teacher(cfg: TrainConfig, dock, supervisor: Supervisor) -> TeacherGroup | None:
+def _start_teacher(cfg: TrainConfig, parts: Specs, dock, supervisor: Supervisor) -> TeacherGroup | None:
     """distill.teacher_path: distill.num_workers TeacherWorkers in their own process group (one GPU each on
     cuda), else None."""
-    if cfg.distill.teacher_path is None:
+    if parts.teacher is None:
         return None
     ranks = cfg.distill.num_workers
     return _group(
@@ -320,13 +321,15 @@ def _start_teacher(cfg: TrainConfig, dock, supervisor: Supervisor) -> TeacherGro
         place=cfg.placement.teacher,
         gpu=True,
         distributed=True,
-        cfg=cfg,
+        spec=parts.teacher,
         client=dock.client(),
         num_threads=_threads_per_rank(cfg, ranks),
     )
 
 
-def _start_rollouts(cfg: TrainConfig, plan: StepPlan, dock, supervisor: Supervisor) -> RolloutGroup | None:
+def _start_rollouts(
+    cfg: TrainConfig, parts: Specs, plan: StepPlan, dock, supervisor: Supervisor
+) -> RolloutGroup | None:
     """rollout.placement=separate: rollout.replicas RolloutWorkers (one GPU each on cuda), else None."""
     if cfg.rollout.placement != "separate":
         return None
@@ -338,7 +341,7 @@ def _start_rollouts(cfg: TrainConfig, plan: StepPlan, dock, supervisor: Supervis
         "rollout",
         place=cfg.placement.rollout,
         gpu=True,
-        cfg=cfg,
+        spec=parts.rollout,
         plan=plan,
         client=dock.client(),
     )

@@ -112,10 +112,13 @@ def evaluate_model_dir(
     model.eval()
     make_env = settings = None
     if env is not None:
+        from dockrl.config.specs import env_spec
         from dockrl.engines.rollout.dock_feed import env_settings
 
         budget = env.max_response_tokens or max_new_tokens * env.max_turns
-        settings = env_settings(env, budget, system_prompt, tokenizer, model.args.family)
+        spec = env_spec(env, system_prompt)
+        assert spec is not None, "evaluate_model_dir takes an env with its name set"
+        settings = env_settings(spec, budget, tokenizer, model.args.family)
         make_env = settings["make_env"]
     prompts, _ = encode_prompts(
         data_path,

@@ -38,6 +38,7 @@ from dockrl.config.loader import to_dict
 from dockrl.config.resolve import Resolved
 from dockrl.config.schedule import Schedule
 from dockrl.config.schema import TrainConfig
+from dockrl.config.specs import env_spec
 from dockrl.config.step_plan import StepPlan
 from dockrl.dock.errors import DockError
 from dockrl.dock.stages import Stage
@@ -310,19 +311,12 @@ def _run_failed(exc: Exception, run: RunDir, head: ResumePoint | None) -> RunFai
 def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None = None):
     d = cfg.data
     make_env = None
-    env = cfg.env
-    if env.name is not None:  # multi-turn: the first turn is the environment's, rendered with its tools
-        from dockrl.envs.loader import env_factory
+    env = env_spec(cfg.env, d.system_prompt)
+    if env is not None:  # multi-turn: the first turn is the environment's, rendered with its tools
+        from dockrl.envs.loader import factory_of
         from dockrl.models.config import read_config
 
-        make_env = env_factory(
-            env.name,
-            env.kwargs,
-            code=env.code,
-            origin=env.source_file,
-            family=read_config(cfg.model.path).family,
-            call_timeout_s=env.call_timeout_s,
-        )
+        make_env = factory_of(env, read_config(cfg.model.path).family)
     return encode_prompts(
         path,
         tokenizer,

@@ -124,7 +124,7 @@ def preflight_train(cfg: TrainConfig) -> Resolved:
     _check_reward_model_files(run_cfg)
     _check_teacher(run_cfg)
     _check_model_layouts(run_cfg)
-    _check_vllm(run_cfg)
+    _check_backend(run_cfg)
     return resolved
 
 
@@ -266,7 +266,8 @@ def _check_environment(cfg: TrainConfig, model_path: str) -> None:
     family has a tool-call format, and its tokenizer a chat template."""
     if cfg.env.name is None:
         return
-    from dockrl.envs.loader import env_factory
+    from dockrl.config.specs import env_spec
+    from dockrl.envs.loader import factory_of
     from dockrl.envs.tool_calls import FAMILY_FORMAT
     from dockrl.models.config import read_config
     from dockrl.models.tokenizer import Tokenizer
@@ -287,9 +288,7 @@ def _check_environment(cfg: TrainConfig, model_path: str) -> None:
             "use a tokenizer with a chat template and data.use_chat_template=true",
         )
     try:
-        env_factory(
-            cfg.env.name, cfg.env.kwargs, code=cfg.env.code, origin=cfg.env.source_file, family=family
-        )
+        factory_of(env_spec(cfg.env, cfg.data.system_prompt), family)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"env.name={cfg.env.name!r}: {exc}") from exc
 
@@ -496,21 +495,22 @@ def _check_moe_lora(cfg: TrainConfig, args) -> None:
         )
 
 
-def _check_vllm(cfg: TrainConfig) -> None:
-    """rollout.backend=vllm: the pinned vLLM installed, and a model it can serve on this device."""
-    if cfg.rollout.backend != "vllm":
-        return
-    from dockrl.engines.rollout.vllm_backend import model_problem, vllm_problem
+def _check_backend(cfg: TrainConfig) -> None:
+    """rollout.backend: installed here, and able to serve the model on this device (its own checks,
+    backends)."""
+    from dockrl.backends import backend
     from dockrl.models.config import read_config
 
-    problem = vllm_problem()
+    name = cfg.rollout.backend
+    entry = backend(name)
+    problem = entry.install_problem()
     if problem is not None:
-        raise config_error("rollout.backend", "vllm", problem, "install it, or use rollout.backend=dockrl")
-    problem = model_problem(read_config(cfg.model.path), cfg.run.device)
+        raise config_error("rollout.backend", name, problem, "install it, or use rollout.backend=dockrl")
+    problem = entry.model_problem(read_config(cfg.model.path), cfg.run.device)
     if problem is not None:
         raise config_error(
             "rollout.backend",
-            "vllm",
+            name,
             f"model.path={cfg.model.path}: {problem}",
-            "or pick a model vLLM serves",
+            "or pick a model it serves",
         )

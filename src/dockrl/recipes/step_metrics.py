@@ -136,7 +136,7 @@ def _rewards_and_lengths(record: StepRecord, lengths: list[int]) -> dict[str, fl
 
 
 def _weight_sync(record: StepRecord) -> dict[str, float]:
-    """rollout.backend=vllm: the slowest rank's weight load, its bytes, and the worst probe difference ({}
+    """A backend that loads its weights (vLLM): the slowest rank's weight load, its bytes, and the worst probe difference ({}
     with the dockrl engine)."""
     syncs = [g.weight_sync for g in record.generated if g.weight_sync]
     if not syncs:

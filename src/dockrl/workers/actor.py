@@ -15,6 +15,7 @@ With tensor parallel degree 1 every rank is the head of its own data-parallel gr
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,10 @@ import torch
 
 from dockrl.algos.estimators import kl_shaped_returns
 from dockrl.algos.losses import kl_penalty
+from dockrl.backends import Rollout, RolloutHost, WeightPairs, backend
 from dockrl.checkpoint.directory import ACTOR, ADAPTER, HF
 from dockrl.checkpoint.sharded import export_adapter, export_hf, load_engine, save_engine
-from dockrl.config.schema import TrainConfig
+from dockrl.config.specs import ActorSpec
 from dockrl.config.step_plan import StepPlan
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import (
@@ -40,12 +42,12 @@ from dockrl.dock.columns import (
 )
 from dockrl.dock.stages import Stage
 from dockrl.engines.reshard.switch import RolloutSwitch, offload_flags
-from dockrl.engines.rollout.backend import RolloutBackend
-from dockrl.engines.rollout.dock_feed import serve_step, step_engine
-from dockrl.engines.rollout.sampler import SamplingParams, generate, generate_with
+from dockrl.engines.rollout.dock_feed import serve_step
+from dockrl.engines.rollout.sampler import SamplingParams
 from dockrl.engines.train.policy_update import all_reduce_sum, policy_update, whiten_rows
 from dockrl.engines.train.train_engine import TrainEngine
 from dockrl.models.lora import LoraSpec, read_peft_adapters
+from dockrl.models.precision import dtype_of
 from dockrl.models.tokenizer import Tokenizer, first_token_id, stop_token_ids
 from dockrl.parallel.dist import free_port, host_ip, inference_mesh, side_group, training_mesh
 from dockrl.parallel.expert_parallel import ALL_TO_ALL_BYTES
@@ -66,36 +68,32 @@ class ActorWorker(Worker):
         rank: int,
         world_size: int,
         *,
-        cfg: TrainConfig,
+        spec: ActorSpec,
         plan: StepPlan,
         client: DockChoice,
-        total_optimizer_steps: int,
         num_threads: int | None = None,
     ):
-        """`cfg` and `plan`: the run's resolved config and its step plan (config.Resolved), read, never changed."""
+        """`spec` and `plan`: the actor's spec and the run's step plan (config.specs), read, never changed."""
         super().__init__(name, rank, world_size, num_threads)
-        self.cfg = cfg
-        self.client = client
-        self.total_optimizer_steps = total_optimizer_steps
-        rows = cfg.run.prompts_per_step * cfg.rollout.samples_per_prompt
-        self.dp = world_size // cfg.actor.tp  # tensor-parallel peers train on the same rows
-        self.rows_per_rank = rows // self.dp
-        self.plan = plan
-        self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-        self.vllm_mode = cfg.rollout.backend == "vllm"
+        self.spec, self.plan, self.client = spec, plan, client
+        self.dp = world_size // spec.optim.tp  # tensor-parallel peers train on the same rows
+        self.rows_per_rank = spec.rows_per_step // self.dp
+        temperature = spec.rollout.temperature
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.backend = backend(spec.rollout.backend)
 
     def setup(self, resume_from: str | None = None) -> SetupResult:
         """Build the sharded policy (+ optimizer), the reference model and the rollout model; with
         `resume_from` (a checkpoint root) the policy, its optimizer and LR schedule come from there."""
-        cfg = self.cfg
-        mesh = training_mesh(self.device.type, self.dp, cfg.actor.tp)
+        spec = self.spec
+        mesh = training_mesh(self.device.type, self.dp, spec.optim.tp)
         common: dict[str, Any] = dict(
-            device=self.device, precision=cfg.run.precision, mesh=mesh, ep=cfg.actor.ep
+            device=self.device, precision=spec.rollout.precision, mesh=mesh, ep=spec.optim.ep
         )
         self.policy = TrainEngine(
-            cfg.model.path,
-            optim=cfg.actor,
-            total_optimizer_steps=self.total_optimizer_steps,
+            spec.model_path,
+            optim=spec.optim,
+            total_optimizer_steps=spec.total_optimizer_steps,
             load_weights=resume_from is None or self.plan.lora is not None,  # LoRA resumes adapters only
             **common,
             **self._lora_args(),
@@ -104,20 +102,26 @@ class ActorWorker(Worker):
             load_engine(self.policy, Path(resume_from) / ACTOR)
         self.ref = None  # LoRA: the reference is the policy with its adapters off (compute_ref)
         if self.plan.reference and not self.plan.reference_is_base:
-            self.ref = TrainEngine(cfg.model.ref_path or cfg.model.path, trainable=False, **common)
-        self._setup_switch(mesh)
-        self.rollout_engine: RolloutBackend | None = None  # built at a generate; see reshard.free_kv_cache
-        self.weight_sync: dict[
-            str, float
-        ] = {}  # rollout.backend=vllm: the last update's seconds, bytes, probe
-        self.tokenizer = Tokenizer.from_dir(cfg.model.path)
+            self.ref = TrainEngine(spec.ref_path or spec.model_path, trainable=False, **common)
+        self.tokenizer = Tokenizer.from_dir(spec.model_path)
         self.pad_token_id = first_token_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
         self.stop_token_ids = stop_token_ids(self.tokenizer.eos_token_id, self.policy.args.eos_token_id)
-        # MoE: the rollout records each token's experts (dockrl's engine, single-turn) into routed_experts
-        self.routes_column = (
-            self.policy.args.is_moe and cfg.rollout.backend == "dockrl" and cfg.env.name is None
+        self._setup_switch(mesh)
+        host = RolloutHost(
+            self.rollout_model,
+            self.tokenizer.decode,
+            self.pad_token_id,
+            self.device.type,
+            self.world_size,
+            self.name,
         )
-        self.replay_routes = self.routes_column and cfg.algo.routing_replay == "r3"
+        self.rollout: Rollout = self.backend.colocated(spec.rollout, host)
+        self.weight_sync: dict[str, float] = {}  # what the last sync loaded (backends that load: vLLM)
+        # MoE: the rollout records each token's experts (a backend that can, single-turn) into routed_experts
+        self.routes_column = (
+            self.policy.args.is_moe and self.backend.records_routes and spec.rollout.env is None
+        )
+        self.replay_routes = self.routes_column and spec.algo.routing_replay == "r3"
         self.all_to_all_mark = ALL_TO_ALL_BYTES[0]  # actor.ep > 1: bytes sent before this step's passes
         return SetupResult(self.policy.args.num_params(), str(self.device), self.where())
 
@@ -127,75 +131,44 @@ class ActorWorker(Worker):
         if lora is None:
             return {}
         spec = LoraSpec(lora.rank, lora.alpha, lora.dropout, lora.target_modules)
-        path = self.cfg.model.lora_path
+        path = self.spec.lora_path
         return {
             "lora": spec,
             "lora_init": None if path is None else read_peft_adapters(path),
-            "seed": self.cfg.run.seed,
+            "seed": self.spec.rollout.seed,
         }
 
     def _setup_switch(self, train_mesh) -> None:
         """The rollout model (tp_infer-parallel, weights only while in rollout) and the dock views per layout."""
-        cfg, tp_infer = self.cfg, self.cfg.rollout.tp
+        spec, tp_infer = self.spec, self.spec.rollout.tp
         infer_group = inference_mesh(self.device.type, self.world_size, tp_infer).get_group("tp")
-        # vLLM cuts its own tensor-parallel slices: its switch streams full tensors (tp_infer 1 for the gathers).
-        switch_tp = 1 if self.vllm_mode else tp_infer
-        dtype = torch.bfloat16 if cfg.run.precision == "bf16" else torch.float32
-        bucket_mb = cfg.reshard.bucket_mb
+        # A backend that cuts its own tensor-parallel slices gets full tensors (tp_infer 1 for the gathers).
+        switch_tp = 1 if self.backend.full_tensors else tp_infer
         self.switch = RolloutSwitch(
             self.policy,
             rank=self.rank,
             world=self.world_size,
             tp_infer=switch_tp,
             infer_group=infer_group if switch_tp > 1 else None,
-            bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20),
-            dtype=dtype,
-            offload=offload_flags(cfg.reshard, self.device.type),
+            bucket_bytes=spec.rollout.bucket_bytes,
+            dtype=dtype_of(spec.rollout.precision),
+            offload=offload_flags(spec.reshard, self.device.type),
             extra_offload=() if self.ref is None else (self.ref.model,),
         )
         self.rollout_model = self.switch.model
         self.rollout_stale = True
-        self.train_client = ReplicaClient(self.client, self.policy.tp_group, self.rank, cfg.actor.tp)
+        self.train_client = ReplicaClient(self.client, self.policy.tp_group, self.rank, spec.optim.tp)
         self.rollout_client = ReplicaClient(self.client, infer_group, self.rank, tp_infer)
 
     # ---- rollout -------------------------------------------------------------------------------
 
-    def sync_rollout_weights(self) -> int:
-        """Enter the rollout layout: gather this rank's inference shard bucket by bucket, offload training
-        state (collective: all ranks call it together). Returns the inference shard's bytes. With
-        rollout.backend=vllm the buckets stream into this rank's vLLM engine instead, and the update is
-        checked against the trainer's own log-probs of the probe sequence (WeightSyncError)."""
-        if self.vllm_mode:
-            from dockrl.engines.rollout.vllm_backend import VllmBackend
-
-            engine = self._rollout_backend()
-            assert isinstance(engine, VllmBackend)
-            engine.wake_up()
-            ids = engine.probe_ids()
-            (reference,), _ = self.policy.logprobs(  # a collective forward: every rank runs it
-                [ids[:1]], [ids[1:]], temperature=1.0, micro_batch_size=1, pad_token_id=self.pad_token_id
-            )
-            self.weight_sync = self.switch.enter_into(lambda pairs: engine.load_weights(pairs, reference))
-            self.rollout_stale = False
-            return int(self.weight_sync["bytes"])
-        self.switch.enter()
+    def sync_rollout_weights(self) -> None:
+        """Enter the rollout layout (collective: all ranks call it together): the switch gathers this rank's
+        inference weights bucket by bucket and offloads training state, and the backend takes them (dockrl's
+        engine reads them in place; vLLM loads them and checks them against the trainer's own log-probs of a
+        probe sequence, WeightSyncError)."""
+        self.weight_sync = self.rollout.sync(_SwitchSource(self))
         self.rollout_stale = False
-        return self.switch.inference_shard_bytes
-
-    def _rollout_backend(self) -> RolloutBackend:
-        """This rank's generation engine: the dockrl engine on the switch's inference model, or (rollout.
-        backend=vllm) an in-process vLLM engine, built once (its weights come with each sync)."""
-        if self.rollout_engine is None:
-            if self.vllm_mode:
-                from dockrl.engines.rollout.vllm_backend import VllmBackend, run_settings
-
-                settings = run_settings(self.cfg, self.policy.args, self.device.type, world=self.world_size)
-                self.rollout_engine = VllmBackend(settings, name=self.name)
-            else:
-                self.rollout_engine = step_engine(
-                    self.rollout_model, self.cfg, self.pad_token_id, self.tokenizer.decode
-                )
-        return self.rollout_engine
 
     def weight_sync_address(self) -> tuple[str, int]:
         """(address, port) where this rank (rank 0) hosts the weight-sync group of separate placement."""
@@ -205,7 +178,7 @@ class ActorWorker(Worker):
         """Rank 0 joins the weight-sync group with the rollout replicas as its member 0; the other ranks only
         take part in the gathers of broadcast_weights."""
         if self.rank == 0:
-            self.sync_group = side_group(addr, port, 0, world, timeout_s=self.cfg.run.worker_timeout_s)
+            self.sync_group = side_group(addr, port, 0, world, timeout_s=self.spec.rollout.worker_timeout_s)
 
     def send_weights(self) -> int:
         """Separate placement: gather the policy bucket by bucket and broadcast it to the rollout replicas
@@ -220,13 +193,7 @@ class ActorWorker(Worker):
         if self.switch.active:
             self.switch.exit()
         self.rollout_stale = True
-        free_kv = self.cfg.reshard.free_kv_cache
-        if free_kv if free_kv is not None else self.device.type == "cuda":
-            if self.vllm_mode:
-                if self.rollout_engine is not None:
-                    self.rollout_engine.sleep()  # type: ignore[attr-defined]  # vLLM: KV cache and weights freed
-            else:
-                self.rollout_engine = None  # its KV cache goes with it; rebuilt at the next generate
+        self.rollout.release(self.spec.rollout.free_kv_cache)
 
     def generate(self, step: int) -> GenerateResult:
         """Serve rollout rows from the dock through the continuous-batching engine until every row has a
@@ -235,12 +202,12 @@ class ActorWorker(Worker):
         if self.rollout_stale:
             self.sync_rollout_weights()
         reshard_s = time.perf_counter() - reshard_start
-        engine = self._rollout_backend()
+        engine = self.rollout.engine()
         version = step - 1  # colocated rollout is on-policy: the weights after step - 1 updates
         stats = serve_step(
             engine,
             self.rollout_client,
-            self.cfg,
+            self.spec.rollout,
             step,
             self.stop_token_ids,
             version,
@@ -286,8 +253,8 @@ class ActorWorker(Worker):
             batch[PROMPT_IDS],
             batch[RESPONSE_IDS],
             temperature=self.temperature,
-            micro_batch_size=self.cfg.actor.micro_batch_size,
-            max_tokens_per_micro_batch=self.cfg.actor.max_tokens_per_micro_batch,
+            micro_batch_size=self.spec.optim.micro_batch_size,
+            max_tokens_per_micro_batch=self.spec.optim.max_tokens_per_micro_batch,
             pad_token_id=self.pad_token_id,
             routes=batch.get(ROUTED_EXPERTS),  # algo.routing_replay=r3: the rollout's experts
             replay=self.replay_routes,
@@ -300,7 +267,7 @@ class ActorWorker(Worker):
 
     def update(self) -> UpdateResult:
         """Train on this rank's share of the step's rows: epochs x mini-batches optimizer steps."""
-        actor, use_ref = self.cfg.actor, self.plan.reference
+        actor, use_ref = self.spec.optim, self.plan.reference
         columns = [PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, ADVANTAGES, ROLLOUT_LOGPROBS]
         columns += [REF_LOGPROBS] if use_ref else []
         columns += [] if self.plan.single_update or self.plan.old_from_rollout else [OLD_LOGPROBS]
@@ -372,7 +339,7 @@ class ActorWorker(Worker):
         """REINFORCE++ with algo.kl_in_reward: each row's advantage minus kl_coef x the KL to go (sampling
         policy vs reference, algo.kl_estimator); returns the new advantages and the step's mean per-token KL
         in the reward (summed over the dp ranks) as reward/kl_penalty, with reward/kl_coef."""
-        algo = self.cfg.algo
+        algo = self.spec.algo
         shaped, kl_sum, tokens = [], 0.0, 0
         for adv, old, ref in zip(batch[ADVANTAGES], batch[OLD_LOGPROBS], batch[REF_LOGPROBS]):
             kl = kl_penalty(old.float(), ref.float(), algo.kl_estimator)  # [R]
@@ -392,19 +359,14 @@ class ActorWorker(Worker):
         self, prompts: list[list[int]], env_rows: list[dict], params: SamplingParams
     ) -> list[list[int]]:
         """Multi-turn held-out answers: one greedy trajectory per prompt, its final turn's tokens."""
-        from dockrl.engines.rollout.dock_feed import env_settings, response_budget
+        from dockrl.engines.rollout.dock_feed import env_settings
         from dockrl.engines.rollout.multi_turn import final_turn, run_trajectories
 
-        if not prompts:
+        rollout = self.spec.rollout
+        if not prompts or rollout.env is None:
             return []
-        engine = self._rollout_backend()
-        settings = env_settings(
-            self.cfg.env,
-            response_budget(self.cfg),
-            self.cfg.data.system_prompt,
-            self.tokenizer,
-            self.policy.args.family,
-        )
+        engine = self.rollout.engine()
+        settings = env_settings(rollout.env, rollout.response_budget, self.tokenizer, self.policy.args.family)
         outs, _ = run_trajectories(
             engine, prompts, env_rows, params=params, groups_per_pull=64, row_seed=lambda row: 0, **settings
         )
@@ -418,7 +380,7 @@ class ActorWorker(Worker):
         if self.policy.lora is not None:  # adapters only: the base stays where model.path points
             export_adapter(self.policy, Path(path) / ADAPTER)
         else:
-            export_hf(self.policy, Path(path) / HF, tokenizer_dir=self.cfg.model.path)
+            export_hf(self.policy, Path(path) / HF, tokenizer_dir=self.spec.model_path)
         return path
 
     def evaluate(
@@ -437,19 +399,31 @@ class ActorWorker(Worker):
             answers = self._evaluate_trajectories(prompts, self.rollout_client.broadcast(env_rows), params)
             self.leave_rollout()
             return answers if self.rollout_client.is_head else []
-        if self.vllm_mode:
-            outs = generate_with(self._rollout_backend(), prompts, params, [0] * len(prompts))
-        else:
-            outs = generate(
-                self.rollout_model,
-                prompts,
-                params,
-                [0] * len(prompts),
-                pad_token_id=self.pad_token_id,
-                max_batch_size=self.cfg.rollout.max_batch_size,
-            )
+        outs = self.rollout.generate(prompts, params, [0] * len(prompts))
         self.leave_rollout()
         return [o.token_ids.tolist() for o in outs] if self.rollout_client.is_head else []
+
+
+class _SwitchSource:
+    """The colocated weight source (backends.WeightSource): the actor rank's allgather-swap
+    switch, and the trainer's own forward for a backend's probe check."""
+
+    def __init__(self, worker: ActorWorker) -> None:
+        self.worker = worker
+
+    def in_place(self) -> int:
+        self.worker.switch.enter()
+        return self.worker.switch.inference_shard_bytes
+
+    def stream(self, load: Callable[[WeightPairs], dict[str, float]]) -> dict[str, float]:
+        return self.worker.switch.enter_into(load)
+
+    def reference(self, ids: torch.Tensor) -> torch.Tensor:
+        worker = self.worker
+        (logps,), _ = worker.policy.logprobs(  # a collective forward: every rank runs it
+            [ids[:1]], [ids[1:]], temperature=1.0, micro_batch_size=1, pad_token_id=worker.pad_token_id
+        )
+        return logps
 
 
 def _no_rows(columns: list[str]) -> tuple[list[int], dict[str, list]]:

@@ -35,7 +35,7 @@ from dockrl.algos.ppo import (
 )
 from dockrl.checkpoint.directory import CRITIC, HF
 from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
-from dockrl.config.schema import TrainConfig
+from dockrl.config.specs import CriticSpec
 from dockrl.config.step_plan import StepPlan
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import (
@@ -73,20 +73,18 @@ class CriticWorker(Worker):
         rank: int,
         world_size: int,
         *,
-        cfg: TrainConfig,
+        spec: CriticSpec,
         plan: StepPlan,
         client: DockChoice,
-        total_optimizer_steps: int,
         num_threads: int | None = None,
     ):
-        """`cfg` and `plan`: the run's resolved config and its step plan (config.Resolved), read, never changed."""
+        """`spec` and `plan`: the critic's spec and the run's step plan (config.specs), read, never changed."""
         super().__init__(name, rank, world_size, num_threads)
-        self.cfg, self.plan, self.client = cfg, plan, client
-        self.total_optimizer_steps = total_optimizer_steps
-        self.rows = cfg.run.prompts_per_step * cfg.rollout.samples_per_prompt
+        self.spec, self.plan, self.client = spec, plan, client
+        self.rows = spec.rows_per_step
         self.rows_per_rank = self.rows // world_size
         # Every rank sees the same all-reduced KL each step, so their controllers stay identical.
-        algo = cfg.algo
+        algo = spec.algo
         self.kl_ctrl = KLController(
             algo.kl_ctrl, plan.kl_coef, target=algo.kl_target, horizon=algo.kl_horizon
         )
@@ -94,17 +92,17 @@ class CriticWorker(Worker):
     def setup(self, resume_from: str | None = None, kl_coef: float | None = None) -> SetupResult:
         """Build the sharded value model and its optimizer; with `resume_from` (a checkpoint root) both come
         from there, and the KL controller continues from `kl_coef`."""
-        cfg = self.cfg
+        spec = self.spec
         if kl_coef is not None:
             self.kl_ctrl.value = kl_coef
         self.engine = TrainEngine(
-            cfg.critic.path or cfg.model.path,
-            kind=value_model_kind(cfg.run.seed),
+            spec.path,
+            kind=value_model_kind(spec.seed),
             device=self.device,
-            precision=cfg.run.precision,
+            precision=spec.precision,
             mesh=data_parallel_mesh(self.device.type, self.world_size),
-            optim=cfg.critic,
-            total_optimizer_steps=self.total_optimizer_steps,
+            optim=spec.optim,
+            total_optimizer_steps=spec.total_optimizer_steps,
             load_weights=resume_from is None,
         )
         if resume_from is not None:
@@ -132,7 +130,7 @@ class CriticWorker(Worker):
     def _values(self, prompts: list[torch.Tensor], responses: list[torch.Tensor]) -> list[torch.Tensor]:
         self.engine.model.eval()
         values: list[torch.Tensor] = []
-        for idx in split_indices(len(prompts), self.cfg.critic.micro_batch_size):
+        for idx in split_indices(len(prompts), self.spec.optim.micro_batch_size):
             mb = make_micro_batch(
                 [prompts[i] for i in idx],
                 [responses[i] for i in idx],
@@ -148,7 +146,7 @@ class CriticWorker(Worker):
         Returns metrics of the whole step (all ranks): `critic/...`, and with algo.kl_in_reward the KL in the
         reward and the coefficient it was weighted with (then adapted for the next step by the controller).
         """
-        algo = self.cfg.algo
+        algo = self.spec.algo
         columns = [PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, REWARD, VALUES]
         columns += [REF_LOGPROBS, OLD_LOGPROBS] if algo.kl_in_reward else []
         got = self.client.get(
@@ -178,8 +176,8 @@ class CriticWorker(Worker):
             self.kl_ctrl.update(metrics["reward/kl_penalty"], self.rows)
         history = [
             self._train_mini_batch(batch, idx)
-            for _ in range(self.cfg.critic.epochs)
-            for idx in _mini_batches(self.rows_per_rank, self.cfg.critic.mini_batches)
+            for _ in range(self.spec.optim.epochs)
+            for idx in _mini_batches(self.rows_per_rank, self.spec.optim.mini_batches)
         ]
         for key in history[0]:
             metrics[f"critic/{key}"] = sum(h[key] for h in history) / len(history)
@@ -231,9 +229,9 @@ class CriticWorker(Worker):
                 per_token={name: [batch[name][idx[j]] for j in chunk] for name in (VALUES, RETURNS)},
                 response_masks=[torch.full((len(batch[VALUES][idx[j]]),), weights[j]) for j in chunk],
             )
-            for chunk in split_indices(len(idx), self.cfg.critic.micro_batch_size)
+            for chunk in split_indices(len(idx), self.spec.optim.micro_batch_size)
         ]
-        clip, world = self.cfg.critic.value_clip, self.world_size
+        clip, world = self.spec.optim.value_clip, self.world_size
 
         def loss_fn(vpred: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
             old, returns, mask = mb.per_token[VALUES], mb.per_token[RETURNS], mb.response_mask  # [B, T-1]
@@ -259,7 +257,7 @@ class CriticWorker(Worker):
         """Write the critic's training state to `path`/critic and its model directory (body + `score` head,
         which `critic.path` loads) to `path`/critic/hf (collective); returns the KL controller's state."""
         save_engine(self.engine, Path(path) / CRITIC)
-        export_hf(self.engine, Path(path) / CRITIC / HF, tokenizer_dir=self.cfg.model.path)
+        export_hf(self.engine, Path(path) / CRITIC / HF, tokenizer_dir=self.spec.tokenizer_path)
         return CriticState(self.kl_ctrl.value)
 
 

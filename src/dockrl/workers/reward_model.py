@@ -32,6 +32,7 @@ from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import PROMPT_IDS, RESPONSE_IDS, RM_SCORE
 from dockrl.dock.stages import Stage
 from dockrl.models.classifier import load_reward_model
+from dockrl.models.precision import dtype_of
 from dockrl.models.tokenizer import Tokenizer, same_vocabulary
 from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.results import ModelScoreResult
@@ -72,7 +73,7 @@ class RewardModelWorker(Worker):
         self.group_size, self.groups_per_pull = group_size, groups_per_pull
         # Ray gives a GPU actor exactly one visible device.
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        dtype = dtype_of(precision)
         path = model.path
         assert path is not None, "RewardModelWorkers start only with reward.model.path set"
         self.model = load_reward_model(path, device=self.device, dtype=dtype).eval()

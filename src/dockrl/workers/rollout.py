@@ -16,20 +16,22 @@ depend only on its seed and the weights (`dock_feed.row_seed`), so which replica
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import ray
 import torch
 import torch.distributed as dist
 
 from dockrl.algos.logprobs import token_logprobs
-from dockrl.config.schema import TrainConfig
+from dockrl.backends import Rollout, RolloutHost, WeightPairs, backend
+from dockrl.config.specs import RolloutSpec
 from dockrl.config.step_plan import StepPlan
 from dockrl.dock.choice import DockChoice
-from dockrl.engines.rollout.backend import RolloutBackend
-from dockrl.engines.rollout.dock_feed import serve_step, step_engine
+from dockrl.engines.rollout.dock_feed import serve_step
 from dockrl.engines.rollout.replica_weights import ReplicaWeights
-from dockrl.models.hf import read_config
+from dockrl.models.config import read_config
 from dockrl.models.lora import LoraSpec
+from dockrl.models.precision import dtype_of
 from dockrl.models.tokenizer import Tokenizer, first_token_id, stop_token_ids
 from dockrl.parallel.dist import side_group
 from dockrl.parallel.replica import ReplicaClient
@@ -45,46 +47,46 @@ class RolloutWorker(Worker):
     threads = {WEIGHTS_THREAD: 1}  # weights arrive while a step generates (rollout.max_staleness >= 2)
 
     def __init__(
-        self, name: str, rank: int, world_size: int, *, cfg: TrainConfig, plan: StepPlan, client: DockChoice
+        self, name: str, rank: int, world_size: int, *, spec: RolloutSpec, plan: StepPlan, client: DockChoice
     ):
-        """`cfg` and `plan`: the run's resolved config and its step plan (config.Resolved), read, never changed."""
+        """`spec` and `plan`: the run's rollout spec and step plan (config.specs), read, never changed."""
         super().__init__(name, rank, world_size)
-        self.cfg, self.plan, self.client = cfg, plan, client
+        self.spec, self.plan, self.client = spec, plan, client
         self.sync_group: dist.ProcessGroup | None = None  # set by join_weight_sync
 
     def setup(self) -> SetupResult:
         """The model and its weight buffers (filled by the first receive_weights), the tokenizer and stop
         tokens."""
-        cfg = self.cfg
-        self.device = torch.device("cuda", 0) if cfg.run.device == "cuda" else torch.device("cpu")
-        args = read_config(cfg.model.path)
-        bucket_mb = cfg.reshard.bucket_mb
+        spec = self.spec
+        self.device = torch.device("cuda", 0) if spec.device == "cuda" else torch.device("cpu")
+        args = read_config(spec.model_path)
         lora = self.plan.lora
         self.weights = ReplicaWeights(
             args,
-            cfg.model.path,
-            dtype=torch.bfloat16 if cfg.run.precision == "bf16" else torch.float32,
+            spec.model_path,
+            dtype=dtype_of(spec.precision),
             device=self.device,
-            bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20),
+            bucket_bytes=spec.bucket_bytes,
             lora=None if lora is None else LoraSpec(lora.rank, lora.alpha, lora.dropout, lora.target_modules),
             lead=self.plan.rollout_lead,
             name=self.name,
         )
         self.model = self.weights.model
-        self.tokenizer = Tokenizer.from_dir(cfg.model.path)
+        self.tokenizer = Tokenizer.from_dir(spec.model_path)
         self.pad_token_id = first_token_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
         self.stop_token_ids = stop_token_ids(self.tokenizer.eos_token_id, args.eos_token_id)
         self.replica_client = ReplicaClient(self.client, None, 0, 1)
-        self.engine: RolloutBackend | None = None
-        self.engine_version = -1  # rollout.backend=vllm: the weight version the vLLM engine holds
+        host = RolloutHost(
+            self.model, self.tokenizer.decode, self.pad_token_id, self.device.type, 1, self.name
+        )
+        self.rollout: Rollout = backend(spec.backend).replica(spec, host)
+        self.rollout_version = -1  # the weight version the rollout took last
         self.weight_sync: dict[str, float] = {}
         return SetupResult(args.num_params(), str(self.device), self.where())
 
     def join_weight_sync(self, addr: str, port: int, world: int) -> None:
         """Join the trainer's weight-sync group as member rank + 1 (the trainer's rank 0 is member 0)."""
-        self.sync_group = side_group(
-            addr, port, self.rank + 1, world, timeout_s=self.cfg.run.worker_timeout_s
-        )
+        self.sync_group = side_group(addr, port, self.rank + 1, world, timeout_s=self.spec.worker_timeout_s)
 
     @ray.method(concurrency_group=WEIGHTS_THREAD)
     def receive_weights(self, version: int) -> float:
@@ -100,14 +102,17 @@ class RolloutWorker(Worker):
         row has a response (as the colocated actor does)."""
         if dock is not None:
             self.client.select(dock)
-        self.weights.take(version, self.cfg.run.worker_timeout_s)
+        self.weights.take(version, self.spec.worker_timeout_s)
         try:
             start = time.perf_counter()
-            engine = self._engine(version)
+            self.weight_sync = {}  # reported only by the step that loaded new weights
+            if self.rollout_version != version:
+                self.weight_sync = self.rollout.sync(_ReceivedSource(self))
+                self.rollout_version = version
             stats = serve_step(
-                engine,
+                self.rollout.engine(),
                 self.replica_client,
-                self.cfg,
+                self.spec,
                 step,
                 self.stop_token_ids,
                 version,
@@ -129,31 +134,25 @@ class RolloutWorker(Worker):
             weight_sync=self.weight_sync,
         )
 
-    def _engine(self, version: int) -> RolloutBackend:
-        """The replica's generation engine with the weights of `version` (taken): the dockrl engine on the
-        received buffers, or (rollout.backend=vllm) a vLLM engine loaded from them when the version changed,
-        checked against the received weights' own log-probs of the probe sequence (WeightSyncError)."""
-        if self.cfg.rollout.backend != "vllm":
-            if self.engine is None:
-                self.engine = step_engine(self.model, self.cfg, self.pad_token_id, self.tokenizer.decode)
-            return self.engine
-        from dockrl.engines.rollout.vllm_backend import VllmBackend, run_settings
 
-        if self.engine is None:
-            self.engine = VllmBackend(
-                run_settings(self.cfg, self.model.args, self.device.type), name=self.name
-            )
-        engine = self.engine
-        assert isinstance(engine, VllmBackend)
-        self.weight_sync = {}  # reported only by the step that loaded new weights
-        if self.engine_version != version:
-            ids = engine.probe_ids()
-            with torch.no_grad():
-                logits = self.model(ids[None].to(self.device))[0, :-1].float()
-            reference = token_logprobs(logits, ids[1:].to(self.device))
-            self.weight_sync = engine.load_weights(self.weights.named_weights(), reference)
-            self.engine_version = version
-        return engine
+class _ReceivedSource:
+    """A replica's weight source (backends.WeightSource): the buffers it received (the model
+    reads them in place), and the model's own forward for a backend's probe check."""
+
+    def __init__(self, worker: RolloutWorker) -> None:
+        self.worker = worker
+
+    def in_place(self) -> int:
+        return 0  # received into the model's own buffers already
+
+    def stream(self, load: Callable[[WeightPairs], dict[str, float]]) -> dict[str, float]:
+        return load(self.worker.weights.named_weights())
+
+    def reference(self, ids: torch.Tensor) -> torch.Tensor:
+        device = self.worker.device
+        with torch.no_grad():
+            logits = self.worker.model(ids[None].to(device))[0, :-1].float()
+        return token_logprobs(logits, ids[1:].to(device))
 
 
 class RolloutGroup(WorkerGroup):

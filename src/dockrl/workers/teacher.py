@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dockrl.algos.distill import DistillSums
-from dockrl.config.schema import TrainConfig
+from dockrl.config.specs import TeacherSpec
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import LOSS_MASK, PROMPT_IDS, RESPONSE_IDS, ROLLOUT_LOGPROBS, TEACHER_LOGPROBS
 from dockrl.dock.stages import Stage
@@ -50,31 +50,31 @@ class TeacherWorker(Worker):
         rank: int,
         world_size: int,
         *,
-        cfg: TrainConfig,
+        spec: TeacherSpec,
         client: DockChoice,
         num_threads: int | None = None,
     ):
         super().__init__(name, rank, world_size, num_threads)
-        self.cfg, self.client = cfg, client
-        self.tp = cfg.distill.tp
+        self.spec, self.client = spec, client
+        self.tp = spec.distill.tp
         self.dp = world_size // self.tp
-        self.group_size = cfg.rollout.samples_per_prompt
-        self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-        self.multi_turn = cfg.env.name is not None
+        self.group_size = spec.samples_per_prompt
+        self.temperature = spec.temperature if spec.temperature > 0 else 1.0
+        self.multi_turn = spec.multi_turn
 
     def setup(self) -> SetupResult:
         """Build the sharded, frozen teacher (collective over the teacher's ranks)."""
-        cfg = self.cfg
-        path = cfg.distill.teacher_path
+        spec = self.spec
+        path = spec.distill.teacher_path
         assert path is not None, "TeacherWorkers start only with distill.teacher_path set"
         self.teacher = TrainEngine(
             path,
             trainable=False,
             device=self.device,
-            precision=cfg.run.precision,
+            precision=spec.precision,
             mesh=training_mesh(self.device.type, self.dp, self.tp),
         )
-        tokenizer = Tokenizer.from_dir(cfg.model.path)  # the same ids as the teacher's (preflight checks)
+        tokenizer = Tokenizer.from_dir(spec.policy_path)  # the same ids as the teacher's (preflight checks)
         self.pad_token_id = first_token_id(tokenizer.pad_token_id, tokenizer.eos_token_id, 0)
         self.dock = ReplicaClient(self.client, self.teacher.tp_group, self.rank, self.tp)
         return SetupResult(self.teacher.args.num_params(), str(self.device), self.where())
@@ -92,7 +92,7 @@ class TeacherWorker(Worker):
             got = self.dock.get(
                 Stage.TEACHER,
                 columns,
-                self.cfg.reward.groups_per_pull * n,
+                self.spec.groups_per_pull * n,
                 whole_groups=True,
                 min_count=n,
             )
@@ -104,8 +104,8 @@ class TeacherWorker(Worker):
                 batch[PROMPT_IDS],
                 batch[RESPONSE_IDS],
                 temperature=self.temperature,
-                micro_batch_size=self.cfg.distill.micro_batch_size,
-                max_tokens_per_micro_batch=self.cfg.distill.max_tokens_per_micro_batch,
+                micro_batch_size=self.spec.distill.micro_batch_size,
+                max_tokens_per_micro_batch=self.spec.distill.max_tokens_per_micro_batch,
                 pad_token_id=self.pad_token_id,
             )
             if rows:

