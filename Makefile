@@ -52,6 +52,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 format: $(STAMP)
 	$(BIN)/ruff format src tests
