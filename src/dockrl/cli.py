@@ -265,9 +265,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--records", default=None, help="write per-prompt answers to this .jsonl")
 
+    from dockrl.models.families import FAMILIES  # torch-free: the records of models/families/
+
     p = add("make-tiny", _cmd_make_tiny, "tiny random model + locally trained tokenizer (a HF directory)")
     p.add_argument("out")
-    p.add_argument("--family", default="qwen2", choices=["llama", "qwen2", "qwen3", "qwen3_moe"])
+    p.add_argument("--family", default="qwen2", choices=list(FAMILIES))
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-experts", type=int, default=8, help="qwen3_moe: experts per layer (default 8)")
     p.add_argument(

@@ -1,8 +1,9 @@
 """The layering of docs/DESIGN.md ("Layers"), read from the source with ast: every import of src/dockrl counts,
 at module level or inside a function (a late import is still a dependency).
 
-- config/ imports no other dockrl package but the torch-free registries of REGISTRIES (and dockrl.errors,
-  which imports nothing of dockrl);
+- config/ imports no other dockrl package (dockrl.errors, which imports nothing of dockrl, excepted) but the
+  torch-free registries of REGISTRIES (model families, rollout backends), which import no torch, no Ray and no
+  other dockrl package themselves;
 - engines/, algos/, rewards/, models/, data/, config/ never import ray;
 - workers/ never import recipes/;
 - no import cycle between packages (a package is a folder of src/dockrl, or a top-level module such as cli.py),
@@ -15,9 +16,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src" / "dockrl"
 NO_RAY = ("engines", "algos", "rewards", "models", "data", "config")
 SHARED = {"errors", "user_code"}  # modules every layer may import (they import nothing of dockrl)
-# torch-free registries config may import (the sockets' records: a backend's settings section, ...); each is
-# below config, so it imports no config module, and tests/distributed/test_light_imports.py checks it loads no torch
-REGISTRIES = ("dockrl.backends",)
+REGISTRIES = ("dockrl.models.families", "dockrl.backends")  # torch-free registries config/ may read
 
 
 def _module_name(path: Path) -> str:
@@ -105,18 +104,35 @@ def _files_of(package: str) -> list[Path]:
     return sorted(path.rglob("*.py")) if path.is_dir() else [SRC / f"{package}.py"]
 
 
+def _in_registry(module: str) -> bool:
+    return any(module == r or module.startswith(f"{r}.") for r in REGISTRIES)
+
+
 def test_config_imports_no_other_dockrl_package():
     bad = {
         str(f.relative_to(SRC)): sorted(
             m
             for m in _imports(f)
-            if m.startswith("dockrl.")
-            and _package(m) not in ("config", *SHARED)
-            and not m.startswith(REGISTRIES)
+            if m.startswith("dockrl.") and _package(m) not in ("config", *SHARED) and not _in_registry(m)
         )
         for f in _files_of("config")
     }
     assert {f: m for f, m in bad.items() if m} == {}
+
+
+def test_registries_import_no_torch_ray_or_other_dockrl_package():
+    files = [f for r in REGISTRIES for f in sorted((SRC.parent / r.replace(".", "/")).rglob("*.py"))]
+    assert files, REGISTRIES
+    bad = [
+        f"{f.relative_to(SRC)}: {m}"
+        for f in files
+        for m in _imports(f)
+        if m.split(".")[0] in ("torch", "ray")
+        or m.startswith("dockrl.")
+        and not _in_registry(m)
+        and _package(m) not in SHARED
+    ]
+    assert bad == []
 
 
 def test_shared_modules_import_nothing_of_dockrl():

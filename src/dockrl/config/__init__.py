@@ -1,5 +1,6 @@
 """Typed configs: schema, YAML loading with dotted overrides, algorithm presets, pure rules, and the resolved
-config (with its step plan) that recipes and workers read. Imports no other dockrl package (but dockrl.errors).
+config (with its step plan) that recipes and workers read. Imports no other dockrl package but dockrl.errors
+and the torch-free registry of model families (dockrl.models.families: LoRA's layers, reward models' classes).
 
     load_config(TrainConfig, path, overrides) ─▶ check_train(cfg) ─▶ [recipes/preflight.py: files, devices]
                                               ─▶ resolve(cfg, found) -> Resolved(cfg copy, plan), frozen

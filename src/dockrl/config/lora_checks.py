@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dockrl.config.fields import config_error
-from dockrl.config.schema import ALL_LINEAR, LORA_TARGETS, LoraConfig
+from dockrl.config.schema import LoraConfig
+from dockrl.models.families import ALL_LINEAR, linear_targets
 
 
 @dataclass(frozen=True)
@@ -22,29 +23,6 @@ class LoraSettings:
     alpha: float
     dropout: float
     target_modules: tuple[str, ...]
-
-
-def resolve_targets(target_modules: str | list[str] | tuple[str, ...], key: str) -> tuple[str, ...]:
-    """`all-linear` or a list of short layer names -> the names adapted, in the decoder's order; raises a
-    ConfigError naming each name that matches no linear layer, with the names that do."""
-    if isinstance(target_modules, str):
-        if target_modules != ALL_LINEAR:
-            raise config_error(
-                key,
-                target_modules,
-                "is neither a list nor all-linear",
-                f"use {ALL_LINEAR} or a list of {list(LORA_TARGETS)}",
-            )
-        return LORA_TARGETS
-    unknown = [name for name in target_modules if name not in LORA_TARGETS]
-    if unknown or not target_modules:
-        raise config_error(
-            key,
-            list(target_modules),
-            f"names {unknown or 'no layer'}",
-            f"the model's linear layers are {list(LORA_TARGETS)} (or use {ALL_LINEAR})",
-        )
-    return tuple(name for name in LORA_TARGETS if name in target_modules)
 
 
 def check_lora(lora: LoraConfig, *, has_critic: bool) -> LoraSettings | None:
@@ -69,7 +47,7 @@ def check_lora(lora: LoraConfig, *, has_critic: bool) -> LoraSettings | None:
     dropout = 0.0 if lora.dropout is None else lora.dropout
     if not 0 <= dropout < 1:
         raise config_error("actor.lora.dropout", lora.dropout, "must be in [0, 1)", "use 0 or e.g. 0.05")
-    targets = resolve_targets(
+    targets = linear_targets(
         ALL_LINEAR if lora.target_modules is None else lora.target_modules, "actor.lora.target_modules"
     )
     if has_critic:

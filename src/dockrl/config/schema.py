@@ -13,6 +13,7 @@ from typing import Literal
 from dockrl.backends.vllm import VllmConfig
 from dockrl.config.fields import required, setting
 from dockrl.config.presets import PRESETS, AdvEstimator, Algorithm, LossAgg, LossNormalizer, RatioLevel
+from dockrl.models.families import ALL_LINEAR, FAMILIES, LINEAR_NAMES
 
 # Closed choices: a value outside them is an error listing them (config.loader). Those an algorithm preset
 # draws on (Algorithm, AdvEstimator, LossAgg, RatioLevel, LossNormalizer) are declared in config/presets.py.
@@ -196,11 +197,6 @@ class OptimConfig:
     )
 
 
-# The decoder's linear layers that can take LoRA adapters (the LM head never does, as in PEFT's all-linear).
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ALL_LINEAR = "all-linear"
-
-
 @dataclass
 class LoraConfig:
     """LoRA adapters on the actor (docs/lora.md): adapters train, the base stays frozen."""
@@ -217,7 +213,7 @@ class LoraConfig:
     dropout: float | None = setting(None, "Dropout on an adapter's input while training; None: 0.")
     target_modules: str | list[str] | None = setting(
         None,
-        f"Linear layers that take adapters: {ALL_LINEAR} or a list of {', '.join(LORA_TARGETS)}; None: "
+        f"Linear layers that take adapters: {ALL_LINEAR} or a list of {', '.join(LINEAR_NAMES)}; None: "
         f"{ALL_LINEAR}.",
     )
 
@@ -444,9 +440,9 @@ class RewardModelConfig:
 
     path: str | None = setting(
         None,
-        "Hugging Face LlamaForSequenceClassification / Qwen2ForSequenceClassification / "
-        "Qwen3ForSequenceClassification directory with num_labels=1 and its tokenizer (`dockrl make-tiny DIR "
-        "--reward-model` builds a tiny one); None: no reward model.",
+        f"Hugging Face {' / '.join(f.seq_cls for f in FAMILIES.values() if f.seq_cls)} directory with "
+        "num_labels=1 and its tokenizer (`dockrl make-tiny DIR --reward-model` builds a tiny one); None: no "
+        "reward model.",
     )
     weight: float = setting(1.0, "Weight of the model's score in the total reward (stored as `reward/rm`).")
     num_workers: int = setting(

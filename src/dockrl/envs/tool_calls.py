@@ -1,6 +1,7 @@
-"""Tool calls in an assistant message, in the model family's own format.
+"""Tool calls in an assistant message, in the model family's own format (`Family.tool_call_format` in
+models/families/ names it for each family).
 
-    qwen2, qwen3   <tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>
+    qwen           <tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>
                    (several blocks for several calls; Qwen2.5 and Qwen3 chat templates teach this form)
     llama          Llama 3.1 and later: the message is a JSON object {"name": ..., "parameters": {...}}
                    (or several separated by ";"), optionally after the <|python_tag|> token
@@ -13,13 +14,15 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from dockrl.models.families import FAMILIES, ToolCallFormat
 
 QWEN_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 QWEN_OPEN, QWEN_CLOSE = "<tool_call>", "</tool_call>"
 LLAMA_PYTHON_TAG = "<|python_tag|>"
-FAMILY_FORMAT = {"qwen2": "qwen", "qwen3": "qwen", "llama": "llama"}
 
 
 @dataclass(frozen=True)
@@ -38,12 +41,18 @@ class ParsedMessage:
     errors: list[str] = field(default_factory=list)
 
 
+def tool_call_families() -> list[str]:
+    """The families whose tool calls dockrl parses, sorted."""
+    return sorted(name for name, family in FAMILIES.items() if family.tool_call_format is not None)
+
+
 def parse_tool_calls(text: str, family: str) -> ParsedMessage:
-    """The tool calls in `text` (an assistant message) in `family`'s format (FAMILY_FORMAT)."""
-    form = FAMILY_FORMAT.get(family)
+    """The tool calls in `text` (an assistant message) in `family`'s format (`Family.tool_call_format`)."""
+    record = FAMILIES.get(family)
+    form = None if record is None else record.tool_call_format
     if form is None:
-        raise ValueError(f"no tool-call format for model family {family!r}; known: {sorted(FAMILY_FORMAT)}")
-    return _parse_qwen(text) if form == "qwen" else _parse_llama(text)
+        raise ValueError(f"no tool-call format for model family {family!r}; known: {tool_call_families()}")
+    return PARSERS[form](text)
 
 
 def _parse_qwen(text: str) -> ParsedMessage:
@@ -68,6 +77,10 @@ def _parse_llama(text: str) -> ParsedMessage:
     for part in _split_calls(body):
         _add(out, part, "parameters")
     return out
+
+
+PARSERS: dict[ToolCallFormat, Callable[[str], ParsedMessage]] = {"qwen": _parse_qwen, "llama": _parse_llama}
+"""The parser of each tool-call format (module docstring)."""
 
 
 def _split_calls(body: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""Decoder model code (llama / qwen2 / qwen3) shared by training, resharding and the rollout sampler.
+"""Decoder model code (families: models/families/) shared by training, resharding and the rollout sampler.
 
 The package itself imports nothing heavy: `dockrl.models.tokenizer` and `dockrl.models.config` are read by
 the driver before any worker starts, and must not pay for torch (KVCache and Transformer load it on first use).

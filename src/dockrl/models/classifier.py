@@ -2,8 +2,9 @@
 
     input_ids [B, T] ─▶ model (decoder, final norm) ─▶ hidden [B, T, H] ─▶ pick the pooled token ─▶ score ─▶ [B, L]
 
-A checkpoint is a Hugging Face directory of `LlamaForSequenceClassification`, `Qwen2ForSequenceClassification` or
-`Qwen3ForSequenceClassification`: the decoder under `model.` (no `lm_head`) and `score.weight` [L, H] without
+A checkpoint is a Hugging Face directory of the family's sequence-classification class (`Family.seq_cls` in
+models/families/: `LlamaForSequenceClassification`, `Qwen2ForSequenceClassification`,
+`Qwen3ForSequenceClassification`): the decoder under `model.` (no `lm_head`) and `score.weight` [L, H] without
 bias, L = num_labels (1 for a reward model). The pooled token follows transformers: the rightmost token whose id
 is not `pad_token_id` (so left and right padding both work, and a sequence that itself ends in pad-token ids
 is scored at its last other token); with no pad_token_id, the last real token. Only that token's hidden state
@@ -22,13 +23,9 @@ from torch import nn
 
 from dockrl.models.config import ModelArgs
 from dockrl.models.decoder import DecoderModel, Transformer
+from dockrl.models.families import FAMILIES
 from dockrl.models.hf import CONFIG_FILE, load_state_dict, materialize, read_config, save_model
 
-ARCHITECTURES = {
-    "llama": "LlamaForSequenceClassification",
-    "qwen2": "Qwen2ForSequenceClassification",
-    "qwen3": "Qwen3ForSequenceClassification",
-}
 # transformers' default when a config.json names neither id2label nor num_labels.
 _HF_DEFAULT_NUM_LABELS = 2
 
@@ -107,6 +104,22 @@ def read_num_labels(hf_config: dict) -> int:
     return hf_config.get("num_labels") or _HF_DEFAULT_NUM_LABELS
 
 
+def _seq_cls_names() -> list[str]:
+    return [family.seq_cls for family in FAMILIES.values() if family.seq_cls is not None]
+
+
+def seq_cls_architecture(args: ModelArgs) -> str:
+    """The `*ForSequenceClassification` class of `args`' family; raises ValueError for a family without
+    one."""
+    wanted = args.family_record.seq_cls
+    if wanted is None:
+        raise ValueError(
+            f"model family={args.family!r} has no sequence-classification model in dockrl; a reward model is "
+            f"one of {sorted(_seq_cls_names())}"
+        )
+    return wanted
+
+
 def check_reward_model_dir(path: str | Path) -> ModelArgs:
     """Check that `path` holds a supported `*ForSequenceClassification` checkpoint with num_labels=1.
 
@@ -116,12 +129,12 @@ def check_reward_model_dir(path: str | Path) -> ModelArgs:
     with open(Path(path) / CONFIG_FILE, encoding="utf-8") as f:
         hf_config = json.load(f)
     architectures = hf_config.get("architectures") or []
-    wanted = ARCHITECTURES[args.family]
+    wanted = seq_cls_architecture(args)
     if wanted not in architectures:
         raise ValueError(
             f"config.json architectures={architectures} is not a sequence-classification model; a reward "
             f"model is a Hugging Face *ForSequenceClassification checkpoint (here {wanted}, one of "
-            f"{sorted(ARCHITECTURES.values())}); build a tiny one with `dockrl make-tiny DIR --reward-model`"
+            f"{sorted(_seq_cls_names())}); build a tiny one with `dockrl make-tiny DIR --reward-model`"
         )
     num_labels = read_num_labels(hf_config)
     if num_labels != 1:
@@ -150,11 +163,12 @@ def save_reward_model(
     dtype: torch.dtype | None = None,
 ) -> None:
     """Write `model` as a Hugging Face `<Family>ForSequenceClassification` directory (transformers loads it)."""
+    architecture = seq_cls_architecture(model.args)
     save_model(model, model.args, path, tokenizer_dir=tokenizer_dir, dtype=dtype)
     config_file = Path(path) / CONFIG_FILE
     config = json.loads(config_file.read_text(encoding="utf-8"))
     labels = [f"LABEL_{i}" for i in range(model.num_labels)]
-    config["architectures"] = [ARCHITECTURES[model.args.family]]
+    config["architectures"] = [architecture]
     config["id2label"] = {str(i): label for i, label in enumerate(labels)}
     config["label2id"] = {label: i for i, label in enumerate(labels)}
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -1,10 +1,11 @@
-"""Model architecture arguments for the Llama / Qwen2 / Qwen3 decoder families.
+"""Model architecture arguments of the families in models/families/ (Llama, Qwen2, Qwen3, Qwen3-MoE).
 
 `ModelArgs` is the one description of a decoder's shape. It converts from and to a Hugging Face
 `config.json` dict so that dockrl checkpoints load in transformers as the matching `*ForCausalLM` and
 Hugging Face checkpoints load in dockrl. Per-family invariants that Hugging Face hard-codes (Qwen2 always has
-q/k/v bias, Qwen3 always has per-head q/k RMSNorm) are checked when the args are built, so a `ModelArgs`
-that passes validation always describes a model transformers can build with identical parameters.
+q/k/v bias, Qwen3 always has per-head q/k RMSNorm), read from the family's record, are checked when the args
+are built, so a `ModelArgs` that passes validation always describes a model transformers can build with
+identical parameters.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dockrl.models.families import FAMILIES, Family, family_named, family_of
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
@@ -22,17 +25,8 @@ _DIR_CONTENTS = (
     f"model-0000x-of-0000y.safetensors shards with {WEIGHTS_INDEX_FILE}"
 )
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
-# mistral with sliding_window=None is architecturally a llama without biases.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
 
 
 @dataclass
@@ -40,7 +34,7 @@ class ModelArgs:
     """Shape and numerics of one decoder-only transformer (see module docstring)."""
 
     family: str
-    """Architecture family: "llama" | "qwen2" | "qwen3" | "qwen3_moe"."""
+    """Architecture family: a name registered in models/families/ (e.g. "llama", "qwen2", "qwen3_moe")."""
     vocab_size: int
     """Rows of the embedding and of the LM head."""
     hidden_size: int
@@ -66,9 +60,10 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     """LM head shares the embedding weight (no separate lm_head parameter)."""
     attention_bias: bool = False
-    """Bias on q/k/v (and o for llama/qwen3, as in Hugging Face); always True for qwen2."""
+    """Bias on q/k/v (and o for llama/qwen3, as in Hugging Face); always True for qwen2
+    (`Family.qkv_bias`)."""
     qk_norm: bool = False
-    """Per-head RMSNorm on q and k before RoPE; True exactly for qwen3."""
+    """Per-head RMSNorm on q and k before RoPE; True exactly for qwen3 and qwen3_moe (`Family.qk_norm`)."""
     bos_token_id: int | None = None
     """Beginning-of-sequence token, carried to and from config.json."""
     eos_token_id: int | list[int] | None = None
@@ -97,11 +92,13 @@ class ModelArgs:
         self._validate_moe()
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
 
+    @property
+    def family_record(self) -> Family:
+        """The record of `family` (models/families/)."""
+        return family_named(self.family)
+
     def _validate_shape(self) -> None:
-        if self.family not in SUPPORTED_FAMILIES:
-            raise ValueError(
-                f"model family={self.family!r} is not supported; use one of {SUPPORTED_FAMILIES}"
-            )
+        family_named(self.family)  # raises for a family that is not registered
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model {name}={getattr(self, name)} must be >= 1")
@@ -114,22 +111,24 @@ class ModelArgs:
             raise ValueError(f"model head_dim={self.head_dim} must be even for RoPE")
 
     def _validate_family(self) -> None:
-        if self.family == "qwen2" and not self.attention_bias:
+        family = self.family_record
+        if family.qkv_bias and not self.attention_bias:
             raise ValueError(
-                "model family='qwen2' always has q/k/v bias in Hugging Face; set attention_bias=True"
+                f"model family={self.family!r} always has q/k/v bias in Hugging Face; set attention_bias=True"
             )
-        qwen3 = self.family in ("qwen3", "qwen3_moe")
-        if self.qk_norm != qwen3:
+        if self.qk_norm != family.qk_norm:
+            with_norm = " and ".join(f.name for f in FAMILIES.values() if f.qk_norm)
             raise ValueError(
                 f"model qk_norm={self.qk_norm} does not match family={self.family!r}: "
-                f"Hugging Face applies q/k RMSNorm exactly for qwen3 and qwen3_moe; set qk_norm={qwen3}"
+                f"Hugging Face applies q/k RMSNorm exactly for {with_norm}; set qk_norm={family.qk_norm}"
             )
 
     def _validate_moe(self) -> None:
-        if (self.family == "qwen3_moe") != (self.num_experts > 0):
+        if self.family_record.moe != (self.num_experts > 0):
+            with_experts = " or ".join(f"family={f.name!r}" for f in FAMILIES.values() if f.moe)
             raise ValueError(
                 f"model family={self.family!r} with num_experts={self.num_experts}: experts come with "
-                "family='qwen3_moe' (num_experts >= 2) and only with it"
+                f"{with_experts} (num_experts >= 2) and only with it"
             )
         if not self.is_moe:
             return
@@ -168,26 +167,21 @@ class ModelArgs:
     @property
     def o_proj_bias(self) -> bool:
         """Whether o_proj has a bias: Hugging Face Qwen2 biases q/k/v only, Llama and Qwen3 all four."""
-        return self.attention_bias and self.family != "qwen2"
+        return self.attention_bias and self.family_record.o_proj_bias
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelArgs:
-        """Build args from a Hugging Face config.json dict (model_type llama, mistral, qwen2 or qwen3).
+        """Build args from a Hugging Face config.json dict (a model_type of a family's `hf_model_types`).
 
         Accepts both the legacy rope layout (top-level `rope_theta` + `rope_scaling`) and transformers 5's
         `rope_parameters`. Raises ValueError for a model_type or a feature dockrl does not implement.
         """
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"config.json model_type={model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
-            )
-        _reject_unsupported_features(cfg, model_type)
-        family = "llama" if model_type == "mistral" else model_type
+        family = family_of(cfg)
+        _reject_unsupported_features(cfg, family)
         num_heads = cfg["num_attention_heads"]
         rope_theta, rope_scaling = _read_rope(cfg)
         return cls(
-            family=family,
+            family=family.name,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -200,8 +194,8 @@ class ModelArgs:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=True if family == "qwen2" else cfg.get("attention_bias", False),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            attention_bias=True if family.qkv_bias else cfg.get("attention_bias", False),
+            qk_norm=family.qk_norm,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
@@ -214,8 +208,9 @@ class ModelArgs:
         Rope is written in both layouts: `rope_parameters` (transformers >= 5) and the legacy `rope_theta` +
         `rope_scaling` read by older transformers and by inference engines.
         """
+        family = self.family_record
         cfg: dict[str, Any] = {
-            "architectures": [_ARCHITECTURES[self.family]],
+            "architectures": [family.causal_lm],
             "model_type": self.family,
             "torch_dtype": "float32",
             "vocab_size": self.vocab_size,
@@ -241,11 +236,7 @@ class ModelArgs:
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
-        if self.family == "llama":
-            cfg["mlp_bias"] = False
-        else:
-            cfg["use_sliding_window"] = False
-            cfg["sliding_window"] = None
+        cfg.update(family.hf_fixed)
         if self.is_moe:
             cfg.update(
                 num_experts=self.num_experts,
@@ -289,24 +280,23 @@ class ModelArgs:
         return asdict(self)
 
 
-def _reject_unsupported_features(cfg: dict, model_type: str) -> None:
+def _reject_unsupported_features(cfg: dict, family: Family) -> None:
     """Raise for config.json settings that change the architecture in ways dockrl does not implement."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json hidden_act={cfg['hidden_act']!r} is not supported; only 'silu' is")
     if cfg.get("mlp_bias", False):
         raise ValueError("config.json mlp_bias=True is not supported; only bias-free MLPs are")
-    if model_type == "mistral" and cfg.get("sliding_window") is not None:
+    key = family.sliding_window_key
+    if key is not None and cfg.get(key) not in (None, False):
         raise ValueError(
-            f"config.json sliding_window={cfg['sliding_window']} is not supported for mistral; "
-            "only sliding_window=null (full attention) is"
+            f"config.json {key}={cfg[key]} is not supported for model_type={cfg['model_type']!r}; "
+            f"only full attention is ({key}: null or false)"
         )
-    if model_type in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window", False):
-        raise ValueError("config.json use_sliding_window=True is not supported; only full attention is")
 
 
-def _read_moe(cfg: dict, family: str) -> dict[str, Any]:
+def _read_moe(cfg: dict, family: Family) -> dict[str, Any]:
     """The MoE fields of a qwen3_moe config.json ({} for a dense family)."""
-    if family != "qwen3_moe":
+    if not family.moe:
         return {}
     return {
         # transformers 5 writes num_local_experts; the hub's Qwen3-MoE configs (and vLLM) say num_experts

@@ -36,15 +36,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dockrl.config.lora_checks import resolve_targets as _resolve_targets
-from dockrl.config.schema import LORA_TARGETS
 from dockrl.models.config import ModelArgs
 from dockrl.models.decoder import Transformer
+
+# Re-exported: the decoder's linear layers that take adapters (never the LM head).
+from dockrl.models.families import LINEAR_NAMES as LINEAR_NAMES
+from dockrl.models.families import linear_targets
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
-LINEAR_NAMES = LORA_TARGETS  # the decoder's linear layers that take adapters (never the LM head)
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,8 @@ class LoraSpec:
 
 
 def resolve_targets(target_modules: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    """`all-linear` or a list of short layer names -> the names adapted (config.lora_checks.resolve_targets)."""
-    return _resolve_targets(target_modules, "actor.lora.target_modules")
+    """`all-linear` or a list of short layer names -> the names adapted (models.families.linear_targets)."""
+    return linear_targets(target_modules, "actor.lora.target_modules")
 
 
 def fresh_factors(

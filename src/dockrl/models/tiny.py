@@ -23,6 +23,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from dockrl.models.classifier import RewardModel, save_reward_model
 from dockrl.models.config import ModelArgs
 from dockrl.models.decoder import MLP, Transformer
+from dockrl.models.families import FAMILIES
 from dockrl.models.hf import load_state_dict, save_model
 from dockrl.models.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
@@ -69,7 +70,6 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 _SUBJECTS = (
     "the cat",
     "a small dog",
@@ -237,21 +237,25 @@ def make_tiny(
 ) -> Path:
     """Write a tiny random ``family`` model and its tokenizer to ``out_dir``; returns the directory.
 
+    ``family`` is a name of models/families/; its record's tiny preset chooses the bias and the tied head (the
+    choices of the family's small hub checkpoints), its q/k norm and experts come with it.
     ``vocab_size`` is the BPE target; the model gets the tokenizer's actual size (smaller when the corpus
     runs out of merges). ``intermediate_size`` defaults to 3 * hidden_size. Same arguments, same files.
     ``reward_model`` writes a ``<Family>ForSequenceClassification`` with a scalar score head instead of a
     causal LM (same decoder shape and tokenizer, so it reads the policy's token ids as they are).
     ``tools`` trains the tokenizer on tool calls too and adds Qwen2.5's ``<tool_call>`` markers as single
     tokens (TOOL_TOKENS), as a real Qwen vocabulary has them: a call then costs ~20 tokens instead of ~70.
-    ``family="qwen3_moe"``: every layer routes each token to ``num_experts_per_tok`` of ``num_experts`` experts
-    of width ``moe_intermediate_size`` (default hidden_size); the other families ignore the three.
+    A family with experts (``family="qwen3_moe"``): every layer routes each token to ``num_experts_per_tok`` of
+    ``num_experts`` experts of width ``moe_intermediate_size`` (default hidden_size); dense families ignore the
+    three.
     ``padded_vocab_size``: the embedding and LM head get this many rows (>= the tokenizer's), as real checkpoints
     pad theirs (Qwen2.5: 151,936 rows for 151,665 tokens); the extra ids decode to nothing. Benchmarks use it for
     a real vocabulary-to-hidden ratio. ``eos_rate``: a dense model that ends each response with about this
     probability per token (geometric lengths: long-tailed, mean ~1 / eos_rate), see ``with_eos_rate``.
     """
-    if family not in _FAMILIES:
-        raise ValueError(f"make_tiny family={family!r} is not supported; use one of {_FAMILIES}")
+    if family not in FAMILIES:
+        raise ValueError(f"make_tiny family={family!r} is not supported; use one of {tuple(FAMILIES)}")
+    record = FAMILIES[family]
     if hidden_size % num_heads != 0:
         raise ValueError(f"make_tiny hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
     if vocab_size < 256 + len(SPECIAL_TOKENS):
@@ -267,7 +271,7 @@ def make_tiny(
             f.write("\n")
         tokenizer = Tokenizer.from_dir(tokenizer_dir)
         moe: dict[str, Any] = {}
-        if family == "qwen3_moe":
+        if record.moe:
             width = moe_intermediate_size or hidden_size
             moe = dict(
                 num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=width
@@ -276,7 +280,7 @@ def make_tiny(
             raise ValueError(
                 f"make_tiny padded_vocab_size={padded_vocab_size} is below the tokenizer's {tokenizer.vocab_size}"
             )
-        if eos_rate is not None and (family == "qwen3_moe" or reward_model or not 0 < eos_rate < 1):
+        if eos_rate is not None and (record.moe or reward_model or not 0 < eos_rate < 1):
             raise ValueError(f"make_tiny eos_rate={eos_rate}: a rate in (0, 1) for a dense causal LM")
         args = ModelArgs(
             family=family,
@@ -288,9 +292,9 @@ def make_tiny(
             num_kv_heads=num_kv_heads,
             head_dim=hidden_size // num_heads,
             max_position_embeddings=max_position_embeddings,
-            tie_word_embeddings=family != "llama" and eos_rate is None,
-            attention_bias=family == "qwen2",
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            tie_word_embeddings=record.tiny.tie_word_embeddings and eos_rate is None,
+            attention_bias=record.tiny.attention_bias,
+            qk_norm=record.qk_norm,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from dockrl.config.fields import config_error
-from dockrl.config.lora_checks import resolve_targets
 from dockrl.config.resolve import Resolved, copy_with, resolve
 from dockrl.config.schema import DataConfig, SFTConfig, TrainConfig
 from dockrl.config.validate import check_sft, check_train
 from dockrl.errors import ConfigError
+from dockrl.models.families import ALL_LINEAR, MLP_LINEARS, linear_targets
 
 
 def resolve_device(device: str, key: str = "run.device") -> str:
@@ -168,7 +168,7 @@ def _lora_adapter(cfg: TrainConfig, lora_path: str | None) -> dict[str, Any]:
         if key == "rank" and mine == 0 or mine is None:
             continue
         same = (
-            list(resolve_targets(mine, "actor.lora.target_modules")) == value
+            list(linear_targets(mine, "actor.lora.target_modules")) == value
             if key == "target_modules"
             else mine == value
         )
@@ -268,17 +268,18 @@ def _check_environment(cfg: TrainConfig, model_path: str) -> None:
         return
     from dockrl.config.specs import env_spec
     from dockrl.envs.loader import factory_of
-    from dockrl.envs.tool_calls import FAMILY_FORMAT
+    from dockrl.envs.tool_calls import tool_call_families
     from dockrl.models.config import read_config
     from dockrl.models.tokenizer import Tokenizer
 
-    family = read_config(model_path).family
-    if family not in FAMILY_FORMAT:
+    args = read_config(model_path)
+    family = args.family
+    if args.family_record.tool_call_format is None:
         raise config_error(
             "env.name",
             cfg.env.name,
             f"model family {family!r} has no tool-call format",
-            f"use {sorted(FAMILY_FORMAT)}",
+            f"use {tool_call_families()}",
         )
     if not cfg.data.use_chat_template or Tokenizer.from_dir(model_path).chat_template is None:
         raise config_error(
@@ -477,13 +478,11 @@ def _check_model_layouts(cfg: TrainConfig) -> None:
 def _check_moe_lora(cfg: TrainConfig, args) -> None:
     """LoRA adapters on MoE models go on the attention (and dense MLP layers): experts take none (not built),
     so naming the MLP projections on an MoE model is refused rather than adapting only its dense layers."""
-    from dockrl.config.schema import ALL_LINEAR
-
     lora = cfg.actor.lora
     if lora.rank == 0 or not args.is_moe or lora.target_modules in (None, ALL_LINEAR):
         return
     targets = [lora.target_modules] if isinstance(lora.target_modules, str) else list(lora.target_modules)
-    mlp = [t for t in targets if t in ("gate_proj", "up_proj", "down_proj")]
+    mlp = [t for t in targets if t in MLP_LINEARS]
     if mlp:
         raise config_error(
             "actor.lora.target_modules",
