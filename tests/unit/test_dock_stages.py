@@ -115,8 +115,12 @@ def test_stage_values_are_the_timing_metric_names():
     }
 
 
-PROTOCOL_METHODS = [
-    name for name, member in vars(DockAPI).items() if inspect.isfunction(member) and not name.startswith("_")
+PROTOCOL_METHODS = [  # DockAPI's own and those it takes from RowSource (pull, put, get)
+    name
+    for base in DockAPI.__mro__
+    if base.__module__ == DockAPI.__module__
+    for name, member in vars(base).items()
+    if inspect.isfunction(member) and not name.startswith("_")
 ]
 
 

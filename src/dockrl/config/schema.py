@@ -113,21 +113,13 @@ class RolloutConfig:
     replicas: int = setting(1, "Rollout replicas with rollout.placement=separate (each its own Ray actor).")
     max_staleness: int = setting(
         0,
-        "Policy versions the rollout may run behind the update (0: synchronous, on-policy). k >= 1 (with "
-        "rollout.placement=separate): steps t+1..t+k generate (with the weights after update t-1 for step t+k, "
-        "in k docks of their own) while step t trains, so rollout and training overlap; which weights "
-        "generate which step is fixed by the step number, never by timing, so runs repeat bit for bit. Every "
-        "token's version is in the dock's policy_version column; k >= 2 keeps up to k staged copies of the "
-        "weights on each rollout replica.",
+        "Policy versions the rollout may run behind the update (0: synchronous, on-policy; k >= 1 with "
+        "rollout.placement=separate: the next k steps generate while this one trains; see docs/async.md).",
     )
     partial: bool = setting(
         False,
-        "Partial rollout: each step's rollout gives every response at most rollout.partial_tokens new tokens; "
-        "the groups of responses cut there leave the step (their finished rows too) and stay in the dock, "
-        "and the next step continues them under its newer weights (oldest first), so a long tail no longer "
-        "holds up every step. rollout.max_staleness=k is the budget: a row is cut at most k times (its k+1-th "
-        "pass runs to the end), so its oldest token is at most k versions behind the update that trains it. "
-        "The rollout does not run ahead of the update (the staleness goes to the interruptions).",
+        "Partial rollout: responses get rollout.partial_tokens new tokens per step, and the groups cut there "
+        "continue in later steps, at most rollout.max_staleness times (docs/async.md).",
     )
     partial_tokens: int = setting(
         0, "Tokens per response per step with rollout.partial (0: rollout.max_new_tokens / 4, at least 1)."
@@ -241,9 +233,7 @@ class ActorConfig(OptimConfig):
     ep: int = setting(
         1,
         "Expert-parallel degree of training (MoE models): each rank holds num_experts / ep experts of every "
-        "MoE layer and tokens reach their experts by all-to-all; FSDP2 shards the experts over the actor.dp / "
-        "ep ranks that hold the same ones, the rest over all actor.dp. Must divide actor.dp and the model's "
-        "num_experts; tp must be 1. The rollout holds whole experts (docs/moe.md).",
+        "MoE layer; divides actor.dp and num_experts, with actor.tp=1 (docs/moe.md).",
     )
     moe_aux_loss_coef: float = setting(
         0.0,
@@ -326,14 +316,8 @@ class AlgoConfig:
     )
     rollout_is: Literal["none", "tis", "decoupled"] = setting(
         "none",
-        "Correct for the policy that sampled the rows (the rollout engine's, possibly stale weights) differing "
-        "from the old policy the update clips against (the trainer's log-probs before the update): each "
-        "token's surrogate is weighted by w = exp(old - rollout log-prob). tis truncates it, min(w, "
-        "rollout_is_cap) (truncated importance sampling, Yao et al. 2025); decoupled is decoupled PPO (AReaL, "
-        "arXiv 2505.24298: old is the proximal policy, the rollout the behaviour policy) and masks out the "
-        "tokens whose w exceeds rollout_is_cap (weight 0) instead of truncating them; none uses no "
-        "correction. The rollout's log-probs depend on its batch composition at rounding level, so with tis or "
-        "decoupled runs repeat to rounding, not bit for bit.",
+        "Weight each token by w = exp(old - rollout log-prob), for a rollout policy that differs from the "
+        "trainer's: tis truncates w at rollout_is_cap, decoupled masks tokens above it (docs/algorithms.md).",
         noun="correction",
     )
     rollout_is_cap: float = setting(2.0, "Cap of the importance weight of algo.rollout_is (>= 1).")

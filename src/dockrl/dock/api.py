@@ -14,21 +14,38 @@ producer and a get's consumer against the column schema (columns.py) before any 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from dockrl.dock.stages import Stage
 
 
-@runtime_checkable
-class DockAPI(Protocol):
-    """Put and get rows of the current step's table (the lifecycle is DockController's: reset, add_groups,
-    puts and gets by the stages, reset)."""
+@dataclass(frozen=True)
+class Pull:
+    """One read of the dock by stage `consumer`: up to `count` rows whose `columns` are ready and that it has not
+    taken (DockController.allocate). whole_groups / min_count: whole groups only, and at least that many rows
+    (the tail excepted); timeout_s: the longest wait (None: the client's get timeout); balance_over = k: the
+    stage's k data-parallel peers share k x count rows in token-balanced bins, `peer` (0..k-1) taking bin
+    `peer` (None: bins in call order); policy: the allocation policy for this read (None: the dock's)."""
 
-    def add_groups(
-        self, prompts: list, labels: list, group_size: int, *, extra: dict[str, list] | None = None
-    ) -> list[int]:
-        """The driver adds one group of `group_size` rows per prompt (prompt_ids, label and `extra` columns
-        the driver produces); returns all row ids, group i = rows[i*g:(i+1)*g]."""
+    consumer: Stage
+    columns: list[str]
+    count: int
+    whole_groups: bool = False
+    min_count: int | None = None
+    timeout_s: float | None = None
+    balance_over: int = 1
+    policy: str | None = None
+    peer: int | None = None
+
+
+class RowSource(Protocol):
+    """What a stage loop needs of a dock: reads (`pull`, or `get` with the same fields) and writes (`put`).
+    Implemented by every dock client and by in-process row sources (multi_turn.LocalRows)."""
+
+    def pull(self, request: Pull) -> tuple[list[int], dict[str, list]] | None:
+        """Serve `request` (a Pull): (rows, {column: values in row order}) once rows are ready, or None once
+        its consumer has taken every row. Raises DockTimeoutError after its timeout."""
         ...
 
     def put(self, producer: Stage, rows: list[int], batch: dict[str, list]) -> None:
@@ -48,10 +65,23 @@ class DockAPI(Protocol):
         policy: str | None = None,
         peer: int | None = None,
     ) -> tuple[list[int], dict[str, list]] | None:
-        """Stage `consumer` takes up to `count` rows whose `columns` are ready and that it has not taken
-        (DockController.allocate); (rows, {column: values in row order}), or None once it has taken every
-        row. Raises DockTimeoutError after `timeout_s` (default: the client's get timeout). With `balance_over`
-        = k, `peer` (0..k-1) takes bin `peer` of the balanced split (None: bins in call order)."""
+        """`pull` of the Pull these arguments make (the one place its fields are spelled out as arguments)."""
+        request = Pull(
+            consumer, list(columns), count, whole_groups, min_count, timeout_s, balance_over, policy, peer
+        )
+        return self.pull(request)
+
+
+@runtime_checkable
+class DockAPI(RowSource, Protocol):
+    """Put and get rows of the current step's table (the lifecycle is DockController's: reset, add_groups,
+    puts and gets by the stages, reset)."""
+
+    def add_groups(
+        self, prompts: list, labels: list, group_size: int, *, extra: dict[str, list] | None = None
+    ) -> list[int]:
+        """The driver adds one group of `group_size` rows per prompt (prompt_ids, label and `extra` columns
+        the driver produces); returns all row ids, group i = rows[i*g:(i+1)*g]."""
         ...
 
     def drop(self, rows: list[int]) -> int:

@@ -20,6 +20,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from dockrl.dock.api import DockAPI, Pull
 from dockrl.dock.cells import seal_batch, unseal_batch
 from dockrl.dock.columns import LABEL, PROMPT_IDS, check_columns, check_get, check_put
 from dockrl.dock.errors import DockError, DockTimeoutError, WarehouseDiedError
@@ -150,7 +151,7 @@ class ActorTransport:
             ) from error
 
 
-class CentralClient(ClientCounters):
+class CentralClient(ClientCounters, DockAPI):
     """The DockAPI (api.py) over a CentralDock (single or driver mode)."""
 
     def __init__(
@@ -188,27 +189,20 @@ class CentralClient(ClientCounters):
         self.bytes_put += batch_nbytes(batch)
         self.latency.record("put", time.perf_counter() - t0)
 
-    def get(
-        self,
-        consumer: Stage,
-        columns: list[str],
-        count: int,
-        *,
-        whole_groups: bool = False,
-        min_count: int | None = None,
-        timeout_s: float | None = None,
-        balance_over: int = 1,
-        policy: str | None = None,
-        peer: int | None = None,
-    ) -> tuple[list[int], dict[str, list]] | None:
-        """As DockClient.get."""
-        name = check_get(consumer, columns).value  # the store keys its bitmaps by the plain name
-        timeout_s = self.get_timeout_s if timeout_s is None else timeout_s
+    def pull(self, request: Pull) -> tuple[list[int], dict[str, list]] | None:
+        """As DockClient.pull."""
+        columns, count = request.columns, request.count
+        name = check_get(request.consumer, columns).value  # the store keys its bitmaps by the plain name
+        timeout_s = self.get_timeout_s if request.timeout_s is None else request.timeout_s
         start = time.monotonic()
         given: dict[str, Any] = dict(
-            whole_groups=whole_groups, min_count=min_count, balance_over=balance_over
+            whole_groups=request.whole_groups,
+            min_count=request.min_count,
+            balance_over=request.balance_over,
+            policy=request.policy,
+            peer=request.peer,
         )
-        options = {k: v for k, v in {**given, "policy": policy, "peer": peer}.items() if v is not None}
+        options = {k: v for k, v in given.items() if v is not None}
         while True:
             wait_s = max(0.0, min(WAIT_SLICE_S, start + timeout_s - time.monotonic()))
             rows, value = self.transport.request(

@@ -8,11 +8,11 @@ worker's code never knows there are two. A synchronous run's choice holds its on
 
 from __future__ import annotations
 
-from dockrl.dock.api import DockAPI
+from dockrl.dock.api import DockAPI, Pull
 from dockrl.dock.stages import Stage
 
 
-class DockChoice:
+class DockChoice(DockAPI):
     """The DockAPI of `clients[selected]` (see api.py), plus `select`."""
 
     def __init__(self, clients: list[DockAPI]) -> None:
@@ -52,31 +52,9 @@ class DockChoice:
             )
         return peek(columns)
 
-    def get(
-        self,
-        consumer: Stage,
-        columns: list[str],
-        count: int,
-        *,
-        whole_groups: bool = False,
-        min_count: int | None = None,
-        timeout_s: float | None = None,
-        balance_over: int = 1,
-        policy: str | None = None,
-        peer: int | None = None,
-    ) -> tuple[list[int], dict[str, list]] | None:
-        """DockAPI.get on the selected dock."""
-        return self.current.get(
-            consumer,
-            columns,
-            count,
-            whole_groups=whole_groups,
-            min_count=min_count,
-            timeout_s=timeout_s,
-            balance_over=balance_over,
-            policy=policy,
-            peer=peer,
-        )
+    def pull(self, request: Pull) -> tuple[list[int], dict[str, list]] | None:
+        """DockAPI.pull on the selected dock."""
+        return self.current.pull(request)
 
     def drop(self, rows: list[int]) -> int:
         """DockAPI.drop on the selected dock."""

@@ -30,6 +30,7 @@ from typing import Any, cast
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from dockrl.dock.api import DockAPI, Pull
 from dockrl.dock.cells import seal_batch, unseal_batch
 from dockrl.dock.columns import LABEL, PROMPT_IDS, check_columns, check_get, check_put
 from dockrl.dock.errors import DockError, DockTimeoutError, StaleHandleError, WarehouseDiedError
@@ -41,7 +42,7 @@ from dockrl.dock.warehouse import check_batch, lengths_of
 HEALTH_CHECK_S = 2.0
 
 
-class DockClient(ClientCounters):
+class DockClient(ClientCounters, DockAPI):
     """Puts and gets rows of the current step's table (dock mode's DockAPI, see api.py).
 
     Args:
@@ -198,35 +199,24 @@ class DockClient(ClientCounters):
 
     # ---------------------------------------------------------------- consumers
 
-    def get(
-        self,
-        consumer: Stage,
-        columns: list[str],
-        count: int,
-        *,
-        whole_groups: bool = False,
-        min_count: int | None = None,
-        timeout_s: float | None = None,
-        balance_over: int = 1,
-        policy: str | None = None,
-        peer: int | None = None,
-    ) -> tuple[list[int], dict[str, list]] | None:
-        """Take up to `count` rows for stage `consumer` (see DockController.allocate) and fetch their `columns`.
+    def pull(self, request: Pull) -> tuple[list[int], dict[str, list]] | None:
+        """Take the rows of `request` (a Pull; see DockController.allocate) and fetch their columns.
 
-        Blocks until served; returns (rows, {column: values in row order}), or None once `consumer` has
-        consumed every row of the table. Raises DockError at once for a column `consumer` does not read
-        (columns.py), DockTimeoutError after `timeout_s` (default get_timeout_s), WarehouseDiedError as soon
-        as a health check finds a dead warehouse.
+        Blocks until served; returns (rows, {column: values in row order}), or None once the consumer has
+        consumed every row of the table. Raises DockError at once for a column the consumer does not read
+        (columns.py), DockTimeoutError after the request's timeout (default get_timeout_s), WarehouseDiedError
+        as soon as a health check finds a dead warehouse.
         """
-        name = check_get(consumer, columns).value  # the controller keys its bitmaps by the plain name
-        timeout_s = self.get_timeout_s if timeout_s is None else timeout_s
+        columns, count = request.columns, request.count
+        name = check_get(request.consumer, columns).value  # the controller keys its bitmaps by the plain name
+        timeout_s = self.get_timeout_s if request.timeout_s is None else request.timeout_s
         start = time.monotonic()
         deadline = start + timeout_s
         options: dict[str, Any] = dict(
-            whole_groups=whole_groups, min_count=min_count, balance_over=balance_over
+            whole_groups=request.whole_groups, min_count=request.min_count, balance_over=request.balance_over
         )
-        options.update({"policy": policy} if policy is not None else {})
-        options.update({"peer": peer} if peer is not None else {})
+        options.update({"policy": request.policy} if request.policy is not None else {})
+        options.update({"peer": request.peer} if request.peer is not None else {})
         options.update({"near": self.near} if self.near else {})
         while True:
             wait_s = max(0.0, min(HEALTH_CHECK_S, deadline - time.monotonic()))
@@ -246,7 +236,9 @@ class DockClient(ClientCounters):
             if done:
                 return None
             if time.monotonic() >= deadline:
-                raise self._timeout_error(name, columns, count, whole_groups, min_count, timeout_s)
+                raise self._timeout_error(
+                    name, columns, count, request.whole_groups, request.min_count, timeout_s
+                )
             self.check_warehouses()  # a dead warehouse is named within HEALTH_CHECK_S, not at the timeout
 
     def peek(self, columns: list[str]) -> tuple[list[int], dict[str, list]]:

@@ -14,14 +14,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:  # the dock sits above parallel/: its types only, never an import at run time
-    from dockrl.dock.api import DockAPI
+from dockrl.dock.api import DockAPI, Pull
+
+if TYPE_CHECKING:
     from dockrl.dock.stages import Stage
 
 T = TypeVar("T")
 
 
-class ReplicaClient:
+class ReplicaClient(DockAPI):
     """Dock access for one rank of a tp group (see module docstring)."""
 
     def __init__(self, client: DockAPI, group: dist.ProcessGroup | None, rank: int, group_size: int) -> None:
@@ -53,33 +54,9 @@ class ReplicaClient:
             raise value
         return value
 
-    def get(
-        self,
-        consumer: Stage,
-        columns: list[str],
-        count: int,
-        *,
-        whole_groups: bool = False,
-        min_count: int | None = None,
-        timeout_s: float | None = None,
-        balance_over: int = 1,
-        policy: str | None = None,
-        peer: int | None = None,
-    ) -> tuple[list[int], dict[str, list]] | None:
-        """`client.get` on the head; its result (or exception) on every rank."""
-        return self._on_head(
-            lambda: self.client.get(
-                consumer,
-                columns,
-                count,
-                whole_groups=whole_groups,
-                min_count=min_count,
-                timeout_s=timeout_s,
-                balance_over=balance_over,
-                policy=policy,
-                peer=peer,
-            )
-        )
+    def pull(self, request: Pull) -> tuple[list[int], dict[str, list]] | None:
+        """`client.pull` on the head; its result (or exception) on every rank."""
+        return self._on_head(lambda: self.client.pull(request))
 
     def put(self, producer: Stage, rows: list[int], batch: dict[str, list]) -> None:
         """`client.put` on the head only (peers hold the same results)."""

@@ -53,10 +53,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
+from dockrl.dock.api import Pull, RowSource
 from dockrl.dock.columns import (
     ENV_FAILED,
     ENV_REWARD,
@@ -73,24 +74,6 @@ from dockrl.engines.rollout.backend import RolloutBackend
 from dockrl.engines.rollout.rollout_engine import Request
 from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.envs.base import Environment, Message, Observation, check_messages
-
-
-class RowSource(Protocol):
-    """What serve_multi_turn needs of a client: DockAPI's get and put (the dock's clients, or LocalRows)."""
-
-    def put(self, producer: Stage, rows: list[int], batch: dict[str, list]) -> None: ...
-
-    def get(
-        self,
-        consumer: Stage,
-        columns: list[str],
-        count: int,
-        *,
-        whole_groups: bool = False,
-        min_count: int | None = None,
-        timeout_s: float | None = None,
-    ) -> tuple[list[int], dict[str, list]] | None: ...
-
 
 ENV_METRICS = ("turns", "tool_calls", "tool_errors", "timeouts", "truncated", "template_mismatch")
 
@@ -385,7 +368,7 @@ def _collect(
     return spent
 
 
-class LocalRows:
+class LocalRows(RowSource):
     """A DockAPI-shaped source of rows in this process, for trajectories outside a training step (held-out
     evaluation): `get` hands out the rows in order (groups of one), `put` keeps what the rollout writes."""
 
@@ -394,19 +377,11 @@ class LocalRows:
         self.served = 0
         self.out: dict[int, dict[str, Any]] = {}
 
-    def get(
-        self,
-        consumer: Stage,
-        columns: list[str],
-        count: int,
-        *,
-        whole_groups: bool = False,
-        min_count: int | None = None,
-        timeout_s: float | None = None,
-    ) -> tuple[list[int], dict[str, list]] | None:
+    def pull(self, request: Pull) -> tuple[list[int], dict[str, list]] | None:
+        """The next rows in order (the request's count, at least one)."""
         if self.served == len(self.prompts):
             return None
-        rows = list(range(self.served, min(len(self.prompts), self.served + max(1, count))))
+        rows = list(range(self.served, min(len(self.prompts), self.served + max(1, request.count))))
         self.served = rows[-1] + 1
         return rows, {PROMPT_IDS: [self.prompts[r] for r in rows], ENV_ROW: [self.env_rows[r] for r in rows]}
 

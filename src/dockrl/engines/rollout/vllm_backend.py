@@ -259,7 +259,7 @@ class VllmBackend:
             raise WeightSyncError(
                 f"{self.name}: after weight update {self.stats['weight_updates']} vLLM's log-probs of the "
                 f"{len(ids)}-token probe differ from the reference's by {diff:.3g} per token (mean), over "
-                f"the bound {tol:g} (rollout.vllm_probe_tol): the engine is not generating with the trainer's "
+                f"the bound {tol:g} (rollout.vllm.probe_tol): the engine is not generating with the trainer's "
                 "weights"
             )
         return diff
