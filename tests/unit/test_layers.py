@@ -1,7 +1,8 @@
 """The layering of docs/DESIGN.md ("Layers"), read from the source with ast: every import of src/dockrl counts,
 at module level or inside a function (a late import is still a dependency).
 
-- config/ imports no other dockrl package (dockrl.errors, which imports nothing of dockrl, excepted);
+- config/ imports no other dockrl package (dockrl.errors, which imports nothing of dockrl, excepted) but the
+  torch-free algorithm registry (algos/registry.py), which imports nothing of dockrl itself;
 - engines/, algos/, rewards/, models/, data/, config/ never import ray;
 - workers/ never import recipes/;
 - no import cycle between packages (a package is a folder of src/dockrl, or a top-level module such as cli.py),
@@ -14,6 +15,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src" / "dockrl"
 NO_RAY = ("engines", "algos", "rewards", "models", "data", "config")
 SHARED = {"errors", "user_code"}  # modules every layer may import (they import nothing of dockrl)
+# What config/ may import beside them: torch-free registries (tests/distributed/test_light_imports.py).
+REGISTRIES = ("dockrl.algos.registry",)
 
 
 def _module_name(path: Path) -> str:
@@ -101,14 +104,26 @@ def _files_of(package: str) -> list[Path]:
     return sorted(path.rglob("*.py")) if path.is_dir() else [SRC / f"{package}.py"]
 
 
+def _a_registry(module: str) -> bool:
+    return any(module == r or module.startswith(r + ".") for r in REGISTRIES)
+
+
 def test_config_imports_no_other_dockrl_package():
     bad = {
         str(f.relative_to(SRC)): sorted(
-            m for m in _imports(f) if m.startswith("dockrl.") and _package(m) not in ("config", *SHARED)
+            m
+            for m in _imports(f)
+            if m.startswith("dockrl.") and _package(m) not in ("config", *SHARED) and not _a_registry(m)
         )
         for f in _files_of("config")
     }
     assert {f: m for f, m in bad.items() if m} == {}
+
+
+def test_the_registries_config_imports_import_nothing_of_dockrl():
+    for registry in REGISTRIES:
+        path = SRC.joinpath(*registry.split(".")[1:]).with_suffix(".py")
+        assert not [m for m in _imports(path) if m.startswith("dockrl")], registry
 
 
 def test_shared_modules_import_nothing_of_dockrl():

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dockrl.algos.estimators import kl_shaped_returns
+from dockrl.algos.advantages import kl_shaped_returns
 from dockrl.algos.losses import kl_penalty
 from dockrl.checkpoint.directory import ACTOR, ADAPTER, HF
 from dockrl.checkpoint.sharded import export_adapter, export_hf, load_engine, save_engine
