@@ -40,6 +40,19 @@ def test_the_registries_config_reads_import_without_torch():
     assert _loaded_after("import dockrl.backends, dockrl.backends.vllm, dockrl.backends.dockrl") == []
 
 
+def test_the_algorithm_registry_imports_without_torch():
+    """What config/ imports of algos/: the registry, and the built-in estimators it finds registered (the driver
+    checks a config before any worker starts)."""
+    loaded = _loaded_after(
+        """
+        from dockrl.algos.registry import estimator_names, PRESETS, LossPlan
+        import dockrl.algos, dockrl.algos.estimators, dockrl.config
+        assert "grpo" in estimator_names() and "gae" in estimator_names()
+        """
+    )
+    assert loaded == []
+
+
 def test_the_dock_imports_without_torch():
     """The controller's and the warehouses' modules (their processes never decode a tensor: dock/cells.py)."""
     loaded = _loaded_after("import dockrl.dock.warehouse, dockrl.dock.shared, dockrl.dock.cells")

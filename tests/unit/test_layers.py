@@ -2,8 +2,8 @@
 at module level or inside a function (a late import is still a dependency).
 
 - config/ imports no other dockrl package (dockrl.errors, which imports nothing of dockrl, excepted) but the
-  torch-free registries of REGISTRIES (model families, rollout backends), which import no torch, no Ray and no
-  other dockrl package themselves;
+  torch-free registries of REGISTRIES (model families, rollout backends, the algorithm registry), which import
+  no torch, no Ray and no other dockrl package themselves;
 - engines/, algos/, rewards/, models/, data/, config/ never import ray;
 - workers/ never import recipes/;
 - no import cycle between packages (a package is a folder of src/dockrl, or a top-level module such as cli.py),
@@ -16,7 +16,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src" / "dockrl"
 NO_RAY = ("engines", "algos", "rewards", "models", "data", "config")
 SHARED = {"errors", "user_code"}  # modules every layer may import (they import nothing of dockrl)
-REGISTRIES = ("dockrl.models.families", "dockrl.backends")  # torch-free registries config/ may read
+# torch-free registries config/ may read (tests/distributed/test_light_imports.py checks they load no torch)
+REGISTRIES = ("dockrl.models.families", "dockrl.backends", "dockrl.algos.registry")
 
 
 def _module_name(path: Path) -> str:
@@ -120,9 +121,14 @@ def test_config_imports_no_other_dockrl_package():
     assert {f: m for f, m in bad.items() if m} == {}
 
 
+def _registry_files(registry: str) -> list[Path]:
+    path = SRC.parent / registry.replace(".", "/")
+    return sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+
+
 def test_registries_import_no_torch_ray_or_other_dockrl_package():
-    files = [f for r in REGISTRIES for f in sorted((SRC.parent / r.replace(".", "/")).rglob("*.py"))]
-    assert files, REGISTRIES
+    files = [f for r in REGISTRIES for f in _registry_files(r)]
+    assert all(f.is_file() for f in files) and files, REGISTRIES
     bad = [
         f"{f.relative_to(SRC)}: {m}"
         for f in files

@@ -1,8 +1,10 @@
-"""Advantage estimators that need no critic.
+"""Token-level advantage math of the trainer and the critic: REINFORCE++'s KL-shaped returns, whitening over
+every valid token of the step, and PPO's generalised advantage estimation.
 
-Shape letters: N rows (= G groups x S samples per prompt), G groups, S group size.
+Shape letters: B rows, T tokens (right-padded; each row's valid tokens are a prefix), R tokens of one row.
 
-Rows of one prompt are contiguous: rows [g*S, (g+1)*S) form group g, as the dock serves whole groups.
+The reward stage's group estimators (one scalar advantage per row) are in estimators.py; an estimator's
+`whitened` trait (algos/registry.py) says the trainer whitens its advantages here, over all its rows.
 """
 
 from __future__ import annotations
@@ -11,37 +13,59 @@ import torch
 from torch import Tensor
 
 
-def group_normalized_advantages(
-    rewards: Tensor, group_size: int, *, eps: float = 1e-6, normalize_std: bool = True
-) -> Tensor:
-    """GRPO advantage: each reward minus its group's mean, divided by the group's std (+ eps).
+def kl_shaped_returns(advantages: Tensor, kl: Tensor, kl_coef: float) -> Tensor:
+    """REINFORCE++ with the KL in the reward: token rewards -kl_coef * kl_t plus the row's (baselined) reward
+    at its last token, summed to go (gamma = 1): A_t = A - kl_coef * sum_{t' >= t} kl_t'. One row, [R] in/out."""
+    to_go = kl.flip(-1).cumsum(-1).flip(-1)  # [R]
+    return advantages - kl_coef * to_go
 
-    The std is the unbiased sample std (``torch.std`` default, Bessel's correction), as in GRPO's
-    reference implementations (MindSpeed RL, verl). A group whose rewards are all equal gets zero
-    advantages (its deviations are exactly 0), and ``group_size == 1`` gives zeros (no baseline exists).
+
+def masked_moments(values: Tensor, mask: Tensor) -> Tensor:
+    """[sum, sum of squares, count] (fp64) of `values` where `mask` is set; sum these over ranks."""
+    mask_d = mask.to(torch.float64)
+    v = values.to(torch.float64) * mask_d
+    return torch.stack([v.sum(), (v * values.to(torch.float64)).sum(), mask_d.sum()])
+
+
+def whiten(values: Tensor, mask: Tensor, *, moments: Tensor | None = None, eps: float = 1e-8) -> Tensor:
+    """(values - mean) / (std + eps) over the tokens where `mask` is set; masked tokens become 0.
+
+    The std is the population std (no Bessel correction). Pass `moments` (from `masked_moments`,
+    summed over data-parallel ranks) to whiten with global statistics.
+    """
+    total, total_sq, count = (masked_moments(values, mask) if moments is None else moments).tolist()
+    count = max(count, 1.0)
+    mean = total / count
+    std = max(total_sq / count - mean * mean, 0.0) ** 0.5
+    return ((values.float() - mean) / (std + eps)) * mask.to(torch.float32)
+
+
+def gae_advantages(
+    token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation on per-token rewards with right-padded rows.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}, with V and A past
+    the last valid token of a row taken as 0 (the episode ends there).
 
     Args:
-        rewards: [N] scalar reward per row, N = G * group_size, groups contiguous.
-        group_size: S, samples per prompt.
-        eps: added to the std so near-constant groups do not blow up.
-        normalize_std: False gives ``r - mean`` only (Dr. GRPO style).
+        token_rewards: [B, T] reward per token (the sequence reward usually sits on the last valid token).
+        values: [B, T] critic values.
+        mask: [B, T] 1 on valid tokens; each row's valid tokens are a prefix.
 
     Returns:
-        [N] fp32 advantages.
+        (advantages [B, T], returns [B, T] = advantages + values), both 0 on masked tokens.
     """
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1; got {group_size}")
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-D [N]; got shape {tuple(rewards.shape)}")
-    if rewards.numel() % group_size != 0:
-        raise ValueError(
-            f"rewards has {rewards.numel()} rows, not a multiple of group_size={group_size}; "
-            "the dock must hand over whole groups"
-        )
-    if group_size == 1:
-        return torch.zeros_like(rewards, dtype=torch.float32)
-    grouped = rewards.float().view(-1, group_size)  # [G, S]
-    centered = grouped - grouped.mean(dim=1, keepdim=True)  # [G, S]
-    if normalize_std:
-        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)  # [G, S]
-    return centered.reshape(-1)  # [N]
+    mask_f = mask.float()
+    rewards_m, values_m = token_rewards.float() * mask_f, values.float() * mask_f
+    num_tokens = rewards_m.shape[1]
+    next_value = torch.zeros_like(rewards_m[:, 0])  # [B]
+    next_adv = torch.zeros_like(rewards_m[:, 0])  # [B]
+    advantages = torch.zeros_like(rewards_m)  # [B, T]
+    for t in reversed(range(num_tokens)):
+        delta = rewards_m[:, t] + gamma * next_value - values_m[:, t]
+        adv_t = (delta + gamma * lam * next_adv) * mask_f[:, t]
+        advantages[:, t] = adv_t
+        # A padded position resets the recursion: the next valid token (further left) sees V=0, A=0.
+        next_value, next_adv = values_m[:, t], adv_t
+    return advantages, (advantages + values_m) * mask_f

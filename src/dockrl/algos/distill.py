@@ -26,7 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dockrl.observe import metric_names as names
+# The figures' names in metrics.jsonl, as observe/metric_names.py declares them (DISTILL_*; a unit test keeps the
+# two equal): algos/ imports no metric vocabulary, which would tie the math to the dock's Stage names.
+REVERSE_KL = "distill/reverse_kl"
+TEACHER_LOGPROB = "distill/teacher_logprob"
 
 
 def distill_advantages(teacher: Tensor, student: Tensor, coef: float, mask: Tensor | None = None) -> Tensor:
@@ -68,6 +71,6 @@ class DistillSums:
         if self.tokens == 0:
             return {}
         return {
-            names.DISTILL_REVERSE_KL: self.reverse_kl / self.tokens,
-            names.DISTILL_TEACHER_LOGPROB: self.teacher_logprob / self.tokens,
+            REVERSE_KL: self.reverse_kl / self.tokens,
+            TEACHER_LOGPROB: self.teacher_logprob / self.tokens,
         }

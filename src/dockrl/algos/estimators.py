@@ -1,48 +1,53 @@
-"""Advantage estimators per algorithm, DAPO's overlong reward shaping, GAE and advantage whitening.
+"""Advantage estimators, one decorated function each, and DAPO's overlong reward shaping.
 
-Shape letters: N rows (= G groups x S samples per prompt), G groups, S group size, B rows, T tokens.
+Shape letters: N rows (= G groups x S samples per prompt), G groups, S group size.
 
 Rows of one prompt are contiguous: rows [g*S, (g+1)*S) form group g, as the dock serves whole groups.
 
-The group estimators map one scalar reward per row to one scalar advantage per row; the trainer
-broadcasts it over the row's response tokens. `compute_advantages` picks one by name:
+A group estimator maps one scalar reward per row to one scalar advantage per row; the trainer broadcasts it
+over the row's response tokens. Each registers by name with its traits (algos/registry.py), and
+`compute_advantages` looks it up:
 
     grpo, dapo, gspo   (r - group mean) / (group std + eps)
     dr_grpo            r - group mean (no std: Dr. GRPO removes the difficulty bias)
     rloo               r - mean of the other S-1 rewards of the group = S/(S-1) * (r - group mean)
-    reinforce_pp       r itself; whitened later over every valid token of the step (`whiten`)
+    reinforce_pp       r itself; whitened later over every valid token of the step (algos/advantages.py)
     reinforce_pp_baseline
                        r - group mean; whitened later over every valid token of the step
-    gae                needs a critic (token values); see `gae_advantages`
+    gae                needs a critic (token values); the critic runs algos/advantages.py `gae_advantages`
     none               0 (opd: the teacher's per-token term, algos/distill.py, is the whole advantage)
 
 Whitening over the whole step needs every row, so it cannot run where groups are scored one pull at a
-time; `needs_batch_whitening` tells the trainer to do it over its rows (all-reduced over dp ranks).
+time; the `whitened` trait tells the trainer to do it over its rows (all-reduced over dp ranks).
+
+A new estimator is one more decorated function here; its traits, not its name, decide where it runs and what
+config allows with it (docs/algorithms.md, "Adding an estimator"):
+
+    @estimator("my_estimator", group_baseline=True)
+    def my_estimator(rewards: Tensor, group_size: int, settings: AdvantageSettings) -> Tensor:
+        grouped = _grouped(rewards, group_size)  # [G, S]
+        ...
+
+This module imports no torch, only its types: config/ reads what registers here before any worker starts, and
+the driver's start-up does not pay for torch. The functions call the methods of the tensors they are given.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
-from dockrl.algos.advantages import group_normalized_advantages
+from dockrl.algos.registry import AdvantageSettings, estimator, estimator_named
 
-# The estimator names and each algorithm's own estimator are declared once, in the preset table.
-from dockrl.config.presets import ADV_ESTIMATORS, DEFAULT_ESTIMATOR, GROUP_ESTIMATORS, WHITENED_ESTIMATORS
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = [
-    "ADV_ESTIMATORS",
-    "DEFAULT_ESTIMATOR",
-    "GROUP_ESTIMATORS",
     "compute_advantages",
-    "gae_advantages",
     "group_mean_advantages",
-    "kl_shaped_returns",
-    "masked_moments",
+    "group_normalized_advantages",
     "needs_batch_whitening",
     "overlong_penalty",
     "rloo_advantages",
-    "whiten",
 ]
 
 
@@ -58,6 +63,42 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
     return rewards.float().view(-1, group_size)  # [G, S]
 
 
+def group_normalized_advantages(
+    rewards: Tensor, group_size: int, *, eps: float = 1e-6, normalize_std: bool = True
+) -> Tensor:
+    """GRPO advantage: each reward minus its group's mean, divided by the group's std (+ eps).
+
+    The std is the unbiased sample std (``torch.std`` default, Bessel's correction), as in GRPO's
+    reference implementations (MindSpeed RL, verl). A group whose rewards are all equal gets zero
+    advantages (its deviations are exactly 0), and ``group_size == 1`` gives zeros (no baseline exists).
+
+    Args:
+        rewards: [N] scalar reward per row, N = G * group_size, groups contiguous.
+        group_size: S, samples per prompt.
+        eps: added to the std so near-constant groups do not blow up.
+        normalize_std: False gives ``r - mean`` only (Dr. GRPO style).
+
+    Returns:
+        [N] fp32 advantages.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1; got {group_size}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N]; got shape {tuple(rewards.shape)}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"rewards has {rewards.numel()} rows, not a multiple of group_size={group_size}; "
+            "the dock must hand over whole groups"
+        )
+    if group_size == 1:
+        return rewards.float().new_zeros(rewards.shape)  # [N]
+    grouped = rewards.float().view(-1, group_size)  # [G, S]
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # [G, S]
+    if normalize_std:
+        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)  # [G, S]
+    return centered.reshape(-1)  # [N]
+
+
 def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     """RLOO: each reward minus the mean of the other rewards of its group ([N] -> [N] fp32).
 
@@ -65,7 +106,7 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     """
     grouped = _grouped(rewards, group_size)  # [G, S]
     if group_size == 1:
-        return torch.zeros(rewards.numel(), dtype=torch.float32)
+        return grouped.new_zeros(rewards.numel())  # [N]
     others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # [G, S]
     return (grouped - others_mean).reshape(-1)
 
@@ -76,33 +117,72 @@ def group_mean_advantages(rewards: Tensor, group_size: int) -> Tensor:
     return (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
 
 
+# ---------------------------------------------------------------- the registered estimators
+
+
+@estimator("grpo", group_baseline=True, std_normalized=True)
+def grpo(rewards: Tensor, group_size: int, settings: AdvantageSettings) -> Tensor:
+    """GRPO (also dapo's and gspo's): `group_normalized_advantages` with algo.adv_eps, algo.norm_adv_by_std."""
+    return group_normalized_advantages(
+        rewards, group_size, eps=settings.eps, normalize_std=settings.normalize_std
+    )
+
+
+@estimator("dr_grpo", group_baseline=True)
+def dr_grpo(rewards: Tensor, group_size: int, settings: AdvantageSettings) -> Tensor:
+    """Dr. GRPO: the group-centred reward, no std."""
+    return group_mean_advantages(rewards, group_size)
+
+
+@estimator("rloo", group_baseline=True)
+def rloo(rewards: Tensor, group_size: int, settings: AdvantageSettings) -> Tensor:
+    """RLOO: the leave-one-out baseline."""
+    return rloo_advantages(rewards, group_size)
+
+
+@estimator("reinforce_pp", whitened=True, kl_in_reward=True)
+def reinforce_pp(rewards: Tensor, group_size: int, settings: AdvantageSettings) -> Tensor:
+    """REINFORCE++: the reward itself, whitened over the step by the trainer."""
+    _grouped(rewards, group_size)
+    return rewards.float().clone()
+
+
+@estimator("reinforce_pp_baseline", group_baseline=True, whitened=True, kl_in_reward=True)
+def reinforce_pp_baseline(rewards: Tensor, group_size: int, settings: AdvantageSettings) -> Tensor:
+    """REINFORCE++ with the group-mean baseline, whitened over the step by the trainer."""
+    return group_mean_advantages(rewards, group_size)
+
+
+@estimator("none", needs_teacher=True)
+def no_advantage(rewards: Tensor, group_size: int, settings: AdvantageSettings) -> Tensor:
+    """opd's: zero for every row (the teacher's per-token term is the whole advantage)."""
+    grouped = _grouped(rewards, group_size)  # [G, S]
+    return grouped.new_zeros(grouped.numel())  # [N]
+
+
+@estimator("gae", needs_critic=True, whitened=True, kl_in_reward=True)
+def gae(rewards: Tensor, group_size: int, settings: AdvantageSettings) -> Tensor:
+    """PPO's GAE needs a critic's token values: the CriticWorker runs algos/advantages.py `gae_advantages`."""
+    raise ValueError("the gae estimator needs critic values per token; call gae_advantages")
+
+
+# ---------------------------------------------------------------- lookups and shaping
+
+
 def compute_advantages(
     name: str, rewards: Tensor, group_size: int, *, eps: float = 1e-6, normalize_std: bool = True
 ) -> Tensor:
-    """Per-row advantages [N] fp32 from per-row rewards [N] with estimator `name` (`GROUP_ESTIMATORS`).
+    """Per-row advantages [N] fp32 from per-row rewards [N] with the registered estimator `name`.
 
     The REINFORCE++ estimators return the (baselined) rewards; the trainer whitens them over the step.
     `eps` and `normalize_std` apply to the grpo estimator only.
     """
-    if name == "grpo":
-        return group_normalized_advantages(rewards, group_size, eps=eps, normalize_std=normalize_std)
-    if name in ("dr_grpo", "reinforce_pp_baseline"):
-        return group_mean_advantages(rewards, group_size)
-    if name == "rloo":
-        return rloo_advantages(rewards, group_size)
-    if name == "reinforce_pp":
-        _grouped(rewards, group_size)
-        return rewards.float().clone()
-    if name == "none":
-        return torch.zeros(_grouped(rewards, group_size).numel(), dtype=torch.float32)
-    if name == "gae":
-        raise ValueError("the gae estimator needs critic values per token; call gae_advantages")
-    raise ValueError(f"unknown advantage estimator {name!r}; choose one of {ADV_ESTIMATORS}")
+    return estimator_named(name).fn(rewards, group_size, AdvantageSettings(eps, normalize_std))
 
 
 def needs_batch_whitening(name: str) -> bool:
     """Whether estimator `name` whitens its advantages over all valid tokens of the step."""
-    return name in WHITENED_ESTIMATORS
+    return estimator_named(name).whitened
 
 
 def overlong_penalty(lengths: Tensor, max_len: int, buffer_len: int, penalty: float) -> Tensor:
@@ -121,59 +201,14 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer_len: int, penalty: fl
     return -(over / buffer_len).clamp(max=1.0) * penalty
 
 
-def kl_shaped_returns(advantages: Tensor, kl: Tensor, kl_coef: float) -> Tensor:
-    """REINFORCE++ with the KL in the reward: token rewards -kl_coef * kl_t plus the row's (baselined) reward
-    at its last token, summed to go (gamma = 1): A_t = A - kl_coef * sum_{t' >= t} kl_t'. One row, [R] in/out."""
-    to_go = kl.flip(-1).cumsum(-1).flip(-1)  # [R]
-    return advantages - kl_coef * to_go
+# The token-level functions moved to algos/advantages.py (they need torch at import); older imports of them from
+# this module load that one on first access.
+_IN_ADVANTAGES = ("gae_advantages", "kl_shaped_returns", "masked_moments", "whiten")
 
 
-def masked_moments(values: Tensor, mask: Tensor) -> Tensor:
-    """[sum, sum of squares, count] (fp64) of `values` where `mask` is set; sum these over ranks."""
-    mask_d = mask.to(torch.float64)
-    v = values.to(torch.float64) * mask_d
-    return torch.stack([v.sum(), (v * values.to(torch.float64)).sum(), mask_d.sum()])
+def __getattr__(name: str) -> Any:
+    if name in _IN_ADVANTAGES:
+        import dockrl.algos.advantages as advantages
 
-
-def whiten(values: Tensor, mask: Tensor, *, moments: Tensor | None = None, eps: float = 1e-8) -> Tensor:
-    """(values - mean) / (std + eps) over the tokens where `mask` is set; masked tokens become 0.
-
-    The std is the population std (no Bessel correction). Pass `moments` (from `masked_moments`,
-    summed over data-parallel ranks) to whiten with global statistics.
-    """
-    total, total_sq, count = (masked_moments(values, mask) if moments is None else moments).tolist()
-    count = max(count, 1.0)
-    mean = total / count
-    std = max(total_sq / count - mean * mean, 0.0) ** 0.5
-    return ((values.float() - mean) / (std + eps)) * mask.to(torch.float32)
-
-
-def gae_advantages(
-    token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 1.0
-) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation on per-token rewards with right-padded rows.
-
-    delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}, with V and A past
-    the last valid token of a row taken as 0 (the episode ends there).
-
-    Args:
-        token_rewards: [B, T] reward per token (the sequence reward usually sits on the last valid token).
-        values: [B, T] critic values.
-        mask: [B, T] 1 on valid tokens; each row's valid tokens are a prefix.
-
-    Returns:
-        (advantages [B, T], returns [B, T] = advantages + values), both 0 on masked tokens.
-    """
-    mask_f = mask.float()
-    rewards_m, values_m = token_rewards.float() * mask_f, values.float() * mask_f
-    num_tokens = rewards_m.shape[1]
-    next_value = torch.zeros_like(rewards_m[:, 0])  # [B]
-    next_adv = torch.zeros_like(rewards_m[:, 0])  # [B]
-    advantages = torch.zeros_like(rewards_m)  # [B, T]
-    for t in reversed(range(num_tokens)):
-        delta = rewards_m[:, t] + gamma * next_value - values_m[:, t]
-        adv_t = (delta + gamma * lam * next_adv) * mask_f[:, t]
-        advantages[:, t] = adv_t
-        # A padded position resets the recursion: the next valid token (further left) sees V=0, A=0.
-        next_value, next_adv = values_m[:, t], adv_t
-    return advantages, (advantages + values_m) * mask_f
+        return getattr(advantages, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

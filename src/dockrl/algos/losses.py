@@ -10,21 +10,37 @@ tokens that count (response tokens, not padding, not tool output); it may be boo
 Micro-batching: with ``agg="token-mean"`` pass ``num_tokens`` = valid tokens of the whole optimizer
 step (summed over micro-batches and data-parallel ranks). Each micro-batch loss is then its share of
 the global mean, and the accumulated gradient equals one pass over the full batch.
+
+`policy_loss` reads how to form the loss from a `LossPlan` (algos/registry.py), the trainer passes it whole: a new
+loss knob is a setting (config/schema.py), a LossPlan field, its line in config/step_plan.py `loss_plan` and its
+use here.
 """
 
 from __future__ import annotations
 
-import typing
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from dockrl.config.presets import LossAgg
-from dockrl.config.schema import KLEstimator
+from dockrl.algos.registry import KL_ESTIMATORS, LOSS_AGGS, LossPlan
 
-KL_ESTIMATORS = typing.get_args(KLEstimator)  # the closed choices of algo.kl_estimator and algo.loss_agg
-AGG_MODES = typing.get_args(LossAgg)
+AGG_MODES = LOSS_AGGS  # the closed choices of algo.loss_agg
+
+# What `policy_loss` computes without a plan: PPO's clipped surrogate (0.2 both ways), token-mean, no KL and
+# no entropy term.
+PPO_CLIP_LOSS = LossPlan(
+    agg="token-mean",
+    clip_low=0.2,
+    clip_high=0.2,
+    kl_coef=0.0,
+    kl_estimator="k3",
+    entropy_coef=0.0,
+    sequence_ratio=False,
+    seq_len_norm=None,
+)
 
 # exp() of a log-ratio beyond +-20 overflows or underflows to useless values; verl and MindSpeed clamp
 # the log-ratio at 20 and the k3 result at 10 ("low_var_kl").
@@ -148,70 +164,54 @@ def policy_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
+    plan: LossPlan = PPO_CLIP_LOSS,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
     ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
     entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
-    agg: str = "token-mean",
     num_tokens: float | None = None,
     num_seqs: float | None = None,
-    seq_len_norm: float | None = None,
-    sequence_ratio: bool = False,
     is_weights: Tensor | None = None,
+    **settings: Any,
 ) -> PolicyLossOutput:
-    """PPO/GRPO clipped policy loss with optional KL-to-reference penalty and entropy bonus.
+    """PPO/GRPO clipped policy loss with optional KL-to-reference penalty and entropy bonus, formed as `plan`
+    says (the run's StepPlan.loss). Keywords named like plan fields (``clip_low=0.1``, ``agg=...``,
+    ``sequence_ratio=True``) replace them for this call; without a plan, ``PPO_CLIP_LOSS``.
 
     Per token, with ratio = exp(logprobs - old_logprobs) (log-ratio clamped to [-20, 20]):
         pg = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
     ``clip_low != clip_high`` gives DAPO's clip-higher. ``sequence_ratio=True`` is GSPO: every token of
     a row uses the row's ratio exp(mean over its valid tokens of the log-ratio), clipped per sequence;
-    its gradient reaches each token's log-prob with weight 1 / (valid tokens of the row). The loss adds ``kl_coef * kl_penalty`` when
-    ``kl_coef > 0`` and subtracts ``entropy_coef * entropy`` when ``entropy_coef > 0``.
+    its gradient reaches each token's log-prob with weight 1 / (valid tokens of the row). The loss adds
+    ``kl_coef * kl_penalty`` when ``kl_coef > 0`` and subtracts ``entropy_coef * entropy`` when
+    ``entropy_coef > 0``. Every term is reduced by ``aggregate`` with ``plan.agg``, ``plan.seq_len_norm``
+    and the global counts.
 
     Args:
         logprobs: [B, T] current policy log-probs (with grad).
         old_logprobs: [B, T] log-probs of the policy that sampled the tokens (no grad).
         advantages: [B, T] per-token advantages, or [B] per-row (broadcast over tokens).
         mask: [B, T] bool/float, 1 on tokens that count.
-        clip_low, clip_high: ratio clip range [1 - clip_low, 1 + clip_high].
+        plan: clip range, KL weight and estimator (``KL_ESTIMATORS``), entropy weight, aggregation, ratio level.
         ref_logprobs: [B, T] reference log-probs; required when kl_coef > 0.
-        kl_coef, kl_estimator: weight and estimator (``KL_ESTIMATORS``) of the KL penalty.
         entropy: [B, T] per-token entropy (with grad); required when entropy_coef > 0.
-        entropy_coef: weight of the entropy bonus.
-        agg, num_tokens, num_seqs, seq_len_norm: reduction, see ``aggregate``; the same for every term.
-        sequence_ratio: GSPO's sequence-level importance ratio instead of per-token ratios.
+        num_tokens, num_seqs: global counts of the optimizer step, see ``aggregate``.
         is_weights: [B, T] importance weights of the rollout-vs-trainer correction (truncated importance
             sampling: min(exp(old - rollout), cap), no grad), multiplied into each token's surrogate.
     """
+    plan = _with_settings(plan, settings)
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)
-    for name, tensor in (("old_logprobs", old_logprobs), ("advantages", advantages), ("mask", mask)):
-        if tensor.shape != logprobs.shape:
-            raise ValueError(f"{name} shape {tuple(tensor.shape)} != logprobs shape {tuple(logprobs.shape)}")
-    if kl_coef > 0 and ref_logprobs is None:
-        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs; pass them or set kl_coef=0")
-    if entropy_coef > 0 and entropy is None:
-        raise ValueError(
-            f"entropy_coef={entropy_coef} needs per-token entropy; pass it or set entropy_coef=0"
-        )
+    _check_inputs(logprobs, old_logprobs, advantages, mask, plan, ref_logprobs, entropy)
 
     def reduce(values: Tensor) -> Tensor:
         return aggregate(
-            values, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, seq_len_norm=seq_len_norm
+            values, mask, plan.agg, num_tokens=num_tokens, num_seqs=num_seqs, seq_len_norm=plan.seq_len_norm
         )
 
-    log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
-    if sequence_ratio:
-        mask_f = mask.to(log_ratio.dtype)
-        seq_log_ratio = (log_ratio * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1)  # [B]
-        log_ratio = seq_log_ratio.unsqueeze(-1).expand_as(logprobs)  # [B, T]
+    log_ratio = _log_ratio(logprobs, old_logprobs, mask, plan.sequence_ratio)  # [B, T]
     ratio = log_ratio.exp()  # [B, T]
     unclipped = -advantages * ratio  # [B, T]
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [B, T]
+    clipped = -advantages * ratio.clamp(1.0 - plan.clip_low, 1.0 + plan.clip_high)  # [B, T]
     surrogate = torch.maximum(unclipped, clipped)  # [B, T]
     pg_loss = reduce(surrogate if is_weights is None else surrogate * is_weights)
     loss = pg_loss
@@ -219,14 +219,14 @@ def policy_loss(
     zero = pg_loss.new_zeros(())
     kl = zero
     if ref_logprobs is not None:
-        kl = reduce(kl_penalty(logprobs, ref_logprobs, kl_estimator))
-        if kl_coef > 0:
-            loss = loss + kl_coef * kl
+        kl = reduce(kl_penalty(logprobs, ref_logprobs, plan.kl_estimator))
+        if plan.kl_coef > 0:
+            loss = loss + plan.kl_coef * kl
     entropy_agg = zero
     if entropy is not None:
         entropy_agg = reduce(entropy)
-        if entropy_coef > 0:
-            loss = loss - entropy_coef * entropy_agg
+        if plan.entropy_coef > 0:
+            loss = loss - plan.entropy_coef * entropy_agg
 
     with torch.no_grad():
         active = clipped > unclipped  # [B, T]
@@ -244,6 +244,50 @@ def policy_loss(
         clip_frac_high=clip_frac_high,
         clip_frac_low=clip_frac_low,
     )
+
+
+def _with_settings(plan: LossPlan, settings: dict[str, Any]) -> LossPlan:
+    """`plan` with the fields named in `settings` replaced (policy_loss's keyword form)."""
+    if not settings:
+        return plan
+    unknown = sorted(settings.keys() - {f.name for f in dataclasses.fields(LossPlan)})
+    if unknown:
+        raise TypeError(
+            f"policy_loss() got {unknown}, which are no LossPlan fields; use one of "
+            f"{[f.name for f in dataclasses.fields(LossPlan)]}"
+        )
+    return dataclasses.replace(plan, **settings)
+
+
+def _check_inputs(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    plan: LossPlan,
+    ref_logprobs: Tensor | None,
+    entropy: Tensor | None,
+) -> None:
+    """Shapes agree with `logprobs` [B, T], and the KL and entropy terms in use have their inputs."""
+    for name, tensor in (("old_logprobs", old_logprobs), ("advantages", advantages), ("mask", mask)):
+        if tensor.shape != logprobs.shape:
+            raise ValueError(f"{name} shape {tuple(tensor.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    if plan.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={plan.kl_coef} needs ref_logprobs; pass them or set kl_coef=0")
+    if plan.entropy_coef > 0 and entropy is None:
+        raise ValueError(
+            f"entropy_coef={plan.entropy_coef} needs per-token entropy; pass it or set entropy_coef=0"
+        )
+
+
+def _log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, sequence_ratio: bool) -> Tensor:
+    """log(pi / pi_old) [B, T], clamped; with `sequence_ratio` (GSPO) each row's mean over its valid tokens."""
+    log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
+    if not sequence_ratio:
+        return log_ratio
+    mask_f = mask.to(log_ratio.dtype)
+    seq_log_ratio = (log_ratio * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1)  # [B]
+    return seq_log_ratio.unsqueeze(-1).expand_as(logprobs)  # [B, T]
 
 
 def value_loss(

@@ -2,7 +2,8 @@
 
 Shape letters: B rows, T response tokens per row (right-padded; each row's valid tokens are a prefix).
 
-PPO's data flow per row (the CriticWorker runs it; `gae_advantages` and `value_loss` live in estimators.py):
+PPO's data flow per row (the CriticWorker runs it; `gae_advantages` lives in advantages.py, `value_loss` in
+losses.py):
 
     sequence reward r, per-token KL k_t (optional) ─▶ token rewards: -kl_coef * k_t, plus r on the last token
     token rewards, critic values V_t ─▶ GAE (gamma, lambda) ─▶ advantages A_t, returns A_t + V_t
@@ -17,15 +18,12 @@ Language Models from Human Preferences"), as in verl and OpenRLHF:
 
 from __future__ import annotations
 
-import typing
-
 import torch
 from torch import Tensor
 
-from dockrl.algos.estimators import masked_moments
-from dockrl.config.schema import KLControl
+from dockrl.algos.advantages import masked_moments
+from dockrl.algos.registry import KL_CONTROLLERS
 
-KL_CONTROLLERS = typing.get_args(KLControl)
 # verl's explained-variance denominator guard: finite even when every return is the same.
 _EXPLAINED_VARIANCE_EPS = 1e-5
 

@@ -1,31 +1,42 @@
 """Checks of the RL objective (algo.*, and PPO's critic): the algorithm's presets, its loss settings and what
 dynamic sampling needs. Pure rules, called by `check_train` before any process starts; settings without effect
-in a combination warn."""
+in a combination warn. What an advantage estimator allows is read from its registered traits
+(algos/registry.py), never from its name.
+"""
 
 from __future__ import annotations
 
-import typing
 import warnings
 
-from dockrl.config.checks import positive
-from dockrl.config.fields import config_error
-from dockrl.config.presets import (
-    ALGORITHMS,
-    GROUP_ESTIMATORS,
-    KL_REWARD_ESTIMATORS,
+from dockrl.algos.registry import (
+    KL_CONTROLLERS,
     LOSS_NORMALIZERS,
     PRESETS,
     RATIO_LEVELS,
+    Estimator,
+    estimator_named,
+    estimators,
 )
-from dockrl.config.schema import AlgoConfig, CriticConfig, KLControl, TrainConfig
+from dockrl.config.checks import positive
+from dockrl.config.fields import config_error
+from dockrl.config.schema import AlgoConfig, CriticConfig, TrainConfig
 from dockrl.config.step_plan import (
     estimator_of,
     resolved_clip,
     resolved_kl_coef,
     resolved_loss_agg,
+    traits_of,
 )
 
-KL_CONTROLLERS = typing.get_args(KLControl)
+
+def own_estimator(algo: AlgoConfig) -> Estimator:
+    """The estimator of the algorithm's preset (what algo.adv_estimator overrides)."""
+    return estimator_named(PRESETS[algo.name].estimator)
+
+
+def runs_critic(algo: AlgoConfig) -> bool:
+    """Whether the algorithm's estimator takes a critic's values (ppo's gae)."""
+    return traits_of(algo).needs_critic
 
 
 def check_dynamic_sampling(cfg: TrainConfig) -> None:
@@ -41,7 +52,7 @@ def check_dynamic_sampling(cfg: TrainConfig) -> None:
             f"{roll.samples_per_prompt} never has any",
             "use rollout.samples_per_prompt >= 2 (DAPO uses 8-16), or algo.dynamic_sampling=false",
         )
-    if algo.name == "ppo":
+    if runs_critic(algo):
         raise config_error(
             "algo.dynamic_sampling",
             True,
@@ -63,36 +74,17 @@ def check_dynamic_sampling(cfg: TrainConfig) -> None:
 def check_algorithm(cfg: TrainConfig) -> None:
     """algo.name and the settings each algorithm needs, conflicts as errors, no-ops as warnings."""
     algo, roll = cfg.algo, cfg.rollout
-    if algo.name not in ALGORITHMS:
-        raise config_error("algo.name", algo.name, "unknown algorithm", f"use one of {', '.join(ALGORITHMS)}")
-    if algo.adv_estimator == "gae" and algo.name != "ppo":
-        raise config_error(
-            "algo.adv_estimator",
-            "gae",
-            "GAE needs a critic's values, and only algo.name=ppo runs a critic",
-            f"set algo.name=ppo, or use one of {GROUP_ESTIMATORS}",
-        )
-    if algo.name == "ppo" and algo.adv_estimator not in (None, "gae"):
-        raise config_error(
-            "algo.adv_estimator",
-            algo.adv_estimator,
-            "algo.name=ppo computes GAE advantages from its critic's values",
-            "unset algo.adv_estimator (or use another algo.name for group advantages)",
-        )
-    if algo.adv_estimator is not None and algo.adv_estimator not in (*GROUP_ESTIMATORS, "gae"):
-        raise config_error(
-            "algo.adv_estimator",
-            algo.adv_estimator,
-            "unknown estimator",
-            f"use one of {GROUP_ESTIMATORS}, gae (ppo) or None (the algorithm's own)",
-        )
+    if algo.name not in PRESETS:
+        raise config_error("algo.name", algo.name, "unknown algorithm", f"use one of {', '.join(PRESETS)}")
+    _check_estimator(algo)
     _check_ppo(cfg)
-    if roll.samples_per_prompt == 1 and algo.name in ("dapo", "rloo"):
+    min_group_size = PRESETS[algo.name].min_group_size
+    if roll.samples_per_prompt < min_group_size:
         raise config_error(
             "rollout.samples_per_prompt",
-            1,
-            f"algo.name={algo.name} compares the samples of a group and needs at least 2",
-            "set rollout.samples_per_prompt >= 2 (or use reinforce_pp, which needs no group)",
+            roll.samples_per_prompt,
+            f"algo.name={algo.name} compares the samples of a group and needs at least {min_group_size}",
+            f"set rollout.samples_per_prompt >= {min_group_size} (or use reinforce_pp, which needs no group)",
         )
     if algo.name == "dapo" and resolved_kl_coef(algo) > 0:  # set explicitly: DAPO's own is 0
         raise config_error(
@@ -102,14 +94,15 @@ def check_algorithm(cfg: TrainConfig) -> None:
             "set algo.kl_coef=0 (or use algo.name=grpo for a KL term)",
         )
     _check_loss_settings(cfg)
-    if estimator_of(algo) != "grpo":  # the std normalisation and its epsilon belong to the grpo estimator
+    if not traits_of(algo).std_normalized:  # the std normalisation and its epsilon: the grpo estimator's
         default_eps = AlgoConfig.__dataclass_fields__["adv_eps"].default
+        std_estimators = ", ".join(name for name, e in estimators().items() if e.std_normalized)
         unused = [f"algo.norm_adv_by_std={algo.norm_adv_by_std}"] if not algo.norm_adv_by_std else []
         unused += [f"algo.adv_eps={algo.adv_eps}"] if algo.adv_eps != default_eps else []
         for setting_text in unused:
             warnings.warn(
                 f"{setting_text} has no effect with algo.name={algo.name} (estimator "
-                f"{estimator_of(algo)}); it applies to the grpo estimator",
+                f"{estimator_of(algo)}); it applies to the {std_estimators} estimator",
                 stacklevel=3,
             )
     if algo.overlong_buffer_len < 0 or algo.overlong_buffer_len > roll.max_new_tokens:
@@ -120,6 +113,38 @@ def check_algorithm(cfg: TrainConfig) -> None:
             "use 0 (off) or a buffer shorter than the generation limit",
         )
     positive("algo.overlong_penalty", algo.overlong_penalty, allow_zero=True)
+
+
+def _check_estimator(algo: AlgoConfig) -> None:
+    """algo.adv_estimator is registered, and takes a critic's values exactly when the algorithm runs one."""
+    if algo.adv_estimator is None:
+        return
+    known = estimators()
+    if algo.adv_estimator not in known:
+        raise config_error(
+            "algo.adv_estimator",
+            algo.adv_estimator,
+            "unknown estimator",
+            f"use one of {tuple(known)} or None (the algorithm's own)",
+        )
+    chosen, own = known[algo.adv_estimator], own_estimator(algo)
+    critic_algorithms = [name for name, p in PRESETS.items() if known[p.estimator].needs_critic]
+    if chosen.needs_critic and not own.needs_critic:
+        raise config_error(
+            "algo.adv_estimator",
+            chosen.name,
+            f"{chosen.name.upper()} needs a critic's values, and only algo.name="
+            f"{' or '.join(critic_algorithms)} runs a critic",
+            f"set algo.name={critic_algorithms[0]}, or use one of "
+            f"{tuple(name for name, e in known.items() if not e.needs_critic)}",
+        )
+    if own.needs_critic and chosen.name != own.name:
+        raise config_error(
+            "algo.adv_estimator",
+            chosen.name,
+            f"algo.name={algo.name} computes {own.name.upper()} advantages from its critic's values",
+            "unset algo.adv_estimator (or use another algo.name for group advantages)",
+        )
 
 
 def _check_loss_settings(cfg: TrainConfig) -> None:
@@ -214,7 +239,7 @@ def _check_ppo(cfg: TrainConfig) -> None:
         raise config_error(
             "algo.kl_ctrl", algo.kl_ctrl, "unknown KL controller", f"use one of {KL_CONTROLLERS}"
         )
-    if algo.kl_in_reward and estimator_of(algo) not in KL_REWARD_ESTIMATORS:
+    if algo.kl_in_reward and not traits_of(algo).kl_in_reward:
         raise config_error(
             "algo.kl_in_reward",
             True,
@@ -223,7 +248,7 @@ def _check_ppo(cfg: TrainConfig) -> None:
             "set algo.name=ppo, reinforce_pp or reinforce_pp_baseline, or algo.kl_in_reward=false for the KL "
             "term in the loss",
         )
-    if algo.kl_ctrl == "adaptive" and algo.name != "ppo":
+    if algo.kl_ctrl == "adaptive" and not runs_critic(algo):
         raise config_error(
             "algo.kl_ctrl",
             "adaptive",
@@ -244,7 +269,7 @@ def _check_ppo(cfg: TrainConfig) -> None:
             "a KL penalty needs the reference model, and algo.kl_coef=0 skips it",
             "set algo.kl_coef > 0 (the initial coefficient), or algo.kl_in_reward=false",
         )
-    if algo.name != "ppo":
+    if not runs_critic(algo):
         if algo.critic_warmup_steps:
             raise config_error(
                 "algo.critic_warmup_steps",

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from dockrl.config.checks import positive
 from dockrl.config.fields import config_error
-from dockrl.config.presets import KL_REWARD_ESTIMATORS, WHITENED_ESTIMATORS
 from dockrl.config.schema import TrainConfig
-from dockrl.config.step_plan import estimator_of
+from dockrl.config.step_plan import traits_of
 
 
 def check_env(cfg: TrainConfig) -> None:
@@ -31,9 +30,9 @@ def check_env(cfg: TrainConfig) -> None:
             f"{cfg.rollout.max_new_tokens} tokens",
             "raise it (None: rollout.max_new_tokens x env.max_turns)",
         )
-    estimator = estimator_of(cfg.algo)
+    estimator = traits_of(cfg.algo)
     # Whitening and KL-in-reward shape a value per token over the whole response, observation tokens too.
-    if estimator in WHITENED_ESTIMATORS or estimator in KL_REWARD_ESTIMATORS or cfg.algo.kl_in_reward:
+    if estimator.whitened or estimator.kl_in_reward or estimator.needs_critic or cfg.algo.kl_in_reward:
         raise config_error(
             "algo.name",
             cfg.algo.name,

@@ -16,6 +16,7 @@ import difflib
 import importlib.util
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -155,7 +156,8 @@ def from_dict(cls: type[T], raw: dict[str, Any], prefix: str = "") -> T:
     for name, f in fields.items():
         key = prefix + name
         if name in raw:
-            kwargs[name] = _coerce(hints[name], raw[name], key, f.metadata.get("noun", "value"))
+            noun, choices = f.metadata.get("noun", "value"), f.metadata.get("choices")
+            kwargs[name] = _coerce(hints[name], raw[name], key, noun, choices)
         elif dataclasses.is_dataclass(hints[name]) and f.default_factory is dataclasses.MISSING:
             kwargs[name] = from_dict(hints[name], {}, key + ".")  # names the missing leaf, e.g. model.path
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -171,10 +173,14 @@ def _unknown_key_message(key: str, valid: list[str], prefix: str) -> str:
     return f"unknown config key {key!r}; {hint}"
 
 
-def _coerce(tp: Any, value: Any, key: str, noun: str = "value") -> Any:
+def _coerce(
+    tp: Any, value: Any, key: str, noun: str = "value", registered: Callable[[], tuple] | None = None
+) -> Any:
+    """`value` checked against type `tp`; `registered` gives a Literal's members when they register at run
+    time (a setting's `choices`)."""
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
-        choices = typing.get_args(tp)
+        choices = typing.get_args(tp) if registered is None else registered()
         if value not in choices:
             raise ConfigError(f"{key}={value!r}: unknown {noun}; use one of {', '.join(map(str, choices))}")
         return value
@@ -187,7 +193,7 @@ def _coerce(tp: Any, value: Any, key: str, noun: str = "value") -> Any:
             if arg is type(None):
                 continue
             try:
-                return _coerce(arg, value, key, noun)
+                return _coerce(arg, value, key, noun, registered)
             except ConfigError as exc:
                 errors.append(exc)
         raise errors[0]

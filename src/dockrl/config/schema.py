@@ -10,15 +10,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dockrl.algos.registry import (
+    PRESETS,
+    Algorithm,
+    KLControl,
+    KLEstimator,
+    LossAgg,
+    LossNormalizer,
+    RatioLevel,
+    RolloutIS,
+    estimator_names,
+)
 from dockrl.backends.vllm import VllmConfig
 from dockrl.config.fields import required, setting
-from dockrl.config.presets import PRESETS, AdvEstimator, Algorithm, LossAgg, LossNormalizer, RatioLevel
+from dockrl.config.presets import AdvEstimator
 from dockrl.models.families import ALL_LINEAR, FAMILIES, LINEAR_NAMES
 
-# Closed choices: a value outside them is an error listing them (config.loader). Those an algorithm preset
-# draws on (Algorithm, AdvEstimator, LossAgg, RatioLevel, LossNormalizer) are declared in config/presets.py.
-KLControl = Literal["fixed", "adaptive"]
-KLEstimator = Literal["k1", "k2", "k3"]
+# Closed choices: a value outside them is an error listing them (config.loader). The algorithm's (Algorithm,
+# LossAgg, RatioLevel, LossNormalizer, KLEstimator, KLControl, RolloutIS) are declared in algos/registry.py;
+# algo.adv_estimator accepts every registered estimator (config/presets.py).
 DockMode = Literal["dock", "single", "driver"]
 DockTransport = Literal["socket", "ray"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -253,15 +263,16 @@ class AlgoConfig:
     name: Algorithm = setting(
         "grpo",
         f"Algorithm: {', '.join(PRESETS)} (docs/algorithms.md). A preset of the settings below left unset: "
-        "one row of config/presets.py (ppo's estimator, gae, runs a critic: see `critic`).",
+        "one row of algos/registry.py (ppo's estimator, gae, runs a critic: see `critic`).",
         noun="algorithm",
     )
     adv_estimator: AdvEstimator | None = setting(
         None,
         "Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, none (opd's: no "
         "sequence advantage, the teacher's per-token term only), or gae (ppo's; needs the critic); None uses "
-        "the algorithm's own (dapo and gspo use grpo's).",
+        "the algorithm's own (dapo and gspo use grpo's). An estimator registered in algos/ is a choice too.",
         noun="estimator",
+        choices=estimator_names,
     )
     overlong_buffer_len: int = setting(
         0,
@@ -314,7 +325,7 @@ class AlgoConfig:
         "the trainer route (moe/routing_agreement measures how often the two agree).",
         noun="routing replay",
     )
-    rollout_is: Literal["none", "tis", "decoupled"] = setting(
+    rollout_is: RolloutIS = setting(
         "none",
         "Weight each token by w = exp(old - rollout log-prob), for a rollout policy that differs from the "
         "trainer's: tis truncates w at rollout_is_cap, decoupled masks tokens above it (docs/algorithms.md).",

@@ -1,8 +1,8 @@
 """The step plan: what one RL step runs and where each quantity is computed, resolved once from the config.
 
-An algorithm name (`algo.name`) is a preset of orthogonal settings (config/presets.py); this module is the only
-place that resolves it. The recipe and every worker receive the plan when they are built instead of
-re-deriving conditions from the config:
+An algorithm name (`algo.name`) is a preset of orthogonal settings (algos/registry.py); this module is the only
+place that resolves it. What the estimator implies comes from its registered traits, never its name. The recipe
+and every worker receive the plan when they are built instead of re-deriving conditions from the config:
 
     reference        the reference model is loaded and `ref_logprobs` computed (algo.kl_coef > 0; None: the algorithm's own)
     old_logprobs     `old_logprobs` computed before the update (off-policy updates, or PPO's KL in the reward)
@@ -14,8 +14,8 @@ re-deriving conditions from the config:
     rollout_lead     steps the rollout runs ahead of the update
     schedule         the step schedule: sync, async (k steps ahead) or partial, and dynamic-sampling rounds
     lora             actor.lora resolved (rank, alpha, dropout, targets), or None for full fine-tuning
-    loss             the policy loss: aggregation, clip range, where the KL goes, the ratio level (token or
-                     sequence) and the loss normaliser
+    loss             the policy loss (algos/registry.py LossPlan): aggregation, clip range, where the KL goes,
+                     the ratio level (token or sequence) and the loss normaliser
 """
 
 from __future__ import annotations
@@ -23,28 +23,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from dockrl.algos.registry import PRESETS, Estimator, LossAgg, LossPlan, estimator_named
 from dockrl.config.lora_checks import LoraSettings, check_lora
-from dockrl.config.presets import GROUP_ESTIMATORS, PRESETS, WHITENED_ESTIMATORS
 from dockrl.config.schedule import Schedule, schedule_of
 from dockrl.config.schema import AlgoConfig, TrainConfig
 
-
-@dataclass(frozen=True)
-class LossPlan:
-    """How the actor's policy loss is formed (algos.losses.policy_loss)."""
-
-    agg: str
-    clip_low: float
-    clip_high: float
-    kl_coef: float  # of the KL term in the loss; 0 when the KL is in the reward (PPO's kl_in_reward)
-    kl_estimator: str
-    entropy_coef: float
-    sequence_ratio: bool  # algo.ratio_level=sequence (GSPO): one importance ratio per sequence
-    seq_len_norm: float | None  # algo.loss_normalizer=max_new_tokens (Dr. GRPO): each row's token sum / this
-    rollout_is: str = (
-        "none"  # importance weights old / rollout: tis truncates them, decoupled masks above the cap
-    )
-    rollout_is_cap: float = 2.0
+__all__ = [
+    "LossPlan",
+    "StepPlan",
+    "estimator_of",
+    "loss_plan",
+    "resolved_clip",
+    "resolved_kl_coef",
+    "resolved_loss_agg",
+    "resolved_loss_normalizer",
+    "resolved_ratio_level",
+    "rollout_lead",
+    "step_plan",
+    "traits_of",
+]
 
 
 @dataclass(frozen=True)
@@ -101,7 +98,7 @@ def resolved_kl_coef(algo: AlgoConfig) -> float:
     return PRESETS[algo.name].kl_coef if algo.kl_coef is None else algo.kl_coef
 
 
-def resolved_loss_agg(algo: AlgoConfig) -> str:
+def resolved_loss_agg(algo: AlgoConfig) -> LossAgg:
     """algo.loss_agg, else the algorithm's own."""
     return PRESETS[algo.name].loss_agg if algo.loss_agg is None else algo.loss_agg
 
@@ -119,6 +116,12 @@ def resolved_loss_normalizer(algo: AlgoConfig) -> str:
 def estimator_of(algo: AlgoConfig) -> str:
     """The advantage estimator: algo.adv_estimator, else the algorithm's preset."""
     return algo.adv_estimator or PRESETS[algo.name].estimator
+
+
+def traits_of(algo: AlgoConfig) -> Estimator:
+    """The registered estimator `estimator_of(algo)` names, with its traits (a registered name: the loader and
+    config.algo_checks refuse any other)."""
+    return estimator_named(estimator_of(algo))
 
 
 def loss_plan(algo: AlgoConfig, max_new_tokens: int | None = None) -> LossPlan:
@@ -157,7 +160,7 @@ def rollout_lead(cfg: TrainConfig) -> int:
 def step_plan(cfg: TrainConfig) -> StepPlan:
     """Resolve `cfg` (checked by config.validate.check_train) into its step plan (pure: reads nothing else)."""
     algo, actor = cfg.algo, cfg.actor
-    estimator = estimator_of(algo)
+    estimator = traits_of(algo)
     # One optimizer step per RL step: the policy before the update is the current one, so its log-probs are
     # the update's own (detached) and an old log-prob pass would compute the same numbers again. On-policy
     # besides: the current weights also sampled the rows.
@@ -170,16 +173,16 @@ def step_plan(cfg: TrainConfig) -> StepPlan:
         old_from_rollout=from_rollout,
         on_policy=on_policy,
         single_update=single_update,
-        estimator=estimator,
-        advantages_by="reward" if estimator in GROUP_ESTIMATORS else "critic",
-        whiten=estimator in WHITENED_ESTIMATORS,
-        critic=estimator == "gae",
+        estimator=estimator.name,
+        advantages_by="critic" if estimator.needs_critic else "reward",
+        whiten=estimator.whitened,
+        critic=estimator.needs_critic,
         critic_warmup_steps=algo.critic_warmup_steps,
         kl_in_reward=algo.kl_in_reward,
         kl_coef=resolved_kl_coef(algo),
         rollout_lead=rollout_lead(cfg),
         loss=loss_plan(algo, cfg.rollout.max_new_tokens),
         schedule=schedule_of(cfg),
-        lora=check_lora(actor.lora, has_critic=estimator == "gae"),
+        lora=check_lora(actor.lora, has_critic=estimator.needs_critic),
         multi_turn=cfg.env.name is not None,
     )

@@ -10,27 +10,23 @@ warning. The RL objective's rules live in `algo_checks.py`, the leaf check of a 
 from __future__ import annotations
 
 import math
-import typing
 import warnings
 
-from dockrl.config.algo_checks import check_algorithm, check_dynamic_sampling
+from dockrl.algos.registry import KL_ESTIMATORS, LOSS_AGGS
+from dockrl.config.algo_checks import check_algorithm, check_dynamic_sampling, own_estimator, runs_critic
 from dockrl.config.checks import positive
 from dockrl.config.env_checks import check_env
 from dockrl.config.fields import config_error
 from dockrl.config.lora_checks import check_lora
-from dockrl.config.presets import LOSS_AGGS
 from dockrl.config.schema import (
     DataConfig,
     DistillConfig,
-    KLEstimator,
     RewardModelConfig,
     RolloutConfig,
     SFTConfig,
     TrainConfig,
 )
-from dockrl.config.step_plan import estimator_of, resolved_clip, resolved_kl_coef
-
-KL_ESTIMATORS = typing.get_args(KLEstimator)
+from dockrl.config.step_plan import resolved_clip, resolved_kl_coef, traits_of
 
 
 def check_train(cfg: TrainConfig) -> None:
@@ -115,14 +111,13 @@ def check_train(cfg: TrainConfig) -> None:
             "clip ranges must be >= 0 and clip_low < 1",
             "use e.g. clip_low=0.2 clip_high=0.28",
         )
-    group_baseline = estimator_of(algo) not in ("reinforce_pp", "gae", "none")
-    if roll.samples_per_prompt == 1 and algo.norm_adv_by_std and group_baseline:
+    if roll.samples_per_prompt == 1 and algo.norm_adv_by_std and traits_of(algo).group_baseline:
         warnings.warn(
             "rollout.samples_per_prompt=1: group-baseline advantages are all zero with groups of one; "
             "use samples_per_prompt >= 2 (or algo.name=reinforce_pp)",
             stacklevel=2,
         )
-    lora = check_lora(actor.lora, has_critic=estimator_of(algo) == "gae")
+    lora = check_lora(actor.lora, has_critic=runs_critic(algo))
     if lora is not None and cfg.model.ref_path is not None:
         raise config_error(
             "model.ref_path",
@@ -290,8 +285,8 @@ def _check_layouts(cfg: TrainConfig) -> None:
             "current / behaviour policy",
             stacklevel=3,
         )
-    if roll.max_staleness and (cfg.algo.name == "ppo" or cfg.algo.dynamic_sampling):
-        what = "algo.name=ppo" if cfg.algo.name == "ppo" else "algo.dynamic_sampling"
+    if roll.max_staleness and (runs_critic(algo) or algo.dynamic_sampling):
+        what = f"algo.name={algo.name}" if runs_critic(algo) else "algo.dynamic_sampling"
         raise config_error(
             "rollout.max_staleness",
             roll.max_staleness,
@@ -349,10 +344,11 @@ def _check_distill(cfg: TrainConfig) -> None:
     """distill.*: a teacher for the algorithms that read it, its numbers (its checkpoint and vocabulary: the
     preflight)."""
     distill, algo = cfg.distill, cfg.algo
-    estimator = estimator_of(algo)
+    estimator, own = traits_of(algo), own_estimator(algo)
     if distill.teacher_path is None:
-        if algo.name == "opd" or estimator == "none":
-            key, value = ("algo.name", algo.name) if algo.name == "opd" else ("algo.adv_estimator", "none")
+        if own.needs_teacher or estimator.needs_teacher:
+            chosen = ("algo.adv_estimator", estimator.name)
+            key, value = ("algo.name", algo.name) if own.needs_teacher else chosen
             raise config_error(
                 key,
                 value,
@@ -380,7 +376,7 @@ def _check_distill(cfg: TrainConfig) -> None:
             f"does not divide distill.num_workers={distill.num_workers}",
             f"use a divisor: {[d for d in range(1, distill.num_workers + 1) if distill.num_workers % d == 0]}",
         )
-    if estimator == "gae":
+    if estimator.needs_critic:
         raise config_error(
             "distill.teacher_path",
             distill.teacher_path,
@@ -388,12 +384,12 @@ def _check_distill(cfg: TrainConfig) -> None:
             "(GAE) instead",
             "use a group algorithm (grpo, rloo, ...) or algo.name=opd with a teacher",
         )
-    if algo.name == "opd" and algo.dynamic_sampling:
+    if own.needs_teacher and algo.dynamic_sampling:
         raise config_error(
             "algo.dynamic_sampling",
             True,
-            "keeps groups whose rewards differ, and algo.name=opd does not train on rewards",
-            "use algo.dynamic_sampling=false with algo.name=opd",
+            f"keeps groups whose rewards differ, and algo.name={algo.name} does not train on rewards",
+            f"use algo.dynamic_sampling=false with algo.name={algo.name}",
         )
 
 

@@ -17,8 +17,7 @@ from dockrl.models.hf import load_model
 from dockrl.models.lora import load_peft, merge_lora
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.recipes.common import EncodedPrompt, encode_prompts
-from dockrl.rewards.runner import RewardRunner, RewardSpec
-from dockrl.workers.reward import accuracy_key
+from dockrl.rewards.runner import RewardRunner, RewardSpec, accuracy_key
 
 
 def score_answers(

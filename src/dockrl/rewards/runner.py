@@ -53,6 +53,11 @@ _POLL_S = 0.05
 _STARTUP_TIMEOUT_S = 120.0
 
 
+def accuracy_key(components: dict[str, list[float]]) -> str | None:
+    """The component that says whether an answer is correct (`<fn>/correct`), if any function reports one."""
+    return next((k for k in components if k.endswith("/correct")), None)
+
+
 @dataclass
 class RewardSpec:
     """One reward function in the weighted sum.
@@ -204,7 +209,7 @@ class RewardRunner:
 
     def score(
         self, prompts: list[str], responses: list[str], labels: list
-    ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
+    ) -> tuple[list[float], dict[str, list[float]], dict[str, Any]]:
         """Score one batch.
 
         Returns:
@@ -311,7 +316,7 @@ class RewardRunner:
 
     def _assemble(
         self, num_samples: int, calls: list[tuple[int, int]], outcomes: list[_Outcome]
-    ) -> tuple[list[float], dict[str, list[float]], dict[str, float]]:
+    ) -> tuple[list[float], dict[str, list[float]], dict[str, Any]]:
         totals = [0.0] * num_samples
         components = {spec.name: [0.0] * num_samples for spec in self.specs}
         stats: dict = {"timeouts": 0, "errors": 0, "failed": []}

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dockrl.algos.estimators import kl_shaped_returns
+from dockrl.algos.advantages import kl_shaped_returns
 from dockrl.algos.losses import kl_penalty
 from dockrl.backends import Rollout, RolloutHost, WeightPairs, backend
 from dockrl.checkpoint.directory import ACTOR, ADAPTER, HF

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from dockrl.algos.estimators import gae_advantages
+from dockrl.algos.advantages import gae_advantages
 from dockrl.algos.losses import kl_penalty, masked_mean, value_clip_frac, value_loss
 from dockrl.algos.ppo import (
     KLController,

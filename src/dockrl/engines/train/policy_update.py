@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dockrl.algos.estimators import masked_moments, whiten
+from dockrl.algos.advantages import masked_moments, whiten
 from dockrl.algos.losses import policy_loss
-from dockrl.config.step_plan import LossPlan
+from dockrl.algos.registry import LossPlan
 from dockrl.dock.columns import (
     ADVANTAGES,
     LOSS_MASK,
@@ -180,18 +180,11 @@ def _loss_fn(
             old,
             mb.per_token[ADVANTAGES],
             mb.response_mask,
-            clip_low=plan.clip_low,
-            clip_high=plan.clip_high,
+            plan,
             ref_logprobs=mb.per_token.get(REF_LOGPROBS),
-            kl_coef=plan.kl_coef,  # 0 with PPO's KL in the token rewards
-            kl_estimator=plan.kl_estimator,
             entropy=entropy,
-            entropy_coef=plan.entropy_coef,
-            agg=plan.agg,
             num_tokens=global_tokens,
             num_seqs=global_seqs,
-            seq_len_norm=plan.seq_len_norm,
-            sequence_ratio=plan.sequence_ratio,
             is_weights=is_weights,
         )
         if entropy is None:
