@@ -4,6 +4,7 @@ environment; every weight update is checked on the probe sequence and reported."
 
 import json
 import math
+from pathlib import Path
 
 from dockrl.cli import main
 
@@ -47,10 +48,25 @@ def test_colocated_engines_on_every_rank_through_cli(ray_session, tmp_path, vllm
 def test_lora_into_one_engine_over_two_ranks_through_cli(ray_session, tmp_path, vllm_model, arithmetic_data):
     """actor.lora: the switch merges W + s B A into each bucket it streams; rollout.tp=2: one vLLM engine over
     both ranks, which cuts its own slices of the full tensors."""
-    rows = _run(
-        tmp_path, vllm_model, arithmetic_data, "lora_tp2", "rollout.tp=2", "actor.lora.rank=4", "run.steps=2"
-    )
+    # a CPU segment left by a killed run under the name vLLM gives every external-launcher engine (errno 17 once,
+    # in CI): the engine names its own, and leaves none behind
+    shm = Path("/dev/shm")
+    stale = shm / "-tp:0-[0-1]-cpushm_0"
+    stale.write_bytes(b"left by a killed run")
+    try:
+        rows = _run(
+            tmp_path,
+            vllm_model,
+            arithmetic_data,
+            "lora_tp2",
+            "rollout.tp=2",
+            "actor.lora.rank=4",
+            "run.steps=2",
+        )
+    finally:
+        stale.unlink(missing_ok=True)
     _check_updates(rows, 2, loads=2)
+    assert not list(shm.glob("dockrl-*cpushm*"))
 
 
 def test_separate_replicas_one_step_off_policy_through_cli(

@@ -156,13 +156,20 @@ class VllmBackend:
         )
         if settings.executor is not None:
             kwargs["distributed_executor_backend"] = settings.executor
+        shm_prefix = None
         if settings.executor == "external_launcher":
             _launcher_env(settings.device_type)
+            if settings.device_type == "cpu":
+                shm_prefix = _own_shm_names()
         if settings.kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = settings.kv_cache_bytes
         try:
             self.llm = LLM(**kwargs)
+            if shm_prefix is not None:
+                _unlink_shm(shm_prefix, settled=True)
         except Exception as error:  # vLLM raises many types here; the run needs one name and the model
+            if shm_prefix is not None:
+                _unlink_shm(shm_prefix, settled=False)
             raise VllmLoadError(
                 f"{name}: vLLM {VLLM_VERSION} could not build an engine for {settings.model_dir}: "
                 f"{type(error).__name__}: {error}"
@@ -310,6 +317,44 @@ def _launcher_env(device_type: str) -> None:
     assert dist.is_initialized(), "the external launcher runs inside an initialized torch.distributed group"
     os.environ["RANK"] = str(dist.get_rank())
     os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if device_type == "cuda" else dist.get_rank())
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def _own_shm_names() -> str:
+    """Give this engine's CPU shared-memory segments a name no other engine on the host has.
+
+    vLLM's CPU tensor-parallel collectives open /dev/shm segments named after VLLM_DIST_IDENT, which under
+    the external launcher is the same for every engine ("env://"), with O_EXCL: a segment left by a killed run,
+    or another run's engine on the same host, fails the build with errno 17. The ranks agree on a prefix drawn
+    by rank 0 and vLLM's name function gets it; the return value is that prefix."""
+    import secrets
+
+    import torch.distributed as dist
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shared = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    prefix = f"dockrl-{shared[0]}-"
+    shm = getattr(cpu_communicator, "_CPUSHMDistributed", None)
+    if shm is not None:
+        vllm_name = getattr(shm, "_vllm_make_group_name", shm.make_group_name)
+        shm._vllm_make_group_name = vllm_name
+        shm.make_group_name = staticmethod(lambda communicator: prefix + vllm_name(communicator).lstrip("/"))
+    return prefix
+
+
+def _unlink_shm(prefix: str, *, settled: bool) -> None:
+    """Unlink the engine's shared-memory segments once every rank has mapped them (`settled`: after a barrier
+    behind the build): the mappings live on, and a run killed later leaves nothing in /dev/shm. Every rank tries
+    every name. A failed build waits for no one: its run is ending, and the names are its own."""
+    import torch.distributed as dist
+
+    if settled:
+        dist.barrier()
+    for path in SHM_DIR.glob(f"{prefix}*"):
+        path.unlink(missing_ok=True)
 
 
 def probe_ids(vocab_size: int) -> torch.Tensor:
