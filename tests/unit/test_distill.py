@@ -14,6 +14,7 @@ from dockrl.algos.estimators import compute_advantages
 from dockrl.cli import main
 from dockrl.config import ConfigError, TrainConfig, load_config
 from dockrl.config.schema import AlgoConfig, RewardConfig
+from dockrl.config.specs import RewardStageSpec
 from dockrl.dock.columns import TEACHER_LOGPROBS
 from dockrl.models.tiny import make_tiny
 from dockrl.models.tokenizer import Tokenizer
@@ -72,13 +73,15 @@ def test_reward_stage_adds_the_teacher_term_to_each_token(estimator, coef, tiny_
         "reward-0",
         0,
         1,
-        reward=reward,
-        algo=algo,
-        estimator=estimator,
-        tokenizer_path=str(tiny_model),
+        spec=RewardStageSpec(
+            reward=reward,
+            algo=algo,
+            estimator=estimator,
+            tokenizer_path=str(tiny_model),
+            group_size=2,
+            distill_coef=coef,
+        ),
         client=dock,
-        group_size=2,
-        distill_coef=coef,
     )
     out = worker.score()
     assert out.rewards == [1.0, 0.0, 0.0, 1.0]  # exact_answer still scores (train/accuracy)
@@ -103,14 +106,16 @@ def test_multi_turn_observation_tokens_get_no_teacher_term(tiny_model):
         "reward-0",
         0,
         1,
-        reward=RewardConfig(num_processes=0, groups_per_pull=2),
-        algo=AlgoConfig(name="opd"),
-        estimator="none",
-        tokenizer_path=str(tiny_model),
+        spec=RewardStageSpec(
+            reward=RewardConfig(num_processes=0, groups_per_pull=2),
+            algo=AlgoConfig(name="opd"),
+            estimator="none",
+            tokenizer_path=str(tiny_model),
+            group_size=2,
+            env_weight=1.0,
+            distill_coef=1.0,
+        ),
         client=dock,
-        group_size=2,
-        env_weight=1.0,
-        distill_coef=1.0,
     )
     worker.score()
     for row in dock.table:

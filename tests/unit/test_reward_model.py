@@ -22,6 +22,7 @@ from dockrl.algos.estimators import compute_advantages
 from dockrl.cli import main
 from dockrl.config import ConfigError, TrainConfig, load_config
 from dockrl.config.schema import AlgoConfig, RewardConfig, RewardFnConfig, RewardModelConfig
+from dockrl.config.specs import RewardModelSpec, RewardStageSpec
 from dockrl.models.classifier import (
     RewardModel,
     check_reward_model_dir,
@@ -195,13 +196,15 @@ def test_reward_model_worker_scores_whole_groups(tiny_reward_model, tiny_model):
         "reward_model-0",
         0,
         1,
-        model=RewardModelConfig(path=str(tiny_reward_model), micro_batch_size=3),
-        policy_path=str(tiny_model),
+        spec=RewardModelSpec(
+            model=RewardModelConfig(path=str(tiny_reward_model), micro_batch_size=3),
+            policy_path=str(tiny_model),
+            group_size=2,
+            groups_per_pull=1,
+            device="cpu",
+            precision="fp32",
+        ),
         client=dock,
-        group_size=2,
-        groups_per_pull=1,
-        device="cpu",
-        precision="fp32",
     )
     assert worker.rm_tokenizer is None  # same vocabulary: ids pass through
     out = worker.score()
@@ -247,12 +250,14 @@ def test_reward_worker_adds_weighted_model_score(functions, tiny_model, tiny_rew
         "reward-0",
         0,
         1,
-        reward=reward,
-        algo=algo,
-        estimator="grpo",
-        tokenizer_path=str(tiny_model),
+        spec=RewardStageSpec(
+            reward=reward,
+            algo=algo,
+            estimator="grpo",
+            tokenizer_path=str(tiny_model),
+            group_size=2,
+        ),
         client=dock,
-        group_size=2,
     )
     out = worker.score()
     rule = [2.0, 0.0, 0.0, 2.0] if functions else [0.0] * 4  # "7" right for 3+4, "4" right for 9-5
@@ -286,13 +291,15 @@ def test_dynamic_sampling_reads_correctness_before_shaping_and_the_update_weight
         "reward-0",
         0,
         1,
-        reward=reward,
-        algo=algo,
-        estimator="grpo",
-        tokenizer_path=str(tiny_model),
+        spec=RewardStageSpec(
+            reward=reward,
+            algo=algo,
+            estimator="grpo",
+            tokenizer_path=str(tiny_model),
+            group_size=2,
+            max_new_tokens=lengths[1],
+        ),
         client=dock,
-        group_size=2,
-        max_new_tokens=lengths[1],
     )
     out = worker.score()
     worker.close()
@@ -408,12 +415,14 @@ def test_a_failed_reward_call_leaves_its_group_out_of_the_update(on_error, weigh
         "reward-0",
         0,
         1,
-        reward=reward,
-        algo=AlgoConfig(),
-        estimator="grpo",
-        tokenizer_path=str(tiny_model),
+        spec=RewardStageSpec(
+            reward=reward,
+            algo=AlgoConfig(),
+            estimator="grpo",
+            tokenizer_path=str(tiny_model),
+            group_size=2,
+        ),
         client=dock,
-        group_size=2,
     )
     out = worker.score()
     assert [row["update_weight"] for row in dock.table] == weights

@@ -1,12 +1,16 @@
 """What each worker is built with: one frozen spec per component, cut from the resolved config.
 
 ```
- TrainConfig (checked, resolved) ──specs(cfg, plan)──▶ Specs(actor, rollout, critic?, teacher?)
-     recipes/cluster.py hands each worker group its spec and the step plan, nothing else; the config stops there
- ActorSpec    the policy's model paths, optimizer and layout (actor.*), the algorithm, the switch, its RolloutSpec
- RolloutSpec  the backend and its settings, sampling, budgets, the per-row seed, precision, bucket size,
-              partial rollout, the environment (EnvSpec) or None: what an actor rank or a replica generates with
- CriticSpec, TeacherSpec
+ TrainConfig (checked, resolved) ──specs(cfg, plan)──▶ Specs(actor, rollout, reward, reward_model?, critic?,
+                                                            teacher?)
+     recipes/cluster.py hands each worker group its spec (and the step plan, a dock client), nothing else: the
+     config stops there
+ ActorSpec        the policy's model paths, optimizer and layout (actor.*), the algorithm, the switch, its
+                  RolloutSpec
+ RolloutSpec      the backend and its settings, sampling, budgets, the per-row seed, precision, bucket size,
+                  partial rollout, the environment (EnvSpec) or None: what an actor rank or a replica generates with
+ RewardStageSpec  the reward stage (reward.*) and what its terms depend on: estimator, env weight, teacher, budget
+ RewardModelSpec, CriticSpec, TeacherSpec
 ```
 
 Specs are plain frozen dataclasses (config sections inside them are read, never changed): engines and workers
@@ -25,6 +29,8 @@ from dockrl.config.schema import (
     DistillConfig,
     EnvConfig,
     ReshardConfig,
+    RewardConfig,
+    RewardModelConfig,
     TrainConfig,
 )
 from dockrl.config.step_plan import StepPlan
@@ -120,6 +126,35 @@ class ActorSpec:
 
 
 @dataclass(frozen=True)
+class RewardStageSpec:
+    """The RewardWorkers: reward.* and what the reward terms depend on (rewards/terms.py)."""
+
+    reward: RewardConfig
+    algo: AlgoConfig
+    estimator: (
+        str | None
+    )  # the group estimator when the reward stage computes advantages, None: the critic does
+    tokenizer_path: str  # the policy's model directory: responses are decoded with its tokenizer
+    group_size: int  # rollout.samples_per_prompt
+    log_samples: int = 0  # run.log_samples
+    max_new_tokens: int | None = None  # rollout.max_new_tokens: the overlong-shaping limit
+    env_weight: float | None = None  # env.reward_weight of a multi-turn run, None: single-turn
+    distill_coef: float | None = None  # distill.coef when a teacher scores the rows, else None
+
+
+@dataclass(frozen=True)
+class RewardModelSpec:
+    """The RewardModelWorkers (reward.model.*)."""
+
+    model: RewardModelConfig
+    policy_path: str  # its tokenizer decodes the rows when the reward model reads another vocabulary
+    group_size: int
+    groups_per_pull: int
+    device: str
+    precision: str
+
+
+@dataclass(frozen=True)
 class CriticSpec:
     """PPO's critic ranks."""
 
@@ -153,6 +188,8 @@ class Specs:
 
     actor: ActorSpec
     rollout: RolloutSpec
+    reward: RewardStageSpec
+    reward_model: RewardModelSpec | None
     critic: CriticSpec | None
     teacher: TeacherSpec | None
 
@@ -197,7 +234,30 @@ def specs(cfg: TrainConfig, plan: StepPlan) -> Specs:
             groups_per_pull=cfg.reward.groups_per_pull,
             multi_turn=cfg.env.name is not None,
         )
-    return Specs(actor=actor, rollout=rollout, critic=critic, teacher=teacher)
+    reward = RewardStageSpec(
+        reward=cfg.reward,
+        algo=cfg.algo,
+        estimator=plan.estimator if plan.advantages_by == "reward" else None,
+        tokenizer_path=cfg.model.path,
+        group_size=cfg.rollout.samples_per_prompt,
+        log_samples=cfg.run.log_samples,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        env_weight=cfg.env.reward_weight if cfg.env.name is not None else None,
+        distill_coef=cfg.distill.coef if cfg.distill.teacher_path is not None else None,
+    )
+    reward_model = None
+    if cfg.reward.model.path is not None:
+        reward_model = RewardModelSpec(
+            model=cfg.reward.model,
+            policy_path=cfg.model.path,
+            group_size=cfg.rollout.samples_per_prompt,
+            groups_per_pull=cfg.reward.groups_per_pull,
+            device=cfg.run.device,
+            precision=cfg.run.precision,
+        )
+    return Specs(
+        actor=actor, rollout=rollout, reward=reward, reward_model=reward_model, critic=critic, teacher=teacher
+    )
 
 
 def rollout_spec(cfg: TrainConfig) -> RolloutSpec:

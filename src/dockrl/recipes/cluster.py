@@ -116,7 +116,7 @@ class Cluster:
             # Every group's processes start side by side (imports dominate), then each is waited for.
             parts = specs(cfg, plan)
             started["actors"], started["rewards"] = _start_workers(cfg, parts, plan, dock, supervisor)
-            started["reward_models"] = _start_reward_models(cfg, dock, supervisor)
+            started["reward_models"] = _start_reward_models(cfg, parts, dock, supervisor)
             started["critic"] = _start_critic(cfg, parts, plan, dock, supervisor)
             started["rollouts"] = _start_rollouts(cfg, parts, plan, dock, supervisor)
             started["teacher"] = _start_teacher(cfg, parts, dock, supervisor)
@@ -247,23 +247,17 @@ def _start_workers(
         "reward",
         place=cfg.placement.reward,
         gpu=False,
-        reward=cfg.reward,
-        algo=cfg.algo,
-        estimator=plan.estimator if plan.advantages_by == "reward" else None,
-        tokenizer_path=cfg.model.path,
+        spec=parts.reward,
         client=dock.client(),
-        group_size=cfg.rollout.samples_per_prompt,
-        log_samples=cfg.run.log_samples,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        env_weight=cfg.env.reward_weight if cfg.env.name is not None else None,
-        distill_coef=cfg.distill.coef if cfg.distill.teacher_path is not None else None,
     )
     return actors, rewards
 
 
-def _start_reward_models(cfg: TrainConfig, dock, supervisor: Supervisor) -> RewardModelGroup | None:
+def _start_reward_models(
+    cfg: TrainConfig, parts: Specs, dock, supervisor: Supervisor
+) -> RewardModelGroup | None:
     """RewardModelWorkers when reward.model.path is set (one GPU each on cuda), else None."""
-    if cfg.reward.model.path is None:
+    if parts.reward_model is None:
         return None
     return _group(
         cfg.run,
@@ -273,13 +267,8 @@ def _start_reward_models(cfg: TrainConfig, dock, supervisor: Supervisor) -> Rewa
         "reward_model",
         place=cfg.placement.reward_model,
         gpu=True,
-        model=cfg.reward.model,
-        policy_path=cfg.model.path,
+        spec=parts.reward_model,
         client=dock.client(),
-        group_size=cfg.rollout.samples_per_prompt,
-        groups_per_pull=cfg.reward.groups_per_pull,
-        device=cfg.run.device,
-        precision=cfg.run.precision,
     )
 
 

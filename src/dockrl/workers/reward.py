@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from dockrl.algos.registry import AdvantageSettings
-from dockrl.config.schema import AlgoConfig, RewardConfig
+from dockrl.config.schema import RewardConfig
+from dockrl.config.specs import RewardStageSpec
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import LABEL, LOSS_MASK, POLICY_VERSION, PROMPT_IDS, RESPONSE_IDS
 from dockrl.dock.stages import Stage
@@ -53,82 +54,46 @@ def reward_specs(cfg: RewardConfig) -> list[RewardSpec]:
     ]
 
 
-def reward_terms(
-    reward: RewardConfig,
-    algo: AlgoConfig,
-    *,
-    runner: RewardRunner | None,
-    estimator: str | None,
-    max_new_tokens: int | None,
-    env_weight: float | None,
-    distill_coef: float | None,
-) -> list[RewardTerm]:
-    """The reward stage's terms of a run, in the order they apply (rewards/terms.py; the arguments are
-    RewardWorker's)."""
+def reward_terms(spec: RewardStageSpec, runner: RewardRunner | None) -> list[RewardTerm]:
+    """The reward stage's terms of a run, in the order they apply (rewards/terms.py); `runner`: the reward
+    functions' runner, None when the run has none."""
+    reward, algo = spec.reward, spec.algo
     terms: list[RewardTerm] = [RuleRewards(runner)] if runner is not None else []
-    if env_weight is not None:
-        terms.append(EnvReward(env_weight))
+    if spec.env_weight is not None:
+        terms.append(EnvReward(spec.env_weight))
     terms.append(Accuracy())
     if reward.model.path is not None:
         terms.append(ModelScore(reward.model.weight))
     if algo.overlong_buffer_len > 0:
-        terms.append(OverlongPenalty(max_new_tokens, algo.overlong_buffer_len, algo.overlong_penalty))
+        terms.append(OverlongPenalty(spec.max_new_tokens, algo.overlong_buffer_len, algo.overlong_penalty))
     if reward.on_error == "drop_group":
         terms.append(DropFailedGroups())
-    if estimator is not None:  # None (gae, ppo): the critic turns rewards into advantages
-        terms.append(GroupAdvantages(estimator, AdvantageSettings(algo.adv_eps, algo.norm_adv_by_std)))
-        if distill_coef is not None:
-            terms.append(TeacherTerm(distill_coef, masked=env_weight is not None))
+    if spec.estimator is not None:  # None (gae, ppo): the critic turns rewards into advantages
+        terms.append(GroupAdvantages(spec.estimator, AdvantageSettings(algo.adv_eps, algo.norm_adv_by_std)))
+        if spec.distill_coef is not None:
+            terms.append(TeacherTerm(spec.distill_coef, masked=spec.env_weight is not None))
     return terms
 
 
 class RewardWorker(Worker):
     """Scores rows and computes GRPO advantages; one or more per job."""
 
-    def __init__(
-        self,
-        name: str,
-        rank: int,
-        world_size: int,
-        *,
-        reward: RewardConfig,
-        algo: AlgoConfig,
-        estimator: str | None,
-        tokenizer_path: str,
-        client: DockChoice,
-        group_size: int,
-        log_samples: int = 0,
-        max_new_tokens: int | None = None,
-        env_weight: float | None = None,
-        distill_coef: float | None = None,
-    ):
-        """`estimator`: the group estimator of the run's step plan (StepPlan.estimator) when the reward workers
-        compute advantages (StepPlan.advantages_by == "reward"), None when the critic does (gae).
-        `max_new_tokens`: rollout.max_new_tokens, the overlong-shaping limit (needed with
-        algo.overlong_buffer_len > 0). `env_weight`: env.reward_weight of a multi-turn run (env.name): reward
-        functions read the final answer (the last policy turn), the environment's final reward joins the total
-        and a failed environment is a failed call; None for single-turn runs. `distill_coef`: distill.coef when a
-        teacher scores the rows (its term joins the advantages), else None."""
+    def __init__(self, name: str, rank: int, world_size: int, *, spec: RewardStageSpec, client: DockChoice):
+        """`spec`: config/specs.py (its estimator is None when the critic computes advantages, its env_weight
+        None for single-turn runs: reward functions then read the whole response, not the final turn)."""
         super().__init__(name, rank, world_size, num_threads=1)
-        self.cfg, self.client, self.group_size = reward, client, group_size
-        self.log_samples = log_samples
-        self.env_weight = env_weight
-        self.tokenizer = Tokenizer.from_dir(tokenizer_path)
-        specs = reward_specs(reward)
+        reward = spec.reward
+        self.cfg, self.client, self.group_size = reward, client, spec.group_size
+        self.log_samples = spec.log_samples
+        self.env_weight = spec.env_weight
+        self.tokenizer = Tokenizer.from_dir(spec.tokenizer_path)
+        functions = reward_specs(reward)
         self.runner = (
-            RewardRunner(specs, timeout_s=reward.timeout_s, num_processes=reward.num_processes)
-            if specs
+            RewardRunner(functions, timeout_s=reward.timeout_s, num_processes=reward.num_processes)
+            if functions
             else None
         )
-        self.terms = reward_terms(
-            reward,
-            algo,
-            runner=self.runner,
-            estimator=estimator,
-            max_new_tokens=max_new_tokens,
-            env_weight=env_weight,
-            distill_coef=distill_coef,
-        )
+        self.terms = reward_terms(spec, self.runner)
         # What a pull reads: the text to decode (multi-turn: its loss_mask marks the last policy turn), the
         # policy versions, and every term's columns.
         own = [
@@ -136,7 +101,7 @@ class RewardWorker(Worker):
             RESPONSE_IDS,
             LABEL,
             POLICY_VERSION,
-            *([LOSS_MASK] if env_weight is not None else []),
+            *([LOSS_MASK] if spec.env_weight is not None else []),
         ]
         self.columns = list(dict.fromkeys(own + [c for term in self.terms for c in term.columns]))
 

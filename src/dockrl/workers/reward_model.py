@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from dockrl.config.schema import RewardModelConfig
+from dockrl.config.specs import RewardModelSpec
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import PROMPT_IDS, RESPONSE_IDS, RM_SCORE
 from dockrl.dock.stages import Stage
@@ -54,31 +54,19 @@ def rm_token_ids(
 class RewardModelWorker(Worker):
     """Serves the `reward_model` consumer: one `rm_score` (float) per row; one or more per job."""
 
-    def __init__(
-        self,
-        name: str,
-        rank: int,
-        world_size: int,
-        *,
-        model: RewardModelConfig,
-        policy_path: str,
-        client: DockChoice,
-        group_size: int,
-        groups_per_pull: int,
-        device: str,
-        precision: str,
-    ):
-        super().__init__(name, rank, world_size, num_threads=1 if device == "cpu" else None)
+    def __init__(self, name: str, rank: int, world_size: int, *, spec: RewardModelSpec, client: DockChoice):
+        super().__init__(name, rank, world_size, num_threads=1 if spec.device == "cpu" else None)
+        model = spec.model
         self.cfg, self.client = model, client
-        self.group_size, self.groups_per_pull = group_size, groups_per_pull
+        self.group_size, self.groups_per_pull = spec.group_size, spec.groups_per_pull
         # Ray gives a GPU actor exactly one visible device.
-        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-        dtype = dtype_of(precision)
+        self.device = torch.device("cuda", 0) if spec.device == "cuda" else torch.device("cpu")
+        dtype = dtype_of(spec.precision)
         path = model.path
         assert path is not None, "RewardModelWorkers start only with reward.model.path set"
         self.model = load_reward_model(path, device=self.device, dtype=dtype).eval()
-        self.policy_tokenizer = Tokenizer.from_dir(policy_path)
-        self.rm_tokenizer = None if same_vocabulary(policy_path, path) else Tokenizer.from_dir(path)
+        self.policy_tokenizer = Tokenizer.from_dir(spec.policy_path)
+        self.rm_tokenizer = None if same_vocabulary(spec.policy_path, path) else Tokenizer.from_dir(path)
 
     def score(self, dock: int | None = None) -> ModelScoreResult:
         """Score every row of the step once; returns the scores (row order of pulls) and the busy time. `dock`:
