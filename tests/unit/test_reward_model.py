@@ -197,7 +197,7 @@ def test_reward_model_worker_scores_whole_groups(tiny_reward_model, tiny_model):
         0,
         1,
         spec=RewardModelSpec(
-            model=RewardModelConfig(path=str(tiny_reward_model), micro_batch_size=3),
+            reward_model=RewardModelConfig(path=str(tiny_reward_model), micro_batch_size=3),
             policy_path=str(tiny_model),
             group_size=2,
             groups_per_pull=1,

@@ -95,14 +95,20 @@ class _SourceReads:
         return out
 
     def _annotations(self) -> None:
-        """A parameter annotated with a section class (or a base of one, like OptimConfig) holds that section."""
+        """A parameter or a (spec's) field annotated with a section class (or a base of one, like OptimConfig)
+        holds that section."""
         for tree in self.trees.values():
             for node in ast.walk(tree):
                 if isinstance(node, ast.arg) and node.annotation is not None:
-                    head = ast.unparse(node.annotation).replace('"', "").split("|")[0].strip()
-                    for path, cls in self.sections.items():
-                        if cls is not list and head in {base.__name__ for base in cls.__mro__[:-1]}:
-                            self.aliases.setdefault(node.arg, set()).add(path)
+                    name, annotation = node.arg, node.annotation
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    name, annotation = node.target.id, node.annotation
+                else:
+                    continue
+                head = ast.unparse(annotation).replace('"', "").split("|")[0].strip()
+                for path, cls in self.sections.items():
+                    if cls is not list and head in {base.__name__ for base in cls.__mro__[:-1]}:
+                        self.aliases.setdefault(name, set()).add(path)
 
     def _bind(self, target: ast.expr, sections: set[Path_]) -> bool:
         name = target.id if isinstance(target, ast.Name) else getattr(target, "attr", None)

@@ -49,7 +49,7 @@ def test_lora_into_one_engine_over_two_ranks_through_cli(ray_session, tmp_path, 
     """actor.lora: the switch merges W + s B A into each bucket it streams; rollout.tp=2: one vLLM engine over
     both ranks, which cuts its own slices of the full tensors."""
     # a CPU segment left by a killed run under the name vLLM gives every external-launcher engine (errno 17 once,
-    # in CI): the engine names its own, and leaves none behind
+    # in CI): the engines clear what no process maps, and leave none behind
     shm = Path("/dev/shm")
     stale = shm / "-tp:0-[0-1]-cpushm_0"
     stale.write_bytes(b"left by a killed run")
@@ -66,7 +66,7 @@ def test_lora_into_one_engine_over_two_ranks_through_cli(ray_session, tmp_path, 
     finally:
         stale.unlink(missing_ok=True)
     _check_updates(rows, 2, loads=2)
-    assert not list(shm.glob("dockrl-*cpushm*"))
+    assert not list(shm.glob("*-cpushm_*"))
 
 
 def test_separate_replicas_one_step_off_policy_through_cli(

@@ -146,7 +146,7 @@ class RewardStageSpec:
 class RewardModelSpec:
     """The RewardModelWorkers (reward.model.*)."""
 
-    model: RewardModelConfig
+    reward_model: RewardModelConfig
     policy_path: str  # its tokenizer decodes the rows when the reward model reads another vocabulary
     group_size: int
     groups_per_pull: int
@@ -248,7 +248,7 @@ def specs(cfg: TrainConfig, plan: StepPlan) -> Specs:
     reward_model = None
     if cfg.reward.model.path is not None:
         reward_model = RewardModelSpec(
-            model=cfg.reward.model,
+            reward_model=cfg.reward.model,
             policy_path=cfg.model.path,
             group_size=cfg.rollout.samples_per_prompt,
             groups_per_pull=cfg.reward.groups_per_pull,

@@ -56,7 +56,7 @@ class RewardModelWorker(Worker):
 
     def __init__(self, name: str, rank: int, world_size: int, *, spec: RewardModelSpec, client: DockChoice):
         super().__init__(name, rank, world_size, num_threads=1 if spec.device == "cpu" else None)
-        model = spec.model
+        model = spec.reward_model
         self.cfg, self.client = model, client
         self.group_size, self.groups_per_pull = spec.group_size, spec.groups_per_pull
         # Ray gives a GPU actor exactly one visible device.

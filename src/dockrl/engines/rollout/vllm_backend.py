@@ -156,20 +156,20 @@ class VllmBackend:
         )
         if settings.executor is not None:
             kwargs["distributed_executor_backend"] = settings.executor
-        shm_prefix = None
+        shared_memory = settings.executor == "external_launcher" and settings.device_type == "cpu"
         if settings.executor == "external_launcher":
             _launcher_env(settings.device_type)
-            if settings.device_type == "cpu":
-                shm_prefix = _own_shm_names()
+        if shared_memory:
+            _clear_stale_shm()
         if settings.kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = settings.kv_cache_bytes
         try:
             self.llm = LLM(**kwargs)
-            if shm_prefix is not None:
-                _unlink_shm(shm_prefix, settled=True)
+            if shared_memory:
+                _unlink_shm(settled=True)
         except Exception as error:  # vLLM raises many types here; the run needs one name and the model
-            if shm_prefix is not None:
-                _unlink_shm(shm_prefix, settled=False)
+            if shared_memory:
+                _unlink_shm(settled=False)
             raise VllmLoadError(
                 f"{name}: vLLM {VLLM_VERSION} could not build an engine for {settings.model_dir}: "
                 f"{type(error).__name__}: {error}"
@@ -320,41 +320,43 @@ def _launcher_env(device_type: str) -> None:
 
 
 SHM_DIR = Path("/dev/shm")
+SHM_PATTERN = "*-cpushm_*"  # vLLM's CPU collectives: "<VLLM_DIST_IDENT>-<group>-[<ranks>]-cpushm_<rank>"
 
 
-def _own_shm_names() -> str:
-    """Give this engine's CPU shared-memory segments a name no other engine on the host has.
+def _clear_stale_shm() -> None:
+    """Unlink the CPU collectives' shared-memory segments no process maps: what a killed run left.
 
-    vLLM's CPU tensor-parallel collectives open /dev/shm segments named after VLLM_DIST_IDENT, which under
-    the external launcher is the same for every engine ("env://"), with O_EXCL: a segment left by a killed run,
-    or another run's engine on the same host, fails the build with errno 17. The ranks agree on a prefix drawn
-    by rank 0 and vLLM's name function gets it; the return value is that prefix."""
-    import secrets
-
+    vLLM names them after VLLM_DIST_IDENT, which under the external launcher is the same for every engine
+    ("env://"), and opens them with O_EXCL: a segment left by a killed run fails the next build with errno 17.
+    Every rank clears before any builds (a barrier follows), and `_unlink_shm` removes the names as soon as every
+    rank has mapped them, so a live engine's segments are never found here."""
     import torch.distributed as dist
-    from vllm.distributed.device_communicators import cpu_communicator
 
-    shared = [secrets.token_hex(4) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(shared, src=0)
-    prefix = f"dockrl-{shared[0]}-"
-    shm = getattr(cpu_communicator, "_CPUSHMDistributed", None)
-    if shm is not None:
-        vllm_name = getattr(shm, "_vllm_make_group_name", shm.make_group_name)
-        shm._vllm_make_group_name = vllm_name
-        shm.make_group_name = staticmethod(lambda communicator: prefix + vllm_name(communicator).lstrip("/"))
-    return prefix
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split(maxsplit=5)[-1].strip() for line in maps.open() if " /dev/shm/" in line)
+        except OSError:  # a process that ended, or one we may not read
+            continue
+    for path in SHM_DIR.glob(SHM_PATTERN):
+        if str(path) not in mapped:
+            path.unlink(missing_ok=True)
+    dist.barrier()
 
 
-def _unlink_shm(prefix: str, *, settled: bool) -> None:
+def _unlink_shm(*, settled: bool) -> None:
     """Unlink the engine's shared-memory segments once every rank has mapped them (`settled`: after a barrier
-    behind the build): the mappings live on, and a run killed later leaves nothing in /dev/shm. Every rank tries
-    every name. A failed build waits for no one: its run is ending, and the names are its own."""
+    behind the build): the mappings live on, and a run killed later leaves nothing in /dev/shm. A failed build
+    waits for no one: its run is ending."""
     import torch.distributed as dist
 
     if settled:
         dist.barrier()
-    for path in SHM_DIR.glob(f"{prefix}*"):
-        path.unlink(missing_ok=True)
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    mine = {line.split(maxsplit=5)[-1].strip() for line in maps if " /dev/shm/" in line}
+    for path in SHM_DIR.glob(SHM_PATTERN):
+        if str(path) in mine:
+            path.unlink(missing_ok=True)
 
 
 def probe_ids(vocab_size: int) -> torch.Tensor:
