@@ -10,6 +10,7 @@ import torch
 
 from dockrl.dock.errors import DockTimeoutError
 from dockrl.engines.rollout.multi_turn import ChatDelta, TurnLimits, final_turn, serve_multi_turn
+from dockrl.envs.host import EnvHost, LocalEnvs
 from dockrl.engines.rollout.rollout_engine import RolloutEngine
 from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.envs.base import Observation
@@ -289,11 +290,10 @@ def _serve(tiny, prompts, make_env, limits, max_new_tokens=6):
         group_size=GROUP,
         groups_per_pull=2,
         row_seed=lambda row: 1000 + row,
-        make_env=make_env,
+        envs=LocalEnvs(EnvHost(make_env, concurrency=3)),
         delta=ChatDelta(tokenizer, Scripted.tools),
         system_prompt=None,
         limits=limits,
-        num_workers=3,
         version=0,
     )
     return dock, sampled, stats, tokenizer

@@ -18,6 +18,7 @@ def check_env(cfg: TrainConfig) -> None:
     for key, value in [
         ("env.max_turns", env.max_turns),
         ("env.num_workers", env.num_workers),
+        ("env.concurrency", env.concurrency),
         ("env.call_timeout_s", env.call_timeout_s),
     ]:
         positive(key, value)

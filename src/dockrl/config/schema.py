@@ -629,6 +629,7 @@ class PlacementConfig:
     reward_model: list[str] = setting([], "Custom resource per RewardModelWorker.")
     critic: list[str] = setting([], "Custom resource per critic rank (PPO).")
     teacher: list[str] = setting([], "Custom resource per teacher rank (distill.teacher_path).")
+    env: list[str] = setting([], "Custom resource per environment worker (env.num_workers).")
 
 
 @dataclass
@@ -653,9 +654,16 @@ class EnvConfig:
         "rollout.max_new_tokens x env.max_turns. rollout.max_new_tokens limits each turn.",
     )
     call_timeout_s: float = setting(
-        10.0, "Seconds one environment step (its tool calls) may take; past it the trajectory ends truncated."
+        10.0,
+        "Seconds one environment call (a reset, a step with its tool calls) may run, counted from when it starts; "
+        "past it the trajectory ends truncated.",
     )
-    num_workers: int = setting(4, "Threads per rollout rank running environment steps beside the engine.")
+    num_workers: int = setting(
+        1, "Environment worker processes (the environment tier, shared by every rollout rank; placement.env)."
+    )
+    concurrency: int = setting(
+        16, "Environment calls each environment worker runs at once (threads; `async def` calls: no limit)."
+    )
     reward_weight: float = setting(
         1.0, "Weight of the environment's final reward in the total (added to reward.functions' scores)."
     )

@@ -63,7 +63,8 @@ class EnvSpec:
     max_tool_calls: int
     max_response_tokens: int | None
     call_timeout_s: float
-    num_workers: int
+    num_workers: int  # environment worker processes
+    concurrency: int  # calls at once per worker
     reward_weight: float
     system_prompt: str | None
 
@@ -308,6 +309,7 @@ def env_spec(env: EnvConfig, system_prompt: str | None) -> EnvSpec | None:
         max_response_tokens=env.max_response_tokens,
         call_timeout_s=env.call_timeout_s,
         num_workers=env.num_workers,
+        concurrency=env.concurrency,
         reward_weight=env.reward_weight,
         system_prompt=system_prompt,
     )

@@ -8,8 +8,11 @@ then every assistant message the policy samples goes to `step(message)`, which a
                                reward=None, done=False, info={...})
     step(text)  -> Observation(done=True, reward=1.0)                             the trajectory ends
 
-One instance serves one trajectory (a fresh one per row), built as `cls(**env.kwargs)`; `step` runs in a thread
-pool beside the engine, so a slow environment holds up only its own trajectory. An environment that raises
+One instance serves one trajectory (a fresh one per row), built as `cls(**env.kwargs)` in an environment worker
+process (envs/host.py, workers/env.py), so a slow environment holds up only its own trajectory. `reset` and
+`step` may be plain or `async def`; each call may take env.call_timeout_s from the moment it starts
+(`time_left()` says what remains; `tool_calls_left()` how many tool calls the trajectory may still make); an
+optional `close()` runs when the trajectory ends. An environment that raises
 drops its group under `reward.on_error`; one that returns non-messages is an error naming the environment.
 For exact resume an environment must be deterministic given its row (and its own seed, if it draws any).
 
@@ -19,6 +22,9 @@ model knows what it may call; the built-in ToolEnvironment fills them from its t
 
 from __future__ import annotations
 
+import math
+import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -41,6 +47,31 @@ class Observation:
         if isinstance(self.messages, str):
             return [{"role": "user", "content": self.messages}]
         return list(self.messages)
+
+
+@dataclass(frozen=True)
+class CallBudget:
+    """What the environment call running now may still spend: its deadline (time.monotonic) and the tool calls
+    its trajectory has left (env.max_tool_calls minus those made)."""
+
+    deadline: float
+    tool_calls: int
+
+
+current_budget: ContextVar[CallBudget | None] = ContextVar("dockrl_env_call", default=None)
+
+
+def time_left() -> float:
+    """Seconds the running environment call has left (its step's limit, env.call_timeout_s, counted from the
+    moment it started); inf outside one. A tool gives each of its calls at most this."""
+    budget = current_budget.get()
+    return math.inf if budget is None else max(0.0, budget.deadline - time.monotonic())
+
+
+def tool_calls_left() -> int:
+    """Tool calls the running call's trajectory may still make; a large number outside one."""
+    budget = current_budget.get()
+    return 1 << 30 if budget is None else budget.tool_calls
 
 
 @runtime_checkable

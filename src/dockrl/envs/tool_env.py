@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dockrl.envs.base import Message, Observation
+from dockrl.envs.base import Message, Observation, time_left, tool_calls_left
 from dockrl.envs.tool_calls import parse_tool_calls
 from dockrl.envs.tools import Tool, ToolError, ToolTimeout, build_tools
 
@@ -56,21 +56,35 @@ class ToolEnvironment:
         answers: list[Message] = [_tool_message(f"Error: {error}") for error in parsed.errors]
         info = {"tool_calls": len(parsed.calls) + len(parsed.errors), "tool_errors": len(parsed.errors)}
         info["timeouts"] = 0
-        for call in parsed.calls:
+        allowed = max(0, tool_calls_left() - len(parsed.errors))  # env.max_tool_calls: the rest never run
+        for i, call in enumerate(parsed.calls):
             tool = self.by_name.get(call.name)
-            if tool is None:
+            # the step's clock: its calls share its limit, and each ends a little before it, so a slow tool is
+            # an error the model reads, not a step cut at its deadline
+            limit = min(self.call_timeout_s, 0.95 * time_left())
+            if i >= allowed:
+                answers.append(_tool_message("Error: the trajectory's tool calls are used up; not run"))
+            elif tool is None:
                 answers.append(_tool_message(f"Error: no tool {call.name!r}; tools: {sorted(self.by_name)}"))
                 info["tool_errors"] += 1
-                continue
-            try:
-                answers.append(_tool_message(tool.run(call.arguments, self.call_timeout_s)))
-            except ToolTimeout as exc:
-                answers.append(_tool_message(f"Error: {exc}"))
+            elif limit <= 0:
+                answers.append(_tool_message("Error: the step's time is used up; not run"))
                 info["timeouts"] += 1
-            except ToolError as exc:
-                answers.append(_tool_message(f"Error: {exc}"))
-                info["tool_errors"] += 1
+            else:
+                answers.append(self._run(tool, call.arguments, limit, info))
         return Observation(messages=answers, info=info)
+
+    @staticmethod
+    def _run(tool: Tool, arguments: dict[str, Any], limit: float, info: dict[str, int]) -> Message:
+        """One tool call's answer (an error is the answer the model sees, counted in `info`)."""
+        try:
+            return _tool_message(tool.run(arguments, limit))
+        except ToolTimeout as exc:
+            info["timeouts"] += 1
+            return _tool_message(f"Error: {exc}")
+        except ToolError as exc:
+            info["tool_errors"] += 1
+            return _tool_message(f"Error: {exc}")
 
 
 def _tool_message(content: str) -> Message:

@@ -26,6 +26,7 @@ from dockrl.dock.stages import Stage
 from dockrl.observe import startup
 from dockrl.workers.actor import ActorGroup
 from dockrl.workers.critic import CriticGroup
+from dockrl.workers.env import start_env_workers
 from dockrl.workers.fault_injection import FaultInjector, process_identity
 from dockrl.workers.group import WorkerError, WorkerGroup
 from dockrl.workers.reward import RewardGroup
@@ -70,6 +71,7 @@ class Cluster:
     reference_path: str  # the KL reference the actors load (recipes/resume.reference_path)
     rollouts: RolloutGroup | None = None  # rollout.placement=separate
     teacher: TeacherGroup | None = None  # distill.teacher_path
+    env_workers: list[Any] | None = None  # env.name: the environment tier (workers/env.py)
     rollout_version: int = -1  # actor updates behind the rollouts' weights; -1: none sent yet
     # The checkpoint the next save descends from: the one this attempt resumed from, then each one it saved.
     parent_checkpoint: str | None = None
@@ -115,10 +117,11 @@ class Cluster:
             # Each group gets its spec (config/specs.py), the plan and its dock client: the config stops here.
             # Every group's processes start side by side (imports dominate), then each is waited for.
             parts = specs(cfg, plan)
-            started["actors"], started["rewards"] = _start_workers(cfg, parts, plan, dock, supervisor)
+            started["env_workers"] = envs = _start_env_workers(cfg, parts)
+            started["actors"], started["rewards"] = _start_workers(cfg, parts, plan, dock, supervisor, envs)
             started["reward_models"] = _start_reward_models(cfg, parts, dock, supervisor)
             started["critic"] = _start_critic(cfg, parts, plan, dock, supervisor)
-            started["rollouts"] = _start_rollouts(cfg, parts, plan, dock, supervisor)
+            started["rollouts"] = _start_rollouts(cfg, parts, plan, dock, supervisor, envs)
             started["teacher"] = _start_teacher(cfg, parts, dock, supervisor)
             for name, group in started.items():
                 if isinstance(group, WorkerGroup):
@@ -149,10 +152,10 @@ class Cluster:
         except BaseException:
             supervisor.kill_all()
             for name, part in started.items():
-                if name == "dock":
-                    part.shutdown()
+                if name == "env_workers":
+                    _kill_env_workers(part)
                 elif part is not None:
-                    part.shutdown()  # groups not yet named to the supervisor
+                    part.shutdown()  # the dock, and groups not yet named to the supervisor
             raise
 
     def worker_nodes(self) -> dict[str, str]:
@@ -176,7 +179,25 @@ class Cluster:
     def kill(self) -> None:
         """Kill every actor of this attempt at once (after a failure: nothing is asked politely)."""
         self.supervisor.kill_all()
+        _kill_env_workers(self.env_workers)
         self.dock.shutdown()
+
+
+def _start_env_workers(cfg: TrainConfig, parts: Specs) -> list[Any] | None:
+    """The environment tier of a multi-turn run (env.num_workers processes, placement.env), else None."""
+    env = parts.rollout.env
+    if env is None:
+        return None
+    from dockrl.models.config import read_config
+
+    return start_env_workers(env, read_config(cfg.model.path).family, cfg.placement.env)
+
+
+def _kill_env_workers(workers: list[Any] | None) -> None:
+    import ray
+
+    for worker in workers or []:
+        ray.kill(worker, no_restart=True)
 
 
 def check_placement(cfg: TrainConfig) -> None:
@@ -187,7 +208,7 @@ def check_placement(cfg: TrainConfig) -> None:
     from dockrl.config.fields import config_error
 
     offered = ray.cluster_resources()
-    for group in ("actor", "rollout", "reward", "reward_model", "critic", "teacher"):
+    for group in ("actor", "rollout", "reward", "reward_model", "critic", "teacher", "env"):
         for resource in getattr(cfg.placement, group):
             if offered.get(resource, 0) <= 0:
                 custom = sorted(
@@ -222,7 +243,7 @@ def _watch_dock(supervisor: Supervisor, dock: Dock | CentralDockHandle) -> None:
 
 
 def _start_workers(
-    cfg: TrainConfig, parts: Specs, plan: StepPlan, dock, supervisor: Supervisor
+    cfg: TrainConfig, parts: Specs, plan: StepPlan, dock, supervisor: Supervisor, envs: list[Any] | None
 ) -> tuple[ActorGroup, RewardGroup]:
     num_actor_ranks = cfg.actor.dp * cfg.actor.tp
     actors = _group(
@@ -237,6 +258,7 @@ def _start_workers(
         spec=parts.actor,
         plan=plan,
         client=dock.client(),
+        env_workers=envs,
         num_threads=_threads_per_rank(cfg, num_actor_ranks),
     )
     rewards = _group(
@@ -317,7 +339,7 @@ def _start_teacher(cfg: TrainConfig, parts: Specs, dock, supervisor: Supervisor)
 
 
 def _start_rollouts(
-    cfg: TrainConfig, parts: Specs, plan: StepPlan, dock, supervisor: Supervisor
+    cfg: TrainConfig, parts: Specs, plan: StepPlan, dock, supervisor: Supervisor, envs: list[Any] | None
 ) -> RolloutGroup | None:
     """rollout.placement=separate: rollout.replicas RolloutWorkers (one GPU each on cuda), else None."""
     if cfg.rollout.placement != "separate":
@@ -333,6 +355,7 @@ def _start_rollouts(
         spec=parts.rollout,
         plan=plan,
         client=dock.client(),
+        env_workers=envs,
     )
 
 

@@ -64,15 +64,18 @@ def _evaluate_trajectories(
         pad_token_id=pad,
         detokenize=tokenizer.decode,
     )
-    outs, stats = run_trajectories(
-        engine,
-        [p.ids for p in prompts],
-        [p.env_row or {} for p in prompts],
-        params=params,
-        groups_per_pull=batch_size,
-        row_seed=lambda row: 0,
-        **settings,
-    )
+    try:
+        outs, stats = run_trajectories(
+            engine,
+            [p.ids for p in prompts],
+            [p.env_row or {} for p in prompts],
+            params=params,
+            groups_per_pull=batch_size,
+            row_seed=lambda row: 0,
+            **settings,
+        )
+    finally:
+        settings["envs"].close()
     responses = [tokenizer.decode(final_turn(o["response_ids"], o["loss_mask"])) for o in outs]
     result = score_answers(prompts, responses, specs)
     trajectories = max(1, stats["env"]["trajectories"])
@@ -112,13 +115,15 @@ def evaluate_model_dir(
     make_env = settings = None
     if env is not None:
         from dockrl.config.specs import env_spec
-        from dockrl.engines.rollout.dock_feed import env_settings
+        from dockrl.engines.rollout.dock_feed import env_settings, local_envs
+        from dockrl.envs.loader import factory_of
 
         budget = env.max_response_tokens or max_new_tokens * env.max_turns
         spec = env_spec(env, system_prompt)
         assert spec is not None, "evaluate_model_dir takes an env with its name set"
         settings = env_settings(spec, budget, tokenizer, model.args.family)
-        make_env = settings["make_env"]
+        settings["envs"] = local_envs(spec, model.args.family)
+        make_env = factory_of(spec, model.args.family)
     prompts, _ = encode_prompts(
         data_path,
         tokenizer,

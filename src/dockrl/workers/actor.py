@@ -52,6 +52,7 @@ from dockrl.models.tokenizer import Tokenizer, first_token_id, stop_token_ids
 from dockrl.parallel.dist import free_port, host_ip, inference_mesh, side_group, training_mesh
 from dockrl.parallel.expert_parallel import ALL_TO_ALL_BYTES
 from dockrl.parallel.replica import ReplicaClient
+from dockrl.workers.env import tier_envs
 from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.results import GenerateResult, LogprobResult, SetupResult, UpdateResult
 
@@ -71,11 +72,14 @@ class ActorWorker(Worker):
         spec: ActorSpec,
         plan: StepPlan,
         client: DockChoice,
+        env_workers: list[Any] | None = None,
         num_threads: int | None = None,
     ):
-        """`spec` and `plan`: the actor's spec and the run's step plan (config.specs), read, never changed."""
+        """`spec` and `plan`: the actor's spec and the run's step plan (config.specs), read, never changed;
+        `env_workers`: a multi-turn run's environment tier (workers/env.py)."""
         super().__init__(name, rank, world_size, num_threads)
         self.spec, self.plan, self.client = spec, plan, client
+        self.env_workers = env_workers
         self.dp = world_size // spec.optim.tp  # tensor-parallel peers train on the same rows
         self.rows_per_rank = spec.rows_per_step // self.dp
         temperature = spec.rollout.temperature
@@ -213,6 +217,7 @@ class ActorWorker(Worker):
             version,
             tokenizer=self.tokenizer,
             family=self.policy.args.family,
+            envs=tier_envs(self.env_workers, self.name),
         )
         self.leave_rollout()
         if not self.rollout_client.is_head:  # tp peers served the same rows as their head
@@ -359,17 +364,30 @@ class ActorWorker(Worker):
         self, prompts: list[list[int]], env_rows: list[dict], params: SamplingParams
     ) -> list[list[int]]:
         """Multi-turn held-out answers: one greedy trajectory per prompt, its final turn's tokens."""
-        from dockrl.engines.rollout.dock_feed import env_settings
+        from dockrl.engines.rollout.dock_feed import env_settings, local_envs
         from dockrl.engines.rollout.multi_turn import final_turn, run_trajectories
 
         rollout = self.spec.rollout
         if not prompts or rollout.env is None:
             return []
         engine = self.rollout.engine()
-        settings = env_settings(rollout.env, rollout.response_budget, self.tokenizer, self.policy.args.family)
-        outs, _ = run_trajectories(
-            engine, prompts, env_rows, params=params, groups_per_pull=64, row_seed=lambda row: 0, **settings
-        )
+        family = self.policy.args.family
+        settings = env_settings(rollout.env, rollout.response_budget, self.tokenizer, family)
+        envs = tier_envs(self.env_workers, self.name) or local_envs(rollout.env, family)
+        try:
+            outs, _ = run_trajectories(
+                engine,
+                prompts,
+                env_rows,
+                params=params,
+                groups_per_pull=64,
+                row_seed=lambda row: 0,
+                envs=envs,
+                peers=self.rollout_client,
+                **settings,
+            )
+        finally:
+            envs.close()
         return [final_turn(o[RESPONSE_IDS], o[LOSS_MASK]) for o in outs]
 
     def save(self, path: str) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import ray
 import torch
@@ -35,6 +36,7 @@ from dockrl.models.precision import dtype_of
 from dockrl.models.tokenizer import Tokenizer, first_token_id, stop_token_ids
 from dockrl.parallel.dist import side_group
 from dockrl.parallel.replica import ReplicaClient
+from dockrl.workers.env import tier_envs
 from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.results import GenerateResult, SetupResult
 
@@ -47,11 +49,21 @@ class RolloutWorker(Worker):
     threads = {WEIGHTS_THREAD: 1}  # weights arrive while a step generates (rollout.max_staleness >= 2)
 
     def __init__(
-        self, name: str, rank: int, world_size: int, *, spec: RolloutSpec, plan: StepPlan, client: DockChoice
+        self,
+        name: str,
+        rank: int,
+        world_size: int,
+        *,
+        spec: RolloutSpec,
+        plan: StepPlan,
+        client: DockChoice,
+        env_workers: list[Any] | None = None,
     ):
-        """`spec` and `plan`: the run's rollout spec and step plan (config.specs), read, never changed."""
+        """`spec` and `plan`: the run's rollout spec and step plan (config.specs), read, never changed;
+        `env_workers`: a multi-turn run's environment tier (workers/env.py)."""
         super().__init__(name, rank, world_size)
         self.spec, self.plan, self.client = spec, plan, client
+        self.env_workers = env_workers
         self.sync_group: dist.ProcessGroup | None = None  # set by join_weight_sync
 
     def setup(self) -> SetupResult:
@@ -118,6 +130,7 @@ class RolloutWorker(Worker):
                 version,
                 tokenizer=self.tokenizer,
                 family=self.model.args.family,
+                envs=tier_envs(self.env_workers, self.name),
             )
             busy_s = time.perf_counter() - start
         finally:

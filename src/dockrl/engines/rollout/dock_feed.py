@@ -52,6 +52,7 @@ from dockrl.dock.stages import Stage
 from dockrl.engines.rollout.backend import RolloutBackend
 from dockrl.engines.rollout.rollout_engine import Completion, Request, RolloutEngine
 from dockrl.engines.rollout.sampling import SamplingParams
+from dockrl.envs.host import EnvCalls
 
 ROLLOUT = Stage.ROLLOUT  # the stage this loop reads and writes the dock as
 
@@ -86,11 +87,13 @@ def serve_step(
     version: int,
     tokenizer: Any = None,
     family: str = "qwen2",
+    envs: EnvCalls | None = None,
 ) -> dict:
     """Roll out every row of step `step` from the dock with the run's sampling settings and its per-row seeds,
     with the weights after `version` updates (each token's `policy_version`); what colocated actor ranks and
     separate rollout replicas both run. With an environment (spec.env), multi-turn trajectories
-    (engines.rollout.multi_turn; `tokenizer` renders the observations, `family` parses tool calls)."""
+    (engines.rollout.multi_turn; `tokenizer` renders the observations, `family` parses tool calls, `envs` runs
+    the environment calls: the run's environment workers, or None for environments in this process)."""
     params = SamplingParams(
         max_new_tokens=spec.max_new_tokens,
         temperature=spec.temperature,
@@ -101,7 +104,7 @@ def serve_step(
         stop_strings=list(spec.stop_strings),
     )
     if spec.env is not None:
-        return _serve_env(engine, client, spec, spec.env, step, params, version, tokenizer, family)
+        return _serve_env(engine, client, spec, spec.env, step, params, version, tokenizer, family, envs)
     return serve_from_dock(
         engine,
         client,
@@ -125,38 +128,54 @@ def _serve_env(
     version: int,
     tokenizer: Any,
     family: str,
+    envs: EnvCalls | None,
 ) -> dict:
     """serve_step's multi-turn branch: the run's environment, limits and chat template."""
     from dockrl.engines.rollout.multi_turn import serve_multi_turn
 
     assert tokenizer is not None, "multi-turn rollout renders observations with the tokenizer"
-    return serve_multi_turn(
-        engine,
-        client,
-        consumer=ROLLOUT,
-        params=params,
-        group_size=spec.samples_per_prompt,
-        groups_per_pull=spec.groups_per_pull,
-        row_seed=lambda row: row_seed(spec.seed, step, row),
-        version=version,
-        **env_settings(env, spec.response_budget, tokenizer, family),
-    )
+    settings = env_settings(env, spec.response_budget, tokenizer, family)
+    own = envs is None
+    if envs is None:
+        envs = local_envs(env, family)
+    try:
+        return serve_multi_turn(
+            engine,
+            client,
+            consumer=ROLLOUT,
+            params=params,
+            group_size=spec.samples_per_prompt,
+            groups_per_pull=spec.groups_per_pull,
+            row_seed=lambda row: row_seed(spec.seed, step, row),
+            version=version,
+            envs=envs,
+            **settings,
+        )
+    finally:
+        if own:
+            envs.close()
 
 
 def env_settings(env: EnvSpec, budget: int, tokenizer: Any, family: str) -> dict:
-    """serve_multi_turn's environment settings: the environment factory, the chat template's delta with its
-    tools, the system prompt, the limits (`budget`: the trajectory's tokens) and the thread count."""
+    """serve_multi_turn's environment settings but the calls: the chat template's delta with the environment's
+    tools, the system prompt and the limits (`budget`: the trajectory's tokens)."""
     from dockrl.engines.rollout.multi_turn import ChatDelta, TurnLimits
     from dockrl.envs.loader import env_tools, factory_of
 
-    make_env = factory_of(env, family)
     return {
-        "make_env": make_env,
-        "delta": ChatDelta(tokenizer, env_tools(make_env())),
+        "delta": ChatDelta(tokenizer, env_tools(factory_of(env, family)())),
         "system_prompt": env.system_prompt,
         "limits": TurnLimits(env.max_turns, env.max_tool_calls, budget, env.call_timeout_s),
-        "num_workers": env.num_workers,
     }
+
+
+def local_envs(env: EnvSpec, family: str) -> EnvCalls:
+    """The run's environments in this process, env.concurrency calls at a time (held-out evaluation, and rollouts
+    without environment workers)."""
+    from dockrl.envs.host import EnvHost, LocalEnvs
+    from dockrl.envs.loader import factory_of
+
+    return LocalEnvs(EnvHost(factory_of(env, family), env.concurrency))
 
 
 def serve_from_dock(

@@ -51,7 +51,6 @@ import math
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,7 +72,8 @@ from dockrl.dock.stages import Stage
 from dockrl.engines.rollout.backend import RolloutBackend
 from dockrl.engines.rollout.rollout_engine import Request
 from dockrl.engines.rollout.sampling import SamplingParams
-from dockrl.envs.base import Environment, Message, Observation, check_messages
+from dockrl.envs.base import Message, Observation, check_messages
+from dockrl.envs.host import EnvCalls, Outcome
 
 ENV_METRICS = ("turns", "tool_calls", "tool_errors", "timeouts", "truncated", "template_mismatch")
 
@@ -140,14 +140,14 @@ class _Trajectory:
     row: int
     seed: int
     prompt: list[int]
-    env: Environment
-    history: list[Message]
+    history: list[Message]  # empty until the environment's reset answers
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[float] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ENV_METRICS, 0))
     reward: float | None = None
     failed: str | None = None
+    started: bool = False  # its environment's reset answered
     pending_text: str = ""  # the last assistant message, while its environment call runs
     turn_start: int = 0  # where the last turn's sampled tokens start in `ids`
 
@@ -161,25 +161,26 @@ def serve_multi_turn(
     group_size: int,
     groups_per_pull: int,
     row_seed: Callable[[int], int],
-    make_env: Callable[[], Environment],
+    envs: EnvCalls,
     delta: ChatDelta,
     system_prompt: str | None,
     limits: TurnLimits,
-    num_workers: int,
     version: int | None = None,
+    peers: Any = None,
 ) -> dict[str, Any]:
     """Generate a trajectory for every row `consumer` gets from the dock (module docstring); returns lengths,
-    the summed env counters (ENV_METRICS), env_s (seconds spent inside environment calls, summed over calls
-    that run concurrently), env_wait_s (wall seconds the loop waited on calls with nothing to decode: what
-    the tools cost the rollout) and the engine's stats."""
+    the summed env counters (ENV_METRICS), env_s (seconds environment calls ran, summed over calls that run
+    concurrently), env_wait_s (wall seconds the loop waited on calls with nothing to decode: what the
+    environments cost the rollout) and the engine's stats. `envs` runs the environment calls, on the head rank
+    only of the tensor-parallel group `peers` talks for (a ReplicaClient; default: `client`): see Lockstep."""
+    envs = Lockstep(envs, client if peers is None else peers)
     exhausted = False
     live: dict[int, _Trajectory] = {}
-    pending: dict[Future, tuple[_Trajectory, float]] = {}
+    waiting: set[int] = set()  # rows whose environment call runs: the same set on every tp peer
     lengths: list[int] = []
     totals = dict.fromkeys(ENV_METRICS, 0)
     totals["trajectories"] = totals["with_tool_calls"] = totals["failed"] = totals["policy_tokens"] = 0
     env_s = env_wait_s = 0.0
-    pool = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="dockrl-env")
 
     def submit_turn(traj: _Trajectory) -> None:
         budget = limits.max_response_tokens - len(traj.ids)
@@ -190,6 +191,9 @@ def serve_multi_turn(
     def finish(traj: _Trajectory, truncated: bool = False) -> None:
         traj.counts["truncated"] += int(truncated)
         live.pop(traj.row, None)
+        envs.drop(traj.row)
+        if not traj.ids:  # failed before its first turn: one masked stop token, so every row has a response
+            traj.ids, traj.logprobs, traj.mask = [params.stop_token_ids[0]], [0.0], [0.0]
         ids = torch.tensor(traj.ids, dtype=torch.int64)
         batch: dict[str, list] = {
             RESPONSE_IDS: [ids],
@@ -208,6 +212,12 @@ def serve_multi_turn(
         totals["with_tool_calls"] += int(traj.counts["tool_calls"] > 0)
         totals["failed"] += int(traj.failed is not None)
         totals["policy_tokens"] += int(sum(traj.mask))
+
+    def reset_done(traj: _Trajectory, obs: Observation) -> None:
+        first = check_messages(obs.as_messages(), "environment reset")
+        traj.history = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + first
+        traj.started = True
+        submit_turn(traj)
 
     def observed(traj: _Trajectory, obs: Observation) -> None:
         """An environment's answer to the trajectory's last assistant message."""
@@ -235,6 +245,25 @@ def serve_multi_turn(
         traj.history += [{"role": "assistant", "content": assistant}, *new]
         submit_turn(traj)
 
+    def outcome(row: int, result: Outcome) -> None:
+        """A call of `row`'s environment ended (the same outcomes, in the same order, on every tp peer)."""
+        waiting.discard(row)
+        traj = live.get(row)
+        if traj is None:  # its trajectory already ended
+            return
+        if result.kind == "timeout":
+            traj.counts["timeouts"] += 1
+            finish(traj, truncated=True)
+        elif result.kind != "ok" or result.observation is None:
+            traj.failed = result.error or result.kind
+            finish(traj)
+        else:
+            try:
+                (observed if traj.started else reset_done)(traj, result.observation)
+            except ValueError as exc:  # the environment answered something that is not messages
+                traj.failed = str(exc)
+                finish(traj)
+
     try:
         while True:
             while not exhausted and engine.num_free_slots() >= group_size:
@@ -246,13 +275,10 @@ def serve_multi_turn(
                     break
                 rows, batch = got
                 for row, prompt, env_row in zip(rows, batch[PROMPT_IDS], batch[ENV_ROW]):
-                    traj = _start(row, row_seed(row), prompt, env_row, make_env, system_prompt)
-                    live[row] = traj
-                    if traj.failed is not None:  # one masked stop token: every row has a response
-                        traj.ids, traj.logprobs, traj.mask = [params.stop_token_ids[0]], [0.0], [0.0]
-                        finish(traj)
-                    else:
-                        submit_turn(traj)
+                    ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+                    live[row] = _Trajectory(row, row_seed(row), ids, [])
+                    waiting.add(row)
+                    envs.reset(row, dict(env_row), limits.call_timeout_s)
             if engine.has_work():
                 for completion in engine.step():
                     traj = live[completion.tag[completion.sample]]
@@ -267,23 +293,29 @@ def serve_multi_turn(
                         continue
                     # A turn cut at rollout.max_new_tokens still goes to the environment as it is (a call
                     # it holds is parsed; the template closes the turn in the observation tokens).
-                    text = delta.tokenizer.decode(
+                    traj.pending_text = delta.tokenizer.decode(
                         _without_stop(gen.token_ids.tolist(), params.stop_token_ids),
                         skip_special_tokens=False,
                     )
-                    traj.pending_text = text
-                    pending[pool.submit(_timed_step, traj.env, text)] = (traj, time.perf_counter())
-            elif not pending:
+                    waiting.add(traj.row)
+                    calls_left = limits.max_tool_calls + 1 - traj.counts["tool_calls"]  # one more ends it
+                    envs.step(traj.row, traj.pending_text, limits.call_timeout_s, calls_left)
+            elif not waiting:
                 if exhausted:
                     break
                 continue  # nothing running: the next pull blocks until rows arrive
+            if not waiting:
+                continue
             block = not engine.has_work()
             waited = time.perf_counter()
-            env_s += _collect(pending, observed, finish, limits.call_timeout_s, block=block)
+            for row, result in envs.ready(WAIT_S if block else 0.0):
+                env_s += result.seconds
+                outcome(row, result)
             if block:
                 env_wait_s += time.perf_counter() - waited
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        for row in list(live):
+            envs.drop(row)
     return {
         "response_lengths": lengths,
         "truncated": totals["truncated"],
@@ -294,78 +326,38 @@ def serve_multi_turn(
     }
 
 
-def _start(
-    row: int,
-    seed: int,
-    prompt: Any,
-    env_row: dict[str, Any],
-    make_env: Callable[[], Environment],
-    system_prompt: str | None,
-) -> _Trajectory:
-    """A trajectory for `row`: a fresh environment reset with the dataset row (as the driver rendered it)."""
-    env = make_env()
-    ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
-    traj = _Trajectory(row, seed, ids, env, [])
-    try:
-        first = check_messages(env.reset(dict(env_row)).as_messages(), "environment reset")
-    except Exception as exc:  # a user environment's failure drops its group, never the run
-        traj.failed = f"{type(exc).__name__}: {exc}"
-        return traj
-    traj.history = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + first
-    return traj
+WAIT_S = 1.0  # how long an idle loop waits for an environment call before looking again
 
 
-def _timed_step(env: Environment, text: str) -> tuple[Observation, float]:
-    """env.step(text) and the seconds it took (run in the pool's thread)."""
-    start = time.perf_counter()
-    observation = env.step(text)
-    return observation, time.perf_counter() - start
+class Lockstep:
+    """The environment calls of a tensor-parallel rollout group: the head rank makes them and broadcasts each
+    look's outcomes, so every peer admits the same turns at the same engine step and each call runs once. With
+    a group of one (or a RowSource without `broadcast`) a pass-through."""
 
+    def __init__(self, envs: EnvCalls, client: RowSource):
+        self.envs = envs
+        self.broadcast = getattr(client, "broadcast", None)
+        self.is_head = getattr(client, "is_head", True)
 
-def _collect(
-    pending: dict[Future, tuple[_Trajectory, float]],
-    observed: Callable[[_Trajectory, Observation], None],
-    finish: Callable[..., None],
-    timeout_s: float,
-    *,
-    block: bool,
-) -> float:
-    """Hand finished environment calls to `observed` (a call that raised or ran past `timeout_s` ends its
-    trajectory); waits for the first one when `block` (nothing else to do). Returns the seconds the calls
-    spent running (a call that raised or timed out: since it was submitted)."""
-    if not pending:
-        return 0.0
-    if block:
-        oldest = min(started for _, started in pending.values())
-        wait(
-            list(pending),
-            timeout=max(0.0, oldest + timeout_s - time.perf_counter()),
-            return_when=FIRST_COMPLETED,
-        )
-    spent, now = 0.0, time.perf_counter()
-    for future in list(pending):
-        traj, started = pending[future]
-        if future.done():
-            del pending[future]
-            error = future.exception()
-            if error is not None:
-                spent += now - started
-                traj.failed = f"{type(error).__name__}: {error}"
-                finish(traj)
-            else:
-                observation, seconds = future.result()
-                spent += seconds
-                try:
-                    observed(traj, observation)
-                except ValueError as exc:  # the environment answered something that is not messages
-                    traj.failed = str(exc)
-                    finish(traj)
-        elif now - started > timeout_s:  # the call runs on in its thread; its trajectory ends here
-            del pending[future]
-            spent += now - started
-            traj.counts["timeouts"] += 1
-            finish(traj, truncated=True)
-    return spent
+    def reset(self, row: int, env_row: dict[str, Any], limit_s: float) -> None:
+        if self.is_head:
+            self.envs.reset(row, env_row, limit_s)
+
+    def step(self, row: int, message: str, limit_s: float, tool_calls_left: int) -> None:
+        if self.is_head:
+            self.envs.step(row, message, limit_s, tool_calls_left)
+
+    def drop(self, row: int) -> None:
+        if self.is_head:
+            self.envs.drop(row)
+
+    def ready(self, wait_s: float) -> list[tuple[int, Outcome]]:
+        got = self.envs.ready(wait_s) if self.is_head else []
+        return got if self.broadcast is None else self.broadcast(got)
+
+    def close(self) -> None:
+        if self.is_head:
+            self.envs.close()
 
 
 class LocalRows(RowSource):

@@ -1,0 +1,166 @@
+"""The environment tier: environment worker processes that run a multi-turn rollout's environment calls.
+
+```
+ rollout head rank (one per tp group)                       EnvWorker x env.num_workers (placement.env)
+   TierEnvs.reset(row) ─ least busy worker, sticky per row ─▶  EnvHost: the trajectory's environment, its
+   TierEnvs.step(row, message, limit, calls left) ─────────▶      calls env.concurrency at a time, each timed
+   TierEnvs.ready(wait) ◀── the outcomes that ended ─────────     from the moment it starts (envs/host.py)
+   TierEnvs.drop(row)   ─── the trajectory ended ───────────▶  queued calls cancelled, environment closed
+        │
+        └─ Lockstep (engines/rollout/multi_turn.py) broadcasts each look's outcomes to the tp peers
+```
+
+Environments run in processes of their own, not beside the model: a slow or hostile environment cannot stall
+the engine's loop or grow its memory, every call runs once however many tensor-parallel ranks generate, and the
+workers may sit on other nodes than the rollout. A worker that dies costs only its trajectories: their calls
+answer `error` (env_failed: their groups are dropped or scored 0 under reward.on_error), Ray starts the
+process again (max_restarts), and later trajectories go on. A worker that stops answering (a call holding the
+interpreter, a stopped process) is killed once it has owed an answer for its call limit plus HUNG_GRACE_S and
+fails a ping, with the same cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+import uuid
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from dockrl.config.specs import EnvSpec
+from dockrl.envs.host import RESET, STEP, EnvHost, Outcome
+from dockrl.envs.loader import factory_of
+
+HUNG_GRACE_S = 30.0  # past a call's limit, how long a worker may owe answers before it is pinged
+PING_S = 5.0  # how long a ping may take before the worker counts as hung
+
+
+class EnvWorker:
+    """One environment worker process (a Ray actor whose methods run on its event loop)."""
+
+    def __init__(self, env: EnvSpec, family: str):
+        self.host = EnvHost(factory_of(env, family), env.concurrency)
+
+    async def call(
+        self, key: str, method: str, argument: Any, limit_s: float, tool_calls_left: int
+    ) -> Outcome:
+        """One environment call of trajectory `key` (envs/host.py EnvHost.submit)."""
+        return await asyncio.wrap_future(self.host.submit(key, method, argument, limit_s, tool_calls_left))
+
+    async def drop(self, key: str) -> None:
+        """Trajectory `key` ended (EnvHost.drop)."""
+        self.host.drop(key)
+
+    async def ping(self) -> int:
+        """This worker's process id: it answers."""
+        return os.getpid()
+
+    async def counts(self) -> dict[str, int]:
+        """The host's call counters (calls, timeouts, cancelled, errors, abandoned_threads)."""
+        return dict(self.host.counts)
+
+
+def start_env_workers(env: EnvSpec, family: str, resources: list[str]) -> list[Any]:
+    """env.num_workers EnvWorker actors: no CPU reserved, restarted when they die, each on the node offering
+    its entry of `resources` (placement.env, cycled; empty: anywhere)."""
+    remote = ray.remote(EnvWorker)
+    workers = []
+    for i in range(env.num_workers):
+        options: dict[str, Any] = dict(
+            num_cpus=0, max_restarts=-1, max_task_retries=0, max_concurrency=10_000
+        )
+        if resources:
+            options["resources"] = {resources[i % len(resources)]: 0.001}
+        workers.append(remote.options(name=None, **options).remote(env, family))
+    return workers
+
+
+def tier_envs(workers: list[Any] | None, name: str) -> TierEnvs | None:
+    """EnvCalls over the run's environment workers for one rollout pass of worker `name`; None without them."""
+    return TierEnvs(workers, name) if workers else None
+
+
+class TierEnvs:
+    """EnvCalls (envs/host.py) over environment workers: each trajectory stays on the worker that reset it."""
+
+    def __init__(self, workers: list[Any], name: str):
+        assert workers, "the environment tier has at least one worker"
+        self.workers = workers
+        self.prefix = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.home: dict[int, int] = {}  # row -> worker index
+        self.running: dict[Any, tuple[int, int, float]] = {}  # ref -> (row, worker, limit_s)
+        self.owed_since: dict[int, float] = {}  # worker -> when it last answered while owing
+        self.order = itertools.count()
+
+    def reset(self, row: int, env_row: dict[str, Any], limit_s: float) -> None:
+        busy = [0] * len(self.workers)
+        for _, worker, _ in self.running.values():
+            busy[worker] += 1
+        start, n = next(self.order), len(self.workers)
+        self.home[row] = min(((start + i) % n for i in range(n)), key=lambda w: busy[w])  # ties: round robin
+        self._call(row, RESET, env_row, limit_s, 0)
+
+    def step(self, row: int, message: str, limit_s: float, tool_calls_left: int) -> None:
+        self._call(row, STEP, message, limit_s, tool_calls_left)
+
+    def drop(self, row: int) -> None:
+        worker = self.home.pop(row, None)
+        if worker is not None:
+            self.workers[worker].drop.remote(self._key(row))
+
+    def ready(self, wait_s: float) -> list[tuple[int, Outcome]]:
+        if not self.running:
+            return []
+        refs = list(self.running)
+        done, _ = ray.wait(refs, num_returns=1, timeout=wait_s)
+        if done:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        got = [(self.running[ref][0], self._outcome(ref)) for ref in done]
+        if not done and wait_s > 0:
+            self._check_hung()
+        return got
+
+    def close(self) -> None:
+        for row in list(self.home):
+            self.drop(row)
+
+    # ---- inside -----------------------------------------------------------------------------------
+
+    def _key(self, row: int) -> str:
+        return f"{self.prefix}-{row}"
+
+    def _call(self, row: int, method: str, argument: Any, limit_s: float, tool_calls_left: int) -> None:
+        worker = self.home[row]
+        ref = self.workers[worker].call.remote(self._key(row), method, argument, limit_s, tool_calls_left)
+        self.running[ref] = (row, worker, limit_s)
+        self.owed_since.setdefault(worker, time.monotonic())
+
+    def _outcome(self, ref: Any) -> Outcome:
+        _, worker, _ = self.running.pop(ref)
+        if any(w == worker for _, w, _ in self.running.values()):
+            self.owed_since[worker] = time.monotonic()
+        else:
+            self.owed_since.pop(worker, None)
+        try:
+            return ray.get(ref)
+        except (RayActorError, RayTaskError) as exc:
+            return Outcome("error", error=f"environment worker {worker} failed: {type(exc).__name__}")
+
+    def _check_hung(self) -> None:
+        """Kill (and so restart) a worker that owes answers past its calls' limits and does not answer a ping:
+        its calls then fail as a dead worker's do."""
+        now = time.monotonic()
+        for worker, since in list(self.owed_since.items()):
+            limit = max((lim for _, w, lim in self.running.values() if w == worker), default=0.0)
+            if now - since < limit + HUNG_GRACE_S:
+                continue
+            try:
+                ray.get(self.workers[worker].ping.remote(), timeout=PING_S)
+                self.owed_since[worker] = now  # it answers: its calls are queued behind others
+            except (GetTimeoutError, RayActorError):
+                ray.kill(self.workers[worker], no_restart=False)
+                self.owed_since[worker] = now
