@@ -30,6 +30,34 @@ class Echo:
         return Observation(messages=[{"role": "tool", "content": f"turn {self.t}"}], info={"tool_calls": 1})
 '''
 
+SLOW_ENV_FILE = '''
+import os
+import time
+
+from dockrl.envs.base import Observation
+
+
+class SlowEcho:
+    """Echo's turns, each step taking `seconds` and leaving one line in `log` (the calls that ran)."""
+
+    tools = []
+
+    def __init__(self, log, seconds=0.2, turns=3):
+        self.log, self.seconds, self.turns, self.t = log, seconds, turns, 0
+
+    def reset(self, row):
+        return Observation(messages=[{"role": "user", "content": row["prompt"]}])
+
+    def step(self, message):
+        self.t += 1
+        time.sleep(self.seconds)
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        if self.t >= self.turns:
+            return Observation(done=True, reward=1.0)
+        return Observation(messages=[{"role": "tool", "content": f"turn {self.t}"}], info={"tool_calls": 1})
+'''
+
 CONFIG = (
     "rollout: {samples_per_prompt: 4, max_new_tokens: 6, groups_per_pull: 2}\n"
     "actor: {dp: 1, lr: 1.0e-3, micro_batch_size: 4}\n"
@@ -87,6 +115,39 @@ def test_a_user_environment_runs_on_a_separate_replica_one_step_off_policy(
         assert 0.0 <= row["reward/mean"] <= 1.0 and row["timing/env"] >= 0.0
         # Observation tokens are in the response but not in the loss: more response tokens than trained ones.
         assert row["response_length/mean"] > 3 * 6
+
+
+def test_tensor_parallel_rollout_with_an_environment_worker_busier_than_its_limit(
+    ray_session, tmp_path, tiny_model, arithmetic_data
+):
+    """rollout.tp=2 (dockrl engine) with one environment worker running one call at a time: 8 trajectories in
+    flight, steps of 0.2 s against a 1 s limit. A queued call would wait up to 8 x 0.2 = 1.6 s, so a clock
+    started at submission would cut some; the tp peers stay in lockstep, and every call runs once (2 steps x 8
+    trajectories x 3 calls = 48; twice that if each peer ran its own)."""
+    (tmp_path / "slow_env.py").write_text(SLOW_ENV_FILE)
+    log = tmp_path / "calls.log"
+    config = tmp_path / "slow.yaml"
+    config.write_text(
+        CONFIG
+        + f"env: {{name: ./slow_env.py:SlowEcho, kwargs: {{log: '{log}'}}, max_turns: 4, "
+        + "max_response_tokens: 120, call_timeout_s: 1.0, num_workers: 1, concurrency: 1}\n"
+    )
+    args = ["train", str(config), *tiny_paths(tiny_model, arithmetic_data)]
+    args += [
+        f"run.output_dir={tmp_path}",
+        "run.name=tp",
+        "actor.dp=2",
+        "rollout.tp=2",
+        "run.prompts_per_step=2",
+    ]
+    assert main(args) == 0
+    rows = _rows(tmp_path / "tp")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["env/timeouts"] == 0.0 and row["env/truncated"] == 0.0 and row["env/failed"] == 0.0
+        assert row["env/turns"] == 3.0
+    calls = log.read_text().split()
+    assert len(calls) == 2 * 8 * 3 and len(set(calls)) == 1  # once each, in the one environment worker
 
 
 def test_multi_turn_settings_are_checked_before_ray(tmp_path, tiny_model, arithmetic_data, capsys):

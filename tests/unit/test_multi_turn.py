@@ -10,10 +10,10 @@ import torch
 
 from dockrl.dock.errors import DockTimeoutError
 from dockrl.engines.rollout.multi_turn import ChatDelta, TurnLimits, final_turn, serve_multi_turn
-from dockrl.envs.host import EnvHost, LocalEnvs
 from dockrl.engines.rollout.rollout_engine import RolloutEngine
 from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.envs.base import Observation
+from dockrl.envs.host import EnvHost, LocalEnvs
 from dockrl.envs.tool_calls import parse_tool_calls
 from dockrl.envs.tool_env import ToolEnvironment
 from dockrl.envs.tools import Calculator, Python, ToolError, ToolTimeout

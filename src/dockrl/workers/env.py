@@ -87,9 +87,11 @@ def tier_envs(workers: list[Any] | None, name: str) -> TierEnvs | None:
 class TierEnvs:
     """EnvCalls (envs/host.py) over environment workers: each trajectory stays on the worker that reset it."""
 
-    def __init__(self, workers: list[Any], name: str):
+    def __init__(
+        self, workers: list[Any], name: str, hung_grace_s: float = HUNG_GRACE_S, ping_s: float = PING_S
+    ):
         assert workers, "the environment tier has at least one worker"
-        self.workers = workers
+        self.workers, self.hung_grace_s, self.ping_s = workers, hung_grace_s, ping_s
         self.prefix = f"{name}-{uuid.uuid4().hex[:8]}"
         self.home: dict[int, int] = {}  # row -> worker index
         self.running: dict[Any, tuple[int, int, float]] = {}  # ref -> (row, worker, limit_s)
@@ -156,10 +158,10 @@ class TierEnvs:
         now = time.monotonic()
         for worker, since in list(self.owed_since.items()):
             limit = max((lim for _, w, lim in self.running.values() if w == worker), default=0.0)
-            if now - since < limit + HUNG_GRACE_S:
+            if now - since < limit + self.hung_grace_s:
                 continue
             try:
-                ray.get(self.workers[worker].ping.remote(), timeout=PING_S)
+                ray.get(self.workers[worker].ping.remote(), timeout=self.ping_s)
                 self.owed_since[worker] = now  # it answers: its calls are queued behind others
             except (GetTimeoutError, RayActorError):
                 ray.kill(self.workers[worker], no_restart=False)

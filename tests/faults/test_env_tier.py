@@ -1,0 +1,126 @@
+"""The environment tier (workers/env.py) over real Ray processes: a worker that dies or stops answering costs
+only the trajectories it held, is started again, and serves later trajectories."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from dockrl.config.specs import EnvSpec
+from dockrl.workers.env import TierEnvs, start_env_workers
+
+ENV_CODE = '''
+import os
+import time
+
+from dockrl.envs.base import Observation
+
+
+class Fragile:
+    """`die` kills its worker process; `sleep <s>` takes s seconds; anything else is answered at once."""
+
+    tools = []
+
+    def reset(self, row):
+        return Observation(messages=[{"role": "user", "content": row["prompt"]}])
+
+    def step(self, message):
+        if message == "die":
+            os._exit(1)
+        if message.startswith("sleep"):
+            time.sleep(float(message.split()[1]))
+        return Observation(messages=[{"role": "tool", "content": f"pid {os.getpid()}"}])
+'''
+
+
+def _spec(num_workers: int) -> EnvSpec:
+    return EnvSpec(
+        name="fragile_env.py:Fragile",
+        kwargs={},
+        code=ENV_CODE,
+        origin="fragile_env.py",
+        max_turns=4,
+        max_tool_calls=8,
+        max_response_tokens=None,
+        call_timeout_s=30.0,
+        num_workers=num_workers,
+        concurrency=4,
+        reward_weight=1.0,
+        system_prompt=None,
+    )
+
+
+def _drain(tier: TierEnvs, count: int) -> dict:
+    got: dict = {}
+    for _ in range(600):  # bounded: each look waits at most 0.5 s
+        for row, outcome in tier.ready(0.5):
+            got[row] = outcome
+        if len(got) == count:
+            return got
+    raise AssertionError(f"{len(got)} of {count} outcomes came back")
+
+
+@pytest.fixture()
+def workers(ray_session):
+    import ray
+
+    started = start_env_workers(_spec(2), "qwen2", [])
+    yield started
+    for worker in started:
+        ray.kill(worker, no_restart=True)
+
+
+def test_a_dead_worker_costs_only_its_trajectories(workers):
+    tier = TierEnvs(workers, "test")
+    for row in range(6):
+        tier.reset(row, {"prompt": "go"}, 30.0)
+    assert {o.kind for o in _drain(tier, 6).values()} == {"ok"}
+    on_first = sorted(r for r, w in tier.home.items() if w == 0)
+    assert len(on_first) == 3  # least busy first: the rows alternate
+    for row in range(6):
+        message = "die" if row == on_first[0] else ("sleep 1" if row in on_first else "fine")
+        tier.step(row, message, 30.0, 8)
+    outcomes = _drain(tier, 6)
+    failed = sorted(r for r, o in outcomes.items() if o.kind == "error")
+    assert failed == on_first  # the dying call and the calls that were running beside it
+    assert all(outcomes[r].kind == "ok" for r in range(6) if r not in on_first)
+    # Ray starts the worker again: a new trajectory on it is served
+    for row in on_first:
+        tier.drop(row)
+    tier.reset(10, {"prompt": "again"}, 30.0)
+    assert tier.home[10] == 0
+    assert _drain(tier, 1)[10].kind == "ok"
+    tier.step(10, "fine", 30.0, 8)
+    assert _drain(tier, 1)[10].kind == "ok"
+
+
+def test_a_worker_that_stops_answering_is_killed_and_replaced(workers):
+    import ray
+
+    tier = TierEnvs(workers, "test", hung_grace_s=0.5, ping_s=1.0)
+    tier.reset(0, {"prompt": "go"}, 30.0)
+    tier.reset(1, {"prompt": "go"}, 30.0)
+    assert {o.kind for o in _drain(tier, 2).values()} == {"ok"}
+    stopped = tier.home[0]
+    pid = ray.get(workers[stopped].ping.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        tier.step(0, "fine", 0.5, 8)
+        tier.step(1, "fine", 0.5, 8)
+        outcomes = _drain(tier, 2)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert outcomes[0].kind == "error" and outcomes[1].kind == "ok"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the restarted process answers with a new pid
+        try:
+            if ray.get(workers[stopped].ping.remote(), timeout=5) != pid:
+                break
+        except Exception:
+            time.sleep(0.5)
+    else:
+        raise AssertionError("the stopped worker was not started again")
