@@ -59,6 +59,11 @@ def test_the_dock_imports_without_torch():
     assert loaded == []
 
 
+def test_environment_workers_import_without_torch():
+    """The environment tier's processes (workers/env.py) hold environments, never a tensor."""
+    assert _loaded_after("import dockrl.workers.env, dockrl.envs.host") == ["ray"]
+
+
 def test_dockrl_train_parses_and_checks_a_cpu_config_without_torch(tiny_model, arithmetic_data, tmp_path):
     """`dockrl train`'s parser (benchmark options are imported for `dockrl bench` only) and the preflight of a
     CPU config (device, bf16 support from the CPU flags, model and data files) run before Ray starts."""
