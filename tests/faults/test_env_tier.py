@@ -124,3 +124,58 @@ def test_a_worker_that_stops_answering_is_killed_and_replaced(workers):
             time.sleep(0.5)
     else:
         raise AssertionError("the stopped worker was not started again")
+
+
+DIES_ONCE = '''
+import os
+
+from dockrl.envs.base import Observation
+
+
+class DiesOnce:
+    """The first step call of the run kills its environment worker; every other trajectory answers twice."""
+
+    tools = []
+
+    def __init__(self, marker):
+        self.marker, self.t = marker, 0
+
+    def reset(self, row):
+        return Observation(messages=[{"role": "user", "content": row["prompt"]}])
+
+    def step(self, message):
+        if not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(1)
+        self.t += 1
+        if self.t >= 2:
+            return Observation(done=True, reward=1.0)
+        return Observation(messages=[{"role": "tool", "content": "again"}], info={"tool_calls": 1})
+'''
+
+
+def test_a_killed_environment_worker_costs_only_its_trajectories_in_a_run(
+    ray_session, tmp_path, tiny_model, arithmetic_data
+):
+    import json
+
+    from dockrl.cli import main
+    from runs import tiny_paths
+
+    (tmp_path / "dies_env.py").write_text(DIES_ONCE)
+    config = tmp_path / "dies.yaml"
+    config.write_text(
+        "rollout: {samples_per_prompt: 4, max_new_tokens: 6, groups_per_pull: 2}\n"
+        "actor: {dp: 1, lr: 1.0e-3, micro_batch_size: 4}\n"
+        "reward: {functions: [{name: exact_answer}]}\n"
+        "run: {steps: 2, prompts_per_step: 2, progress: false, worker_timeout_s: 300, precision: fp32}\n"
+        f"env: {{name: ./dies_env.py:DiesOnce, kwargs: {{marker: '{tmp_path / 'died'}'}}, max_turns: 3, "
+        "max_response_tokens: 120, num_workers: 2}\n"
+    )
+    args = ["train", str(config), *tiny_paths(tiny_model, arithmetic_data)]
+    assert main([*args, f"run.output_dir={tmp_path}", "run.name=dies"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "dies" / "metrics.jsonl").read_text().splitlines()]
+    # step 1: the dead worker's trajectories (half of the 8, as rows alternate between the two) failed, the
+    # others finished; step 2: the worker was started again and nothing failed
+    assert 1 <= rows[0]["env/failed"] <= 4 and rows[0]["env/turns"] > 0
+    assert rows[1]["env/failed"] == 0 and rows[1]["env/turns"] == 2.0
