@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM ?= false
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-fast test-slow test-faults test-vllm lint format venv clean
+.PHONY: demo test test-fast test-slow test-faults test-vllm lint format venv clean sandbox
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,14 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The python tool runs model-written code under bubblewrap (docs/multiturn.md, the sandbox); Debian's package,
+# installed where it is missing and we may (root).
+sandbox:
+	@command -v bwrap >/dev/null || [ "$$(id -u)" != 0 ] || \
+		apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+		(apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1) || \
+		echo "bubblewrap could not be installed: the python tool's sandbox tests are skipped"
+
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
@@ -29,23 +37,23 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) sandbox
 	$(BIN)/dockrl demo --out runs/demo
 
 # The tier is the folder: tests/unit, tests/distributed, tests/e2e (make test), tests/slow, tests/faults, tests/vllm.
-test: $(STAMP)
+test: $(STAMP) sandbox
 	$(BIN)/python -m pytest -q -x --durations=15 tests/unit tests/distributed tests/e2e
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -x tests/unit
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) sandbox
 	$(BIN)/python -m pytest -q -x --durations=10 tests/slow
 
-test-faults: $(STAMP)
+test-faults: $(STAMP) sandbox
 	$(BIN)/python -m pytest -q -x --durations=10 tests/faults
 
-test-vllm: $(VLLM_STAMP)
+test-vllm: $(VLLM_STAMP) sandbox
 	$(VLLM_VENV)/bin/python -m pytest -q -x --durations=10 tests/vllm
 
 lint: $(STAMP)

@@ -12,11 +12,12 @@ from dockrl.dock.errors import DockTimeoutError
 from dockrl.engines.rollout.multi_turn import ChatDelta, TurnLimits, final_turn, serve_multi_turn
 from dockrl.engines.rollout.rollout_engine import RolloutEngine
 from dockrl.engines.rollout.sampling import SamplingParams
+from dockrl.envs import sandbox
 from dockrl.envs.base import Observation
 from dockrl.envs.host import EnvHost, LocalEnvs
 from dockrl.envs.tool_calls import parse_tool_calls
 from dockrl.envs.tool_env import ToolEnvironment
-from dockrl.envs.tools import Calculator, Python, ToolError, ToolTimeout
+from dockrl.envs.tools import Calculator, Python, ToolError
 from dockrl.models.hf import load_model
 from dockrl.models.tokenizer import Tokenizer
 
@@ -77,12 +78,19 @@ def test_calculator_is_exact_and_refuses_what_is_not_arithmetic():
         ("1/0", "division by zero"),
         ("2**100000", "exponents"),
         ("1+", "cannot parse"),
+        ("(9**999)**999", "more than 4000 digits"),  # refused before it is computed
+        ("10**999*10**999*10**999*10**999*10**999", "more than 4000 digits"),
     ]:
         with pytest.raises(ToolError, match=message):
             calc.run({"expression": expression})
+    # within the bound, past what str() of an int allows by default (4300 digits) is never reached, and past
+    # float's range a quotient is still answered, to 12 digits
+    assert len(calc.run({"expression": "9**999*9**999*9**999"})) == 2860
+    assert calc.run({"expression": "10**400/3"}) == "3.33333333333E+399"
 
 
-def test_python_tool_runs_code_without_network_within_limits(tmp_path):
+@pytest.mark.skipif(sandbox.bwrap() is None, reason="bubblewrap is installed by `make test`")
+def test_python_tool_runs_code_without_network_within_limits():
     tool = Python(cpu_s=5, memory_mb=256)
     assert tool.run({"code": "print(sum(range(10)))"}, timeout_s=30).strip() == "45"
     refused = tool.run(
@@ -91,30 +99,7 @@ def test_python_tool_runs_code_without_network_within_limits(tmp_path):
     assert "network access is disabled" in refused
     memory = tool.run({"code": "x = bytearray(1024 ** 3)"}, timeout_s=30)
     assert "MemoryError" in memory
-    # Past the wall-clock limit the whole process group dies: a child it forked too.
-    pid_file = tmp_path / "child.pid"
-    code = (
-        "import os, time\n"
-        "pid = os.fork()\n"
-        f"if pid == 0:\n    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
-        "time.sleep(60)\n"
-    )
-    with pytest.raises(ToolTimeout):
-        tool.run({"code": code}, timeout_s=2)
-    child = int(pid_file.read_text())
-    for _ in range(100):  # the kill is delivered at once; reaping by init may take a moment
-        if not _alive(child):
-            break
-        time.sleep(0.05)
-    assert not _alive(child)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"  # a zombie is dead
-    except FileNotFoundError:
-        return False
+    # the sandbox's other promises are attacked in tests/distributed/test_sandbox.py
 
 
 def test_tool_environment_answers_calls_and_errors():

@@ -667,6 +667,11 @@ class EnvConfig:
     reward_weight: float = setting(
         1.0, "Weight of the environment's final reward in the total (added to reward.functions' scores)."
     )
+    allow_unsandboxed: bool = setting(
+        False,
+        "Let the python tool run model-written code as a plain subprocess where bubblewrap is missing (unsafe: "
+        "docs/multiturn.md, the sandbox).",
+    )
     source_file: str | None = setting(None, "Filled in when the config is loaded: the environment's file.")
     code: str | None = setting(None, "Filled in when the config is loaded: that file's source (leave unset).")
 

@@ -67,6 +67,7 @@ class EnvSpec:
     concurrency: int  # calls at once per worker
     reward_weight: float
     system_prompt: str | None
+    allow_unsandboxed: bool = False  # env.allow_unsandboxed
 
 
 @dataclass(frozen=True)
@@ -312,4 +313,5 @@ def env_spec(env: EnvConfig, system_prompt: str | None) -> EnvSpec | None:
         concurrency=env.concurrency,
         reward_weight=env.reward_weight,
         system_prompt=system_prompt,
+        allow_unsandboxed=env.allow_unsandboxed,
     )

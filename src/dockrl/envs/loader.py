@@ -5,8 +5,9 @@
     path/to/file.py:Class       a file's class; its source is read when the config is loaded and shipped
                                 (env.code), so it need not exist on the rollout nodes
 
-A class is built as `Class(**env.kwargs)`; where its constructor takes `family` or `call_timeout_s` (a
-ToolEnvironment subclass does), the rollout passes the model family and env.call_timeout_s too.
+A class is built as `Class(**env.kwargs)`; where its constructor takes `family`, `call_timeout_s` or
+`allow_unsandboxed` (a ToolEnvironment subclass does), the rollout passes the model family, env.call_timeout_s
+and env.allow_unsandboxed too.
 """
 
 from __future__ import annotations
@@ -48,13 +49,18 @@ def env_factory(
     origin: str | None = None,
     family: str = "qwen2",
     call_timeout_s: float = 10.0,
+    allow_unsandboxed: bool = False,
 ) -> Callable[[], Environment]:
     """A callable that builds a fresh environment; builds one now, so bad kwargs fail here, naming them."""
     cls = env_class(name, code, origin)
     arguments = dict(kwargs or {})
     accepted = inspect.signature(cls).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    for key, value in (("family", family), ("call_timeout_s", call_timeout_s)):
+    for key, value in (
+        ("family", family),
+        ("call_timeout_s", call_timeout_s),
+        ("allow_unsandboxed", allow_unsandboxed),
+    ):
         if key in accepted or takes_all:
             arguments.setdefault(key, value)
 
@@ -89,4 +95,5 @@ def factory_of(env: Any, family: str) -> Callable[[], Environment]:
         origin=env.origin,
         family=family,
         call_timeout_s=env.call_timeout_s,
+        allow_unsandboxed=env.allow_unsandboxed,
     )

@@ -22,8 +22,9 @@ from dockrl.envs.tools import Tool, ToolError, ToolTimeout, build_tools
 
 
 class ToolEnvironment:
-    """Tools by name (`tools`: built-ins, see envs.tools.BUILTIN_TOOLS); `family` picks the tool-call format
-    and `call_timeout_s` limits each call (both set by the rollout from the model and env.call_timeout_s)."""
+    """Tools by name (`tools`: built-ins, see envs.tools.BUILTIN_TOOLS); `family` picks the tool-call format,
+    `call_timeout_s` limits each call and `allow_unsandboxed` lets the python tool run without bubblewrap (set by
+    the rollout from the model, env.call_timeout_s and env.allow_unsandboxed)."""
 
     def __init__(
         self,
@@ -32,8 +33,11 @@ class ToolEnvironment:
         family: str = "qwen2",
         call_timeout_s: float = 10.0,
         tool_objects: list[Tool] | None = None,
+        allow_unsandboxed: bool = False,
     ):
-        self.tool_objects = tool_objects if tool_objects is not None else build_tools(list(tools))
+        self.tool_objects = (
+            tool_objects if tool_objects is not None else build_tools(list(tools), allow_unsandboxed)
+        )
         self.by_name = {tool.name: tool for tool in self.tool_objects}
         self.tools = [tool.schema for tool in self.tool_objects]
         self.family, self.call_timeout_s = family, call_timeout_s
@@ -85,6 +89,9 @@ class ToolEnvironment:
         except ToolError as exc:
             info["tool_errors"] += 1
             return _tool_message(f"Error: {exc}")
+        except Exception as exc:  # a tool's own failure is an answer the model reads, not a failed trajectory
+            info["tool_errors"] += 1
+            return _tool_message(f"Error: the tool failed: {type(exc).__name__}: {exc}")
 
 
 def _tool_message(content: str) -> Message:

@@ -4,26 +4,26 @@ A tool has a name, a JSON schema (OpenAI function format, what the chat template
 `run(arguments, timeout_s) -> str`. A bad call raises ToolError, whose message the model sees as the tool's
 answer; running past its time raises ToolTimeout (counted apart, in `env/timeouts`).
 
-`python` runs the code with `sys.executable -I` in a fresh temporary working directory, in a session of its own
-(killed with its whole process group at the wall-clock limit), with RLIMIT_CPU and RLIMIT_AS set by a prelude
-before the code (no preexec_fn: the caller is threaded, where forking runs no Python safely), its output
-cut at `max_output_chars`, and no network: in a network namespace of its own (`unshare -n`: only a loopback
-that is down) when the process may create one (root), and in any case with socket creation refused inside
-the interpreter before the code runs.
+`python` runs the code with the base interpreter (`-I`) in a fresh work dir inside the sandbox of
+envs/sandbox.py (bubblewrap namespaces, cgroup limits, output read up to its cap, every process killed at the
+end; its module docstring says what it promises). A prelude before the code also sets RLIMIT_CPU, RLIMIT_AS
+and RLIMIT_NPROC and refuses socket creation inside the interpreter (what remains of isolation where
+env.allow_unsandboxed runs it as a plain subprocess).
 """
 
 from __future__ import annotations
 
 import ast
 import operator
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
+from decimal import Decimal, localcontext
 from fractions import Fraction
+from pathlib import Path
 from typing import Any, Protocol
+
+from dockrl.envs import sandbox
 
 
 class ToolError(Exception):
@@ -65,6 +65,11 @@ _BINARY: dict[type, Any] = {
 _UNARY: dict[type, Any] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
+def _bits(value: Fraction) -> int:
+    """An upper bound of the bits of a fraction's numerator or denominator, whichever is larger (and 1 for 0)."""
+    return max(1, value.numerator.bit_length(), value.denominator.bit_length())
+
+
 class Calculator:
     """Exact arithmetic on integers and decimals: + - * / // % ** and parentheses (no names, no calls).
     Division is exact (fractions); the answer is an integer when it is one, else a decimal to 12 places."""
@@ -93,9 +98,16 @@ class Calculator:
         value = self._eval(tree.body)
         if value.denominator == 1:
             return str(value.numerator)
-        return (
-            f"{float(value):.12g}" if abs(value) >= 1e12 else f"{float(value):.12f}".rstrip("0").rstrip(".")
-        )
+        if abs(value) >= 10**12:  # 12 significant digits, past float's range too
+            with localcontext() as context:
+                context.prec = 12
+                return str(Decimal(value.numerator) / Decimal(value.denominator))
+        return f"{float(value):.12f}".rstrip("0").rstrip(".")
+
+    def _bound(self, bits: int) -> None:
+        """Refuse a result of more than `max_digits` digits before computing it (bits x log10 2)."""
+        if bits * 0.30103 > self.max_digits:
+            raise ToolError(f"the result would have more than {self.max_digits} digits")
 
     def _eval(self, node: ast.AST) -> Fraction:
         if (
@@ -113,13 +125,14 @@ class Calculator:
                     raise ToolError(f"exponents must be integers of at most {self.max_exponent}")
                 if left == 0 and right < 0:
                     raise ToolError("division by zero")
+                self._bound(_bits(left) * abs(int(right)))
             elif isinstance(node.op, ast.Div | ast.FloorDiv | ast.Mod) and right == 0:
                 raise ToolError("division by zero")
+            else:  # + - * / // %: a result of at most the operands' bits together
+                self._bound(_bits(left) + _bits(right))
             value = _BINARY[type(node.op)](left, right)
             if isinstance(node.op, ast.FloorDiv | ast.Mod):
                 value = Fraction(value)
-            if len(str(value.numerator)) > self.max_digits:
-                raise ToolError(f"the result has more than {self.max_digits} digits")
             return value
         raise ToolError(f"unsupported in an arithmetic expression: {ast.dump(node)[:60]}")
 
@@ -128,6 +141,7 @@ _SANDBOX_PRELUDE = """\
 import resource as _resource
 _resource.setrlimit(_resource.RLIMIT_CPU, ({cpu}, {cpu} + 1))
 _resource.setrlimit(_resource.RLIMIT_AS, ({memory}, {memory}))
+_resource.setrlimit(_resource.RLIMIT_NPROC, ({processes}, {processes}))
 import socket as _socket
 def _refused(*args, **kwargs):
     raise OSError("network access is disabled in this sandbox")
@@ -139,7 +153,9 @@ del _socket, _refused, _resource
 
 
 class Python:
-    """Run Python code in a sandboxed subprocess (module docstring); answers with its stdout and stderr."""
+    """Run Python code in the sandbox (envs/sandbox.py); answers with its stdout and stderr, cut at
+    `max_output_chars`. Without bubblewrap it refuses to be built unless `allow_unsandboxed` accepts a plain
+    subprocess (env.allow_unsandboxed)."""
 
     name = "python"
     schema = function_schema(
@@ -152,80 +168,66 @@ class Python:
         },
     )
 
-    def __init__(self, cpu_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 2000):
+    def __init__(
+        self,
+        cpu_s: float = 5.0,
+        memory_mb: int = 512,
+        max_output_chars: int = 2000,
+        max_processes: int = 32,
+        allow_unsandboxed: bool = False,
+    ):
+        self.sandboxed = sandbox.bwrap() is not None
+        if not self.sandboxed and not allow_unsandboxed:
+            raise ValueError(
+                f"the python tool runs model-written code in a sandbox, and bubblewrap is missing: "
+                f"{sandbox.INSTALL_HINT}, or set env.allow_unsandboxed=true to run it as a plain subprocess"
+            )
         self.cpu_s, self.memory_mb, self.max_output_chars = cpu_s, memory_mb, max_output_chars
+        self.max_processes = max_processes
 
     def run(self, arguments: dict[str, Any], timeout_s: float) -> str:
         code = arguments.get("code")
         if not isinstance(code, str):
             raise ToolError('python needs {"code": "<program>"}')
+        cpu = max(1, int(self.cpu_s))
+        prelude = _SANDBOX_PRELUDE.format(
+            cpu=cpu, memory=self.memory_mb * 2**20, processes=self.max_processes
+        )
+        limits = sandbox.Limits(
+            wall_s=timeout_s,
+            cpu_s=cpu,
+            memory_mb=self.memory_mb,
+            max_processes=self.max_processes,
+            max_output_bytes=4 * self.max_output_chars,  # UTF-8: at most 4 bytes a character
+        )
         workdir = tempfile.mkdtemp(prefix="dockrl-python-")
         try:
-            with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
-                prelude = _SANDBOX_PRELUDE.format(cpu=max(1, int(self.cpu_s)), memory=self.memory_mb * 2**20)
-                f.write(prelude + code)
-            command = [sys.executable, "-I", "main.py"]
-            if network_namespace_available():
-                command = ["unshare", "--net", "--", *command]
-            process = subprocess.Popen(
-                command,
-                cwd=workdir,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: the whole tree dies at the limit
-                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": workdir, "PYTHONHASHSEED": "0"},
-            )
-            try:
-                out, _ = process.communicate(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                _kill_group(process)
-                raise ToolTimeout(f"python ran past its {timeout_s:g} s limit and was stopped") from None
-            text = out.decode("utf-8", errors="replace")
-            if len(text) > self.max_output_chars:
-                text = (
-                    text[: self.max_output_chars]
-                    + f"\n... (output cut at {self.max_output_chars} characters)"
-                )
-            if process.returncode < 0:
-                text += f"\n(killed by signal {-process.returncode}: a CPU or memory limit)"
-            return text
+            Path(workdir, "main.py").write_text(prelude + code, encoding="utf-8")
+            if self.sandboxed:
+                result = sandbox.sandboxed([sandbox.interpreter()[0], "-I", "main.py"], workdir, limits)
+            else:
+                result = sandbox.unsandboxed([sys.executable, "-I", "main.py"], workdir, limits)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.communicate()
-
-
-_NETNS: bool | None = None
-
-
-def network_namespace_available() -> bool:
-    """True when `unshare --net` works here (root, or unprivileged namespaces allowed); checked once."""
-    global _NETNS
-    if _NETNS is None:
-        try:
-            _NETNS = (
-                shutil.which("unshare") is not None
-                and subprocess.run(["unshare", "--net", "true"], capture_output=True, timeout=10).returncode
-                == 0
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            _NETNS = False
-    return _NETNS
+        if result.timed_out:
+            raise ToolTimeout(f"python ran past its {timeout_s:g} s limit and was stopped")
+        text = result.output.decode("utf-8", errors="replace")
+        if result.output_cut or len(text) > self.max_output_chars:
+            text = text[: self.max_output_chars] + f"\n... (output cut at {self.max_output_chars} characters)"
+        elif result.returncode is not None and result.returncode < 0:
+            text += f"\n(killed by signal {-result.returncode}: a CPU or memory limit)"
+        return text
 
 
 BUILTIN_TOOLS = {"calculator": Calculator, "python": Python}
 
 
-def build_tools(names: list[str] | tuple[str, ...]) -> list[Tool]:
-    """Built-in tools by name; ValueError listing the built-ins for an unknown one."""
+def build_tools(names: list[str] | tuple[str, ...], allow_unsandboxed: bool = False) -> list[Tool]:
+    """Built-in tools by name; ValueError listing the built-ins for an unknown one (or naming what the python
+    tool's sandbox needs)."""
     unknown = [n for n in names if n not in BUILTIN_TOOLS]
     if unknown:
         raise ValueError(f"unknown tools {unknown}; built-in tools are {sorted(BUILTIN_TOOLS)}")
-    return [BUILTIN_TOOLS[n]() for n in names]
+    return [
+        Python(allow_unsandboxed=allow_unsandboxed) if n == "python" else BUILTIN_TOOLS[n]() for n in names
+    ]
