@@ -392,7 +392,8 @@ def cpu_row() -> dict[str, Any]:
     blank elsewhere)."""
     import os
 
-    model, flags = "", list[str]()
+    model = ""
+    flags: list[str] = []
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
