@@ -158,3 +158,22 @@ def test_bench_scaling_sizes_work_and_speedups(tmp_path):
     _speedups(rows)
     assert rows[0]["speedup"] == 3.0 and "speedup" not in rows[1] and "speedup" not in rows[2]
     assert scaling_plot(rows, tmp_path / "scaling.png") and (tmp_path / "scaling.png").stat().st_size > 0
+
+
+def test_bench_env_names_an_unknown_mode():
+    from dockrl.bench.env_tier import run
+
+    args = build_parser().parse_args(["bench", "env", "--modes=tier,serial"])
+    with pytest.raises(SystemExit, match=r"--modes=tier,serial: unknown \['serial'\]; use any of one-by-one"):
+        run(args)
+
+
+def test_bench_env_quick_sizes_and_a_baseline_no_larger_than_the_run():
+    from dockrl.bench.env_tier import resolve_sizes
+
+    args = build_parser().parse_args(["bench", "env", "--quick", "--trajectories=4"])
+    resolve_sizes(args)
+    assert (args.trajectories, args.tool_seconds, args.baseline_trajectories) == (4, 0.5, 4)
+    args = build_parser().parse_args(["bench", "env"])
+    resolve_sizes(args)
+    assert (args.trajectories, args.tool_seconds, args.baseline_trajectories) == (256, 1.0, 16)

@@ -25,4 +25,5 @@ BENCHMARKS: dict[str, str] = {
     "distill": "dockrl.bench.distill",
     "scaling": "dockrl.bench.scaling",
     "startup": "dockrl.bench.startup",
+    "env": "dockrl.bench.env_tier",
 }
