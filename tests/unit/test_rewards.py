@@ -180,3 +180,26 @@ def test_code_runs_only_for_a_file_reference(name, tmp_path, monkeypatch):
         "p", "r", None
     )
     assert marker.exists()
+
+
+def test_overlong_shaping_counts_a_trajectorys_sampled_tokens_not_its_observations():
+    """Two two-turn trajectories, 8 + 8 sampled tokens around a 30-token observation (46 in all), policy budget
+    2 x 10 = 20, buffer 4: the sampled 16 are inside the budget's soft band's start (20 - 4 = 16): no penalty.
+    Counted whole (the response's 46 tokens against 20, as before), each took the full penalty of 1."""
+    import torch
+
+    from dockrl.rewards.terms import OverlongPenalty, ScoredGroups
+
+    mask = torch.tensor([1.0] * 8 + [0.0] * 30 + [1.0] * 8)
+    batch = {"response_ids": [torch.zeros(46, dtype=torch.long)] * 2, "loss_mask": [mask, mask]}
+    masked = ScoredGroups(batch, ["p", "p"], ["r", "r"], group_size=2)
+    OverlongPenalty(20, 4, 1.0, masked=True).apply(masked)
+    assert masked.scores == [0.0, 0.0]
+    whole = ScoredGroups(batch, ["p", "p"], ["r", "r"], group_size=2)
+    OverlongPenalty(20, 4, 1.0).apply(whole)
+    assert whole.scores == [-1.0, -1.0]
+    # a trajectory that sampled 18 of its budget's 20 sits halfway into the buffer
+    longer = torch.tensor([1.0] * 10 + [0.0] * 30 + [1.0] * 8)
+    half = ScoredGroups({"response_ids": [None], "loss_mask": [longer]}, ["p"], ["r"], group_size=1)
+    OverlongPenalty(20, 4, 1.0, masked=True).apply(half)
+    assert half.scores == [-0.5]

@@ -23,13 +23,17 @@ def check_env(cfg: TrainConfig) -> None:
     ]:
         positive(key, value)
     positive("env.max_tool_calls", env.max_tool_calls, allow_zero=True)
-    if env.max_response_tokens is not None and env.max_response_tokens <= cfg.rollout.max_new_tokens:
+    positive("env.max_observation_tokens", env.max_observation_tokens)
+    turns, per_turn = env.max_turns, cfg.rollout.max_new_tokens
+    least = turns * per_turn + (turns - 1)  # every turn at its limit, one token of observation between
+    if env.max_response_tokens is not None and env.max_response_tokens < least:
         raise config_error(
             "env.max_response_tokens",
             env.max_response_tokens,
-            f"leaves no room for an observation and a second turn after one of rollout.max_new_tokens="
-            f"{cfg.rollout.max_new_tokens} tokens",
-            "raise it (None: rollout.max_new_tokens x env.max_turns)",
+            f"cannot hold env.max_turns={turns} turns of rollout.max_new_tokens={per_turn} tokens and the "
+            f"observations between them (at least {least}; later turns would end truncated)",
+            f"raise it to {least} plus the observations' size, or unset it (the default makes room for "
+            f"observations of env.max_observation_tokens={env.max_observation_tokens})",
         )
     estimator = traits_of(cfg.algo)
     # Whitening and KL-in-reward shape a value per token over the whole response, observation tokens too.

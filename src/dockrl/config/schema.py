@@ -650,8 +650,11 @@ class EnvConfig:
     max_tool_calls: int = setting(8, "Tool calls per trajectory; one more ends it truncated.")
     max_response_tokens: int | None = setting(
         None,
-        "Token budget of a whole trajectory after the prompt (sampled and observation tokens); None: "
-        "rollout.max_new_tokens x env.max_turns. rollout.max_new_tokens limits each turn.",
+        "Token budget of a whole trajectory after the prompt (sampled and observation tokens); None: room for "
+        "every turn at rollout.max_new_tokens and env.max_observation_tokens between each two.",
+    )
+    max_observation_tokens: int = setting(
+        64, "The observation size the default env.max_response_tokens makes room for between two turns."
     )
     call_timeout_s: float = setting(
         10.0,

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dockrl.config.budgets import policy_budget, trajectory_budget
 from dockrl.config.schema import (
     ActorConfig,
     AlgoConfig,
@@ -61,7 +62,8 @@ class EnvSpec:
     origin: str | None  # that file's path
     max_turns: int
     max_tool_calls: int
-    max_response_tokens: int | None
+    max_response_tokens: int  # the trajectory budget (config/budgets.py)
+    policy_budget: int  # the most tokens the policy samples in a trajectory
     call_timeout_s: float
     num_workers: int  # environment worker processes
     concurrency: int  # calls at once per worker
@@ -100,10 +102,8 @@ class RolloutSpec:
     @property
     def response_budget(self) -> int:
         """Tokens after the prompt a response may take: rollout.max_new_tokens, or a multi-turn trajectory's
-        env.max_response_tokens (None: rollout.max_new_tokens x env.max_turns)."""
-        if self.env is None:
-            return self.max_new_tokens
-        return self.env.max_response_tokens or self.max_new_tokens * self.env.max_turns
+        budget (config/budgets.py)."""
+        return self.max_new_tokens if self.env is None else self.env.max_response_tokens
 
     @property
     def max_seq_len(self) -> int:
@@ -139,7 +139,10 @@ class RewardStageSpec:
     tokenizer_path: str  # the policy's model directory: responses are decoded with its tokenizer
     group_size: int  # rollout.samples_per_prompt
     log_samples: int = 0  # run.log_samples
-    max_new_tokens: int | None = None  # rollout.max_new_tokens: the overlong-shaping limit
+    max_new_tokens: int | None = (
+        None  # the overlong-shaping limit: rollout.max_new_tokens, or the policy budget
+    )
+    # of a multi-turn trajectory (config/budgets.py), whose sampled tokens (loss_mask) count against it
     env_weight: float | None = None  # env.reward_weight of a multi-turn run, None: single-turn
     distill_coef: float | None = None  # distill.coef when a teacher scores the rows, else None
 
@@ -243,7 +246,7 @@ def specs(cfg: TrainConfig, plan: StepPlan) -> Specs:
         tokenizer_path=cfg.model.path,
         group_size=cfg.rollout.samples_per_prompt,
         log_samples=cfg.run.log_samples,
-        max_new_tokens=cfg.rollout.max_new_tokens,
+        max_new_tokens=rollout.response_budget if rollout.env is None else rollout.env.policy_budget,
         env_weight=cfg.env.reward_weight if cfg.env.name is not None else None,
         distill_coef=cfg.distill.coef if cfg.distill.teacher_path is not None else None,
     )
@@ -292,12 +295,13 @@ def rollout_spec(cfg: TrainConfig) -> RolloutSpec:
         free_kv_cache=free_kv,
         worker_timeout_s=cfg.run.worker_timeout_s,
         partial=partial,
-        env=env_spec(cfg.env, cfg.data.system_prompt),
+        env=env_spec(cfg.env, cfg.data.system_prompt, roll.max_new_tokens),
     )
 
 
-def env_spec(env: EnvConfig, system_prompt: str | None) -> EnvSpec | None:
-    """The EnvSpec of env.* with the chat's system prompt when env.name is set (multi-turn), else None."""
+def env_spec(env: EnvConfig, system_prompt: str | None, max_new_tokens: int) -> EnvSpec | None:
+    """The EnvSpec of env.* with the chat's system prompt when env.name is set (multi-turn), else None; its
+    budgets resolved for turns of `max_new_tokens` (rollout.max_new_tokens; config/budgets.py)."""
     if env.name is None:
         return None
     return EnvSpec(
@@ -307,7 +311,8 @@ def env_spec(env: EnvConfig, system_prompt: str | None) -> EnvSpec | None:
         origin=env.source_file,
         max_turns=env.max_turns,
         max_tool_calls=env.max_tool_calls,
-        max_response_tokens=env.max_response_tokens,
+        max_response_tokens=trajectory_budget(env, max_new_tokens),
+        policy_budget=policy_budget(env, max_new_tokens),
         call_timeout_s=env.call_timeout_s,
         num_workers=env.num_workers,
         concurrency=env.concurrency,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dockrl.algos.registry import PRESETS, Estimator, LossAgg, LossPlan, estimator_named
+from dockrl.config.budgets import policy_budget
 from dockrl.config.lora_checks import LoraSettings, check_lora
 from dockrl.config.schedule import Schedule, schedule_of
 from dockrl.config.schema import AlgoConfig, TrainConfig
@@ -151,6 +152,14 @@ def loss_plan(algo: AlgoConfig, max_new_tokens: int | None = None) -> LossPlan:
     )
 
 
+def _sampled_budget(cfg: TrainConfig) -> int:
+    """The most tokens the policy samples for a row: rollout.max_new_tokens, or a multi-turn trajectory's policy
+    budget (config/budgets.py): Dr. GRPO's constant normaliser."""
+    if cfg.env.name is None:
+        return cfg.rollout.max_new_tokens
+    return policy_budget(cfg.env, cfg.rollout.max_new_tokens)
+
+
 def rollout_lead(cfg: TrainConfig) -> int:
     """Steps the rollout runs ahead of the update: rollout.max_staleness, or 0 with rollout.partial (whose
     staleness budget goes to the cuts of carried responses instead)."""
@@ -181,7 +190,7 @@ def step_plan(cfg: TrainConfig) -> StepPlan:
         kl_in_reward=algo.kl_in_reward,
         kl_coef=resolved_kl_coef(algo),
         rollout_lead=rollout_lead(cfg),
-        loss=loss_plan(algo, cfg.rollout.max_new_tokens),
+        loss=loss_plan(algo, _sampled_budget(cfg)),
         schedule=schedule_of(cfg),
         lora=check_lora(actor.lora, has_critic=estimator.needs_critic),
         multi_turn=cfg.env.name is not None,

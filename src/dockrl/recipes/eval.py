@@ -118,10 +118,9 @@ def evaluate_model_dir(
         from dockrl.engines.rollout.dock_feed import env_settings, local_envs
         from dockrl.envs.loader import factory_of
 
-        budget = env.max_response_tokens or max_new_tokens * env.max_turns
-        spec = env_spec(env, system_prompt)
+        spec = env_spec(env, system_prompt, max_new_tokens)
         assert spec is not None, "evaluate_model_dir takes an env with its name set"
-        settings = env_settings(spec, budget, tokenizer, model.args.family)
+        settings = env_settings(spec, spec.max_response_tokens, tokenizer, model.args.family)
         settings["envs"] = local_envs(spec, model.args.family)
         make_env = factory_of(spec, model.args.family)
     prompts, _ = encode_prompts(

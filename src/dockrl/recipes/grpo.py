@@ -311,7 +311,7 @@ def _run_failed(exc: Exception, run: RunDir, head: ResumePoint | None) -> RunFai
 def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None = None):
     d = cfg.data
     make_env = None
-    env = env_spec(cfg.env, d.system_prompt)
+    env = env_spec(cfg.env, d.system_prompt, cfg.rollout.max_new_tokens)
     if env is not None:  # multi-turn: the first turn is the environment's, rendered with its tools
         from dockrl.envs.loader import factory_of
         from dockrl.models.config import read_config

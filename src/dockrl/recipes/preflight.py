@@ -289,7 +289,7 @@ def _check_environment(cfg: TrainConfig, model_path: str) -> None:
             "use a tokenizer with a chat template and data.use_chat_template=true",
         )
     try:
-        factory_of(env_spec(cfg.env, cfg.data.system_prompt), family)
+        factory_of(env_spec(cfg.env, cfg.data.system_prompt, cfg.rollout.max_new_tokens), family)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"env.name={cfg.env.name!r}: {exc}") from exc
 

@@ -153,17 +153,21 @@ class ModelScore(RewardTerm):
 
 class OverlongPenalty(RewardTerm):
     """DAPO's overlong shaping (algos/estimators.py `overlong_penalty`) on the response lengths; the penalty is
-    also the `overlong` component."""
+    also the `overlong` component. `masked` (multi-turn): a trajectory's length is the tokens its policy sampled
+    (loss_mask 1), counted against the policy budget (config/budgets.py), never its observations."""
 
-    columns: tuple[str, ...] = (RESPONSE_IDS,)
-
-    def __init__(self, max_new_tokens: int | None, buffer_len: int, penalty: float):
+    def __init__(self, max_new_tokens: int | None, buffer_len: int, penalty: float, masked: bool = False):
         if max_new_tokens is None:
             raise ValueError("algo.overlong_buffer_len > 0 needs the RewardWorker's max_new_tokens")
         self.max_new_tokens, self.buffer_len, self.penalty = max_new_tokens, buffer_len, penalty
+        self.masked = masked
+        self.columns = (RESPONSE_IDS, LOSS_MASK) if masked else (RESPONSE_IDS,)
 
     def apply(self, group: ScoredGroups) -> None:
-        lengths = torch.tensor([len(r) for r in group.batch[RESPONSE_IDS]])  # [N]
+        if self.masked:
+            lengths = torch.tensor([float(m.sum()) for m in group.batch[LOSS_MASK]])  # [N] sampled tokens
+        else:
+            lengths = torch.tensor([len(r) for r in group.batch[RESPONSE_IDS]])  # [N]
         penalty = overlong_penalty(lengths, self.max_new_tokens, self.buffer_len, self.penalty).tolist()
         group.scores = [s + p for s, p in zip(group.scores, penalty)]
         group.components[OVERLONG] = penalty

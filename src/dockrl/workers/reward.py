@@ -65,7 +65,14 @@ def reward_terms(spec: RewardStageSpec, runner: RewardRunner | None) -> list[Rew
     if reward.model.path is not None:
         terms.append(ModelScore(reward.model.weight))
     if algo.overlong_buffer_len > 0:
-        terms.append(OverlongPenalty(spec.max_new_tokens, algo.overlong_buffer_len, algo.overlong_penalty))
+        terms.append(
+            OverlongPenalty(
+                spec.max_new_tokens,
+                algo.overlong_buffer_len,
+                algo.overlong_penalty,
+                masked=spec.env_weight is not None,
+            )
+        )
     if reward.on_error == "drop_group":
         terms.append(DropFailedGroups())
     if spec.estimator is not None:  # None (gae, ppo): the critic turns rewards into advantages
