@@ -48,3 +48,14 @@ def test_dr_grpo_and_overlong_shaping_count_against_the_policy_budget():
     dapo = _cfg("algo.name=dapo", *MULTI_TURN, "env.max_response_tokens=60", "algo.overlong_buffer_len=4")
     reward = specs(dapo, resolve(dapo).plan).reward
     assert reward.max_new_tokens == 3 * 16 and reward.env_weight is not None  # sampled tokens vs 48, masked
+
+
+def test_env_code_runs_only_for_a_file_environment():
+    with pytest.raises(ConfigError, match=r"env.code: set with env.name='tools', which is not a file reference"):
+        _cfg("env.name=tools", "env.code=import os")
+    with pytest.raises(ConfigError, match=r"env.name='pkg.mod:Env', which is not a file reference"):
+        _cfg("env.name=pkg.mod:Env", "env.code=import os")
+    from dockrl.envs.loader import env_class
+
+    with pytest.raises(ValueError, match="names no file"):
+        env_class("tools", code="class Env: pass")

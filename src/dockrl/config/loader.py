@@ -51,6 +51,15 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
     if reward is not None:
         read_reward_files(reward.functions, search)
     env = getattr(config, "env", None)
+    if (
+        env is not None
+        and env.code is not None
+        and (env.name is None or not names_a_file(env.name, env.source_file))
+    ):
+        raise ConfigError(
+            f"env.code: set with env.name={env.name!r}, which is not a file reference; `code` runs only for "
+            "'path/to/file.py:Class' (the loader fills it in): remove `code`"
+        )
     if env is not None and env.name is not None and env.code is None:
         try:
             found = locate_reward_file(env.name, search, what="environment")

@@ -26,6 +26,10 @@ BUILTIN_ENVS: dict[str, type] = {"tools": ToolEnvironment}
 def env_class(name: str, code: str | None = None, origin: str | None = None) -> type:
     """The class `name` names (module docstring); ValueError naming what is wrong."""
     if code is not None:
+        if not name.partition(":")[0].endswith(".py") and not (origin or "").endswith(".py"):
+            raise ValueError(
+                f"environment {name!r} comes with source code but names no file (path/to/file.py:Class)"
+            )
         cls = attr_from_code(name, code, origin or name.rpartition(":")[0], "environment")
     elif ":" in name:
         cls = import_attr(name, "environment")
