@@ -51,7 +51,9 @@ def test_dr_grpo_and_overlong_shaping_count_against_the_policy_budget():
 
 
 def test_env_code_runs_only_for_a_file_environment():
-    with pytest.raises(ConfigError, match=r"env.code: set with env.name='tools', which is not a file reference"):
+    with pytest.raises(
+        ConfigError, match=r"env.code: set with env.name='tools', which is not a file reference"
+    ):
         _cfg("env.name=tools", "env.code=import os")
     with pytest.raises(ConfigError, match=r"env.name='pkg.mod:Env', which is not a file reference"):
         _cfg("env.name=pkg.mod:Env", "env.code=import os")

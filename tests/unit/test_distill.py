@@ -3,6 +3,7 @@ that adds it (opd alone, beside GRPO's group advantages, multi-turn masks), the 
 check names both paths, before Ray), and opd through the CLI with LoRA, a teacher sharded over two ranks and
 asynchronous separate rollout, resumed from a checkpoint with a step in flight."""
 
+import json
 import warnings
 from pathlib import Path
 
@@ -220,3 +221,48 @@ def test_example_validates_and_settings_without_a_teacher_warn(tiny_model, teach
 
 
 # ---------------------------------------------------------------- through the CLI
+
+
+def test_multi_turn_samples_show_the_whole_trajectory(tiny_model, tmp_path):
+    """samples.jsonl's multi-turn rows: every turn in order (the policy's and the observations, split by
+    loss_mask), each decoded with its token count, the reward components; `dockrl report` shows each turn."""
+    from dockrl.observe.report import write_report
+
+    tokenizer = Tokenizer.from_dir(tiny_model)
+    columns = _rows(tokenizer)
+    turn, observation = tokenizer.encode("call"), tokenizer.encode(" result 7\n")
+    final = columns["response_ids"]
+    columns["response_ids"] = [torch.tensor(turn + observation + r.tolist()) for r in final]
+    columns["loss_mask"] = [
+        torch.tensor([1.0] * len(turn) + [0.0] * len(observation) + [1.0] * len(r)) for r in final
+    ]
+    columns.update(env_reward=[1.0, 0.0, 0.5, float("nan")], env_failed=[0.0] * 4)
+    dock = FakeDock(columns, group_size=2)
+    worker = RewardWorker(
+        "reward-0",
+        0,
+        1,
+        spec=RewardStageSpec(
+            reward=RewardConfig(num_processes=0, groups_per_pull=2),
+            algo=AlgoConfig(),
+            estimator="grpo",
+            tokenizer_path=str(tiny_model),
+            group_size=2,
+            log_samples=2,
+            env_weight=1.0,
+        ),
+        client=dock,
+    )
+    sample = worker.score().samples[0]
+    worker.close()
+    assert [t["role"] for t in sample["turns"]] == ["assistant", "observation", "assistant"]
+    assert [t["tokens"] for t in sample["turns"]] == [len(turn), len(observation), len(final[0])]
+    assert sample["turns"][1]["text"] == tokenizer.decode(observation, skip_special_tokens=False)
+    assert sample["response"] == "7" and sample["components"]["env"] == 1.0
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 1.0}\n')
+    (run / "samples.jsonl").write_text(json.dumps({"step": 1, **sample}) + "\n")
+    write_report([run], tmp_path / "out")
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert page.count("<b>assistant</b>") == 2 and page.count("<b>observation</b>") == 1

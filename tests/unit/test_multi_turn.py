@@ -9,8 +9,15 @@ import pytest
 import torch
 
 from dockrl.dock.errors import DockTimeoutError
-from dockrl.engines.rollout.multi_turn import ChatDelta, TurnLimits, final_turn, serve_multi_turn
-from dockrl.engines.rollout.rollout_engine import RolloutEngine
+from dockrl.engines.rollout.multi_turn import (
+    ChatDelta,
+    TurnLimits,
+    final_turn,
+    run_trajectories,
+    serve_multi_turn,
+    turn_runs,
+)
+from dockrl.engines.rollout.rollout_engine import Completion, Generation, RolloutEngine
 from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.envs import sandbox
 from dockrl.envs.base import Observation
@@ -487,3 +494,88 @@ def test_sft_trains_on_the_assistant_turns_of_a_tool_conversation_in_the_rollout
     # The teacher's conversations parse back into the call the tool environment runs.
     call = parse_tool_calls(messages[1]["content"], "qwen2").calls
     assert [(c.name, c.arguments) for c in call] == [("calculator", {"expression": "123*456"})]
+
+
+class ScriptedPolicy:
+    """The policy's side of a trajectory, scripted: each request of a row gets that row's next message (real
+    tokens of the tiny tokenizer), log-prob -0.5 per token. What is under test is everything else: the tool
+    environment, its calls, the observation tokens and their masks."""
+
+    def __init__(self, scripts: dict[int, list[list[int]]]):
+        self.scripts, self.pending, self.stats = scripts, [], {}
+
+    def add(self, request):
+        row = request.tag[0]
+        ids = self.scripts[row].pop(0)
+        self.pending.append(
+            Completion(request.tag, 0, Generation(torch.tensor(ids), torch.full((len(ids),), -0.5), "stop"))
+        )
+
+    def step(self):
+        done, self.pending = self.pending, []
+        return done
+
+    def num_free_slots(self):
+        return 8
+
+    def has_work(self):
+        return bool(self.pending)
+
+
+def test_a_real_tool_call_and_its_observation_masked_out_of_the_update(tiny):
+    """A policy that calls the calculator (Qwen format) and then answers: the built-in tool environment runs the
+    call, its answer comes back as observation tokens (loss_mask 0, log-prob 0) between the two turns, and the
+    update does not see them: changing advantages and reference log-probs under them changes nothing, while
+    changing them under a sampled token does."""
+    path, tokenizer = tiny
+    eos = tokenizer.encode("<|im_end|>")
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "347*829"}}</tool_call>'
+    scripts = {r: [tokenizer.encode(call) + eos, tokenizer.encode("287663") + eos] for r in range(2)}
+    env = ToolEnvironment(tools=["calculator"], family="qwen2")
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 347*829?"}], add_generation_prompt=True, tools=env.tools
+    )
+    prompts = [tokenizer.encode(prompt)] * 2
+    outs, stats = run_trajectories(
+        ScriptedPolicy(scripts),
+        prompts,
+        [{"prompt": "What is 347*829?"}] * 2,
+        params=SamplingParams(max_new_tokens=64, temperature=1.0, stop_token_ids=eos),
+        groups_per_pull=2,
+        row_seed=lambda row: row,
+        envs=LocalEnvs(EnvHost(lambda: ToolEnvironment(tools=["calculator"], family="qwen2"), 2)),
+        delta=ChatDelta(tokenizer, env.tools),
+        system_prompt=None,
+        limits=TurnLimits(max_turns=3, max_tool_calls=2, max_response_tokens=200, call_timeout_s=10),
+    )
+    assert stats["env"]["tool_calls"] == 2 and stats["env"]["tool_errors"] == 0 and stats["env"]["turns"] == 4
+    out = outs[0]
+    runs = turn_runs(out["response_ids"], out["loss_mask"])
+    assert [sampled for sampled, _ in runs] == [True, False, True]
+    observation = tokenizer.decode(runs[1][1], skip_special_tokens=False)
+    assert "287663" in observation  # the calculator's answer, rendered by the chat template
+    mask = out["loss_mask"]
+    assert torch.all(out["rollout_logprobs"][mask == 0] == 0) and torch.all(
+        out["rollout_logprobs"][mask == 1] == -0.5
+    )
+    # the update
+    batch = {
+        "prompt_ids": [torch.tensor(p) for p in prompts],
+        "response_ids": [o["response_ids"] for o in outs],
+        "loss_mask": [o["loss_mask"] for o in outs],
+    }
+    n = [len(o["response_ids"]) for o in outs]
+    advantages = [torch.full((k,), 0.5) for k in n]
+    refs = [torch.full((k,), -4.0) for k in n]
+    metrics, _, _, _, weights = _masked_update(str(path), advantages, refs, batch)
+    hidden_adv = [a.clone() for a in advantages]
+    hidden_ref = [r.clone() for r in refs]
+    for a, r, o in zip(hidden_adv, hidden_ref, outs):
+        a[o["loss_mask"] == 0] = 100.0
+        r[o["loss_mask"] == 0] = 3.0
+    again, _, _, _, weights_again = _masked_update(str(path), hidden_adv, hidden_ref, batch)
+    assert again == metrics and all(torch.equal(weights[k], weights_again[k]) for k in weights)
+    seen = [a.clone() for a in advantages]
+    seen[0][0] = 100.0  # the first sampled token
+    changed, _, _, _, _ = _masked_update(str(path), seen, refs, batch)
+    assert changed["pg_loss"] != metrics["pg_loss"]

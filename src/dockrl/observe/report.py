@@ -257,12 +257,31 @@ def _html(runs: list[Run], plots: list[str]) -> str:
         for s in shown:
             parts.append(
                 f"<tr><td>{s.get('step')}</td><td><pre>{esc(str(s.get('prompt', '')))}</pre></td>"
-                f"<td><pre>{esc(str(s.get('response', '')))}</pre></td><td>{esc(str(s.get('label', '')))}</td>"
-                f"<td>{_fmt(s.get('reward'))}</td></tr>"
+                f"<td>{_response_cell(s)}</td><td>{esc(str(s.get('label', '')))}</td>"
+                f"<td>{_fmt(s.get('reward'))}{_components(s)}</td></tr>"
             )
         parts.append("</table>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _response_cell(sample: dict[str, Any]) -> str:
+    """A sample's response; a multi-turn one as its whole trajectory, each turn labelled (observations too)."""
+    esc = html.escape
+    turns = sample.get("turns")
+    if not turns:
+        return f"<pre>{esc(str(sample.get('response', '')))}</pre>"
+    return "".join(
+        f"<div class='{esc(t['role'])}'><b>{esc(t['role'])}</b> ({t.get('tokens', '?')} tokens)"
+        f"<pre>{esc(str(t.get('text', '')))}</pre></div>"
+        for t in turns
+    )
+
+
+def _components(sample: dict[str, Any]) -> str:
+    """A multi-turn sample's reward components (env, rule functions, shaping), under its total."""
+    components = sample.get("components") or {}
+    return "".join(f"<br><small>{html.escape(k)} {_fmt(v)}</small>" for k, v in components.items())
 
 
 def _fmt(value: Any) -> str:

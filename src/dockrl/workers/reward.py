@@ -23,7 +23,7 @@ from dockrl.config.specs import RewardStageSpec
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import LABEL, LOSS_MASK, POLICY_VERSION, PROMPT_IDS, RESPONSE_IDS
 from dockrl.dock.stages import Stage
-from dockrl.engines.rollout.multi_turn import final_turn
+from dockrl.engines.rollout.multi_turn import final_turn, turn_runs
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.rewards.runner import RewardRunner, RewardSpec, accuracy_key
 from dockrl.rewards.terms import (
@@ -158,15 +158,31 @@ class RewardWorker(Worker):
         result.accuracy += group.accuracy
         result.weights += group.weights
         for i in range(min(self.log_samples - len(result.samples), len(rows))):
-            result.samples.append(
-                {
-                    "row": rows[i],
-                    "prompt": group.prompts[i],
-                    "response": group.responses[i],
-                    "label": _jsonable(group.batch[LABEL][i]),
-                    "reward": group.scores[i],
-                }
-            )
+            sample = {
+                "row": rows[i],
+                "prompt": group.prompts[i],
+                "response": group.responses[i],
+                "label": _jsonable(group.batch[LABEL][i]),
+                "reward": group.scores[i],
+            }
+            if self.env_weight is not None:  # multi-turn: the whole trajectory, turn by turn
+                sample.update(self._trajectory(group, i))
+            result.samples.append(sample)
+
+    def _trajectory(self, group: ScoredGroups, i: int) -> dict[str, Any]:
+        """Row `i`'s turns ({"role": "assistant" or "observation", "text", "tokens"}), its environment reward and
+        its reward components, for samples.jsonl."""
+        runs = turn_runs(group.batch[RESPONSE_IDS][i], group.batch[LOSS_MASK][i])
+        turns = [
+            {
+                "role": "assistant" if sampled else "observation",
+                "text": self.tokenizer.decode(ids, skip_special_tokens=False),
+                "tokens": len(ids),
+            }
+            for sampled, ids in runs
+        ]
+        components = {name: values[i] for name, values in group.components.items()}
+        return {"turns": turns, "components": components}
 
     def close(self) -> None:
         """Stop the reward process pool."""

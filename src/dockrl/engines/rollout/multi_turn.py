@@ -408,6 +408,18 @@ def final_turn(ids: Any, mask: Any) -> list[int]:
     return ids[start:end]
 
 
+def turn_runs(ids: Any, mask: Any) -> list[tuple[bool, list[int]]]:
+    """A trajectory's tokens as its runs, in order: (True, a policy turn's sampled tokens) or (False, the
+    observation tokens between turns), split where loss_mask changes."""
+    runs: list[tuple[bool, list[int]]] = []
+    for token, m in zip(map(int, ids), (float(m) > 0 for m in mask)):
+        if runs and runs[-1][0] == m:
+            runs[-1][1].append(token)
+        else:
+            runs.append((m, [token]))
+    return runs
+
+
 def _without_stop(ids: list[int], stop_token_ids: list[int]) -> list[int]:
     """The sampled tokens without a final stop token (the message the environment reads)."""
     return ids[:-1] if ids and ids[-1] in stop_token_ids else ids
