@@ -6,6 +6,7 @@ attack's check is shown to see the attack where the sandbox is off (`allow_unsan
 import json
 import os
 import resource
+import secrets
 import socket
 import subprocess
 import threading
@@ -50,26 +51,28 @@ SETSID_ATTACK = (
     "if os.fork() == 0:\n"
     "    os.setsid()\n"
     "    if os.fork() == 0:\n"
-    "        time.sleep(60)\n"
+    "        os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
     "    os._exit(0)\n"
     "print('parent done')\n"
 )
 
 
-def _survivors() -> list[int]:
-    """Processes still running a tool program (`python -I main.py`)."""
-    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if _cmdline(p).endswith(" -I main.py ")]
+def _survivors(marker: str) -> list[int]:
+    """Processes still running this attack's grandchild (`sleep <marker>`, a marker no other process has)."""
+    return [int(p.name) for p in Path("/proc").glob("[0-9]*") if _cmdline(p).strip() == f"sleep {marker}"]
 
 
 def test_a_setsid_grandchild_dies_with_the_call(monkeypatch):
-    assert "parent done" in _call(SETSID_ATTACK)
+    marker = f"{60 + secrets.randbelow(10**6) / 10**7:.7f}"  # sleep's seconds, unique to this run
+    assert "parent done" in _call(SETSID_ATTACK.format(marker=marker))
     time.sleep(0.2)
-    assert _survivors() == []
+    assert _survivors(marker) == []
     # the check sees the grandchild where the process group is all there is to kill: it holds the output pipe
     # open (the call runs to its limit) and outlives the kill
-    assert "ran past its 2 s limit" in _call(SETSID_ATTACK, _unsandboxed(monkeypatch), timeout_s=2.0)
+    attack = SETSID_ATTACK.format(marker=marker)
+    assert "ran past its 2 s limit" in _call(attack, _unsandboxed(monkeypatch), timeout_s=2.0)
     time.sleep(0.2)
-    left = _survivors()
+    left = _survivors(marker)
     for pid in left:
         os.kill(pid, 9)
     assert len(left) == 1
