@@ -222,6 +222,15 @@ class Python:
 BUILTIN_TOOLS = {"calculator": Calculator, "python": Python}
 
 
+def tool_schemas(names: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
+    """The JSON schemas of built-in tools by name, without building them (nothing runs: SFT only renders them,
+    so a machine without bubblewrap can still train on python-tool conversations)."""
+    unknown = [n for n in names if n not in BUILTIN_TOOLS]
+    if unknown:
+        raise ValueError(f"unknown tools {unknown}; built-in tools are {sorted(BUILTIN_TOOLS)}")
+    return [BUILTIN_TOOLS[n].schema for n in names]
+
+
 def build_tools(names: list[str] | tuple[str, ...], allow_unsandboxed: bool = False) -> list[Tool]:
     """Built-in tools by name; ValueError listing the built-ins for an unknown one (or naming what the python
     tool's sandbox needs)."""

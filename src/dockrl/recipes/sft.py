@@ -22,7 +22,7 @@ from dockrl.data.datasets import load_prompts, render_prompt
 from dockrl.engines.rollout.multi_turn import ChatDelta
 from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
 from dockrl.engines.train.train_engine import TrainEngine
-from dockrl.envs.tools import build_tools
+from dockrl.envs.tools import tool_schemas
 from dockrl.models.hf import save_model
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.observe.run_dir import RunDir
@@ -43,7 +43,7 @@ def build_examples(
     d = cfg.data
     records = load_prompts(path, prompt_field=d.prompt_field, label_field=d.label_field, limit=limit)
     eos = tokenizer.eos_token_id
-    tools = [tool.schema for tool in build_tools(d.tools)] if d.tools else None
+    tools = tool_schemas(d.tools) if d.tools else None
     examples: list[Example] = []
     skipped = {"prompt_len": 0, "max_len": 0}
     for rec in records:
