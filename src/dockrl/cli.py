@@ -70,6 +70,29 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from dockrl.checkpoint.directory import resolve_lora
+    from dockrl.recipes.preflight import check_model_dir, resolve_device
+    from dockrl.serve.model_server import ServeSettings, serve
+
+    check_model_dir(resolve_lora(args.model)[0], "MODEL")
+    serve(
+        ServeSettings(
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key or os.environ.get("DOCKRL_API_KEY"),
+            max_tokens=args.max_tokens,
+            max_batch_size=args.max_batch_size,
+            device=resolve_device(args.device, "--device"),
+            name=args.name,
+        )
+    )
+    return 0
+
+
 def _reward_specs(names: list[str]) -> list:
     """RewardSpecs of --reward names; a file-given function (`./my_reward.py:fn`) is read here."""
     from pathlib import Path
@@ -250,6 +273,18 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         p = add(name, fn, help)
         p.add_argument("config", help="YAML config")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=10 actor.lr=1e-5")
+
+    p = add("serve", _cmd_serve, "an OpenAI-compatible API over a model or checkpoint (docs/serve.md)")
+    p.add_argument("model", help="Hugging Face model directory or checkpoint root (step_NNNNNN)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key", default=None, help="the bearer key clients send (default: DOCKRL_API_KEY, or a new one)"
+    )
+    p.add_argument("--max-tokens", type=int, default=256, help="cap of a request's max_tokens")
+    p.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--name", default=None, help="the model name /v1/models lists (default: the directory's)")
 
     p = add("eval", _cmd_eval, "greedy accuracy of a checkpoint on a held-out file")
     p.add_argument(

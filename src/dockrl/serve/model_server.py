@@ -1,0 +1,86 @@
+"""`dockrl serve MODEL`: the OpenAI-compatible API over a model directory or checkpoint, in this process.
+
+load the model (a checkpoint root: its hf/ export, or its LoRA base with the adapters merged), its tokenizer
+─▶ RolloutEngine (max_batch_size slots) ─▶ EngineLoop ─▶ make_app ─▶ uvicorn on host:port
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What `dockrl serve` was asked for."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_tokens: int = 256
+    max_batch_size: int = 16
+    device: str = "cpu"
+    name: str | None = None  # the model name /v1/models lists (default: the directory's name)
+
+
+def build_app(settings: ServeSettings) -> tuple[FastAPI, Any, str]:
+    """The app over `settings.model`, its engine loop (to close) and the API key it checks."""
+    import torch
+
+    from dockrl.checkpoint.directory import resolve_lora
+    from dockrl.engines.rollout.rollout_engine import RolloutEngine
+    from dockrl.models.hf import load_model
+    from dockrl.models.lora import load_peft, merge_lora
+    from dockrl.models.tokenizer import Tokenizer, stop_token_ids
+    from dockrl.serve.engine_loop import EngineLoop
+    from dockrl.serve.server import make_app
+
+    path, adapter = resolve_lora(settings.model)
+    tokenizer = Tokenizer.from_dir(path)
+    device = torch.device(settings.device if settings.device != "cuda" else "cuda:0")
+    model = load_model(path, device=device, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
+    if adapter is not None:
+        load_peft(model, adapter)
+        merge_lora(model)
+    model.eval()
+    stops = stop_token_ids(tokenizer.eos_token_id, model.args.eos_token_id)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
+    positions = model.args.max_position_embeddings
+    engine = RolloutEngine(
+        model,
+        num_slots=settings.max_batch_size,
+        max_seq_len=positions,
+        pad_token_id=pad,
+        detokenize=tokenizer.decode,
+    )
+    loop = EngineLoop(engine, stops)
+    key = settings.api_key or secrets.token_urlsafe(24)
+    app = make_app(
+        loop.generate,
+        tokenizer,
+        family=model.args.family,
+        api_key=key,
+        model_name=settings.name or str(settings.model).rstrip("/").rsplit("/", 1)[-1],
+        max_tokens=min(settings.max_tokens, positions - 1),
+        max_prompt_tokens=positions - 1,
+        stop_token_ids=stops,
+    )
+    return app, loop, key
+
+
+def serve(settings: ServeSettings) -> None:
+    """Build the app and serve it until interrupted."""
+    import uvicorn
+
+    app, loop, key = build_app(settings)
+    if settings.api_key is None:
+        print(f"dockrl serve: API key {key} (set --api-key or DOCKRL_API_KEY to choose one)", flush=True)
+    print(f"dockrl serve: http://{settings.host}:{settings.port}/v1", flush=True)
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+    finally:
+        loop.close()
