@@ -219,7 +219,7 @@ class Python:
         return text
 
 
-BUILTIN_TOOLS = {"calculator": Calculator, "python": Python}
+BUILTIN_TOOLS: dict[str, type[Calculator] | type[Python]] = {"calculator": Calculator, "python": Python}
 
 
 def tool_schemas(names: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
