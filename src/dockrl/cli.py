@@ -86,6 +86,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             api_key=args.api_key or os.environ.get("DOCKRL_API_KEY"),
             max_tokens=args.max_tokens,
             max_batch_size=args.max_batch_size,
+            max_seq_len=args.max_seq_len,
             device=resolve_device(args.device, "--device"),
             name=args.name,
         )
@@ -283,6 +284,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-tokens", type=int, default=256, help="cap of a request's max_tokens")
     p.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together")
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="prompt + completion tokens per request (default: the model's positions, at most 4096); the KV "
+        "cache holds max-batch-size x this, allocated at start",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--name", default=None, help="the model name /v1/models lists (default: the directory's)")
 

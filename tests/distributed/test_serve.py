@@ -113,3 +113,23 @@ def test_the_key_and_the_limits_are_checked(server):
     assert capped.usage.completion_tokens <= 12
     with pytest.raises(openai.BadRequestError, match="n=2"):
         client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], n=2)
+
+
+def test_a_long_prompt_gets_the_room_it_leaves_and_the_server_goes_on(server, tiny_model):
+    """max_seq_len = the tiny model's 512 positions: a 509-token prompt without max_tokens gets at most 3
+    tokens (not the engine's refusal, which once killed the engine thread); a 512-token prompt and an id
+    outside the vocabulary are 400s; the server answers after each."""
+    url, _ = server
+    client = openai.OpenAI(base_url=url, api_key=KEY)
+    args = load_model(str(tiny_model)).args
+    positions, vocab = args.max_position_embeddings, args.vocab_size
+    assert positions == 512
+    long = client.completions.create(model="x", prompt=[5] * (positions - 3), temperature=0)
+    assert long.usage.prompt_tokens == positions - 3 and 1 <= long.usage.completion_tokens <= 3
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="x", prompt=[5] * positions, temperature=0)
+    assert error.value.code == "context_length_exceeded" and "at most 511" in error.value.message
+    with pytest.raises(openai.BadRequestError, match=f"outside the vocabulary \\[0, {vocab}\\)"):
+        client.completions.create(model="x", prompt=[5, vocab], temperature=0)
+    after = client.completions.create(model="x", prompt=[5, 6], temperature=0, max_tokens=2)
+    assert after.usage.completion_tokens <= 2

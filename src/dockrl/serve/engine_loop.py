@@ -7,7 +7,10 @@
 ```
 
 Requests that arrive together share the engine's steps (one batched forward per step for all of them); the
-engine thread sleeps on the queue when nothing runs.
+engine thread sleeps on the queue when nothing runs. A request the engine refuses (`RolloutEngine.add`'s
+ValueError, naming the limit) fails alone with that error. If a step raises, the engine's state is unknown:
+every request waiting or running fails with the error, the thread ends, and later requests fail at once
+(RuntimeError) instead of waiting on a thread that is gone.
 """
 
 from __future__ import annotations
@@ -35,11 +38,14 @@ class EngineLoop:
         self.waiting: dict[int, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
         self.tags = itertools.count()
         self.steps = 0  # engine steps taken (what concurrent requests share)
+        self.failed: BaseException | None = None  # set when a step raised: the thread has ended
         self.thread = threading.Thread(target=self._serve, name="dockrl-serve-engine", daemon=True)
         self.thread.start()
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Sampled:
-        """Sample one completion of `prompt_ids`."""
+        """Sample one completion of `prompt_ids`; ValueError when the engine can never fit the request."""
+        if self.failed is not None:
+            raise RuntimeError(f"the engine stopped after an error: {self.failed}") from self.failed
         params = SamplingParams(
             max_new_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
@@ -57,15 +63,32 @@ class EngineLoop:
         self.incoming.put(None)
 
     def _serve(self) -> None:
-        while True:
-            for item in self._arrived(block=not self.engine.has_work()):
-                if item is None:
-                    return
-                request, future, loop = item
-                self.waiting[request.tag] = (future, loop)
-                self.engine.add(request)
-            if self.engine.has_work():
-                self._step()
+        try:
+            while True:
+                for item in self._arrived(block=not self.engine.has_work()):
+                    if item is None:
+                        return
+                    self._add(*item)
+                if self.engine.has_work():
+                    self._step()
+        except (
+            BaseException
+        ) as exc:  # the engine's state is unknown: everyone waiting learns it, nobody hangs
+            self.failed = exc
+            for future, loop in self.waiting.values():
+                _post(loop, _fail, future, exc)
+            self.waiting.clear()
+            for item in self._arrived(block=False):
+                if item is not None:
+                    _post(item[2], _fail, item[1], exc)
+
+    def _add(self, request: Request, future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            self.engine.add(request)
+        except ValueError as exc:  # this request can never fit (the engine names the limit): it alone fails
+            _post(loop, _fail, future, exc)
+            return
+        self.waiting[request.tag] = (future, loop)
 
     def _arrived(self, block: bool) -> list:
         """What was queued since the last look (waiting for the first when `block`)."""
@@ -79,19 +102,21 @@ class EngineLoop:
         return items
 
     def _step(self) -> None:
-        try:
-            done = self.engine.step()
-        except Exception as exc:  # the engine broke: every waiting request learns it
-            for future, loop in self.waiting.values():
-                loop.call_soon_threadsafe(_fail, future, exc)
-            self.waiting.clear()
-            return
+        done = self.engine.step()
         self.steps += 1
         for completion in done:
             future, loop = self.waiting.pop(completion.tag)
             gen = completion.generation
             sampled = Sampled(gen.token_ids.tolist(), gen.logprobs.tolist(), gen.finish_reason)
-            loop.call_soon_threadsafe(_resolve, future, sampled)
+            _post(loop, _resolve, future, sampled)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Any, future: asyncio.Future, value: Any) -> None:
+    """Run fn(future, value) on `loop`; nothing if that loop has closed (nobody waits any more)."""
+    try:
+        loop.call_soon_threadsafe(fn, future, value)
+    except RuntimeError:  # the event loop is closed
+        pass
 
 
 def _resolve(future: asyncio.Future, value: Any) -> None:

@@ -12,6 +12,9 @@ from typing import Any
 
 from fastapi import FastAPI
 
+# A real model's positions (Qwen2.5: 32768) times 16 slots would allocate tens of GB of KV cache at start.
+DEFAULT_MAX_SEQ_LEN = 4096
+
 
 @dataclass(frozen=True)
 class ServeSettings:
@@ -23,6 +26,9 @@ class ServeSettings:
     api_key: str | None = None
     max_tokens: int = 256
     max_batch_size: int = 16
+    max_seq_len: int | None = None
+    """Prompt + completion tokens per request; None: the model's positions, at most DEFAULT_MAX_SEQ_LEN. The KV
+    cache holds max_batch_size x max_seq_len positions, allocated at start."""
     device: str = "cpu"
     name: str | None = None  # the model name /v1/models lists (default: the directory's name)
 
@@ -50,10 +56,17 @@ def build_app(settings: ServeSettings) -> tuple[FastAPI, Any, str]:
     stops = stop_token_ids(tokenizer.eos_token_id, model.args.eos_token_id)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
     positions = model.args.max_position_embeddings
+    max_seq_len = settings.max_seq_len or min(positions, DEFAULT_MAX_SEQ_LEN)
+    if not 2 <= max_seq_len <= positions:
+        raise ValueError(f"--max-seq-len={max_seq_len} must be in [2, {positions}] (the model's positions)")
+    if settings.max_batch_size < 1 or settings.max_tokens < 1:
+        raise ValueError(
+            f"--max-batch-size={settings.max_batch_size} and --max-tokens={settings.max_tokens} must be >= 1"
+        )
     engine = RolloutEngine(
         model,
         num_slots=settings.max_batch_size,
-        max_seq_len=positions,
+        max_seq_len=max_seq_len,
         pad_token_id=pad,
         detokenize=tokenizer.decode,
     )
@@ -65,8 +78,9 @@ def build_app(settings: ServeSettings) -> tuple[FastAPI, Any, str]:
         family=model.args.family,
         api_key=key,
         model_name=settings.name or str(settings.model).rstrip("/").rsplit("/", 1)[-1],
-        max_tokens=min(settings.max_tokens, positions - 1),
-        max_prompt_tokens=positions - 1,
+        max_tokens=min(settings.max_tokens, max_seq_len - 1),
+        max_seq_len=max_seq_len,
+        vocab_size=model.args.vocab_size,
         stop_token_ids=stops,
     )
     return app, loop, key

@@ -6,12 +6,17 @@
 ```
 
 `generate` is whatever samples: `dockrl serve`'s EngineLoop over a model directory (engine_loop.py), or, later,
-a run's rollout. The app knows nothing of engines.
+a run's rollout. The app knows nothing of engines. A request's prompt and completion fit in `max_seq_len`
+tokens: a prompt that leaves no room is a 400 (`context_length_exceeded`), and max_tokens is lowered to the room
+the prompt leaves (after the `max_tokens` cap). A ValueError from `generate` is the request's fault (400), any
+other error the server's (500); both reach the client in OpenAI's shape.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -34,6 +39,7 @@ from dockrl.serve.openai_api import (
 )
 
 Generate = Callable[[list[int], Sampling], Awaitable[Sampled]]
+logger = logging.getLogger(__name__)
 
 
 def make_app(
@@ -44,10 +50,13 @@ def make_app(
     api_key: str,
     model_name: str,
     max_tokens: int,
-    max_prompt_tokens: int,
+    max_seq_len: int,
+    vocab_size: int,
     stop_token_ids: list[int],
 ) -> FastAPI:
-    """The app serving `generate` (module docstring); `tokenizer` renders chats and decodes ids."""
+    """The app serving `generate` (module docstring); `tokenizer` renders chats and decodes ids. `max_seq_len`:
+    prompt + completion tokens of one request (the engine's cache length); `vocab_size`: prompt ids given as
+    ids must lie in [0, vocab_size)."""
     app = FastAPI(title="dockrl", docs_url=None, redoc_url=None, openapi_url=None)
 
     def authorized(request: Request) -> None:
@@ -55,14 +64,23 @@ def make_app(
         if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
             raise ApiError(401, "Incorrect API key provided", code="invalid_api_key")
 
-    def prompt_checked(ids: list[int]) -> list[int]:
-        if len(ids) + 1 > max_prompt_tokens:
+    def within_limits(ids: list[int], sampling: Sampling, param: str) -> Sampling:
+        room = max_seq_len - len(ids)
+        if room < 1:
             raise ApiError(
                 400,
-                f"the prompt has {len(ids)} tokens; this model serves at most {max_prompt_tokens - 1}",
-                "messages",
+                f"the prompt has {len(ids)} tokens; this server takes at most {max_seq_len - 1} (max_seq_len="
+                f"{max_seq_len} tokens of prompt and completion together)",
+                param,
+                code="context_length_exceeded",
             )
-        return ids
+        return dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, room))
+
+    async def sampled_for(ids: list[int], sampling: Sampling) -> Sampled:
+        try:
+            return await generate(ids, sampling)
+        except ValueError as exc:  # the engine refused the request (it names the limit)
+            raise ApiError(400, str(exc), "messages") from exc
 
     def message_of(sampled: Sampled) -> tuple[str, list[str]]:
         ids = sampled.token_ids
@@ -73,6 +91,11 @@ def make_app(
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, error: Exception) -> JSONResponse:
+        logger.exception("dockrl serve: a request failed")
+        return JSONResponse(ApiError(500, f"the server failed: {error}").body(), status_code=500)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -86,8 +109,8 @@ def make_app(
         sampling = chat_sampling(body, max_tokens)
         messages = chat_messages(body, family)
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=body.tools or None)
-        prompt_ids = prompt_checked(tokenizer.encode(text))
-        sampled = await generate(prompt_ids, sampling)
+        prompt_ids = tokenizer.encode(text)
+        sampled = await sampled_for(prompt_ids, within_limits(prompt_ids, sampling, "messages"))
         message, tokens = message_of(sampled)
         return chat_response(body.model, prompt_ids, sampled, message, family, tokens, body.logprobs)
 
@@ -96,9 +119,15 @@ def make_app(
         authorized(request)
         body = _parsed(CompletionRequest, await _json(request))
         sampling = check_common(body, max_tokens, body.max_tokens)
-        ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        prompt_ids = prompt_checked(ids)
-        sampled = await generate(prompt_ids, sampling)
+        prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty; a prompt needs at least one token", "prompt")
+        outside = [i for i in prompt_ids if not 0 <= i < vocab_size]
+        if outside:
+            raise ApiError(
+                400, f"prompt token id {outside[0]} is outside the vocabulary [0, {vocab_size})", "prompt"
+            )
+        sampled = await sampled_for(prompt_ids, within_limits(prompt_ids, sampling, "prompt"))
         text, tokens = message_of(sampled)
         return completion_response(body.model, prompt_ids, sampled, text, tokens, body.logprobs is not None)
 
