@@ -22,7 +22,7 @@ from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.envs import sandbox
 from dockrl.envs.base import Observation
 from dockrl.envs.host import EnvHost, LocalEnvs
-from dockrl.envs.tool_calls import parse_tool_calls
+from dockrl.envs.tool_calls import ToolCall, format_tool_calls, parse_tool_calls, text_outside_calls
 from dockrl.envs.tool_env import ToolEnvironment
 from dockrl.envs.tools import Calculator, Python, ToolError
 from dockrl.models.hf import load_model
@@ -72,6 +72,31 @@ def test_llama_tool_calls_parse():
     assert [c.name for c in two.calls] == ["a", "b"] and two.calls[0].arguments == {"s": "x;y"}
     assert parse_tool_calls("Just text.", "llama").calls == []
     assert parse_tool_calls("<|python_tag|>print(1)", "llama").errors
+
+
+def test_tool_calls_written_in_a_familys_format_parse_back():
+    calls = [
+        ToolCall("calculator", {"expression": "12*34"}),
+        ToolCall("note", {"text": "caf\u00e9", "n": [1]}),
+    ]
+    qwen = format_tool_calls(calls, "qwen2")
+    # Qwen2.5's chat template lays an assistant's tool_calls out so; its tojson keeps non-ASCII characters
+    assert qwen == (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "note", "arguments": {"text": "caf\u00e9", "n": [1]}}\n</tool_call>'
+    )
+    llama = format_tool_calls(calls, "llama")
+    assert llama == (
+        '{"name": "calculator", "parameters": {"expression": "12*34"}}; '
+        '{"name": "note", "parameters": {"text": "caf\u00e9", "n": [1]}}'
+    )
+    for family, text in (("qwen2", f"Let me see.\n{qwen}"), ("qwen3", qwen), ("llama", llama)):
+        parsed = parse_tool_calls(text, family)
+        assert parsed.calls == calls and parsed.errors == [], family
+    assert text_outside_calls(f"Let me see.\n{qwen}", "qwen2") == "Let me see."
+    assert text_outside_calls(llama, "llama") == "" and text_outside_calls(" Hi. ", "llama") == "Hi."
+    with pytest.raises(ValueError, match="no tool-call format for model family 'qwen3_moe'"):
+        format_tool_calls(calls, "qwen3_moe")
 
 
 def test_calculator_is_exact_and_refuses_what_is_not_arithmetic():

@@ -48,11 +48,7 @@ def tool_call_families() -> list[str]:
 
 def parse_tool_calls(text: str, family: str) -> ParsedMessage:
     """The tool calls in `text` (an assistant message) in `family`'s format (`Family.tool_call_format`)."""
-    record = FAMILIES.get(family)
-    form = None if record is None else record.tool_call_format
-    if form is None:
-        raise ValueError(f"no tool-call format for model family {family!r}; known: {tool_call_families()}")
-    return PARSERS[form](text)
+    return PARSERS[_format_of(family)](text)
 
 
 def _parse_qwen(text: str) -> ParsedMessage:
@@ -81,6 +77,38 @@ def _parse_llama(text: str) -> ParsedMessage:
 
 PARSERS: dict[ToolCallFormat, Callable[[str], ParsedMessage]] = {"qwen": _parse_qwen, "llama": _parse_llama}
 """The parser of each tool-call format (module docstring)."""
+
+
+def format_tool_calls(calls: list[ToolCall], family: str) -> str:
+    """The text `family`'s model writes for `calls`, which `parse_tool_calls` reads back: qwen one block per
+    call, newline-separated, laid out as Qwen2.5's chat template renders an assistant's `tool_calls`; llama
+    the JSON objects joined by "; ". JSON as chat templates' `tojson` writes it (non-ASCII kept)."""
+    form = _format_of(family)
+    if form == "qwen":
+        return "\n".join(
+            f"{QWEN_OPEN}\n{_json({'name': c.name, 'arguments': c.arguments})}\n{QWEN_CLOSE}" for c in calls
+        )
+    return "; ".join(_json({"name": c.name, "parameters": c.arguments}) for c in calls)
+
+
+def text_outside_calls(text: str, family: str) -> str:
+    """What an assistant message says besides its tool calls (stripped): qwen the text around the complete
+    <tool_call> blocks; llama, whose calls are the whole message, nothing when it makes calls."""
+    if _format_of(family) == "qwen":
+        return QWEN_CALL.sub("", text).strip()
+    return "" if _parse_llama(text).calls else text.strip()
+
+
+def _format_of(family: str) -> ToolCallFormat:
+    record = FAMILIES.get(family)
+    form = None if record is None else record.tool_call_format
+    if form is None:
+        raise ValueError(f"no tool-call format for model family {family!r}; known: {tool_call_families()}")
+    return form
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _split_calls(body: str) -> list[str]:

@@ -11,8 +11,10 @@ into responses. No torch, no HTTP (server.py serves these).
 Supported: `messages` with system, user, assistant (text and/or `tool_calls`) and tool roles, `tools` (function
 schemas, rendered by the chat template; the model's calls parsed in its family's format), `temperature`,
 `top_p`, `max_tokens` / `max_completion_tokens` (capped by the server's limit), `stop`, `seed`, `logprobs`
-(chosen token only). Refused with a 400 naming the field: `n` > 1, `stream`, `top_logprobs` > 0. Any `model`
-name is accepted. `token_ids` and `prompt_token_ids` are dockrl's additions: the exact ids, so a caller never
+(chosen token only). Refused with a 400 naming the field: `n` > 1, `stream`, `top_logprobs` > 0, `tool_choice`
+other than "auto" or "none", `tools` for a model family without a tool-call format. Any `model` name is
+accepted. The model's tool calls are parsed only when the request offers `tools` (and tool_choice is not
+"none"); otherwise its text is the content, as it wrote it. `token_ids` and `prompt_token_ids` are dockrl's additions: the exact ids, so a caller never
 re-tokenizes what was sampled.
 """
 
@@ -26,7 +28,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from dockrl.envs.tool_calls import parse_tool_calls
+from dockrl.envs.tool_calls import (
+    ToolCall,
+    format_tool_calls,
+    parse_tool_calls,
+    text_outside_calls,
+    tool_call_families,
+)
 
 
 class ApiError(Exception):
@@ -125,12 +133,24 @@ def check_common(request: _Request, max_tokens_cap: int, asked: int | None) -> S
 def chat_sampling(request: ChatRequest, max_tokens_cap: int) -> Sampling:
     if request.top_logprobs:
         raise ApiError(400, "top_logprobs > 0 is not served (the chosen token's log-prob is)", "top_logprobs")
+    if request.tool_choice not in (None, "auto", "none"):
+        raise ApiError(
+            400, f'tool_choice={request.tool_choice!r} is not served; use "auto" or "none"', "tool_choice"
+        )
     return check_common(request, max_tokens_cap, request.max_completion_tokens or request.max_tokens)
 
 
 def chat_messages(request: ChatRequest, family: str) -> list[dict[str, Any]]:
     """The request's messages as the chat template takes them: text content, and an assistant's `tool_calls`
-    written back in the model family's format (what the model wrote when it made them)."""
+    written back in the model family's format (what the model wrote when it made them: the content, then the
+    calls on lines of their own, as Qwen2.5's chat template lays them out)."""
+    if request.tools and family not in tool_call_families():
+        raise ApiError(
+            400,
+            f"tools: model family {family!r} has no tool-call format (families with one: "
+            f"{', '.join(tool_call_families())})",
+            "tools",
+        )
     out = []
     for i, message in enumerate(request.messages):
         role = message.get("role")
@@ -140,7 +160,8 @@ def chat_messages(request: ChatRequest, family: str) -> list[dict[str, Any]]:
             )
         content = _text(message.get("content"), i)
         if role == "assistant" and message.get("tool_calls"):
-            content += "".join(_call_text(call, family) for call in message["tool_calls"])
+            calls = format_tool_calls([_tool_call(call, i) for call in message["tool_calls"]], family)
+            content = f"{content}\n{calls}" if content else calls
         out.append({"role": "system" if role == "developer" else role, "content": content})
     if not out:
         raise ApiError(400, "messages is empty", "messages")
@@ -157,19 +178,21 @@ def _text(content: Any, index: int) -> str:
     raise ApiError(400, f"messages[{index}].content: text only (a string or text parts)", "messages")
 
 
-def _call_text(call: dict[str, Any], family: str) -> str:
-    """An OpenAI tool call as the family's text: Qwen's <tool_call> block, Llama's JSON object."""
+def _tool_call(call: dict[str, Any], index: int) -> ToolCall:
+    """An OpenAI tool call ({"function": {"name", "arguments": JSON string}}) of messages[index]."""
     function = call.get("function") or {}
     arguments = function.get("arguments") or "{}"
     try:
         parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
     except json.JSONDecodeError:
-        raise ApiError(400, f"tool call arguments are not JSON: {arguments[:80]!r}", "messages") from None
-    if family == "llama":
-        return json.dumps({"name": function.get("name"), "parameters": parsed})
-    return (
-        "\n<tool_call>\n" + json.dumps({"name": function.get("name"), "arguments": parsed}) + "\n</tool_call>"
-    )
+        raise ApiError(
+            400, f"messages[{index}]: tool call arguments are not JSON: {arguments[:80]!r}", "messages"
+        ) from None
+    if not isinstance(parsed, dict) or not isinstance(function.get("name"), str):
+        raise ApiError(
+            400, f"messages[{index}]: a tool call needs a function name and JSON-object arguments", "messages"
+        )
+    return ToolCall(function["name"], parsed)
 
 
 def chat_response(
@@ -180,22 +203,26 @@ def chat_response(
     family: str,
     tokens: list[str],
     with_logprobs: bool,
+    parse_tools: bool = False,
 ) -> dict[str, Any]:
     """A chat.completion for `sampled` (`text`: its decoded message without the stop token; `tokens`: each
-    sampled token's text)."""
+    sampled token's text). With `parse_tools` (the request offered tools) the calls in `text`, in `family`'s
+    format, become `tool_calls` and the content is the text around them; a block that does not parse leaves
+    the whole text as content, with no calls."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
     finish = sampled.finish_reason
-    calls = parse_tool_calls(text, family).calls if family else []
+    parsed = parse_tool_calls(text, family) if parse_tools else None
+    calls = parsed.calls if parsed is not None and not parsed.errors else []
     if calls:
         message["tool_calls"] = [
             {
                 "id": f"call_{uuid.uuid4().hex[:12]}",
                 "type": "function",
-                "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+                "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)},
             }
             for call in calls
         ]
-        message["content"] = _outside_calls(text) or None
+        message["content"] = text_outside_calls(text, family) or None
         finish = "tool_calls" if finish == "stop" else finish
     choice: dict[str, Any] = {
         "index": 0,
@@ -253,16 +280,6 @@ def _envelope(
             "total_tokens": len(prompt_ids) + len(sampled.token_ids),
         },
     }
-
-
-def _outside_calls(text: str) -> str:
-    """The message's text outside its Qwen-format tool-call blocks."""
-    out, rest = [], text
-    while "<tool_call>" in rest:
-        before, _, after = rest.partition("<tool_call>")
-        out.append(before)
-        rest = after.partition("</tool_call>")[2]
-    return ("".join(out) + rest).strip()
 
 
 def models_response(model: str) -> dict[str, Any]:

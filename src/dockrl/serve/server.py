@@ -108,11 +108,23 @@ def make_app(
         body = _parsed(ChatRequest, await _json(request))
         sampling = chat_sampling(body, max_tokens)
         messages = chat_messages(body, family)
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=body.tools or None)
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tools=body.tools or None
+            )
+        except (
+            Exception
+        ) as exc:  # jinja's TemplateError (raise_exception), or a field the template reads is absent
+            raise ApiError(
+                400, f"the model's chat template cannot render this request: {exc}", "messages"
+            ) from exc
         prompt_ids = tokenizer.encode(text)
         sampled = await sampled_for(prompt_ids, within_limits(prompt_ids, sampling, "messages"))
         message, tokens = message_of(sampled)
-        return chat_response(body.model, prompt_ids, sampled, message, family, tokens, body.logprobs)
+        parse_tools = bool(body.tools) and body.tool_choice != "none"
+        return chat_response(
+            body.model, prompt_ids, sampled, message, family, tokens, body.logprobs, parse_tools
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> dict[str, Any]:
