@@ -81,3 +81,13 @@ def test_a_request_the_chat_template_refuses_is_a_400(tokenizer):
     ask = [{"role": "user", "content": "hi"}]
     reply = client.post("/v1/chat/completions", json={"model": "m", "messages": ask, "tools": no_description})
     assert reply.status_code == 400 and "chat template cannot render" in reply.json()["error"]["message"]
+
+
+def test_a_stop_string_ends_the_text_before_it_and_the_ids_keep_every_sampled_token(tokenizer):
+    client, _ = _client(tokenizer, "qwen2", "Six. END more")
+    ask = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": ["END", "never"]}
+    (choice,) = client.post("/v1/chat/completions", json=ask).json()["choices"]
+    assert choice["message"]["content"] == "Six. "
+    assert choice["token_ids"] == tokenizer.encode("Six. END more") + [tokenizer.eos_token_id]
+    prompt = {"model": "m", "prompt": "hi", "stop": "more"}
+    assert client.post("/v1/completions", json=prompt).json()["choices"][0]["text"] == "Six. END "

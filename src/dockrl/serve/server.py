@@ -82,11 +82,15 @@ def make_app(
         except ValueError as exc:  # the engine refused the request (it names the limit)
             raise ApiError(400, str(exc), "messages") from exc
 
-    def message_of(sampled: Sampled) -> tuple[str, list[str]]:
+    def message_of(sampled: Sampled, stop: list[str]) -> tuple[str, list[str]]:
+        """(the text as OpenAI returns it: without the stop token, cut before a stop string that ended it;
+        each sampled token's text). `token_ids` keep every sampled id."""
         ids = sampled.token_ids
         body = ids[:-1] if ids and ids[-1] in stop_token_ids else ids
         tokens = [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
-        return tokenizer.decode(body, skip_special_tokens=False), tokens
+        text = tokenizer.decode(body, skip_special_tokens=False)
+        found = [at for at in (text.find(s) for s in stop if s) if at >= 0]
+        return (text[: min(found)] if found else text), tokens
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
@@ -108,19 +112,17 @@ def make_app(
         body = _parsed(ChatRequest, await _json(request))
         sampling = chat_sampling(body, max_tokens)
         messages = chat_messages(body, family)
+        tools = body.tools or None
         try:
-            text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tools=body.tools or None
-            )
-        except (
-            Exception
-        ) as exc:  # jinja's TemplateError (raise_exception), or a field the template reads is absent
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        # jinja's TemplateError (the template's raise_exception), or a field the template reads is absent
+        except Exception as exc:
             raise ApiError(
                 400, f"the model's chat template cannot render this request: {exc}", "messages"
             ) from exc
         prompt_ids = tokenizer.encode(text)
         sampled = await sampled_for(prompt_ids, within_limits(prompt_ids, sampling, "messages"))
-        message, tokens = message_of(sampled)
+        message, tokens = message_of(sampled, sampling.stop)
         parse_tools = bool(body.tools) and body.tool_choice != "none"
         return chat_response(
             body.model, prompt_ids, sampled, message, family, tokens, body.logprobs, parse_tools
@@ -140,7 +142,7 @@ def make_app(
                 400, f"prompt token id {outside[0]} is outside the vocabulary [0, {vocab_size})", "prompt"
             )
         sampled = await sampled_for(prompt_ids, within_limits(prompt_ids, sampling, "prompt"))
-        text, tokens = message_of(sampled)
+        text, tokens = message_of(sampled, sampling.stop)
         return completion_response(body.model, prompt_ids, sampled, text, tokens, body.logprobs is not None)
 
     return app
