@@ -11,10 +11,8 @@ from typing import Any
 
 import torch
 
-from dockrl.checkpoint.directory import resolve_lora
+from dockrl.checkpoint.inference import load_for_inference
 from dockrl.engines.rollout.sampler import SamplingParams, generate
-from dockrl.models.hf import load_model
-from dockrl.models.lora import load_peft, merge_lora
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.recipes.common import EncodedPrompt, encode_prompts
 from dockrl.rewards.runner import RewardRunner, RewardSpec, accuracy_key
@@ -105,13 +103,7 @@ def evaluate_model_dir(
     adapters merged) in this process and score greedy answers on a held-out file. With `env` (an EnvConfig
     whose name is set) each answer is a greedy multi-turn trajectory's final turn, and the result carries the
     share of trajectories that called a tool (`tool_call_rate`) and the mean turns."""
-    model_path, adapter = resolve_lora(model_path)
-    tokenizer = Tokenizer.from_dir(model_path)
-    model = load_model(model_path, device=device, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
-    if adapter is not None:
-        load_peft(model, adapter)
-        merge_lora(model)
-    model.eval()
+    model, tokenizer = load_for_inference(model_path, device=device)
     make_env = settings = None
     if env is not None:
         from dockrl.config.specs import env_spec

@@ -35,24 +35,13 @@ class ServeSettings:
 
 def build_app(settings: ServeSettings) -> tuple[FastAPI, Any, str]:
     """The app over `settings.model`, its engine loop (to close) and the API key it checks."""
-    import torch
-
-    from dockrl.checkpoint.directory import resolve_lora
+    from dockrl.checkpoint.inference import load_for_inference
     from dockrl.engines.rollout.rollout_engine import RolloutEngine
-    from dockrl.models.hf import load_model
-    from dockrl.models.lora import load_peft, merge_lora
-    from dockrl.models.tokenizer import Tokenizer, stop_token_ids
+    from dockrl.models.tokenizer import stop_token_ids
     from dockrl.serve.engine_loop import EngineLoop
     from dockrl.serve.server import make_app
 
-    path, adapter = resolve_lora(settings.model)
-    tokenizer = Tokenizer.from_dir(path)
-    device = torch.device(settings.device if settings.device != "cuda" else "cuda:0")
-    model = load_model(path, device=device, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
-    if adapter is not None:
-        load_peft(model, adapter)
-        merge_lora(model)
-    model.eval()
+    model, tokenizer = load_for_inference(settings.model, device=settings.device)
     stops = stop_token_ids(tokenizer.eos_token_id, model.args.eos_token_id)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
     positions = model.args.max_position_embeddings
