@@ -34,6 +34,8 @@ from dockrl.serve.openai_api import (
 )
 
 Generate = Callable[[list[int], Sampling], Awaitable[Sampled]]
+# (session, prompt ids, what was sampled, its text): a session's requests as they are answered
+Record = Callable[[str, list[int], Sampled, str], None]
 
 
 def make_app(
@@ -46,8 +48,11 @@ def make_app(
     max_tokens: int,
     max_prompt_tokens: int,
     stop_token_ids: list[int],
+    record: Record | None = None,
 ) -> FastAPI:
-    """The app serving `generate` (module docstring); `tokenizer` renders chats and decodes ids."""
+    """The app serving `generate` (module docstring); `tokenizer` renders chats and decodes ids. Every route is
+    also served under `/s/{session}/v1/...`: a client whose base URL names a session (one agent sample) has each
+    answered request passed to `record`."""
     app = FastAPI(title="dockrl", docs_url=None, redoc_url=None, openapi_url=None)
 
     def authorized(request: Request) -> None:
@@ -74,13 +79,11 @@ def make_app(
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status)
 
-    @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         authorized(request)
         return models_response(model_name)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> dict[str, Any]:
+    async def chat(request: Request, session: str | None = None) -> dict[str, Any]:
         authorized(request)
         body = _parsed(ChatRequest, await _json(request))
         sampling = chat_sampling(body, max_tokens)
@@ -89,10 +92,11 @@ def make_app(
         prompt_ids = prompt_checked(tokenizer.encode(text))
         sampled = await generate(prompt_ids, sampling)
         message, tokens = message_of(sampled)
+        if record is not None and session is not None:
+            record(session, prompt_ids, sampled, message)
         return chat_response(body.model, prompt_ids, sampled, message, family, tokens, body.logprobs)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> dict[str, Any]:
+    async def completions(request: Request, session: str | None = None) -> dict[str, Any]:
         authorized(request)
         body = _parsed(CompletionRequest, await _json(request))
         sampling = check_common(body, max_tokens, body.max_tokens)
@@ -100,8 +104,14 @@ def make_app(
         prompt_ids = prompt_checked(ids)
         sampled = await generate(prompt_ids, sampling)
         text, tokens = message_of(sampled)
+        if record is not None and session is not None:
+            record(session, prompt_ids, sampled, text)
         return completion_response(body.model, prompt_ids, sampled, text, tokens, body.logprobs is not None)
 
+    for prefix in ("", "/s/{session}"):
+        app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"])
+        app.add_api_route(f"{prefix}/v1/chat/completions", chat, methods=["POST"])
+        app.add_api_route(f"{prefix}/v1/completions", completions, methods=["POST"])
     return app
 
 
