@@ -46,11 +46,31 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from dockrl.checkpoint.directory import resolve_lora
-    from dockrl.recipes.eval import evaluate_model_dir
+    from dockrl.recipes.eval import evaluate_agent, evaluate_model_dir
     from dockrl.recipes.preflight import check_dataset, check_model_dir, resolve_device
 
     check_model_dir(resolve_lora(args.model)[0], "--model")  # a checkpoint root: its hf/, or its LoRA base
     check_dataset(args.data, args.prompt_field, args.label_field, "--data")
+    if args.agent is not None:
+        from dockrl.errors import ConfigError
+        from dockrl.serve.agents import load_agent
+
+        try:
+            load_agent(args.agent)
+        except ValueError as exc:
+            raise ConfigError(f"--agent={args.agent!r}: {exc}") from exc
+        result = evaluate_agent(
+            args.model,
+            args.data,
+            args.agent,
+            _reward_specs(args.reward),
+            prompt_field=args.prompt_field,
+            label_field=args.label_field,
+            max_new_tokens=args.max_new_tokens,
+            limit=args.limit,
+            device=resolve_device(args.device, "--device"),
+        )
+        return _print_eval(result, args.records)
     result = evaluate_model_dir(
         args.model,
         args.data,
@@ -62,8 +82,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         device=resolve_device(args.device, "--device"),
         system_prompt=args.system_prompt,
     )
-    if args.records:
-        with open(args.records, "w") as f:
+    return _print_eval(result, args.records)
+
+
+def _print_eval(result: dict, records: str | None) -> int:
+    if records:
+        with open(records, "w") as f:
             for rec in result["records"]:
                 f.write(json.dumps(rec) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "records"}, indent=2))
@@ -304,6 +328,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--reward", action="append", default=None, help="reward function(s); default exact_answer")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument(
+        "--agent",
+        default=None,
+        help="an agent function ./agent.py:solve (async def solve(client, row)) run against the model over the "
+        "OpenAI API instead of greedy answers (docs/serve.md)",
+    )
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--records", default=None, help="write per-prompt answers to this .jsonl")

@@ -256,3 +256,64 @@ def test_an_adapter_checkpoint_loads_only_onto_its_base(tmp_path):
         load_engine(engine("base1"), tmp_path / "ckpt")
     with pytest.raises(ValueError, match="holds LoRA adapters only"):
         load_engine(engine("base0", lora=None), tmp_path / "ckpt")
+
+
+def test_peft_per_module_settings_are_refused_by_name(tmp_path):
+    """An adapter whose alpha_pattern gives q_proj 8.0 where lora_alpha says 2.0 (as PEFT applies it) is refused,
+    never loaded at the wrong scale; so are rank_pattern, layers_to_transform and exclude_modules."""
+    from dockrl.models.lora import read_peft_spec
+
+    base = {
+        "peft_type": "LORA",
+        "r": 4,
+        "lora_alpha": 2,
+        "target_modules": ["q_proj", "v_proj"],
+        "bias": "none",
+    }
+    (tmp_path / "adapter_config.json").write_text(json.dumps(base))
+    assert read_peft_spec(tmp_path).scaling == 0.5
+    for key, value in [
+        ("alpha_pattern", {"q_proj": 8}),
+        ("rank_pattern", {"v_proj": 2}),
+        ("layers_to_transform", [0]),
+        ("exclude_modules", ["v_proj"]),
+    ]:
+        (tmp_path / "adapter_config.json").write_text(json.dumps({**base, key: value}))
+        with pytest.raises(ValueError, match=rf"sets {{'{key}': .*which dockrl does not read"):
+            read_peft_spec(tmp_path)
+    # PEFT writes empty ones by default: those are fine
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps({**base, "alpha_pattern": {}, "rank_pattern": {}})
+    )
+    assert read_peft_spec(tmp_path).rank == 4
+
+
+def test_a_merge_into_fp32_keeps_the_update_a_bf16_base_would_round_away():
+    """A small update (1e-4 of a weight of 1) on a bf16 base: merged into fp32 it is all there; cast to bf16
+    first (eps 2^-7 = 0.0078) it is gone, as the export lost it before."""
+    from dockrl.models.lora import merge_into
+
+    weight = torch.ones(2, 2, dtype=torch.bfloat16)
+    adapters = {"m.lora_A": torch.full((1, 2), 1e-2), "m.lora_B": torch.full((2, 1), 1e-2)}
+    merged = merge_into("m.weight", weight, adapters, 1.0, dtype=torch.float32)
+    assert merged.dtype == torch.float32 and torch.allclose(merged, torch.full((2, 2), 1.0001))
+    assert torch.equal(merge_into("m.weight", weight, adapters, 1.0).float(), torch.ones(2, 2))
+
+
+def test_a_peft_adapters_dropout_is_not_taken_over(tmp_path):
+    from dockrl.config.resolve import copy_with
+    from dockrl.recipes.preflight import _lora_adapter
+
+    config = {
+        "peft_type": "LORA",
+        "r": 4,
+        "lora_alpha": 8,
+        "lora_dropout": 0.05,
+        "target_modules": ["q_proj"],
+    }
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    cfg = _train_cfg([])
+    with pytest.warns(UserWarning, match=r"lora_dropout=0.05 is not applied"):
+        found = _lora_adapter(cfg, str(tmp_path))
+    assert "actor.lora.dropout" not in found and found["actor.lora.alpha"] == 8.0
+    assert copy_with(cfg, found).actor.lora.dropout is None  # 0 in the run: the same in every pass

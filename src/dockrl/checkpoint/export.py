@@ -127,7 +127,7 @@ def _export_model(
     for name in names:
         tensor = reader.read(name)
         if adapters:
-            tensor = merge_into(name, tensor, adapters, scaling)
+            tensor = merge_into(name, tensor, adapters, scaling, dtype=written_dtype(name))
             merged += f"{name.removesuffix('.weight')}.lora_A" in adapters
         writer.write(name, tensor.to(written_dtype(name)).contiguous())
     floating = target if target is not None else reader.floating_dtype()

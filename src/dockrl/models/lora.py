@@ -222,15 +222,20 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 
 @torch.no_grad()
 def merge_into(
-    name: str, weight: torch.Tensor, adapters: dict[str, torch.Tensor], scaling: float
+    name: str,
+    weight: torch.Tensor,
+    adapters: dict[str, torch.Tensor],
+    scaling: float,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """`weight` of parameter `name` with its adapter merged: W + s * B A (in W's dtype, accumulated in fp32);
+    """`weight` of parameter `name` with its adapter merged: W + s * B A, accumulated in fp32 and cast once to
+    `dtype` (default W's: a bf16 base exported as fp32 keeps the whole update, not its bf16 rounding);
     `weight` itself when `name` has no adapter in `adapters` (keys as `adapter_state` writes them)."""
     module = name.removesuffix(".weight")
     a, b = adapters.get(f"{module}.lora_A"), adapters.get(f"{module}.lora_B")
     if a is None or b is None or not name.endswith(".weight"):
         return weight
-    return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
+    return (weight.float() + scaling * (b.float() @ a.float())).to(dtype or weight.dtype)
 
 
 @torch.no_grad()
@@ -251,6 +256,15 @@ def save_peft(model: nn.Module, out: str | Path, spec: LoraSpec, base_model_path
     return save_peft_tensors(adapter_state(model), out, spec, base_model_path)
 
 
+PER_MODULE_KEYS = (
+    "alpha_pattern",
+    "rank_pattern",
+    "layers_to_transform",
+    "layers_pattern",
+    "exclude_modules",
+)
+
+
 def read_peft_spec(path: str | Path) -> LoraSpec:
     """The LoraSpec of a PEFT adapter directory; raises ValueError naming what dockrl does not support."""
     path = Path(path)
@@ -268,6 +282,14 @@ def read_peft_spec(path: str | Path) -> LoraSpec:
     if config.get("fan_in_fan_out", False) or unsupported:
         raise ValueError(
             f"model.lora_path={path}: dockrl reads plain LoRA adapters; unsupported {unsupported}"
+        )
+    # Per-module scales and ranks, and layer selections, change which weights move and by how much: never
+    # ignored (PEFT's q_proj at alpha_pattern 8.0 is not the file's lora_alpha 2.0), refused until read.
+    patterned = {key: config[key] for key in PER_MODULE_KEYS if config.get(key)}
+    if patterned:
+        raise ValueError(
+            f"model.lora_path={path}: adapter_config.json sets {patterned}, which dockrl does not read (one rank "
+            "and alpha for every adapted module of every layer); re-save the adapter without them"
         )
     return LoraSpec(
         rank=int(config["r"]),

@@ -143,3 +143,78 @@ def evaluate_model_dir(
     )
     responses = [tokenizer.decode(o.token_ids.tolist()) for o in outs]
     return score_answers(prompts, responses, specs)
+
+
+def evaluate_agent(
+    model_path: str,
+    data_path: str,
+    agent: str,
+    specs: list[RewardSpec],
+    *,
+    prompt_field: str = "prompt",
+    label_field: str = "answer",
+    max_new_tokens: int = 64,
+    limit: int | None = None,
+    device: str = "cpu",
+    concurrency: int = 16,
+    timeout_s: float = 300.0,
+) -> dict[str, Any]:
+    """An agent function (serve/agents.py) held out: each row's agent runs against an OpenAI-compatible server
+    over the model (loopback, a key of its own); its reward is what the agent returns, or, when it returns None,
+    the reward functions' score of its final assistant message. Returns the mean reward, accuracy (reward >= 1),
+    failed samples, requests per sample and per-row records."""
+    import asyncio
+
+    from dockrl.data.datasets import load_prompts
+    from dockrl.serve.agents import Sessions, load_agent, run_agents
+    from dockrl.serve.model_server import Background, ServeSettings, build_app
+
+    solve = load_agent(agent)
+    records = load_prompts(data_path, prompt_field=prompt_field, label_field=label_field, limit=limit)
+    rows = [{"prompt": r.prompt, "label": r.label} for r in records]
+    sessions = Sessions()
+    settings = ServeSettings(
+        model=model_path, max_tokens=max_new_tokens, max_batch_size=concurrency, device=device
+    )
+    app, loop, key = build_app(settings, record=sessions.record)
+    server = Background(app)
+    try:
+        runs = asyncio.run(
+            run_agents(solve, rows, server.url, key, sessions, concurrency=concurrency, timeout_s=timeout_s)
+        )
+    finally:
+        server.stop()
+        loop.close()
+    unscored = [i for i, run in enumerate(runs) if run.reward is None and run.failed is None]
+    scores = {i: 0.0 for i, run in enumerate(runs) if run.failed is not None}
+    scores.update({i: float(run.reward) for i, run in enumerate(runs) if run.reward is not None})
+    if unscored:
+        runner = RewardRunner(specs, timeout_s=5.0, num_processes=1)
+        try:
+            scored, _, _ = runner.score(
+                [str(rows[i]["prompt"]) for i in unscored],
+                [runs[i].final for i in unscored],
+                [rows[i]["label"] for i in unscored],
+            )
+        finally:
+            runner.close()
+        scores.update(zip(unscored, scored))
+    rewards = [scores[i] for i in range(len(runs))]
+    return {
+        "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+        "accuracy": statistics.fmean(float(r >= 1.0) for r in rewards) if rewards else 0.0,
+        "num_prompts": len(runs),
+        "failed": sum(run.failed is not None for run in runs),
+        "requests_per_sample": statistics.fmean(len(run.requests) for run in runs) if runs else 0.0,
+        "records": [
+            {
+                "prompt": str(row["prompt"]),
+                "label": str(row["label"]),
+                "reward": reward,
+                "final": run.final,
+                "requests": len(run.requests),
+                "failed": run.failed,
+            }
+            for row, run, reward in zip(rows, runs, rewards)
+        ],
+    }

@@ -142,7 +142,8 @@ def preflight_sft(cfg: SFTConfig) -> SFTConfig:
 
 def _lora_adapter(cfg: TrainConfig, lora_path: str | None) -> dict[str, Any]:
     """model.lora_path (or the adapter/ of a LoRA checkpoint root in model.path): the PEFT adapter's rank,
-    alpha, dropout and targets become actor.lora's (a key the user set must agree); {} without one."""
+    alpha and targets become actor.lora's (a key the user set must agree; its dropout is not taken over); {}
+    without one."""
     if lora_path is None:
         return {}
     from dockrl.models.lora import read_peft_spec  # torch: only when there is an adapter to read
@@ -156,13 +157,16 @@ def _lora_adapter(cfg: TrainConfig, lora_path: str | None) -> dict[str, Any]:
             f"not a usable PEFT adapter ({exc})",
             "point it at a directory PEFT's save_pretrained wrote",
         ) from None
-    adapter = {
-        "rank": spec.rank,
-        "alpha": spec.alpha,
-        "dropout": spec.dropout,
-        "target_modules": list(spec.target_modules),
-    }
+    adapter = {"rank": spec.rank, "alpha": spec.alpha, "target_modules": list(spec.target_modules)}
     lora = cfg.actor.lora
+    if spec.dropout > 0 and lora.dropout is None:
+        # PEFT's training default (0.05 and the like) is not taken over: under RL the rollout, the old
+        # log-probs and the update would each see other dropout masks
+        warnings.warn(
+            f"model.lora_path={lora_path}: the adapter's lora_dropout={spec.dropout} is not applied (RL trains "
+            "its adapters without dropout unless actor.lora.dropout says otherwise)",
+            stacklevel=2,
+        )
     for key, value in adapter.items():
         mine = getattr(lora, key)
         if key == "rank" and mine == 0 or mine is None:

@@ -33,8 +33,9 @@ class ServeSettings:
     name: str | None = None  # the model name /v1/models lists (default: the directory's name)
 
 
-def build_app(settings: ServeSettings) -> tuple[FastAPI, Any, str]:
-    """The app over `settings.model`, its engine loop (to close) and the API key it checks."""
+def build_app(settings: ServeSettings, record: Any = None) -> tuple[FastAPI, Any, str]:
+    """The app over `settings.model`, its engine loop (to close) and the API key it checks; `record` sees each
+    session's answered requests (server.make_app)."""
     from dockrl.checkpoint.inference import load_for_inference
     from dockrl.engines.rollout.rollout_engine import RolloutEngine
     from dockrl.models.tokenizer import stop_token_ids
@@ -71,8 +72,40 @@ def build_app(settings: ServeSettings) -> tuple[FastAPI, Any, str]:
         max_seq_len=max_seq_len,
         vocab_size=model.args.vocab_size,
         stop_token_ids=stops,
+        record=record,
     )
     return app, loop, key
+
+
+class Background:
+    """A uvicorn server for `app` on a free loopback port in a daemon thread (`dockrl eval --agent`, tests)."""
+
+    def __init__(self, app: FastAPI):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, name="dockrl-serve", daemon=True)
+        self.thread.start()
+        for _ in range(600):  # bounded: a local server is up in well under a second
+            if self.server.started:
+                break
+            time.sleep(0.05)
+        else:
+            raise RuntimeError("the local OpenAI-compatible server did not start within 30 s")
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
 
 
 def serve(settings: ServeSettings) -> None:

@@ -40,6 +40,8 @@ from dockrl.serve.openai_api import (
 
 Generate = Callable[[list[int], Sampling], Awaitable[Sampled]]
 logger = logging.getLogger(__name__)
+# (session, prompt ids, what was sampled, its text): a session's requests as they are answered
+Record = Callable[[str, list[int], Sampled, str], None]
 
 
 def make_app(
@@ -53,10 +55,12 @@ def make_app(
     max_seq_len: int,
     vocab_size: int,
     stop_token_ids: list[int],
+    record: Record | None = None,
 ) -> FastAPI:
     """The app serving `generate` (module docstring); `tokenizer` renders chats and decodes ids. `max_seq_len`:
     prompt + completion tokens of one request (the engine's cache length); `vocab_size`: prompt ids given as
-    ids must lie in [0, vocab_size)."""
+    ids must lie in [0, vocab_size). Every route is also served under `/s/{session}/v1/...`: a client whose base
+    URL names a session (one agent sample) has each answered request passed to `record`."""
     app = FastAPI(title="dockrl", docs_url=None, redoc_url=None, openapi_url=None)
 
     def authorized(request: Request) -> None:
@@ -101,13 +105,11 @@ def make_app(
         logger.exception("dockrl serve: a request failed")
         return JSONResponse(ApiError(500, f"the server failed: {error}").body(), status_code=500)
 
-    @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         authorized(request)
         return models_response(model_name)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> dict[str, Any]:
+    async def chat(request: Request, session: str | None = None) -> dict[str, Any]:
         authorized(request)
         body = _parsed(ChatRequest, await _json(request))
         sampling = chat_sampling(body, max_tokens)
@@ -123,13 +125,14 @@ def make_app(
         prompt_ids = tokenizer.encode(text)
         sampled = await sampled_for(prompt_ids, within_limits(prompt_ids, sampling, "messages"))
         message, tokens = message_of(sampled, sampling.stop)
+        if record is not None and session is not None:
+            record(session, prompt_ids, sampled, message)
         parse_tools = bool(body.tools) and body.tool_choice != "none"
         return chat_response(
             body.model, prompt_ids, sampled, message, family, tokens, body.logprobs, parse_tools
         )
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> dict[str, Any]:
+    async def completions(request: Request, session: str | None = None) -> dict[str, Any]:
         authorized(request)
         body = _parsed(CompletionRequest, await _json(request))
         sampling = check_common(body, max_tokens, body.max_tokens)
@@ -143,8 +146,14 @@ def make_app(
             )
         sampled = await sampled_for(prompt_ids, within_limits(prompt_ids, sampling, "prompt"))
         text, tokens = message_of(sampled, sampling.stop)
+        if record is not None and session is not None:
+            record(session, prompt_ids, sampled, text)
         return completion_response(body.model, prompt_ids, sampled, text, tokens, body.logprobs is not None)
 
+    for prefix in ("", "/s/{session}"):
+        app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"])
+        app.add_api_route(f"{prefix}/v1/chat/completions", chat, methods=["POST"])
+        app.add_api_route(f"{prefix}/v1/completions", completions, methods=["POST"])
     return app
 
 
