@@ -276,10 +276,12 @@ class Scripted:
         return Observation(messages=[{"role": "tool", "content": f"result {self.t}"}], info={"tool_calls": 1})
 
 
-def _serve(tiny, prompts, make_env, limits, max_new_tokens=6):
+def _serve(tiny, prompts, make_env, limits, max_new_tokens=6, max_seq_len=512):
     path, tokenizer = tiny
     model = load_model(path).eval()
-    engine = RolloutEngine(model, num_slots=8, max_seq_len=512, pad_token_id=0, detokenize=tokenizer.decode)
+    engine = RolloutEngine(
+        model, num_slots=8, max_seq_len=max_seq_len, pad_token_id=0, detokenize=tokenizer.decode
+    )
     texts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": p}], add_generation_prompt=True, tools=Scripted.tools
@@ -370,6 +372,22 @@ def test_a_trajectory_is_cut_at_its_limits(tiny):
     assert stats["env"]["truncated"] == GROUP and all(
         len(out["response_ids"]) < 60 for out in dock.out.values()
     )
+
+
+def test_a_trajectory_ends_where_the_engines_cache_ends(tiny):
+    """A trajectory budget past what the engine holds per sequence (the model's positions): turns are cut to the
+    room left and the trajectory ends truncated there, never a request the engine refuses."""
+    Scripted.seen = {}
+    _, tokenizer = tiny
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 1+2?"}], add_generation_prompt=True, tools=Scripted.tools
+    )
+    cache = len(tokenizer.encode(prompt)) + 40
+    dock, _, stats, _ = _serve(
+        tiny, ["What is 1+2?"], lambda: Scripted(turns=10), TurnLimits(10, 8, 1000, 30), max_seq_len=cache
+    )
+    assert stats["env"]["truncated"] == GROUP
+    assert all(len(out["response_ids"]) < 40 for out in dock.out.values())  # prompt + response within the cache
 
 
 def test_a_failing_or_slow_environment_ends_its_trajectory_only(tiny):

@@ -182,8 +182,15 @@ def serve_multi_turn(
     totals["trajectories"] = totals["with_tool_calls"] = totals["failed"] = totals["policy_tokens"] = 0
     env_s = env_wait_s = 0.0
 
+    cache = getattr(engine, "max_seq_len", None)  # tokens per sequence the engine holds (prompt included)
+
     def submit_turn(traj: _Trajectory) -> None:
         budget = limits.max_response_tokens - len(traj.ids)
+        if cache is not None:  # a budget past the model's positions: the cache ends the trajectory first
+            budget = min(budget, cache - len(traj.prompt) - len(traj.ids))
+        if budget < 1:
+            finish(traj, truncated=True)
+            return
         turn_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, budget))
         seed = turn_seed(traj.seed, traj.counts["turns"])
         engine.add(Request(traj.prompt + traj.ids, [seed], turn_params, tag=[traj.row]))
@@ -236,8 +243,9 @@ def serve_multi_turn(
         sampled_text = delta.tokenizer.decode(traj.ids[traj.turn_start :], skip_special_tokens=False)
         obs_ids, append_only = delta.observation(traj.history, assistant, sampled_text, new)
         traj.counts["template_mismatch"] += int(not append_only)
-        if len(traj.ids) + len(obs_ids) >= limits.max_response_tokens:  # no room left for another turn
-            finish(traj, truncated=True)
+        after = len(traj.ids) + len(obs_ids)
+        if after >= limits.max_response_tokens or (cache is not None and len(traj.prompt) + after >= cache):
+            finish(traj, truncated=True)  # no room left for another turn (in the budget, or in the cache)
             return
         traj.ids += obs_ids
         traj.logprobs += [0.0] * len(obs_ids)

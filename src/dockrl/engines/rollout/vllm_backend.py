@@ -180,6 +180,11 @@ class VllmBackend:
         self.stats: dict[str, int] = {"requests": 0, "engine_steps": 0, "weight_updates": 0}
         self._asleep = False
 
+    @property
+    def max_seq_len(self) -> int:
+        """Tokens per sequence the engine holds, prompt included (vLLM's max_model_len)."""
+        return self.settings.max_model_len
+
     # ---- RolloutBackend ---------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
