@@ -387,7 +387,9 @@ def test_a_trajectory_ends_where_the_engines_cache_ends(tiny):
         tiny, ["What is 1+2?"], lambda: Scripted(turns=10), TurnLimits(10, 8, 1000, 30), max_seq_len=cache
     )
     assert stats["env"]["truncated"] == GROUP
-    assert all(len(out["response_ids"]) < 40 for out in dock.out.values())  # prompt + response within the cache
+    assert all(
+        len(out["response_ids"]) < 40 for out in dock.out.values()
+    )  # prompt + response within the cache
 
 
 def test_a_failing_or_slow_environment_ends_its_trajectory_only(tiny):
