@@ -3,9 +3,6 @@ client: greedy answers and their log-probs equal the engine's, concurrent reques
 is checked, limits hold."""
 
 import asyncio
-import socket
-import threading
-import time
 
 import openai
 import pytest
@@ -14,31 +11,19 @@ from dockrl.engines.rollout.rollout_engine import RolloutEngine
 from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.models.hf import load_model
 from dockrl.models.tokenizer import Tokenizer
-from dockrl.serve.model_server import ServeSettings, build_app
+from dockrl.serve.model_server import Background, ServeSettings, build_app
 
 KEY = "test-key"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    import uvicorn
-
     app, loop, _ = build_app(
         ServeSettings(model=str(tiny_model), api_key=KEY, max_tokens=12, max_batch_size=8)
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(200):  # bounded: up in well under a second
-        if server.started:
-            break
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1", loop
-    server.should_exit = True
-    thread.join(timeout=10)
+    running = Background(app)
+    yield f"{running.url}/v1", loop
+    running.stop()
     loop.close()
 
 

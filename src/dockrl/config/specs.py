@@ -246,7 +246,7 @@ def specs(cfg: TrainConfig, plan: StepPlan) -> Specs:
         tokenizer_path=cfg.model.path,
         group_size=cfg.rollout.samples_per_prompt,
         log_samples=cfg.run.log_samples,
-        max_new_tokens=rollout.response_budget if rollout.env is None else rollout.env.policy_budget,
+        max_new_tokens=rollout.max_new_tokens if rollout.env is None else rollout.env.policy_budget,
         env_weight=cfg.env.reward_weight if cfg.env.name is not None else None,
         distill_coef=cfg.distill.coef if cfg.distill.teacher_path is not None else None,
     )

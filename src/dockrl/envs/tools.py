@@ -225,9 +225,7 @@ BUILTIN_TOOLS: dict[str, type[Calculator] | type[Python]] = {"calculator": Calcu
 def tool_schemas(names: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
     """The JSON schemas of built-in tools by name, without building them (nothing runs: SFT only renders them,
     so a machine without bubblewrap can still train on python-tool conversations)."""
-    unknown = [n for n in names if n not in BUILTIN_TOOLS]
-    if unknown:
-        raise ValueError(f"unknown tools {unknown}; built-in tools are {sorted(BUILTIN_TOOLS)}")
+    _check_names(names)
     return [BUILTIN_TOOLS[n].schema for n in names]
 
 
@@ -240,3 +238,10 @@ def build_tools(names: list[str] | tuple[str, ...], allow_unsandboxed: bool = Fa
     return [
         Python(allow_unsandboxed=allow_unsandboxed) if n == "python" else BUILTIN_TOOLS[n]() for n in names
     ]
+
+
+def _check_names(names: list[str] | tuple[str, ...]) -> None:
+    """ValueError listing the built-ins when `names` holds one that is not."""
+    unknown = [n for n in names if n not in BUILTIN_TOOLS]
+    if unknown:
+        raise ValueError(f"unknown tools {unknown}; built-in tools are {sorted(BUILTIN_TOOLS)}")

@@ -75,7 +75,7 @@ def start_env_workers(env: EnvSpec, family: str, resources: list[str]) -> list[A
         )
         if resources:
             options["resources"] = {resources[i % len(resources)]: 0.001}
-        workers.append(remote.options(name=None, **options).remote(env, family))
+        workers.append(remote.options(**options).remote(env, family))
     return workers
 
 

@@ -173,7 +173,7 @@ def serve_multi_turn(
     concurrently), env_wait_s (wall seconds the loop waited on calls with nothing to decode: what the
     environments cost the rollout) and the engine's stats. `envs` runs the environment calls, on the head rank
     only of the tensor-parallel group `peers` talks for (a ReplicaClient; default: `client`): see Lockstep."""
-    envs = Lockstep(envs, client if peers is None else peers)
+    calls = Lockstep(envs, client if peers is None else peers)
     exhausted = False
     live: dict[int, _Trajectory] = {}
     waiting: set[int] = set()  # rows whose environment call runs: the same set on every tp peer
@@ -198,7 +198,7 @@ def serve_multi_turn(
     def finish(traj: _Trajectory, truncated: bool = False) -> None:
         traj.counts["truncated"] += int(truncated)
         live.pop(traj.row, None)
-        envs.drop(traj.row)
+        calls.drop(traj.row)
         if not traj.ids:  # failed before its first turn: one masked stop token, so every row has a response
             traj.ids, traj.logprobs, traj.mask = [params.stop_token_ids[0]], [0.0], [0.0]
         ids = torch.tensor(traj.ids, dtype=torch.int64)
@@ -286,7 +286,7 @@ def serve_multi_turn(
                     ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
                     live[row] = _Trajectory(row, row_seed(row), ids, [])
                     waiting.add(row)
-                    envs.reset(row, dict(env_row), limits.call_timeout_s)
+                    calls.reset(row, dict(env_row), limits.call_timeout_s)
             if engine.has_work():
                 for completion in engine.step():
                     traj = live[completion.tag[completion.sample]]
@@ -307,7 +307,7 @@ def serve_multi_turn(
                     )
                     waiting.add(traj.row)
                     calls_left = limits.max_tool_calls + 1 - traj.counts["tool_calls"]  # one more ends it
-                    envs.step(traj.row, traj.pending_text, limits.call_timeout_s, calls_left)
+                    calls.step(traj.row, traj.pending_text, limits.call_timeout_s, calls_left)
             elif not waiting:
                 if exhausted:
                     break
@@ -316,14 +316,14 @@ def serve_multi_turn(
                 continue
             block = not engine.has_work()
             waited = time.perf_counter()
-            for row, result in envs.ready(WAIT_S if block else 0.0):
+            for row, result in calls.ready(WAIT_S if block else 0.0):
                 env_s += result.seconds
                 outcome(row, result)
             if block:
                 env_wait_s += time.perf_counter() - waited
     finally:
         for row in list(live):
-            envs.drop(row)
+            calls.drop(row)
     return {
         "response_lengths": lengths,
         "truncated": totals["truncated"],
@@ -362,10 +362,6 @@ class Lockstep:
     def ready(self, wait_s: float) -> list[tuple[int, Outcome]]:
         got = self.envs.ready(wait_s) if self.is_head else []
         return got if self.broadcast is None else self.broadcast(got)
-
-    def close(self) -> None:
-        if self.is_head:
-            self.envs.close()
 
 
 class LocalRows(RowSource):
