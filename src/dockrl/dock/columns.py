@@ -48,7 +48,7 @@ PROMPT_IDS = _declare(
     "prompt_ids",
     "int64",
     "prompt token",
-    (Stage.DRIVER,),
+    (Stage.DRIVER, Stage.ROLLOUT),
     (
         Stage.ROLLOUT,
         Stage.REWARD,
@@ -60,7 +60,8 @@ PROMPT_IDS = _declare(
         Stage.CRITIC_UPDATE,
         Stage.UPDATE,
     ),
-    "the prompt, rendered with the chat template and tokenized",
+    "the prompt, rendered with the chat template and tokenized; an agent run's rollout (env.name an agent "
+    "function) puts it again with the agent's first request, which the row's response continues",
 )
 LABEL = _declare(
     "label", "object", "row", (Stage.DRIVER,), (Stage.REWARD,), "the ground truth handed to reward functions"

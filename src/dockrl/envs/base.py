@@ -50,6 +50,20 @@ class Observation:
 
 
 @dataclass(frozen=True)
+class ModelRequest:
+    """What an agent function's call answers instead of an Observation (serve/agent_host.py): the agent asked the
+    policy for a completion of `prompt_ids` (its chat request rendered with the chat template, the ids sampled
+    for its earlier assistant messages kept as they were sampled), at most `max_tokens` new tokens (None: the
+    run's limit), ending also at `stop`; `tool_results`: the tool messages the request added since the last
+    one (they count against env.max_tool_calls)."""
+
+    prompt_ids: list[int]
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    tool_results: int = 0
+
+
+@dataclass(frozen=True)
 class CallBudget:
     """What the environment call running now may still spend: its deadline (time.monotonic) and the tool calls
     its trajectory has left (env.max_tool_calls minus those made)."""

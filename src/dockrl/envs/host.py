@@ -32,7 +32,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, wait
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from dockrl.envs.base import CallBudget, Environment, Observation, current_budget
+from dockrl.envs.base import CallBudget, Environment, ModelRequest, Observation, current_budget
 
 RESET, STEP = "reset", "step"
 OutcomeKind = Literal["ok", "error", "timeout", "cancelled"]
@@ -40,11 +40,12 @@ OutcomeKind = Literal["ok", "error", "timeout", "cancelled"]
 
 @dataclass(frozen=True)
 class Outcome:
-    """How one environment call ended: its observation ("ok"), or why not; `seconds` it ran (0 if it never
-    started)."""
+    """How one environment call ended: its observation ("ok"; an agent function's host answers with the agent's
+    next ModelRequest, or an Observation with done=True when it returned), or why not; `seconds` it ran (0 if it
+    never started)."""
 
     kind: OutcomeKind
-    observation: Observation | None = None
+    observation: Observation | ModelRequest | None = None
     error: str = ""
     seconds: float = 0.0
 
@@ -281,8 +282,8 @@ class EnvCalls(Protocol):
         """Build row `row`'s environment and reset it with the dataset row."""
         ...
 
-    def step(self, row: int, message: str, limit_s: float, tool_calls_left: int) -> None:
-        """Answer the trajectory's assistant message."""
+    def step(self, row: int, message: Any, limit_s: float, tool_calls_left: int) -> None:
+        """Answer the trajectory's assistant message (its text; to an agent: its Sampled tokens)."""
         ...
 
     def drop(self, row: int) -> None:
@@ -308,7 +309,7 @@ class LocalEnvs:
     def reset(self, row: int, env_row: dict[str, Any], limit_s: float) -> None:
         self.running[self.host.submit(f"{self.prefix}-{row}", RESET, env_row, limit_s)] = row
 
-    def step(self, row: int, message: str, limit_s: float, tool_calls_left: int) -> None:
+    def step(self, row: int, message: Any, limit_s: float, tool_calls_left: int) -> None:
         future = self.host.submit(f"{self.prefix}-{row}", STEP, message, limit_s, tool_calls_left)
         self.running[future] = row
 

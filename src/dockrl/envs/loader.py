@@ -4,6 +4,9 @@
     package.module:Class        an importable class
     path/to/file.py:Class       a file's class; its source is read when the config is loaded and shipped
                                 (env.code), so it need not exist on the rollout nodes
+    path/to/agent.py:solve      an agent function, `async def solve(client, row) -> float | None`, written
+    package.module:solve        against the `openai` client (docs/agents.md): not an environment class, it
+                                runs on serve/agent_host.py's AgentHost (agent_function says which)
 
 A class is built as `Class(**env.kwargs)`; where its constructor takes `family`, `call_timeout_s` or
 `allow_unsandboxed` (a ToolEnvironment subclass does), the rollout passes the model family, env.call_timeout_s
@@ -23,26 +26,49 @@ from dockrl.user_code import attr_from_code, import_attr
 BUILTIN_ENVS: dict[str, type] = {"tools": ToolEnvironment}
 
 
-def env_class(name: str, code: str | None = None, origin: str | None = None) -> type:
-    """The class `name` names (module docstring); ValueError naming what is wrong."""
+def _named(name: str, code: str | None, origin: str | None) -> Any:
+    """What env.name names: a built-in, a file's attribute (its shipped source) or a module's."""
     if code is not None:
         if not name.partition(":")[0].endswith(".py") and not (origin or "").endswith(".py"):
             raise ValueError(
                 f"environment {name!r} comes with source code but names no file (path/to/file.py:Class)"
             )
-        cls = attr_from_code(name, code, origin or name.rpartition(":")[0], "environment")
-    elif ":" in name:
-        cls = import_attr(name, "environment")
-    elif name in BUILTIN_ENVS:
-        cls = BUILTIN_ENVS[name]
-    else:
-        raise ValueError(
-            f"unknown environment {name!r}; built-ins are {sorted(BUILTIN_ENVS)}, or name a class as "
-            "'package.module:Class' or 'path/to/file.py:Class'"
-        )
+        return attr_from_code(name, code, origin or name.rpartition(":")[0], "environment")
+    if ":" in name:
+        return import_attr(name, "environment")
+    if name in BUILTIN_ENVS:
+        return BUILTIN_ENVS[name]
+    raise ValueError(
+        f"unknown environment {name!r}; built-ins are {sorted(BUILTIN_ENVS)}, or name a class as "
+        "'package.module:Class' or 'path/to/file.py:Class', or an agent function 'path/to/agent.py:solve'"
+    )
+
+
+def env_class(name: str, code: str | None = None, origin: str | None = None) -> type:
+    """The class `name` names (module docstring); ValueError naming what is wrong."""
+    cls = _named(name, code, origin)
     if not inspect.isclass(cls) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
-        raise ValueError(f"environment {name!r} is not a class with reset(row) and step(message) methods")
+        raise ValueError(
+            f"environment {name!r} is not a class with reset(row) and step(message) methods, nor an agent "
+            "function (`async def solve(client, row)`)"
+        )
     return cls
+
+
+def agent_function(name: str, code: str | None = None, origin: str | None = None) -> Callable | None:
+    """The agent function `name` names (an `async def` taking (client, row)), or None when it names anything
+    else (an environment class: env_class checks it)."""
+    named = _named(name, code, origin)
+    if inspect.isclass(named) or not inspect.iscoroutinefunction(named):
+        return None
+    if len(inspect.signature(named).parameters) < 2:
+        raise ValueError(f"agent function {name!r} must take (client, row)")
+    return named
+
+
+def is_agent(env: Any) -> bool:
+    """Whether a run's environment (an EnvSpec) is an agent function."""
+    return agent_function(env.name, env.code, env.origin) is not None
 
 
 def env_factory(

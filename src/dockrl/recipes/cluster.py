@@ -190,7 +190,7 @@ def _start_env_workers(cfg: TrainConfig, parts: Specs) -> list[Any] | None:
         return None
     from dockrl.models.config import read_config
 
-    return start_env_workers(env, read_config(cfg.model.path).family, cfg.placement.env)
+    return start_env_workers(env, read_config(cfg.model.path).family, cfg.placement.env, cfg.model.path)
 
 
 def _kill_env_workers(workers: list[Any] | None) -> None:

@@ -176,7 +176,7 @@ def evaluate_agent(
     settings = ServeSettings(
         model=model_path, max_tokens=max_new_tokens, max_batch_size=concurrency, device=device
     )
-    app, loop, key = build_app(settings, record=sessions.record)
+    app, loop, key = build_app(settings, sessions=sessions)
     server = Background(app)
     try:
         runs = asyncio.run(

@@ -312,7 +312,10 @@ def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None
     d = cfg.data
     make_env = None
     env = env_spec(cfg.env, d.system_prompt, cfg.rollout.max_new_tokens)
-    if env is not None:  # multi-turn: the first turn is the environment's, rendered with its tools
+    # multi-turn: the first turn is the environment's, rendered with its tools (an agent's rollout puts its own)
+    from dockrl.envs.loader import is_agent
+
+    if env is not None and not is_agent(env):
         from dockrl.envs.loader import factory_of
         from dockrl.models.config import read_config
 

@@ -204,7 +204,8 @@ def load_inflight(root: Path, client: DockChoice, group_size: int) -> dict[int, 
                 f"{path}: step {record['step']}'s rows came back as {len(rows)} rows numbered differently "
                 f"from the {len(record['rows'])} saved (is the dock empty on resume?)"
             )
-        rest = {c: v for c, v in record["columns"].items() if c not in (PROMPT_IDS, LABEL, ENV_ROW)}
+        # prompt_ids too: an agent run's rollout replaced each row's prompt with its agent's first request
+        rest = {c: v for c, v in record["columns"].items() if c not in (LABEL, ENV_ROW)}
         if rows and rest:
             client.put(DUMP_CONSUMER, rows, rest)
         results = (

@@ -271,7 +271,7 @@ def _check_environment(cfg: TrainConfig, model_path: str) -> None:
     if cfg.env.name is None:
         return
     from dockrl.config.specs import env_spec
-    from dockrl.envs.loader import factory_of
+    from dockrl.envs.loader import factory_of, is_agent
     from dockrl.envs.tool_calls import tool_call_families
     from dockrl.models.config import read_config
     from dockrl.models.tokenizer import Tokenizer
@@ -292,8 +292,19 @@ def _check_environment(cfg: TrainConfig, model_path: str) -> None:
             "multi-turn renders every observation with the tokenizer's chat template",
             "use a tokenizer with a chat template and data.use_chat_template=true",
         )
+    spec = env_spec(cfg.env, cfg.data.system_prompt, cfg.rollout.max_new_tokens)
     try:
-        factory_of(env_spec(cfg.env, cfg.data.system_prompt, cfg.rollout.max_new_tokens), family)
+        if is_agent(spec):  # an agent function: its client is the `openai` package (dockrl[agents])
+            import openai  # noqa: F401
+        else:
+            factory_of(spec, family)
+    except ImportError as exc:
+        raise config_error(
+            "env.name",
+            cfg.env.name,
+            "an agent function needs the `openai` client",
+            "pip install 'dockrl[agents]'",
+        ) from exc
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"env.name={cfg.env.name!r}: {exc}") from exc
 

@@ -63,15 +63,21 @@ class Session:
 
 
 class Sessions:
-    """What the server records per session (server.make_app's `record`)."""
+    """What the server records per session (server.SessionHooks): each answered request; chats render plainly."""
 
     def __init__(self) -> None:
         self.by_name: dict[str, Session] = {}
 
-    def record(self, name: str, prompt_ids: list[int], sampled: Any, text: str) -> None:
+    def render(self, name: str, messages: list[dict[str, Any]], tools: list | None) -> list[int] | None:
+        return None
+
+    def answered(self, name: str, prompt_ids: list[int], sampled: Any, text: str, reply: dict) -> None:
         session = self.by_name.get(name)
         if session is not None:  # an unknown session (a stale client) is answered, not recorded
             session.requests.append((list(prompt_ids), list(sampled.token_ids), text))
+
+    def release(self, name: str) -> None:
+        pass
 
 
 async def run_agents(

@@ -42,8 +42,11 @@ class EngineLoop:
         self.thread = threading.Thread(target=self._serve, name="dockrl-serve-engine", daemon=True)
         self.thread.start()
 
-    async def generate(self, prompt_ids: list[int], sampling: Sampling) -> Sampled:
-        """Sample one completion of `prompt_ids`; ValueError when the engine can never fit the request."""
+    async def generate(
+        self, prompt_ids: list[int], sampling: Sampling, session: str | None = None
+    ) -> Sampled:
+        """Sample one completion of `prompt_ids` (any session's alike); ValueError when the engine can never fit
+        the request."""
         if self.failed is not None:
             raise RuntimeError(f"the engine stopped after an error: {self.failed}") from self.failed
         params = SamplingParams(

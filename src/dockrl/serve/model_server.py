@@ -33,9 +33,9 @@ class ServeSettings:
     name: str | None = None  # the model name /v1/models lists (default: the directory's name)
 
 
-def build_app(settings: ServeSettings, record: Any = None) -> tuple[FastAPI, Any, str]:
-    """The app over `settings.model`, its engine loop (to close) and the API key it checks; `record` sees each
-    session's answered requests (server.make_app)."""
+def build_app(settings: ServeSettings, sessions: Any = None) -> tuple[FastAPI, Any, str]:
+    """The app over `settings.model`, its engine loop (to close) and the API key it checks; `sessions` (a
+    server.SessionHooks) sees each session's requests."""
     from dockrl.checkpoint.inference import load_for_inference
     from dockrl.engines.rollout.rollout_engine import RolloutEngine
     from dockrl.models.tokenizer import stop_token_ids
@@ -72,7 +72,7 @@ def build_app(settings: ServeSettings, record: Any = None) -> tuple[FastAPI, Any
         max_seq_len=max_seq_len,
         vocab_size=model.args.vocab_size,
         stop_token_ids=stops,
-        record=record,
+        sessions=sessions,
     )
     return app, loop, key
 

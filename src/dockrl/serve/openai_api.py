@@ -151,21 +151,24 @@ def chat_messages(request: ChatRequest, family: str) -> list[dict[str, Any]]:
             f"{', '.join(tool_call_families())})",
             "tools",
         )
-    out = []
-    for i, message in enumerate(request.messages):
-        role = message.get("role")
-        if role not in ("system", "developer", "user", "assistant", "tool"):
-            raise ApiError(
-                400, f"messages[{i}].role={role!r}: use system, user, assistant or tool", "messages"
-            )
-        content = _text(message.get("content"), i)
-        if role == "assistant" and message.get("tool_calls"):
-            calls = format_tool_calls([_tool_call(call, i) for call in message["tool_calls"]], family)
-            content = f"{content}\n{calls}" if content else calls
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+    out = [template_message(message, i, family) for i, message in enumerate(request.messages)]
     if not out:
         raise ApiError(400, "messages is empty", "messages")
     return out
+
+
+def template_message(message: dict[str, Any], index: int, family: str) -> dict[str, Any]:
+    """One OpenAI message (messages[index]) as the chat template takes it (chat_messages)."""
+    role = message.get("role")
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise ApiError(
+            400, f"messages[{index}].role={role!r}: use system, user, assistant or tool", "messages"
+        )
+    content = _text(message.get("content"), index)
+    if role == "assistant" and message.get("tool_calls"):
+        calls = format_tool_calls([_tool_call(call, index) for call in message["tool_calls"]], family)
+        content = f"{content}\n{calls}" if content else calls
+    return {"role": "system" if role == "developer" else role, "content": content}
 
 
 def _text(content: Any, index: int) -> str:

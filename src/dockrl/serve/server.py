@@ -5,8 +5,11 @@
          ◀─ response (openai_api.py), or {"error": ...} with its status
 ```
 
-`generate` is whatever samples: `dockrl serve`'s EngineLoop over a model directory (engine_loop.py), or, later,
-a run's rollout. The app knows nothing of engines. A request's prompt and completion fit in `max_seq_len`
+`generate` is whatever samples: `dockrl serve`'s EngineLoop over a model directory (engine_loop.py), or a run's
+rollout through an agent host (agent_host.py). The app knows nothing of engines. Every route is also served under
+`/s/{session}/v1/...` (one agent sample's base URL): there `sessions` (a SessionHooks) may render a chat
+itself (an agent host keeps the ids sampled for earlier turns), sees each answer, and is told when the request
+ends, answered or not. A request's prompt and completion fit in `max_seq_len`
 tokens: a prompt that leaves no room is a 400 (`context_length_exceeded`), and max_tokens is lowered to the room
 the prompt leaves (after the `max_tokens` cap). A ValueError from `generate` is the request's fault (400), any
 other error the server's (500); both reach the client in OpenAI's shape.
@@ -18,7 +21,7 @@ import dataclasses
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -38,10 +41,26 @@ from dockrl.serve.openai_api import (
     models_response,
 )
 
-Generate = Callable[[list[int], Sampling], Awaitable[Sampled]]
+Generate = Callable[[list[int], Sampling, str | None], Awaitable[Sampled]]  # (prompt ids, sampling, session)
 logger = logging.getLogger(__name__)
-# (session, prompt ids, what was sampled, its text): a session's requests as they are answered
-Record = Callable[[str, list[int], Sampled, str], None]
+
+
+class SessionHooks(Protocol):
+    """What the app asks of whoever keeps sessions (`/s/{session}/v1/...` requests)."""
+
+    def render(self, session: str, messages: list[dict[str, Any]], tools: list | None) -> list[int] | None:
+        """The chat's prompt ids, or None to render it plainly; raises ApiError to refuse the request."""
+        ...
+
+    def answered(
+        self, session: str, prompt_ids: list[int], sampled: Sampled, text: str, reply: dict[str, Any]
+    ) -> None:
+        """The request was answered: `text` the message as returned, `reply` the response's first choice."""
+        ...
+
+    def release(self, session: str) -> None:
+        """The request ended, answered or not."""
+        ...
 
 
 def make_app(
@@ -55,12 +74,12 @@ def make_app(
     max_seq_len: int,
     vocab_size: int,
     stop_token_ids: list[int],
-    record: Record | None = None,
+    sessions: SessionHooks | None = None,
 ) -> FastAPI:
     """The app serving `generate` (module docstring); `tokenizer` renders chats and decodes ids. `max_seq_len`:
     prompt + completion tokens of one request (the engine's cache length); `vocab_size`: prompt ids given as
     ids must lie in [0, vocab_size). Every route is also served under `/s/{session}/v1/...`: a client whose base
-    URL names a session (one agent sample) has each answered request passed to `record`."""
+    URL names a session (one agent sample) has its requests go through `sessions` (module docstring)."""
     app = FastAPI(title="dockrl", docs_url=None, redoc_url=None, openapi_url=None)
 
     def authorized(request: Request) -> None:
@@ -80,9 +99,9 @@ def make_app(
             )
         return dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, room))
 
-    async def sampled_for(ids: list[int], sampling: Sampling) -> Sampled:
+    async def sampled_for(ids: list[int], sampling: Sampling, session: str | None) -> Sampled:
         try:
-            return await generate(ids, sampling)
+            return await generate(ids, sampling, session)
         except ValueError as exc:  # the engine refused the request (it names the limit)
             raise ApiError(400, str(exc), "messages") from exc
 
@@ -115,22 +134,32 @@ def make_app(
         sampling = chat_sampling(body, max_tokens)
         messages = chat_messages(body, family)
         tools = body.tools or None
+        hooks = sessions if session is not None else None
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+            prompt_ids = hooks.render(session, messages, tools) if hooks is not None else None  # type: ignore[arg-type]
+            if prompt_ids is None:
+                prompt_ids = tokenizer.encode(render_chat(messages, tools))
+            sampled = await sampled_for(prompt_ids, within_limits(prompt_ids, sampling, "messages"), session)
+            message, tokens = message_of(sampled, sampling.stop)
+            parse_tools = bool(body.tools) and body.tool_choice != "none"
+            reply = chat_response(
+                body.model, prompt_ids, sampled, message, family, tokens, body.logprobs, parse_tools
+            )
+            if hooks is not None:
+                hooks.answered(session, prompt_ids, sampled, message, reply["choices"][0]["message"])  # type: ignore[arg-type]
+            return reply
+        finally:
+            if hooks is not None:
+                hooks.release(session)  # type: ignore[arg-type]
+
+    def render_chat(messages: list[dict[str, Any]], tools: list | None) -> str:
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         # jinja's TemplateError (the template's raise_exception), or a field the template reads is absent
         except Exception as exc:
             raise ApiError(
                 400, f"the model's chat template cannot render this request: {exc}", "messages"
             ) from exc
-        prompt_ids = tokenizer.encode(text)
-        sampled = await sampled_for(prompt_ids, within_limits(prompt_ids, sampling, "messages"))
-        message, tokens = message_of(sampled, sampling.stop)
-        if record is not None and session is not None:
-            record(session, prompt_ids, sampled, message)
-        parse_tools = bool(body.tools) and body.tool_choice != "none"
-        return chat_response(
-            body.model, prompt_ids, sampled, message, family, tokens, body.logprobs, parse_tools
-        )
 
     async def completions(request: Request, session: str | None = None) -> dict[str, Any]:
         authorized(request)
@@ -144,11 +173,19 @@ def make_app(
             raise ApiError(
                 400, f"prompt token id {outside[0]} is outside the vocabulary [0, {vocab_size})", "prompt"
             )
-        sampled = await sampled_for(prompt_ids, within_limits(prompt_ids, sampling, "prompt"))
-        text, tokens = message_of(sampled, sampling.stop)
-        if record is not None and session is not None:
-            record(session, prompt_ids, sampled, text)
-        return completion_response(body.model, prompt_ids, sampled, text, tokens, body.logprobs is not None)
+        hooks = sessions if session is not None else None
+        try:
+            sampled = await sampled_for(prompt_ids, within_limits(prompt_ids, sampling, "prompt"), session)
+            text, tokens = message_of(sampled, sampling.stop)
+            reply = completion_response(
+                body.model, prompt_ids, sampled, text, tokens, body.logprobs is not None
+            )
+            if hooks is not None:
+                hooks.answered(session, prompt_ids, sampled, text, reply["choices"][0])  # type: ignore[arg-type]
+            return reply
+        finally:
+            if hooks is not None:
+                hooks.release(session)  # type: ignore[arg-type]
 
     for prefix in ("", "/s/{session}"):
         app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"])

@@ -10,6 +10,9 @@
         └─ Lockstep (engines/rollout/multi_turn.py) broadcasts each look's outcomes to the tp peers
 ```
 
+An agent function (env.name: `./agent.py:solve`, docs/agents.md) runs the same way: the worker hosts the agents
+and the OpenAI-compatible server they call (serve/agent_host.py); a call's outcome is the agent's next request.
+
 Environments run in processes of their own, not beside the model: a slow or hostile environment cannot stall
 the engine's loop or grow its memory, every call runs once however many tensor-parallel ranks generate, and the
 workers may sit on other nodes than the rollout. A worker that dies costs only its trajectories: their calls
@@ -33,17 +36,23 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from dockrl.config.specs import EnvSpec
 from dockrl.envs.host import RESET, STEP, EnvHost, Outcome
-from dockrl.envs.loader import factory_of
+from dockrl.envs.loader import factory_of, is_agent
+from dockrl.serve.agent_host import AgentHost, agent_host
 
 HUNG_GRACE_S = 30.0  # past a call's limit, how long a worker may owe answers before it is pinged
 PING_S = 5.0  # how long a ping may take before the worker counts as hung
 
 
 class EnvWorker:
-    """One environment worker process (a Ray actor whose methods run on its event loop)."""
+    """One environment worker process (a Ray actor whose methods run on its event loop): an EnvHost, or for an
+    agent function (env.name) an AgentHost (serve/agent_host.py) over the policy's tokenizer at `model_path`."""
 
-    def __init__(self, env: EnvSpec, family: str):
-        self.host = EnvHost(factory_of(env, family), env.concurrency)
+    def __init__(self, env: EnvSpec, family: str, model_path: str = ""):
+        self.host: EnvHost | AgentHost = (
+            agent_host(env, model_path)
+            if is_agent(env)
+            else EnvHost(factory_of(env, family), env.concurrency)
+        )
 
     async def call(
         self, key: str, method: str, argument: Any, limit_s: float, tool_calls_left: int
@@ -64,7 +73,7 @@ class EnvWorker:
         return dict(self.host.counts)
 
 
-def start_env_workers(env: EnvSpec, family: str, resources: list[str]) -> list[Any]:
+def start_env_workers(env: EnvSpec, family: str, resources: list[str], model_path: str = "") -> list[Any]:
     """env.num_workers EnvWorker actors: no CPU reserved, restarted when they die, each on the node offering
     its entry of `resources` (placement.env, cycled; empty: anywhere)."""
     remote = ray.remote(EnvWorker)
@@ -75,7 +84,7 @@ def start_env_workers(env: EnvSpec, family: str, resources: list[str]) -> list[A
         )
         if resources:
             options["resources"] = {resources[i % len(resources)]: 0.001}
-        workers.append(remote.options(**options).remote(env, family))
+        workers.append(remote.options(**options).remote(env, family, model_path))
     return workers
 
 

@@ -160,10 +160,11 @@ def env_settings(env: EnvSpec, budget: int, tokenizer: Any, family: str) -> dict
     """serve_multi_turn's environment settings but the calls: the chat template's delta with the environment's
     tools, the system prompt and the limits (`budget`: the trajectory's tokens)."""
     from dockrl.engines.rollout.multi_turn import ChatDelta, TurnLimits
-    from dockrl.envs.loader import env_tools, factory_of
+    from dockrl.envs.loader import env_tools, factory_of, is_agent
 
+    tools = [] if is_agent(env) else env_tools(factory_of(env, family)())  # an agent renders its own requests
     return {
-        "delta": ChatDelta(tokenizer, env_tools(factory_of(env, family)())),
+        "delta": ChatDelta(tokenizer, tools),
         "system_prompt": env.system_prompt,
         "limits": TurnLimits(env.max_turns, env.max_tool_calls, budget, env.call_timeout_s),
     }
@@ -173,8 +174,12 @@ def local_envs(env: EnvSpec, family: str) -> EnvCalls:
     """The run's environments in this process, env.concurrency calls at a time (held-out evaluation, and rollouts
     without environment workers)."""
     from dockrl.envs.host import EnvHost, LocalEnvs
-    from dockrl.envs.loader import factory_of
+    from dockrl.envs.loader import factory_of, is_agent
 
+    if is_agent(env):
+        raise ValueError(
+            f"env.name={env.name!r} is an agent function: agents run on the environment tier (env.num_workers)"
+        )
     return LocalEnvs(EnvHost(factory_of(env, family), env.concurrency))
 
 

@@ -72,10 +72,18 @@ from dockrl.dock.stages import Stage
 from dockrl.engines.rollout.backend import RolloutBackend
 from dockrl.engines.rollout.rollout_engine import Request
 from dockrl.engines.rollout.sampling import SamplingParams
-from dockrl.envs.base import Message, Observation, check_messages
+from dockrl.envs.base import Message, ModelRequest, Observation, check_messages
 from dockrl.envs.host import EnvCalls, Outcome
 
-ENV_METRICS = ("turns", "tool_calls", "tool_errors", "timeouts", "truncated", "template_mismatch")
+ENV_METRICS = (
+    "turns",
+    "tool_calls",
+    "tool_errors",
+    "timeouts",
+    "truncated",
+    "template_mismatch",
+    "prefix_breaks",
+)
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,7 @@ class _Trajectory:
     started: bool = False  # its environment's reset answered
     pending_text: str = ""  # the last assistant message, while its environment call runs
     turn_start: int = 0  # where the last turn's sampled tokens start in `ids`
+    request: ModelRequest | None = None  # an agent's: its open request (it brings its prompt)
 
 
 def serve_multi_turn(
@@ -192,6 +201,13 @@ def serve_multi_turn(
             finish(traj, truncated=True)
             return
         turn_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, budget))
+        request = traj.request
+        if request is not None:  # an agent's max_tokens and stop strings, within the run's limits
+            turn_params = dataclasses.replace(
+                turn_params,
+                max_new_tokens=min(turn_params.max_new_tokens, request.max_tokens or budget),
+                stop_strings=[*turn_params.stop_strings, *request.stop],
+            )
         seed = turn_seed(traj.seed, traj.counts["turns"])
         engine.add(Request(traj.prompt + traj.ids, [seed], turn_params, tag=[traj.row]))
 
@@ -211,6 +227,8 @@ def serve_multi_turn(
         }
         if version is not None:
             batch[POLICY_VERSION] = [torch.full((len(ids),), version, dtype=torch.int64)]
+        if traj.request is not None:  # an agent's trajectory continues its own first request, not the row's
+            batch[PROMPT_IDS] = [torch.tensor(traj.prompt, dtype=torch.int64)]
         client.put(consumer, [traj.row], batch)
         lengths.append(len(ids))
         for key in ENV_METRICS:
@@ -253,6 +271,36 @@ def serve_multi_turn(
         traj.history += [{"role": "assistant", "content": assistant}, *new]
         submit_turn(traj)
 
+    def requested(traj: _Trajectory, request: ModelRequest) -> None:
+        """An agent's request (serve/agent_host.py): its prompt continues the trajectory (the tokens between are
+        observations), or starts the trajectory over (a prefix break: the agent rewrote its history)."""
+        traj.counts["tool_calls"] += request.tool_results
+        if traj.started and (
+            traj.counts["turns"] >= limits.max_turns or traj.counts["tool_calls"] > limits.max_tool_calls
+        ):
+            finish(traj, truncated=True)
+            return
+        so_far = traj.prompt + traj.ids
+        if traj.started and request.prompt_ids[: len(so_far)] == so_far:
+            between = request.prompt_ids[len(so_far) :]
+            after = len(traj.ids) + len(between)
+            if after >= limits.max_response_tokens or (
+                cache is not None and len(traj.prompt) + after >= cache
+            ):
+                finish(traj, truncated=True)  # no room for another turn (as observed())
+                return
+            traj.ids += between
+            traj.logprobs += [0.0] * len(between)
+            traj.mask += [0.0] * len(between)
+        elif cache is not None and len(request.prompt_ids) >= cache:
+            finish(traj, truncated=True)  # the request cannot fit: what the trajectory holds stays
+            return
+        else:
+            traj.counts["prefix_breaks"] += int(traj.started)
+            traj.prompt, traj.ids, traj.logprobs, traj.mask = list(request.prompt_ids), [], [], []
+        traj.started, traj.request = True, request
+        submit_turn(traj)
+
     def outcome(row: int, result: Outcome) -> None:
         """A call of `row`'s environment ended (the same outcomes, in the same order, on every tp peer)."""
         waiting.discard(row)
@@ -267,7 +315,14 @@ def serve_multi_turn(
             finish(traj)
         else:
             try:
-                (observed if traj.started else reset_done)(traj, result.observation)
+                observation = result.observation
+                if isinstance(observation, ModelRequest):
+                    requested(traj, observation)
+                elif observation.done and not traj.started:  # ended before a turn (an agent that never asked)
+                    traj.reward = observation.reward
+                    finish(traj)
+                else:
+                    (observed if traj.started else reset_done)(traj, observation)
             except ValueError as exc:  # the environment answered something that is not messages
                 traj.failed = str(exc)
                 finish(traj)
@@ -299,14 +354,22 @@ def serve_multi_turn(
                     if len(traj.ids) >= limits.max_response_tokens:  # no room for an observation
                         finish(traj, truncated=True)
                         continue
+                    calls_left = limits.max_tool_calls + 1 - traj.counts["tool_calls"]  # one more ends it
+                    waiting.add(traj.row)
+                    if traj.request is not None:  # an agent: its open request is answered with the tokens
+                        answer = {
+                            "token_ids": gen.token_ids.tolist(),
+                            "logprobs": gen.logprobs.tolist(),
+                            "finish_reason": gen.finish_reason,
+                        }
+                        calls.step(traj.row, answer, limits.call_timeout_s, calls_left)
+                        continue
                     # A turn cut at rollout.max_new_tokens still goes to the environment as it is (a call
                     # it holds is parsed; the template closes the turn in the observation tokens).
                     traj.pending_text = delta.tokenizer.decode(
                         _without_stop(gen.token_ids.tolist(), params.stop_token_ids),
                         skip_special_tokens=False,
                     )
-                    waiting.add(traj.row)
-                    calls_left = limits.max_tool_calls + 1 - traj.counts["tool_calls"]  # one more ends it
                     calls.step(traj.row, traj.pending_text, limits.call_timeout_s, calls_left)
             elif not waiting:
                 if exhausted:
@@ -351,7 +414,7 @@ class Lockstep:
         if self.is_head:
             self.envs.reset(row, env_row, limit_s)
 
-    def step(self, row: int, message: str, limit_s: float, tool_calls_left: int) -> None:
+    def step(self, row: int, message: Any, limit_s: float, tool_calls_left: int) -> None:
         if self.is_head:
             self.envs.step(row, message, limit_s, tool_calls_left)
 
