@@ -26,7 +26,7 @@ def _client(tokenizer, family, answer):
     """The app for `family` whose model always answers `answer` (then eos); `seen` gets each prompt's ids."""
     seen = []
 
-    async def generate(prompt_ids, sampling):
+    async def generate(prompt_ids, sampling, session):
         seen.append(prompt_ids)
         ids = tokenizer.encode(answer) + [tokenizer.eos_token_id]
         return Sampled(ids, [-1.0] * len(ids), "stop")

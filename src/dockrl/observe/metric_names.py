@@ -101,6 +101,9 @@ ENV_TIMEOUTS = "env/timeouts"  # calls past env.call_timeout_s (total)
 ENV_TRUNCATED = "env/truncated"  # share of trajectories that ran out of turns, calls or tokens
 ENV_FAILED = "env/failed"  # trajectories whose environment raised (total)
 ENV_TEMPLATE_MISMATCH = "env/template_mismatch"  # turns where the chat template was not append-only
+# agent functions (docs/agents.md): requests whose prompt did not extend the sample's trajectory (the agent
+# rewrote its history), each starting the trajectory over (total; 0 for environments)
+AGENT_PREFIX_BREAKS = "agent/prefix_breaks"
 ENV_POLICY_TOKEN_FRAC = (
     "env/policy_token_frac"  # share of response tokens the policy sampled (the rest observed)
 )

@@ -114,16 +114,19 @@ def encode_prompts(
     max_prompt_len: int,
     limit: int | None = None,
     make_env: Callable[[], Any] | None = None,
+    agent: bool = False,
 ) -> tuple[list[EncodedPrompt], int]:
     """Load, render and tokenize a prompt file; returns the prompts and the number skipped as too long.
     With `make_env` (multi-turn) the first turn is the environment's reset of the row, rendered with its
-    tools (what the rollout's environment starts from too)."""
+    tools (what the rollout's environment starts from too). With `agent` (an agent function's run) the prompt
+    renders as a single-turn one and every prompt carries its row for the agent (whose first request the
+    rollout puts as the row's prompt)."""
     records: list[PromptRecord] = load_prompts(
         path, prompt_field=prompt_field, label_field=label_field, limit=limit
     )
     out, skipped = [], 0
     for rec in records:
-        env_row = None
+        env_row = {"prompt": rec.prompt, "label": rec.label} if agent else None
         if make_env is None:
             text = render_prompt(
                 rec, tokenizer, system_prompt=system_prompt, use_chat_template=use_chat_template

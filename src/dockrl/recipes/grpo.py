@@ -315,7 +315,8 @@ def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None
     # multi-turn: the first turn is the environment's, rendered with its tools (an agent's rollout puts its own)
     from dockrl.envs.loader import is_agent
 
-    if env is not None and not is_agent(env):
+    agent = env is not None and is_agent(env)
+    if env is not None and not agent:
         from dockrl.envs.loader import factory_of
         from dockrl.models.config import read_config
 
@@ -330,6 +331,7 @@ def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None
         max_prompt_len=d.max_prompt_len,
         limit=limit,
         make_env=make_env,
+        agent=agent,
     )
 
 

@@ -166,6 +166,7 @@ def _env(record: StepRecord, response_tokens: int) -> dict[str, float]:
         names.ENV_TRUNCATED: counts["truncated"] / trajectories,
         names.ENV_FAILED: counts["failed"],
         names.ENV_TEMPLATE_MISMATCH: counts["template_mismatch"],
+        names.AGENT_PREFIX_BREAKS: counts.get("prefix_breaks", 0.0),
         names.TIMING_ENV: counts["env_s"],
         names.TIMING_ENV_WAIT: max(float(g.env.get("env_wait_s", 0.0)) for g in record.generated),
         names.ENV_POLICY_TOKEN_FRAC: counts["policy_tokens"] / max(1, response_tokens),
