@@ -397,9 +397,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo")
     p.add_argument(
         "--task",
-        choices=["arithmetic", "tools"],
+        choices=["arithmetic", "tools", "agent"],
         default="arithmetic",
-        help="arithmetic (single-turn), or tools: three-digit multiplication with a calculator (multi-turn)",
+        help="arithmetic (single-turn), tools: three-digit multiplication with a calculator (multi-turn), or "
+        "agent: the same with an agent function calling the calculator over the OpenAI API (docs/agents.md)",
     )
     p.add_argument(
         "--seed", type=int, default=0, help="seeds the model's initialisation, the SFT order and the GRPO run"

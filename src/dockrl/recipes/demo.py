@@ -61,9 +61,12 @@ TOOL_TASK: dict[str, Any] = dict(
     num_sft=4800,
     num_tool_traces=25600,
 )
+# `--task agent`: the tool task and its SFT stages, with GRPO through an agent function that calls the
+# calculator through the OpenAI tools API (configs/calculator_agent.py; docs/agents.md), held out the same way.
 TASK_CONFIGS = {
     "arithmetic": ("demo_sft.yaml", "demo_grpo.yaml"),
     "tools": ("demo_tools_sft.yaml", "demo_tools_grpo.yaml"),
+    "agent": ("demo_tools_sft.yaml", "demo_agent_grpo.yaml"),
 }
 TOOLS_PRETRAIN_CONFIG = "demo_tools_pretrain.yaml"
 
@@ -86,7 +89,8 @@ def run_demo(
     """Run the whole demo; returns (and writes to out_dir/summary.json) accuracies and wall time. `seed` seeds
     the tiny model's initialisation, the SFT order and the GRPO run (sampling, data order); the task and its
     held-out split stay the same, so runs with different seeds score the same 40 problems. `task`:
-    arithmetic (single-turn) or tools (multi-turn with the calculator; accuracies are of whole trajectories).
+    arithmetic (single-turn), tools (multi-turn with the calculator; accuracies are of whole trajectories) or
+    agent (the same with an agent function calling the calculator over the OpenAI API).
     `family`: qwen2 (dense) or qwen3_moe (MOE_MODEL)."""
     if task not in TASK_CONFIGS:
         raise ValueError(f"--task {task!r}: use one of {sorted(TASK_CONFIGS)}")
@@ -101,9 +105,10 @@ def run_demo(
             shutil.rmtree(target)
         elif target.exists():
             target.unlink()
-    data = write_task("arithmetic", out / "data", seed=0, **(TOOL_TASK if task == "tools" else TASK))
+    tools = task in ("tools", "agent")
+    data = write_task("arithmetic", out / "data", seed=0, **(TOOL_TASK if tools else TASK))
     shape = MOE_MODEL if family == "qwen3_moe" else MODEL
-    model_dir = make_tiny(out / "tiny-model", seed=seed, tools=task == "tools", **shape)
+    model_dir = make_tiny(out / "tiny-model", seed=seed, tools=tools, **shape)
     log.info("demo: data in %s, tiny model in %s", out / "data", model_dir)
 
     def sft_stage(config: str, model: str | Path, train_path: Path, name: str) -> dict[str, Any]:
@@ -112,7 +117,7 @@ def run_demo(
         return sft(preflight_sft(cfg))
 
     start_from: str | Path = model_dir
-    if task == "tools":  # the first stage: learn to call the calculator and copy
+    if tools:  # the first stage: learn to call the calculator and copy
         start_from = sft_stage(TOOLS_PRETRAIN_CONFIG, model_dir, data["tools"], "sft-tools")["checkpoint"]
     sft_summary = sft_stage(sft_config, start_from, data["sft"], "sft")
     warm = sft_summary["checkpoint"]
@@ -134,6 +139,21 @@ def run_demo(
     evaluations: dict[str, dict[str, Any]] = {}
 
     def accuracy(model: str, when: str) -> float:
+        if task == "agent":  # the agent itself, held out over the API (greedy)
+            from dockrl.recipes.eval import evaluate_agent
+
+            assert env is not None and env.source_file is not None
+            result = evaluate_agent(
+                model,
+                str(data["test"]),
+                f"{env.source_file}:{env.name.rpartition(':')[2]}",
+                [RewardSpec(name="exact_answer")],
+                max_new_tokens=grpo_cfg.rollout.max_new_tokens,
+            )
+            evaluations[when] = {k: v for k, v in result.items() if k != "records"}
+            calls = [r["requests"] > 1 for r in result["records"]]
+            evaluations[when]["tool_call_rate"] = sum(calls) / max(1, len(calls))
+            return result["accuracy"]
         result = evaluate_model_dir(
             model,
             str(data["test"]),

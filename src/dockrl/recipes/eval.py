@@ -158,9 +158,11 @@ def evaluate_agent(
     device: str = "cpu",
     concurrency: int = 16,
     timeout_s: float = 300.0,
+    temperature: float | None = 0.0,
 ) -> dict[str, Any]:
     """An agent function (serve/agents.py) held out: each row's agent runs against an OpenAI-compatible server
-    over the model (loopback, a key of its own); its reward is what the agent returns, or, when it returns None,
+    over the model (loopback, a key of its own), every request sampled at `temperature` (0: greedy, as
+    `dockrl eval`; None: what each request asks); its reward is what the agent returns, or, when it returns None,
     the reward functions' score of its final assistant message. Returns the mean reward, accuracy (reward >= 1),
     failed samples, requests per sample and per-row records."""
     import asyncio
@@ -174,7 +176,11 @@ def evaluate_agent(
     rows = [{"prompt": r.prompt, "label": r.label} for r in records]
     sessions = Sessions()
     settings = ServeSettings(
-        model=model_path, max_tokens=max_new_tokens, max_batch_size=concurrency, device=device
+        model=model_path,
+        max_tokens=max_new_tokens,
+        max_batch_size=concurrency,
+        device=device,
+        temperature=temperature,
     )
     app, loop, key = build_app(settings, sessions=sessions)
     server = Background(app)

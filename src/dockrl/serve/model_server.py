@@ -31,6 +31,7 @@ class ServeSettings:
     cache holds max_batch_size x max_seq_len positions, allocated at start."""
     device: str = "cpu"
     name: str | None = None  # the model name /v1/models lists (default: the directory's name)
+    temperature: float | None = None  # every request's, whatever it asks (None: the request's)
 
 
 def build_app(settings: ServeSettings, sessions: Any = None) -> tuple[FastAPI, Any, str]:
@@ -73,6 +74,7 @@ def build_app(settings: ServeSettings, sessions: Any = None) -> tuple[FastAPI, A
         vocab_size=model.args.vocab_size,
         stop_token_ids=stops,
         sessions=sessions,
+        temperature=settings.temperature,
     )
     return app, loop, key
 

@@ -75,11 +75,13 @@ def make_app(
     vocab_size: int,
     stop_token_ids: list[int],
     sessions: SessionHooks | None = None,
+    temperature: float | None = None,
 ) -> FastAPI:
     """The app serving `generate` (module docstring); `tokenizer` renders chats and decodes ids. `max_seq_len`:
     prompt + completion tokens of one request (the engine's cache length); `vocab_size`: prompt ids given as
     ids must lie in [0, vocab_size). Every route is also served under `/s/{session}/v1/...`: a client whose base
-    URL names a session (one agent sample) has its requests go through `sessions` (module docstring)."""
+    URL names a session (one agent sample) has its requests go through `sessions` (module docstring). With
+    `temperature`, every request samples at it, whatever it asks (held-out evaluation: 0, greedy)."""
     app = FastAPI(title="dockrl", docs_url=None, redoc_url=None, openapi_url=None)
 
     def authorized(request: Request) -> None:
@@ -98,6 +100,11 @@ def make_app(
                 code="context_length_exceeded",
             )
         return dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, room))
+
+    def forced(sampling: Sampling) -> Sampling:
+        if temperature is None:
+            return sampling
+        return dataclasses.replace(sampling, temperature=temperature, top_p=1.0)
 
     async def sampled_for(ids: list[int], sampling: Sampling, session: str | None) -> Sampled:
         try:
@@ -131,7 +138,7 @@ def make_app(
     async def chat(request: Request, session: str | None = None) -> dict[str, Any]:
         authorized(request)
         body = _parsed(ChatRequest, await _json(request))
-        sampling = chat_sampling(body, max_tokens)
+        sampling = forced(chat_sampling(body, max_tokens))
         messages = chat_messages(body, family)
         tools = body.tools or None
         hooks = sessions if session is not None else None
@@ -164,7 +171,7 @@ def make_app(
     async def completions(request: Request, session: str | None = None) -> dict[str, Any]:
         authorized(request)
         body = _parsed(CompletionRequest, await _json(request))
-        sampling = check_common(body, max_tokens, body.max_tokens)
+        sampling = forced(check_common(body, max_tokens, body.max_tokens))
         prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty; a prompt needs at least one token", "prompt")
