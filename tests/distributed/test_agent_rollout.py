@@ -265,3 +265,22 @@ def test_the_host_refuses_unknown_sessions_and_wrong_keys(tiny):
         assert agent_host.START_S > 0
     finally:
         host.close()
+
+
+def test_an_openai_agents_sdk_agent_runs_unchanged(tiny):
+    """examples/agents/agents_sdk_calculator.py (the OpenAI Agents SDK's Runner over the client the host hands
+    it) is served and recorded like a plain client's agent."""
+    pytest.importorskip("agents")
+    from pathlib import Path
+
+    from dockrl.serve.agents import load_agent
+
+    example = Path(__file__).parents[2] / "examples" / "agents" / "agents_sdk_calculator.py"
+    solve = load_agent(f"{example}:solve")
+    outs, stats = _run(tiny, solve, ["What is 12*34?", "What is 7*8?"], TurnLimits(3, 4, 200, 30.0))
+    assert stats["env"]["failed"] == 0 and stats["env"]["turns"] >= 2
+    for out in outs:
+        assert out["env_failed"] == 0.0 and math.isnan(out["env_reward"])  # None: the reward functions score
+        assert sum(out["loss_mask"].tolist()) > 0
+        # the SDK rendered the calculator's schema into the request: the row's prompt is that request
+        assert len(out["prompt_ids"]) > 40
