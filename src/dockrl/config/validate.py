@@ -122,7 +122,8 @@ def check_train(cfg: TrainConfig) -> None:
         raise config_error(
             "model.ref_path",
             cfg.model.ref_path,
-            "with actor.lora the KL reference is the base model with the adapters off (no second model)",
+            "with actor.lora the KL reference is the policy's own base, with the adapters off or at model.lora_path's "
+            "starting values (algo.kl_reference; no second model)",
             "remove model.ref_path",
         )
     if kl_coef == 0 and cfg.model.ref_path is not None:
