@@ -94,7 +94,12 @@ class RolloutConfig:
     samples_per_prompt: int = setting(8, "Responses generated per prompt (the GRPO group size).")
     max_new_tokens: int = setting(256, "Maximum response length in tokens.")
     temperature: float = setting(1.0, "Sampling temperature; 0 is greedy. The trainer uses the same value.")
-    top_p: float = setting(1.0, "Nucleus sampling: keep the smallest token set with this probability mass.")
+    top_p: float = setting(
+        1.0,
+        "Nucleus sampling: keep the smallest token set with this probability mass. Like top_k and min_p it "
+        "filters what is sampled only: the rollout's log-probs are the model's at the temperature over the whole "
+        "vocabulary, on either backend (vLLM: exactly at temperature 1; docs/vllm.md, which log-probs).",
+    )
     top_k: int = setting(0, "Keep only the k most likely tokens; 0 turns it off.")
     min_p: float = setting(
         0.0, "Keep only tokens with probability >= min_p x the most likely token's; 0 turns it off."
