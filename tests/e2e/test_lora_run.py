@@ -171,3 +171,21 @@ def test_separate_replicas_generate_with_the_adapters_they_receive(lora_run):
     # on log-probs of magnitude about 1: measured ~1e-7 (two ulps), far below one update's movement (~1e-2).
     assert rounding < 192 * 2.0**-24
     assert moved > 100 * rounding
+
+
+@pytest.mark.parametrize("reference", ["adapter", "base"])
+def test_a_starting_adapter_is_the_kl_reference_unless_the_base_is_asked_for(lora_run, reference):
+    """model.lora_path = step 2's adapter (trained, B != 0), tp=2: with algo.kl_reference=adapter (the default)
+    the reference at step 1 is the policy itself, so actor/kl (k3) is within fp32 rounding of 0: each token's
+    log-prob within 1e-5 (the rollout-trainer bound), k3 ~ d^2 / 2 < 5e-11. With =base it is the raw base, which
+    the trained adapter moved away from: far above (the check sees which reference was computed)."""
+    root, args = lora_run
+    adapter = root / "lora" / "checkpoints" / "step_000002" / "adapter"
+    name = f"from_adapter_{reference}"
+    more = [f"model.lora_path={adapter}", f"algo.kl_reference={reference}", "run.steps=1", "run.save_every=0"]
+    assert main([*args, *more, f"run.name={name}"]) == 0
+    (row,) = computed_metrics(root / name)
+    if reference == "adapter":
+        assert row["actor/kl"] < 0.5 * 1e-5**2
+    else:
+        assert row["actor/kl"] > 0.5 * 1e-5**2

@@ -1,12 +1,15 @@
 """GRPO on a tiny Qwen3-MoE through the CLI and the dock, with expert parallelism (ep=2) and routing replay
 (r3): the rollout's experts travel in routed_experts, the trainer replays them while its experts live on two
 ranks, and the run's checkpoint exports per-expert files that load back and resumes step 3 bit for bit; config
-errors before Ray."""
+errors before Ray. Replay is seen to happen: a reference whose routers send every token elsewhere computes the
+policy's log-probs with the rollout's experts replayed, and others without."""
 
 import json
 import math
+import shutil
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from dockrl.cli import main
 from dockrl.config import ConfigError, TrainConfig, load_config
@@ -30,6 +33,56 @@ def moe_model(tmp_path_factory):
     return make_tiny(
         tmp_path_factory.mktemp("moe") / "model", family="qwen3_moe", hidden_size=64, num_layers=2
     )
+
+
+@pytest.fixture(scope="module")
+def top1_moe(tmp_path_factory):
+    """A top-1 Qwen3-MoE (norm_topk_prob: the chosen expert's weight is p / p = 1, whatever the router says) and
+    its reference: the same files with each router's rows rotated (expert e's row moves to e + 1), so the
+    reference's router sends every token to the expert after the policy's, and nothing else differs."""
+    from dockrl.models.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("top1")
+    policy = make_tiny(
+        root / "policy", family="qwen3_moe", hidden_size=64, num_layers=2, num_experts_per_tok=1
+    )
+    reference = root / "reference"
+    shutil.copytree(policy, reference)
+    weights = load_file(reference / "model.safetensors")
+    routers = [name for name in weights if name.endswith("mlp.gate.weight")]
+    assert len(routers) == 2  # the layout this fixture relies on: one router per layer
+    for name in routers:
+        weights[name] = weights[name].roll(1, dims=0)  # [E, H]: logit of e+1 := the policy's logit of e
+    save_file(weights, reference / "model.safetensors", metadata={"format": "pt"})
+    return policy, reference
+
+
+# The reference pass with the rollout's experts replayed computes what the update's forward computes at step 1 (the
+# same experts, weight 1, the same weights elsewhere): they differ by fp32 rounding, bounded by the rollout-trainer
+# log-prob bound below (1e-5), so the k2 estimator 0.5 d^2 stays under 0.5e-10 on every token.
+REPLAYED_KL_BOUND = 0.5 * 1e-5**2
+
+
+@pytest.mark.parametrize("replay", ["r3", "none"])
+def test_replay_makes_the_reference_compute_the_rollouts_experts(
+    ray_session, tmp_path, top1_moe, arithmetic_data, replay
+):
+    """Step 1 with the rotated-router reference (model.ref_path): with replay its log-probs are the policy's
+    (actor/kl at rounding); without replay (the check seen failing) the reference routes every token to another
+    expert and the KL is far above the bound."""
+    policy, reference = top1_moe
+    config = tmp_path / "moe.yaml"
+    config.write_text(CONFIG)
+    args = ["train", str(config), f"model.path={policy}", f"model.ref_path={reference}"]
+    args += [f"data.train_path={arithmetic_data['train']}", "algo.kl_estimator=k2", "run.steps=1"]
+    args += [f"algo.routing_replay={replay}", f"run.output_dir={tmp_path}", "run.name=replay"]
+    assert main(args) == 0
+    (row,) = [json.loads(line) for line in (tmp_path / "replay" / "metrics.jsonl").read_text().splitlines()]
+    assert row["rollout/logprob_abs_diff"] < 1e-5
+    if replay == "r3":
+        assert row["actor/kl"] < REPLAYED_KL_BOUND
+    else:
+        assert row["actor/kl"] > REPLAYED_KL_BOUND
 
 
 def test_grpo_with_routing_replay_through_cli(ray_session, tmp_path, moe_model, arithmetic_data):

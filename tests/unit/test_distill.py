@@ -12,11 +12,14 @@ import torch
 
 from dockrl.algos.distill import DistillSums, distill_advantages
 from dockrl.algos.estimators import compute_advantages
+from dockrl.algos.losses import policy_loss
 from dockrl.cli import main
 from dockrl.config import ConfigError, TrainConfig, load_config
 from dockrl.config.schema import AlgoConfig, RewardConfig
 from dockrl.config.specs import RewardStageSpec
+from dockrl.config.step_plan import loss_plan
 from dockrl.dock.columns import TEACHER_LOGPROBS
+from dockrl.engines.train.policy_update import importance_weights
 from dockrl.models.tiny import make_tiny
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.recipes.preflight import preflight_train
@@ -39,6 +42,37 @@ def test_teacher_term_is_coef_times_teacher_minus_sampling_logprob():
     assert DistillSums().means() == {}
     with pytest.raises(ValueError, match="differ in length"):
         distill_advantages(teacher, student[:3], 1.0)
+
+
+def test_stale_teacher_terms_are_weighted_only_with_algo_rollout_is():
+    """One update per step (the default): the update's old log-probs are its current ones, so the PPO ratio is 1
+    and rows sampled by older weights (asynchronous rollout) train uncorrected unless algo.rollout_is is set;
+    then each token's teacher term is weighed by min(pi_current / pi_rollout, cap). By hand, coef 0.5, stale
+    rollout log-probs against the current ones (w = exp(current - rollout) = [0.5, 1, 3 -> cap 2, 1.5]):
+        A = 0.5 x (teacher - rollout) = [0.25, -0.25, 0.0, -1.5]
+        uncorrected: -mean(A)     = -(0.25 - 0.25 + 0 - 1.5) / 4        =  0.375 (= 0.5 x reverse KL)
+        tis:         -mean(w x A) = -(0.125 - 0.25 + 0 - 2.25) / 4      =  0.59375"""
+    teacher = torch.tensor([-0.5, -2.0, -1.0, -3.25])
+    rollout = torch.tensor([-1.0, -1.5, -1.0, -0.25])
+    current = rollout + torch.log(torch.tensor([0.5, 1.0, 3.0, 1.5]))
+    advantages = distill_advantages(teacher, rollout, 0.5)[None]  # [1, 4]
+    mask = torch.ones(1, 4)
+    losses = {}
+    for correction in ("none", "tis"):
+        algo = AlgoConfig(name="opd", rollout_is=correction, rollout_is_cap=2.0)
+        plan = loss_plan(algo, 4)
+        raw = (current - rollout).exp()[None]
+        weights = None if correction == "none" else importance_weights(raw, plan)
+        out = policy_loss(
+            current[None], current[None], advantages, mask, plan, num_tokens=4.0, is_weights=weights
+        )
+        losses[correction] = float(out.pg_loss)
+    # fp32 token-means of 4 terms |w A| <= 3: rounding < 4 x 3 x 2**-24 < 1e-6
+    assert losses["none"] == pytest.approx(0.375, abs=1e-6)
+    sums = DistillSums()
+    sums.add(teacher, rollout)
+    assert losses["none"] == pytest.approx(0.5 * sums.means()["distill/reverse_kl"], abs=1e-6)
+    assert losses["tis"] == pytest.approx(0.59375, abs=1e-6)
 
 
 def _rows(tokenizer: Tokenizer) -> dict[str, list]:

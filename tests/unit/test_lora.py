@@ -317,3 +317,59 @@ def test_a_peft_adapters_dropout_is_not_taken_over(tmp_path):
         found = _lora_adapter(cfg, str(tmp_path))
     assert "actor.lora.dropout" not in found and found["actor.lora.alpha"] == 8.0
     assert copy_with(cfg, found).actor.lora.dropout is None  # 0 in the run: the same in every pass
+
+
+def test_the_kl_reference_of_a_starting_adapter_is_that_adapter_or_the_base(tmp_path):
+    """model.lora_path: the engine keeps the adapters it loaded; inside `starting_adapters()` its log-probs are
+    those of base + that adapter (algo.kl_reference=adapter), inside `adapters_off()` the base's (=base), and
+    the trained adapters come back bit for bit. Both are another process's forward of the same fp32 weights:
+    1e-5 per token (the rollout-trainer bound). The trained policy lies far outside it, so the check sees
+    which reference is computed."""
+    from dockrl.algos.logprobs import token_logprobs
+    from dockrl.config.schema import OptimConfig
+    from dockrl.engines.train.train_engine import TrainEngine
+    from dockrl.models.lora import read_peft_adapters
+
+    base = tiny_model()
+    save_model(base, base.args, tmp_path / "base")
+    started = tiny_model()
+    apply_lora(started, SPEC)
+    randomize_adapters(started, seed=4)  # an SFT's adapter: B != 0
+    save_peft(started, tmp_path / "adapter", SPEC, str(tmp_path / "base"))
+    engine = TrainEngine(
+        str(tmp_path / "base"),
+        device="cpu",
+        precision="fp32",
+        optim=OptimConfig(),
+        lora=SPEC,
+        lora_init=read_peft_adapters(tmp_path / "adapter"),
+        keep_starting_adapters=True,
+    )
+    randomize_adapters(engine.model, seed=5)  # what training made of them
+    trained = {k: v.clone() for k, v in adapter_state(engine.model).items()}
+    prompts, responses = [IDS[0, :4], IDS[1, :3]], [IDS[0, 4:], IDS[1, 3:]]
+
+    def engine_logprobs() -> torch.Tensor:
+        got, _ = engine.logprobs(prompts, responses, temperature=1.0, micro_batch_size=2, pad_token_id=0)
+        return torch.cat(got)
+
+    def model_logprobs(model: Transformer) -> torch.Tensor:
+        with torch.no_grad():
+            rows = [
+                token_logprobs(model(torch.cat([p, r])[None])[0, len(p) - 1 : -1], r)
+                for p, r in zip(prompts, responses)
+            ]
+        return torch.cat(rows)
+
+    with engine.starting_adapters():
+        reference = engine_logprobs()
+    with engine.adapters_off():
+        base_reference = engine_logprobs()
+    policy = engine_logprobs()
+    after = adapter_state(engine.model)
+    assert all(torch.equal(after[k], trained[k]) for k in trained)  # the trained values, bit for bit
+    bound = 1e-5
+    assert (reference - model_logprobs(started)).abs().max() < bound
+    assert (base_reference - model_logprobs(base)).abs().max() < bound
+    assert (policy - model_logprobs(started)).abs().max() > 100 * bound  # the trained adapters differ
+    assert (reference - base_reference).abs().max() > 100 * bound  # the two references differ

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dockrl.algos.losses import policy_loss
-from dockrl.config import TrainConfig
+from dockrl.backends.vllm import logprobs_mode
+from dockrl.config import ConfigError, TrainConfig
 from dockrl.config.loader import load_config
 from dockrl.config.step_plan import loss_plan, step_plan
 from dockrl.config.validate import check_train
@@ -101,3 +102,41 @@ def test_asynchronous_runs_without_a_correction_warn_and_with_one_do_not():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_train(_cfg([*stale, "algo.rollout_is=tis"]))
+
+
+VLLM_FILTERED = ["rollout.backend=vllm", "rollout.temperature=0.8"]
+
+
+@pytest.mark.parametrize(
+    "extra, setting, reader",
+    [
+        (["rollout.top_p=0.7", "algo.rollout_is=tis"], "rollout.top_p=0.7", "algo.rollout_is=tis"),
+        (["rollout.top_k=20", "algo.rollout_is=decoupled"], "rollout.top_k=20", "algo.rollout_is=decoupled"),
+        (
+            ["rollout.min_p=0.05", "algo.old_logprobs=rollout", "actor.mini_batches=2"],
+            "rollout.min_p=0.05",
+            "algo.old_logprobs=rollout",
+        ),
+        (
+            ["rollout.top_p=0.9", "algo.name=opd", "distill.teacher_path=/models/teacher"],
+            "rollout.top_p=0.9",
+            "distill.teacher_path",
+        ),
+    ],
+)
+def test_vllm_filtered_logprobs_are_refused_with_the_corrections_that_read_them(extra, setting, reader):
+    """vLLM at a temperature other than 1 reports the filtered, renormalised log-probs: a filter with a
+    correction that reads them is an error naming both; at temperature 1, without a filter, without a reader or
+    on the dockrl engine (the model's log-probs whatever the filter) the same settings pass."""
+    with pytest.raises(
+        ConfigError, match=rf"{setting}: with rollout.backend=vllm .* which {reader} compares"
+    ):
+        check_train(_cfg([*VLLM_FILTERED, *extra]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the settings' other notes (e.g. old_logprobs=rollout)
+        check_train(_cfg(["rollout.backend=vllm", "rollout.temperature=1.0", *extra]))
+        check_train(_cfg(["rollout.temperature=0.8", *extra]))
+        check_train(_cfg([*VLLM_FILTERED, extra[0]]))  # the filter, no reader
+        check_train(_cfg([*VLLM_FILTERED, *extra[1:]]))  # the reader, no filter
+    assert logprobs_mode(1.0) == logprobs_mode(0.0) == "raw_logprobs"
+    assert logprobs_mode(0.8) == "processed_logprobs"

@@ -96,20 +96,33 @@ def test_max_batch_size_chunks_give_the_same_tokens(model):
         assert torch.equal(a.token_ids, b.token_ids)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p",
+    [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 0, 0.7, 0.0), (0.9, 0, 1.0, 0.1)],
+)
 @torch.no_grad()
-def test_logprobs_are_full_vocab_log_softmax_of_tempered_logits(model, temperature, top_k, top_p):
-    params = SamplingParams(max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p)
+def test_logprobs_are_full_vocab_log_softmax_of_tempered_logits(model, temperature, top_k, top_p, min_p):
+    """The reported log-probs are the model's at the temperature, before any filter (what the trainer
+    recomputes; vLLM is made to report the same: tests/vllm). With a filter on, the filtered and renormalised
+    distribution's (log p - log Z, Z the mass kept) lie well outside the bound: the check tells them apart."""
+    params = SamplingParams(max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     generations = generate(model, PROMPTS, params, [11, 12, 13, 14], pad_token_id=299)
+    filtered_gap = 0.0
     for prompt, generation in zip(PROMPTS, generations):
         assert generation.logprobs.dtype == torch.float32 and generation.token_ids.dtype == torch.int64
         logits = full_forward_logits(model, prompt, generation.token_ids)  # [R, V]
         expected = torch.log_softmax(logits / temperature, -1).gather(-1, generation.token_ids[:, None])[:, 0]
         assert (generation.logprobs - expected).abs().max().item() < 1e-5
+        rows = RowSettings.build([params] * len(logits), "cpu")
+        renormalised = torch.log_softmax(filter_logits(logits / temperature, rows), -1)
+        renormalised = renormalised.gather(-1, generation.token_ids[:, None])[:, 0]
+        filtered_gap = max(filtered_gap, (generation.logprobs - renormalised).abs().max().item())
         if top_k:
             # The filter was applied: every sampled token lies in the top-k of its step.
             rank = (logits > logits.gather(-1, generation.token_ids[:, None])).sum(-1)
             assert (rank < top_k).all()
+    if (top_k, top_p, min_p) != (0, 1.0, 0.0):
+        assert filtered_gap > 1e-2  # -log Z of the steps where the filter cut mass
 
 
 def test_stop_token_ends_only_its_row(model):

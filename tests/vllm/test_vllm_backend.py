@@ -190,3 +190,37 @@ def test_qwen3_moe_weights_stream_in_and_greedy_tokens_equal_the_dockrl_engine(t
         compared += _greedy_matches(engine, model, seed)
     assert compared >= 60
     engine.close()
+
+
+def test_filtered_sampling_reports_the_models_logprobs_as_the_dockrl_engine_does(vllm_model, weight_sets):
+    """top_p=0.7 at temperature 1 (logprobs_mode raw_logprobs, as rollout.temperature=1 picks): vLLM's sampled
+    tokens' log-probs are log_softmax(logits)[token] of the model over the whole vocabulary, the dockrl engine's
+    quantity (its own sampled tokens, checked the same way), within the kernels' fp32 bound of the greedy
+    test. The filtered, renormalised log-probs (what processed_logprobs gives: log p - log Z) lie outside it."""
+    from dockrl.backends.vllm import logprobs_mode
+    from dockrl.engines.rollout.sampling import RowSettings, filter_logits
+
+    nucleus = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.7)
+    engine = VllmBackend(_settings(vllm_model, logprobs_mode=logprobs_mode(nucleus.temperature)))
+    engine.load_weights(weight_sets[1].items())
+    model = _model_with(vllm_model, weight_sets[1])
+    runs = {
+        "vllm": _run(engine, nucleus),
+        "dockrl": _run(RolloutEngine(model, num_slots=4, max_seq_len=64, pad_token_id=0), nucleus),
+    }
+    engine.close()
+    renormalised_gap = 0.0
+    for name, outputs in runs.items():
+        for prompt, (tokens, logprobs, _) in zip(PROMPTS, outputs):
+            ids, picked = torch.tensor(prompt + tokens), torch.tensor(tokens)[:, None]
+            with torch.no_grad():
+                logits = model(ids[None])[0, len(prompt) - 1 : -1].float()  # [R, V]
+            expected = torch.log_softmax(logits, -1).gather(-1, picked)[:, 0]
+            bound = 2 * 3 * 192**0.5 * FP32_EPS * float(logits.abs().max())  # as in the greedy test
+            assert (torch.tensor(logprobs) - expected).abs().max() <= bound, name
+            rows = RowSettings.build([nucleus] * len(logits), "cpu")
+            filtered = torch.log_softmax(filter_logits(logits, rows), -1).gather(-1, picked)[:, 0]
+            renormalised_gap = max(renormalised_gap, float((torch.tensor(logprobs) - filtered).abs().max()))
+    assert (
+        renormalised_gap > 100 * bound
+    )  # -log Z where the nucleus cut mass: the check sees which is reported

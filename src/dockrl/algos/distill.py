@@ -9,8 +9,9 @@ and its policy gradient, taken token by token with no discount (each token's own
 
     A_t = coef x (log pi_t(y_t) - log pi_s(y_t))          (the negative per-token reverse KL)
 
-where log pi_s is the log-prob under the policy that sampled the token (the rollout's `rollout_logprobs`;
-off-policy rows are weighted by the update's importance ratio like every other advantage). The teacher's
+where log pi_s is the log-prob under the policy that sampled the token (the rollout's `rollout_logprobs`).
+Rows sampled by older weights are corrected only by algo.rollout_is (one update per step, the default, has
+ratio 1: docs/distillation.md, "Stale rows"). The teacher's
 log-prob is taken at the rollout's temperature, as the student's is, so at temperature 1 this is the plain
 reverse KL. `algo.name=opd` trains on A_t alone; any other group algorithm adds it to its broadcast sequence
 advantage (`distill.coef` weighs the two).

@@ -98,6 +98,13 @@ class Backend:
         """(key, value, problem, fix) for each setting of its section that cannot work."""
         return []
 
+    def unfiltered_logprobs(self, temperature: float) -> bool:
+        """Whether its rollout_logprobs at this rollout.temperature are dockrl's quantity whatever the filters:
+        log_softmax(logits / temperature) over the whole vocabulary, before top_k / top_p / min_p (what the
+        trainer recomputes). False: with a filter on, they are another distribution's (the config refuses the
+        corrections that read them)."""
+        return True
+
     def install_problem(self) -> str | None:
         """Why it cannot run on this machine (a package missing, another version), or None."""
         return None

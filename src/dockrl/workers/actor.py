@@ -104,8 +104,10 @@ class ActorWorker(Worker):
         )
         if resume_from is not None:
             load_engine(self.policy, Path(resume_from) / ACTOR)
-        self.ref = None  # LoRA: the reference is the policy with its adapters off (compute_ref)
-        if self.plan.reference and not self.plan.reference_is_base:
+        self.ref = (
+            None  # LoRA: the reference is the policy's base, adapters off or at their start (compute_ref)
+        )
+        if self.plan.reference and not self.plan.reference_in_policy:
             self.ref = TrainEngine(spec.ref_path or spec.model_path, trainable=False, **common)
         self.tokenizer = Tokenizer.from_dir(spec.model_path)
         self.pad_token_id = first_token_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
@@ -139,6 +141,7 @@ class ActorWorker(Worker):
         return {
             "lora": spec,
             "lora_init": None if path is None else read_peft_adapters(path),
+            "keep_starting_adapters": self.plan.reference and self.plan.reference_adapters,
             "seed": self.spec.rollout.seed,
         }
 
@@ -237,9 +240,14 @@ class ActorWorker(Worker):
 
     def compute_ref(self) -> LogprobResult:
         """Reference-model log-probs of this rank's share of rows -> `ref_logprobs` (LoRA: the policy's base,
-        adapters off)."""
+        adapters off, or with model.lora_path's starting adapter: algo.kl_reference)."""
         if self.ref is None:
-            with self.policy.adapters_off():
+            context = (
+                self.policy.starting_adapters()
+                if self.plan.reference_adapters
+                else self.policy.adapters_off()
+            )
+            with context:
                 return self._logprob_stage(Stage.REFERENCE, self.policy, REF_LOGPROBS)
         return self._logprob_stage(Stage.REFERENCE, self.ref, REF_LOGPROBS)
 

@@ -22,10 +22,14 @@ fresh engine built on those weights (tests/vllm/test_vllm_backend.py). Each upda
 log-probs of a fixed probe sequence must match the reference's (the trainer's own forward, or a separate
 replica's received weights) within `probe_tol` (mean absolute difference per token), else `WeightSyncError`.
 
-Log-probs: `logprobs_mode="processed_logprobs"`: log_softmax(logits / temperature) of the sampled token after
-vLLM's top-k / top-p / min-p filters. Without filters that is dockrl's own formula (engines.rollout.sampling); with
-them it is the filtered distribution the token was drawn from (the dockrl engine reports the unfiltered one).
-Greedy rows (temperature 0) report log_softmax(logits), as the dockrl engine does.
+Log-probs: dockrl's quantity is log_softmax(logits / temperature)[token] over the whole vocabulary, before any
+top-k / top-p / min-p filter (engines.rollout.sampling; what the trainer recomputes, so importance weights and the
+teacher term compare like with like). vLLM offers it at temperature 1 and greedy as `logprobs_mode="raw_logprobs"`
+(log_softmax of the logits before temperature, penalties and filters); at another temperature only
+`processed_logprobs` carries the temperature, and those are taken after the filters and renormalised: log p - log Z
+with Z the mass the filters keep. `logprobs_mode(temperature)` picks raw where it is exact, processed elsewhere
+(exact without a filter); the config refuses a filter at such a temperature with the corrections that read
+rollout_logprobs (config.validate, rollout.top_p and the like).
 
 Seeds: each sample is its own vLLM request with its own seed, so a row's tokens do not depend on its batch
 (vLLM draws from a per-request generator, not dockrl's counter stream: the two backends sample different tokens
@@ -48,7 +52,14 @@ from typing import Any
 import torch
 
 from dockrl.backends import RolloutHost, WeightSource
-from dockrl.backends.vllm import CPU_HEAD_SIZES, INSTALL_HINT, VLLM_VERSION, model_problem, vllm_problem  # noqa: F401 - re-exported
+from dockrl.backends.vllm import (  # noqa: F401 - re-exported
+    CPU_HEAD_SIZES,
+    INSTALL_HINT,
+    VLLM_VERSION,
+    logprobs_mode,
+    model_problem,
+    vllm_problem,
+)
 from dockrl.engines.rollout.rollout_engine import Completion, Generation, Request
 from dockrl.models.precision import dtype_of
 
@@ -115,6 +126,7 @@ class VllmSettings:
     probe_tol: float | None = None
     kv_cache_bytes: int | None = None  # the KV cache's size (CPU: always given); None: memory_utilization
     load_format: str = "dummy"  # "dummy": weights come with the first update; "auto": read model_dir's
+    logprobs_mode: str = "raw_logprobs"  # logprobs_mode(rollout.temperature)
 
 
 def kv_cache_bytes(args: Any, max_num_seqs: int, max_model_len: int, dtype: torch.dtype) -> int:
@@ -149,7 +161,7 @@ class VllmBackend:
             gpu_memory_utilization=settings.memory_utilization,
             tensor_parallel_size=settings.tp,
             seed=settings.seed,
-            logprobs_mode="processed_logprobs",
+            logprobs_mode=settings.logprobs_mode,
             enable_prefix_caching=True,
             enforce_eager=settings.device_type != "cuda",
             enable_sleep_mode=settings.device_type == "cuda",
@@ -455,6 +467,7 @@ def run_settings(spec: Any, args: Any, device_type: str, *, world: int = 1) -> V
         executor="external_launcher" if world > 1 else None,
         seed=spec.seed,
         probe_tol=section.probe_tol,
+        logprobs_mode=logprobs_mode(spec.temperature),
         kv_cache_bytes=kv_cache_bytes(args, spec.max_batch_size, max_len, dtype)
         if device_type != "cuda"
         else None,

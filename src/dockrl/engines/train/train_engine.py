@@ -20,8 +20,8 @@ Without a mesh (`dockrl sft`, tests) the same code runs on one process with auto
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from typing import Any, cast
 
 import torch
@@ -70,6 +70,7 @@ class TrainEngine:
         load_weights: bool = True,
         lora: LoraSpec | None = None,
         lora_init: Mapping[str, torch.Tensor] | None = None,
+        keep_starting_adapters: bool = False,
         seed: int = 0,
         ep: int = 1,
     ):
@@ -127,6 +128,16 @@ class TrainEngine:
                 ignore=lambda name: kind.ignore(name, self.args),
                 fallback=fallback or None,
             )
+        # algo.kl_reference=adapter: a copy of the adapters as loaded (this rank's shards, adapter-sized), taken
+        # before a resume overwrites them with trained ones (load_engine), for `starting_adapters`
+        self._starting_adapters: dict[str, torch.Tensor] | None = None
+        if keep_starting_adapters:
+            assert lora is not None and load_weights, "starting adapters are those the engine loads"
+            self._starting_adapters = {
+                name: param.detach().clone()
+                for name, param in model.named_parameters()
+                if name.endswith((".lora_A", ".lora_B"))
+            }
         self.optimizer = self.scheduler = None
         if trainable:
             assert optim is not None, "a trainable engine needs optimizer settings"
@@ -236,6 +247,25 @@ class TrainEngine:
         """A context in which the model is its base (LoRA's reference policy: the same weights, adapters off);
         a no-op without LoRA."""
         return adapters_disabled(self.model) if self.lora is not None else nullcontext()
+
+    @contextmanager
+    def starting_adapters(self) -> Iterator[None]:
+        """A context in which the adapters hold the values the engine loaded (model.lora_path's: the KL reference
+        of algo.kl_reference=adapter); the trained values come back on exit, bit for bit, the optimizer state
+        untouched. Needs `keep_starting_adapters`."""
+        if self._starting_adapters is None:
+            raise RuntimeError("starting_adapters needs TrainEngine(keep_starting_adapters=True)")
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            trained = {name: params[name].detach().clone() for name in self._starting_adapters}
+            for name, value in self._starting_adapters.items():
+                params[name].copy_(value)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, value in trained.items():
+                    params[name].copy_(value)
 
     def autocast(self):
         """bf16 autocast for the unsharded path (FSDP2's mixed-precision policy covers the sharded one)."""
