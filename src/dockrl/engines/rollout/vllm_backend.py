@@ -50,6 +50,7 @@ import torch
 from dockrl.backends import RolloutHost, WeightSource
 from dockrl.backends.vllm import CPU_HEAD_SIZES, INSTALL_HINT, VLLM_VERSION, model_problem, vllm_problem  # noqa: F401 - re-exported
 from dockrl.engines.rollout.rollout_engine import Completion, Generation, Request
+from dockrl.engines.rollout.vllm_digest import SentDigest, compare, engine_digest
 from dockrl.models.precision import dtype_of
 
 PROBE_TOKENS = 64  # length of the probe sequence checked after every weight update
@@ -228,18 +229,25 @@ class VllmBackend:
         check the update. Only while nothing runs. Returns seconds, bytes and the probe's difference."""
         assert not self._running, "load_weights while requests run"
         start = time.perf_counter()
-        counted = _Counted(weights)
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": iter(counted), "is_checkpoint_format": True}
-        )
+        sent = SentDigest(self.settings.dtype) if self.settings.tp == 1 else None
+        counted = _Counted(weights, sent)
+        self._reload(iter(counted))
         self.llm.collective_rpc(_repack_vocab)
         self.llm.collective_rpc(_repack_experts)
         self.llm.reset_prefix_cache()
         self.stats["weight_updates"] += 1
         report = {"seconds": time.perf_counter() - start, "bytes": float(counted.bytes)}
+        if sent is not None:
+            report["digest_tensors"] = float(self.check_digest(sent))
         if reference is not None:
             report["probe_abs_diff"] = self.check_probe(reference)
         return report
+
+    def _reload(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Hand the (HF name, tensor) pairs to vLLM's in-place reload (one call: its loaders consume them)."""
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True}
+        )
 
     # ---- verification -----------------------------------------------------------------------------
 
@@ -259,6 +267,19 @@ class VllmBackend:
         for token, entry in zip(ids.tolist()[1:], output.prompt_logprobs[1:]):
             values.append(entry[token].logprob)
         return torch.tensor(values, dtype=torch.float32)
+
+    def check_digest(self, sent: SentDigest) -> int:
+        """Every module of the engine holds what was sent (vllm_digest: exact hashes and kernel columns), else
+        WeightSyncError naming the modules; returns the tensors checked."""
+        (held,) = self.llm.collective_rpc(engine_digest, args=(self.settings.dtype,))
+        problems = compare(sent, held)
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+            raise WeightSyncError(
+                f"{self.name}: after weight update {self.stats['weight_updates']} vLLM does not hold the weights "
+                f"the trainer sent ({len(problems)} digest mismatch(es)): {shown}"
+            )
+        return len(sent.hashes)
 
     def check_probe(self, reference: torch.Tensor) -> float:
         """Mean |vLLM - reference| log-prob over the probe's tokens; WeightSyncError above the bound."""
@@ -374,15 +395,18 @@ class _Counted:
     """An iterable of (name, tensor) pairs that counts the bytes passed through; fused expert tensors go out as
     the per-expert checkpoint tensors vLLM's loaders read (`models.hf.split_experts`)."""
 
-    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]]):
-        self.pairs, self.bytes = pairs, 0
+    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]], digest: SentDigest | None = None):
+        self.pairs, self.bytes, self.digest = pairs, 0, digest
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         from dockrl.models.hf import split_experts
 
         for name, tensor in self.pairs:
             self.bytes += tensor.numel() * tensor.element_size()
-            yield from split_experts(name, tensor)
+            for part in split_experts(name, tensor):
+                if self.digest is not None:
+                    self.digest.add(*part)
+                yield part
 
 
 def _generation(completion: Any) -> Generation:
