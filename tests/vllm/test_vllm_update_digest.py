@@ -10,7 +10,13 @@ from dockrl.algos.losses import policy_loss
 from dockrl.engines.rollout import vllm_backend
 from dockrl.engines.rollout.sampler import generate_with
 from dockrl.engines.rollout.sampling import SamplingParams
-from dockrl.engines.rollout.vllm_backend import PROBE_TOL, VllmBackend, VllmSettings, WeightSyncError, probe_ids
+from dockrl.engines.rollout.vllm_backend import (
+    PROBE_TOL,
+    VllmBackend,
+    VllmSettings,
+    WeightSyncError,
+    probe_ids,
+)
 from dockrl.models.hf import load_model, read_config
 from dockrl.models.lora import LoraSpec, adapter_state, apply_lora, lora_layers, merge_into, resolve_targets
 
@@ -64,7 +70,9 @@ def _grpo_step(model, engine, lr: float) -> float:
     prompts = [p for p in PROMPTS for _ in range(GROUP)]
     outs = generate_with(engine, prompts, SAMPLED, list(range(len(prompts))))
     half = model.args.vocab_size // 2
-    rewards = torch.tensor([float((o.token_ids < half).float().mean()) for o in outs]).view(len(PROMPTS), GROUP)
+    rewards = torch.tensor([float((o.token_ids < half).float().mean()) for o in outs]).view(
+        len(PROMPTS), GROUP
+    )
     advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)).view(-1)
     width = max(len(o.token_ids) for o in outs)
     logprobs = torch.zeros(len(outs), width)
@@ -102,7 +110,11 @@ def test_a_module_left_stale_by_one_rl_step_is_caught_by_the_digest_not_by_the_p
 ):
     model = load_model(vllm_model).eval()
     if lora:
-        apply_lora(model, LoraSpec(rank=8, alpha=16, dropout=0.0, target_modules=resolve_targets("all-linear")), seed=0)
+        apply_lora(
+            model,
+            LoraSpec(rank=8, alpha=16, dropout=0.0, target_modules=resolve_targets("all-linear")),
+            seed=0,
+        )
     before = _hf_weights(model)
     reference_before = _probe_reference(model)
     engine.load_weights(before.items(), reference_before)  # the engine holds the policy that samples
@@ -115,7 +127,9 @@ def test_a_module_left_stale_by_one_rl_step_is_caught_by_the_digest_not_by_the_p
 
     # one module's reload skipped: the digest names it ...
     monkeypatch.setattr(engine, "_reload", _skipping(engine, DROPPED))
-    with pytest.raises(WeightSyncError, match=r"model\.layers\.1\.mlp\.down_proj\.weight: its kernel multiplies"):
+    with pytest.raises(
+        WeightSyncError, match=r"model\.layers\.1\.mlp\.down_proj\.weight: its kernel multiplies"
+    ):
         engine.load_weights(after.items(), reference_after)
     # ... which the probe alone, with its bound, let through
     stale_diff = float((engine.probe_logprobs(engine.probe_ids()) - reference_after).abs().mean())

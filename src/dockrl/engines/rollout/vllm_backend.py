@@ -3,6 +3,7 @@
 ```
  build: LLM(model dir, load_format="dummy", tp, executor)   no weights read: the first update brings them
  load_weights(pairs)   reload_weights(iterator) -> re-pack the vocabulary matrices -> reset the prefix cache
+                       -> digest: every module holds exactly what was sent (vllm_digest), else WeightSyncError
                        -> probe: vLLM's log-probs of a fixed sequence vs the reference's, else WeightSyncError
  add(Request)          one vLLM request per sample: prompt token ids in, the sample's own seed
  step()                LLMEngine.step(); finished samples -> Completion (token ids + sampled log-probs)
@@ -18,9 +19,12 @@ vLLM packs linear weights for oneDNN after loading; `reload_weights` re-packs th
 the vocabulary matrices (the embedding, and with it a tied LM head, whose packed copy `dispatch_cpu_unquantized_
 gemm(remove_weight=False)` made) stale: after a reload with another model's weights the logits come from the old
 LM head. `_repack_vocab` re-packs them from the reloaded weights, which makes the engine's outputs bit-equal to a
-fresh engine built on those weights (tests/vllm/test_vllm_backend.py). Each update is then checked: the engine's
-log-probs of a fixed probe sequence must match the reference's (the trainer's own forward, or a separate
-replica's received weights) within `probe_tol` (mean absolute difference per token), else `WeightSyncError`.
+fresh engine built on those weights (tests/vllm/test_vllm_backend.py). Each update is then checked twice. The
+digest (`vllm_digest`, engines of one rank): every module must hold exactly the tensors sent, read through its
+own kernel where vLLM packed it, whatever the size of the update. The probe: the engine's log-probs of a fixed
+sequence must match the reference's (the trainer's own forward, or a separate replica's received weights) within
+`probe_tol` (mean absolute difference per token); it sees what the digest cannot (a wrong layout, a kernel that
+computes something else) when the error is large. Either failing is a `WeightSyncError`.
 
 Log-probs: `logprobs_mode="processed_logprobs"`: log_softmax(logits / temperature) of the sampled token after
 vLLM's top-k / top-p / min-p filters. Without filters that is dockrl's own formula (engines.rollout.sampling); with
@@ -58,8 +62,9 @@ PROBE_TOKENS = 64  # length of the probe sequence checked after every weight upd
 # two sides run different kernels (oneDNN or cuBLAS vs torch), each rounding a dot product of K terms to
 # ~sqrt(K) x 2^-24 relative; over a few layers that stays below 1e-4 for the models this runs, and 1e-3 leaves a
 # factor of 10. bf16: 2^-8 relative per rounding of activations and weights, a few tenths of a nat at worst on
-# one token, ~1e-2 on average: 5e-2. A stale or wrong weight moves it by 0.1-1 nat per token (measured: 1.38 on
-# the tied LM head left stale by a reload), so both bounds separate the two cases.
+# one token, ~1e-2 on average: 5e-2. A wrong layout or another model's weights move it by 0.1-1 nat per token
+# (measured: 1.38 on the tied LM head left stale by a reload between unrelated weights); one RL step moves it far
+# less (a module left stale by a full step at lr 1e-6: 4e-5), which only the weight digest (vllm_digest) sees.
 PROBE_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 
 

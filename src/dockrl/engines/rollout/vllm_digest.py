@@ -5,7 +5,7 @@
  SentDigest.add(HF name, tensor)          engine_digest(worker)
    hash:    exact multiset hash              hash of every parameter vLLM holds (embedding: its logical rows)
    columns: tensor[:, C(K)]                  kernel columns: the module's own GEMM on one-hot rows e_c, c in C(K)
-                  \___________________  compare  ____________________/
+                  +-------------------  compare  --------------------+
                      per (module, parameter), through vLLM's packing (qkv, gate_up, experts, tied head):
                      any difference -> WeightSyncError naming the modules
 ```
@@ -44,7 +44,11 @@ import torch
 DIGEST_COLUMNS = 8  # input columns of each linear-like module read through its kernel
 HASH_PRIME = 2**31 - 1  # (b mod P)^2 < 2^62 and sums of < 2^32 such terms fit in int64
 HASH_CHUNK = 1 << 22  # elements hashed at a time (the int64 copy is 8 bytes an element)
-_BITS = {torch.float32: (torch.int32, 0xFFFFFFFF), torch.bfloat16: (torch.int16, 0xFFFF), torch.float16: (torch.int16, 0xFFFF)}
+_BITS = {
+    torch.float32: (torch.int32, 0xFFFFFFFF),
+    torch.bfloat16: (torch.int16, 0xFFFF),
+    torch.float16: (torch.int16, 0xFFFF),
+}
 _EXPERT = re.compile(r"^(?P<module>.+\.experts)\.\d+\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_PARAM = {"gate_proj": "w13_weight", "up_proj": "w13_weight", "down_proj": "w2_weight"}
 TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
@@ -59,10 +63,11 @@ def digest_columns(in_features: int) -> torch.Tensor:
 def multiset_hash(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[int, int]:
     """Exact hash of `tensor`'s values in `dtype` (module docstring): order-free, additive over parts."""
     int_dtype, mask = _BITS[dtype]
-    flat = tensor.detach().to(dtype).reshape(-1)
+    flat = tensor.detach().reshape(-1)
     first = second = 0
-    for start in range(0, flat.numel(), HASH_CHUNK):
-        bits = (flat[start : start + HASH_CHUNK].view(int_dtype).to(torch.int64) & mask) % HASH_PRIME
+    for start in range(0, flat.numel(), HASH_CHUNK):  # cast per chunk: no whole copy in `dtype` or int64
+        chunk = flat[start : start + HASH_CHUNK].to(dtype)
+        bits = (chunk.view(int_dtype).to(torch.int64) & mask) % HASH_PRIME
         first += int(bits.sum())
         second += int((bits * bits % HASH_PRIME).sum())
     return first % HASH_PRIME, second % HASH_PRIME
@@ -86,7 +91,7 @@ class SentDigest:
         self.hashes[name] = multiset_hash(tensor, self.dtype)
         if tensor.ndim == 2:
             cols = digest_columns(tensor.shape[1]).to(tensor.device)
-            self.columns[name] = tensor.detach().to(self.dtype)[:, cols].double().cpu()
+            self.columns[name] = tensor.detach()[:, cols].to(self.dtype).double().cpu()
 
 
 def engine_digest(worker: Any, dtype: torch.dtype) -> dict[str, dict[str, Any]]:
@@ -154,7 +159,9 @@ def compare(sent: SentDigest, engine: dict[str, dict[str, Any]]) -> list[str]:
             missing = [s for s in sources if s not in sent.hashes]
             used.update(sources)
             if missing or not sources:
-                problems.append(f"{module}.{param}: nothing streamed for it ({', '.join(missing) or 'no tensor'})")
+                problems.append(
+                    f"{module}.{param}: nothing streamed for it ({', '.join(missing) or 'no tensor'})"
+                )
                 continue
             expected = (0, 0)
             for source in sources:
@@ -171,7 +178,9 @@ def compare(sent: SentDigest, engine: dict[str, dict[str, Any]]) -> list[str]:
             kernel = entry["kernel"][: expected_columns.shape[0]]
             if kernel.shape != expected_columns.shape or not torch.equal(kernel, expected_columns):
                 worst = (
-                    float((kernel - expected_columns).abs().max()) if kernel.shape == expected_columns.shape else None
+                    float((kernel - expected_columns).abs().max())
+                    if kernel.shape == expected_columns.shape
+                    else None
                 )
                 problems.append(
                     f"{module}.weight: its kernel multiplies by other weights than those sent (max |difference| "
