@@ -16,11 +16,12 @@ weight beside a packed copy. A stale *packed copy* is what went wrong before (th
 hash of the parameter cannot see it. So every linear-like module (vLLM's LinearBase, the embedding and LM head) is
 read through its own kernel: `quant_method.apply(module, X)` with X the one-hot rows of a few fixed input columns
 C(K) returns those columns of the weight the kernel multiplies by. Each output is one weight times 1 plus exact
-zeros, so it is exact in any kernel that accumulates in the weight's precision or wider (oneDNN, the CPU sgl
-kernel, cuBLAS; not TF32, which rounds fp32 inputs): the comparison is equality, no tolerance. Every other
+zeros, so it is exact in any kernel that accumulates in the weight's precision or wider (vLLM's CPU GEMMs,
+measured in fp32 and bf16; not TF32, which rounds fp32 inputs): the comparison is equality, no tolerance. Every other
 parameter vLLM holds (norms, biases, the embedding's lookup matrix, the experts) is compared whole by an exact
-integer hash of its bits: sum(b mod P) and sum((b mod P)^2 mod P) over its elements, P = 2^31 - 1. The hash does
-not depend on the order of the elements, so it reads the experts' packed layout (a reordering) and the fused
+integer hash of its bits b (a signed integer of the dtype's width): sum(b) and sum(high half of b x low half of
+b) over its elements, summed exactly in int64 (the second term is nonlinear: a change that keeps sum(b) still
+shows). The hash does not depend on the order of the elements, so it reads the experts' packed layout (a reordering) and the fused
 qkv / gate_up tensors (concatenations) as the sum of their parts' hashes. It sees values, not layout: a wrong
 layout (e.g. experts left unpacked) is a large error the log-prob probe catches.
 
@@ -42,12 +43,11 @@ from typing import Any
 import torch
 
 DIGEST_COLUMNS = 8  # input columns of each linear-like module read through its kernel
-HASH_PRIME = 2**31 - 1  # (b mod P)^2 < 2^62 and sums of < 2^32 such terms fit in int64
-HASH_CHUNK = 1 << 22  # elements hashed at a time (the int64 copy is 8 bytes an element)
+HASH_CHUNK = 1 << 22  # elements hashed at a time: < 2^32 terms of |x| < 2^31, so each int64 sum is exact
 _BITS = {
-    torch.float32: (torch.int32, 0xFFFFFFFF),
-    torch.bfloat16: (torch.int16, 0xFFFF),
-    torch.float16: (torch.int16, 0xFFFF),
+    torch.float32: (torch.int32, 16),  # (integer view, half its width in bits)
+    torch.bfloat16: (torch.int16, 8),
+    torch.float16: (torch.int16, 8),
 }
 _EXPERT = re.compile(r"^(?P<module>.+\.experts)\.\d+\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_PARAM = {"gate_proj": "w13_weight", "up_proj": "w13_weight", "down_proj": "w2_weight"}
@@ -62,19 +62,19 @@ def digest_columns(in_features: int) -> torch.Tensor:
 
 def multiset_hash(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[int, int]:
     """Exact hash of `tensor`'s values in `dtype` (module docstring): order-free, additive over parts."""
-    int_dtype, mask = _BITS[dtype]
+    int_dtype, half = _BITS[dtype]
     flat = tensor.detach().reshape(-1)
     first = second = 0
-    for start in range(0, flat.numel(), HASH_CHUNK):  # cast per chunk: no whole copy in `dtype` or int64
-        chunk = flat[start : start + HASH_CHUNK].to(dtype)
-        bits = (chunk.view(int_dtype).to(torch.int64) & mask) % HASH_PRIME
-        first += int(bits.sum())
-        second += int((bits * bits % HASH_PRIME).sum())
-    return first % HASH_PRIME, second % HASH_PRIME
+    for start in range(0, flat.numel(), HASH_CHUNK):  # cast per chunk: no whole copy in `dtype`
+        bits = flat[start : start + HASH_CHUNK].to(dtype).view(int_dtype)
+        # signed high half x unsigned low half fits the integer type (|x| < 2^(2 half - 1)); sums are int64
+        first += int(bits.sum(dtype=torch.int64))
+        second += int(((bits >> half) * (bits & ((1 << half) - 1))).sum(dtype=torch.int64))
+    return first, second
 
 
 def _add(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
-    return (a[0] + b[0]) % HASH_PRIME, (a[1] + b[1]) % HASH_PRIME
+    return a[0] + b[0], a[1] + b[1]
 
 
 @dataclass
