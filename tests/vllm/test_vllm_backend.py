@@ -95,8 +95,13 @@ def test_a_stale_engine_is_caught_by_the_probe(vllm_model, weight_sets, monkeypa
     engine = VllmBackend(_settings(vllm_model))
     engine.load_weights(weight_sets[1].items(), _reference(_model_with(vllm_model, weight_sets[1])))
     monkeypatch.setattr(vllm_backend, "_repack_vocab", lambda worker: 0)
+    reference = _reference(_model_with(vllm_model, weight_sets[2]))
+    with pytest.raises(
+        WeightSyncError, match=r"rollout: after weight update 2 .* lm_head\.weight: its kernel"
+    ):
+        engine.load_weights(weight_sets[2].items(), reference)  # the digest sees the stale packed head
     with pytest.raises(WeightSyncError, match=r"rollout: after weight update 2 .* differ from the reference"):
-        engine.load_weights(weight_sets[2].items(), _reference(_model_with(vllm_model, weight_sets[2])))
+        engine.check_probe(reference)  # and so does the probe, between unrelated weight sets
     engine.close()
 
 

@@ -55,7 +55,7 @@ class Rollout(Protocol):
 
     def sync(self, source: WeightSource) -> dict[str, float]:
         """Take the weights after an update from `source`; returns what the load reports ({} when the engine
-        reads the weights in place): "seconds", "bytes", "probe_abs_diff"."""
+        reads the weights in place): "seconds", "bytes", "probe_abs_diff", "digest_tensors"."""
         ...
 
     def engine(self) -> Any:

@@ -3,7 +3,8 @@
 ```
  colocated : the switch streams full tensors (vLLM cuts its own tensor-parallel slices) into this rank's engine
  replica   : the received buffers' tensors are loaded when a new version arrives
- every load: wake up, the source's own log-probs of a probe sequence, load, compare (WeightSyncError)
+ every load: wake up, the source's own log-probs of a probe sequence, load, check the digest of what each
+             module holds and compare the probe (WeightSyncError)
 ```
 
 This record holds the settings section and the checks the config and the preflight make before any process

@@ -117,6 +117,9 @@ TIMING_ENV_WAIT = (
 TIMING_WEIGHT_LOAD = "timing/weight_load"  # seconds to gather and load the weights into vLLM, probe included
 ROLLOUT_WEIGHT_LOAD_MB = "rollout/weight_load_mb"  # MiB streamed into one engine
 ROLLOUT_PROBE_ABS_DIFF = "rollout/probe_abs_diff"  # mean |vLLM - trainer| log-prob on the probe sequence
+ROLLOUT_DIGEST_TENSORS = (
+    "rollout/digest_tensors"  # tensors the weight digest checked (fewest over ranks; 0: none)
+)
 
 # On-policy distillation (distill.teacher_path): per sampled token, over the step's rows.
 DISTILL_REVERSE_KL = "distill/reverse_kl"  # mean (sampling - teacher) log-prob: the reverse KL estimate

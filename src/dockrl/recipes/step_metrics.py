@@ -136,8 +136,8 @@ def _rewards_and_lengths(record: StepRecord, lengths: list[int]) -> dict[str, fl
 
 
 def _weight_sync(record: StepRecord) -> dict[str, float]:
-    """A backend that loads its weights (vLLM): the slowest rank's weight load, its bytes, and the worst probe difference ({}
-    with the dockrl engine)."""
+    """A backend that loads its weights (vLLM): the slowest rank's weight load, its bytes, the worst probe
+    difference and the fewest tensors the digest checked ({} with the dockrl engine)."""
     syncs = [g.weight_sync for g in record.generated if g.weight_sync]
     if not syncs:
         return {}
@@ -145,6 +145,7 @@ def _weight_sync(record: StepRecord) -> dict[str, float]:
         names.TIMING_WEIGHT_LOAD: max(s["seconds"] for s in syncs),
         names.ROLLOUT_WEIGHT_LOAD_MB: max(s["bytes"] for s in syncs) / 2**20,
         names.ROLLOUT_PROBE_ABS_DIFF: max(s.get("probe_abs_diff", 0.0) for s in syncs),
+        names.ROLLOUT_DIGEST_TENSORS: min(s.get("digest_tensors", 0.0) for s in syncs),
     }
 
 

@@ -43,7 +43,7 @@ class GenerateResult:
     interrupted: list[int] = field(default_factory=list)  # rollout.partial: rows cut at the pass's budget
     continued: int = 0  # rollout.partial: carried rows this pass continued
     env: dict[str, float] = field(default_factory=dict)  # multi-turn: summed env counters (multi_turn.py)
-    # a backend that loads weights (vLLM): the update before this rollout (seconds, bytes, probe_abs_diff); {}
+    # a backend that loads weights (vLLM): the update before this rollout (seconds, bytes, probe_abs_diff, digest_tensors); {}
     # when the engine reads the switch's weights in place
     weight_sync: dict[str, float] = field(default_factory=dict)
 

@@ -3,6 +3,7 @@
 ```
  build: LLM(model dir, load_format="dummy", tp, executor)   no weights read: the first update brings them
  load_weights(pairs)   reload_weights(iterator) -> re-pack the vocabulary matrices -> reset the prefix cache
+                       -> digest: every module holds exactly what was sent (vllm_digest), else WeightSyncError
                        -> probe: vLLM's log-probs of a fixed sequence vs the reference's, else WeightSyncError
  add(Request)          one vLLM request per sample: prompt token ids in, the sample's own seed
  step()                LLMEngine.step(); finished samples -> Completion (token ids + sampled log-probs)
@@ -18,9 +19,12 @@ vLLM packs linear weights for oneDNN after loading; `reload_weights` re-packs th
 the vocabulary matrices (the embedding, and with it a tied LM head, whose packed copy `dispatch_cpu_unquantized_
 gemm(remove_weight=False)` made) stale: after a reload with another model's weights the logits come from the old
 LM head. `_repack_vocab` re-packs them from the reloaded weights, which makes the engine's outputs bit-equal to a
-fresh engine built on those weights (tests/vllm/test_vllm_backend.py). Each update is then checked: the engine's
-log-probs of a fixed probe sequence must match the reference's (the trainer's own forward, or a separate
-replica's received weights) within `probe_tol` (mean absolute difference per token), else `WeightSyncError`.
+fresh engine built on those weights (tests/vllm/test_vllm_backend.py). Each update is then checked twice. The
+digest (`vllm_digest`, engines of one rank): every module must hold exactly the tensors sent, read through its
+own kernel where vLLM packed it, whatever the size of the update. The probe: the engine's log-probs of a fixed
+sequence must match the reference's (the trainer's own forward, or a separate replica's received weights) within
+`probe_tol` (mean absolute difference per token); it sees what the digest cannot (a wrong layout, a kernel that
+computes something else) when the error is large. Either failing is a `WeightSyncError`.
 
 Log-probs: dockrl's quantity is log_softmax(logits / temperature)[token] over the whole vocabulary, before any
 top-k / top-p / min-p filter (engines.rollout.sampling; what the trainer recomputes, so importance weights and the
@@ -61,6 +65,7 @@ from dockrl.backends.vllm import (  # noqa: F401 - re-exported
     vllm_problem,
 )
 from dockrl.engines.rollout.rollout_engine import Completion, Generation, Request
+from dockrl.engines.rollout.vllm_digest import SentDigest, compare, engine_digest
 from dockrl.models.precision import dtype_of
 
 PROBE_TOKENS = 64  # length of the probe sequence checked after every weight update
@@ -68,8 +73,9 @@ PROBE_TOKENS = 64  # length of the probe sequence checked after every weight upd
 # two sides run different kernels (oneDNN or cuBLAS vs torch), each rounding a dot product of K terms to
 # ~sqrt(K) x 2^-24 relative; over a few layers that stays below 1e-4 for the models this runs, and 1e-3 leaves a
 # factor of 10. bf16: 2^-8 relative per rounding of activations and weights, a few tenths of a nat at worst on
-# one token, ~1e-2 on average: 5e-2. A stale or wrong weight moves it by 0.1-1 nat per token (measured: 1.38 on
-# the tied LM head left stale by a reload), so both bounds separate the two cases.
+# one token, ~1e-2 on average: 5e-2. A wrong layout or another model's weights move it by 0.1-1 nat per token
+# (measured: 1.38 on the tied LM head left stale by a reload between unrelated weights); one RL step moves it far
+# less (a module left stale by a full step at lr 1e-6: 4e-5), which only the weight digest (vllm_digest) sees.
 PROBE_TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 
 
@@ -240,18 +246,25 @@ class VllmBackend:
         check the update. Only while nothing runs. Returns seconds, bytes and the probe's difference."""
         assert not self._running, "load_weights while requests run"
         start = time.perf_counter()
-        counted = _Counted(weights)
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": iter(counted), "is_checkpoint_format": True}
-        )
+        sent = SentDigest(self.settings.dtype) if self.settings.tp == 1 else None
+        counted = _Counted(weights, sent)
+        self._reload(iter(counted))
         self.llm.collective_rpc(_repack_vocab)
         self.llm.collective_rpc(_repack_experts)
         self.llm.reset_prefix_cache()
         self.stats["weight_updates"] += 1
         report = {"seconds": time.perf_counter() - start, "bytes": float(counted.bytes)}
+        if sent is not None:
+            report["digest_tensors"] = float(self.check_digest(sent))
         if reference is not None:
             report["probe_abs_diff"] = self.check_probe(reference)
         return report
+
+    def _reload(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Hand the (HF name, tensor) pairs to vLLM's in-place reload (one call: its loaders consume them)."""
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": pairs, "is_checkpoint_format": True}
+        )
 
     # ---- verification -----------------------------------------------------------------------------
 
@@ -271,6 +284,19 @@ class VllmBackend:
         for token, entry in zip(ids.tolist()[1:], output.prompt_logprobs[1:]):
             values.append(entry[token].logprob)
         return torch.tensor(values, dtype=torch.float32)
+
+    def check_digest(self, sent: SentDigest) -> int:
+        """Every module of the engine holds what was sent (vllm_digest: exact hashes and kernel columns), else
+        WeightSyncError naming the modules; returns the tensors checked."""
+        (held,) = self.llm.collective_rpc(engine_digest, args=(self.settings.dtype,))
+        problems = compare(sent, held)
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+            raise WeightSyncError(
+                f"{self.name}: after weight update {self.stats['weight_updates']} vLLM does not hold the weights "
+                f"the trainer sent ({len(problems)} digest mismatch(es)): {shown}"
+            )
+        return len(sent.hashes)
 
     def check_probe(self, reference: torch.Tensor) -> float:
         """Mean |vLLM - reference| log-prob over the probe's tokens; WeightSyncError above the bound."""
@@ -386,15 +412,18 @@ class _Counted:
     """An iterable of (name, tensor) pairs that counts the bytes passed through; fused expert tensors go out as
     the per-expert checkpoint tensors vLLM's loaders read (`models.hf.split_experts`)."""
 
-    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]]):
-        self.pairs, self.bytes = pairs, 0
+    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]], digest: SentDigest | None = None):
+        self.pairs, self.bytes, self.digest = pairs, 0, digest
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         from dockrl.models.hf import split_experts
 
         for name, tensor in self.pairs:
             self.bytes += tensor.numel() * tensor.element_size()
-            yield from split_experts(name, tensor)
+            for part in split_experts(name, tensor):
+                if self.digest is not None:
+                    self.digest.add(*part)
+                yield part
 
 
 def _generation(completion: Any) -> Generation:
