@@ -146,7 +146,7 @@ def run_demo(
             result = evaluate_agent(
                 model,
                 str(data["test"]),
-                f"{env.source_file}:{env.name.rpartition(':')[2]}",
+                f"{env.source_file}:{str(env.name).rpartition(':')[2]}",
                 [RewardSpec(name="exact_answer")],
                 max_new_tokens=grpo_cfg.rollout.max_new_tokens,
             )
