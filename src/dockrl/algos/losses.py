@@ -5,8 +5,8 @@ Shape letters: B rows (sequences) in the micro-batch, T response tokens per row 
 
 Every per-token term is [B, T] and is reduced by ``aggregate`` with the same mode and normaliser, so
 the loss is one linear reduction of ``pg + kl_coef * kl - entropy_coef * entropy`` (+ ``distill_coef`` x
-top-k distillation's forward KL). ``mask`` marks the
-tokens that count (response tokens, not padding, not tool output); it may be bool or float.
+top-k distillation's forward KL). ``mask`` marks the tokens that count (response tokens, not padding, not
+tool output); it may be bool or float.
 
 Micro-batching: with ``agg="token-mean"`` pass ``num_tokens`` = valid tokens of the whole optimizer
 step (summed over micro-batches and data-parallel ranks). Each micro-batch loss is then its share of
