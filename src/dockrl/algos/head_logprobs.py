@@ -4,14 +4,17 @@ Shape letters: N tokens (rows of a micro-batch flattened), H hidden size, V voca
 vocab slice under tensor parallelism), c tokens in one chunk.
 
 `head_token_stats(hidden [N, H], weight [Vl, H], targets [N])` returns the log-probability of each target and the
-entropy of each position under softmax(hidden @ weight.T / temperature) without ever holding the [N, V] logits:
+entropy of each position under softmax(hidden @ weight.T / temperature) without ever holding the [N, V] logits
+(`head_support_stats` adds the log-probs of k more ids per position, top-k distillation's support [N, k], from the
+same logsumexp; `head_top_k` is the teacher's side, no grad: its k most likely ids and their log-probs):
 
     forward, per chunk of c tokens:   z = (h_c @ W.T).float() / temperature                      [c, Vl]
                                       lse, z[target], sum(softmax(z) * z)  (all-reduced over tp)  [c] each
                                       keep lse and sum(p z) only                                   [N] each
     backward, per chunk (z recomputed, a second matmul instead of N x V saved logits):
                                       p = exp(z - lse)
-                                      dz = g_logp (onehot(target) - p) - g_H p (z - sum p z)        [c, Vl]
+                                      dz = sum_j g_j (onehot(id_j) - p) - g_H p (z - sum p z)      [c, Vl]
+                                      (j over the scored ids of a position: its target [, its support])
                                       grad_h_c = dz @ W      grad_W += dz.T @ h_c
 
 So the memory above the inputs, the head weight and its gradient is a few [c, Vl] fp32 buffers, whatever N is;
@@ -59,22 +62,117 @@ def head_token_stats(
     `group` the tp group (None: the whole vocabulary is here). `chunk`: tokens per chunk (default: about
     `_CHUNK_ELEMENTS / Vl`).
     """
+    _check_args(hidden, targets, temperature)
+    logp, entropy = _scored_stats(hidden, weight, targets[:, None], temperature, vocab_start, group, chunk)
+    return logp[:, 0], entropy
+
+
+def head_support_stats(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    support: Tensor,
+    temperature: float = 1.0,
+    *,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+    chunk: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """As `head_token_stats`, plus the log-probs [N, k] fp32 of `support` [N, k] (global ids: the teacher's
+    top-k at each position), all from one logsumexp per position and differentiable alike."""
+    _check_args(hidden, targets, temperature)
+    if support.dim() != 2 or support.shape[0] != targets.shape[0]:
+        raise ValueError(f"support must be [N, k] with N = {targets.shape[0]}; got {tuple(support.shape)}")
+    ids = torch.cat([targets[:, None].long(), support.long()], dim=-1)  # [N, 1 + k]
+    logp, entropy = _scored_stats(hidden, weight, ids, temperature, vocab_start, group, chunk)
+    return logp[:, 0], entropy, logp[:, 1:]
+
+
+@torch.no_grad()
+def head_top_k(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    k: int,
+    temperature: float = 1.0,
+    *,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+    chunk: int | None = None,
+    num_ids: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(log-probs of `targets` [N], the k most likely ids [N, k] int64, their log-probs [N, k]) fp32 under
+    softmax(hidden @ weight.T / T), most likely first; no grad (the teacher's side of top-k distillation).
+    `num_ids`: the top-k are among ids < num_ids (the student's vocabulary, where a teacher's embedding has
+    more rows); the log-probs are still under the teacher's whole softmax.
+
+    Under tensor parallelism each rank takes the top min(k, Vl) of its slice (a global top-k id is in its
+    rank's local top-k), the candidates [c, tp x min(k, Vl)] are all-gathered and the top-k of them kept: every
+    rank ends with the same ids, those of the unsplit vocabulary (up to the order of exactly tied logits)."""
+    _check_args(hidden, targets, temperature)
+    tp = 1 if group is None else dist.get_world_size(group)
+    num_ids = weight.shape[0] * tp if num_ids is None else min(num_ids, weight.shape[0] * tp)
+    if not 0 < k <= num_ids:
+        raise ValueError(f"k must be in [1, {num_ids}] (the ids it is chosen among); got {k}")
+    chunk = chunk or chunk_tokens(weight.shape[0])
+    compute = _compute_dtype(hidden, weight)
+    with torch.autocast(hidden.device.type, enabled=False):
+        h, w = hidden.to(compute), weight.to(compute)
+        num = h.shape[0]
+        logp = torch.empty(num, device=h.device)  # [N]
+        top_ids = torch.empty(num, k, dtype=torch.long, device=h.device)  # [N, k]
+        top_logp = torch.empty(num, k, device=h.device)  # [N, k]
+        for start in range(0, num, chunk):
+            tokens = slice(start, start + chunk)
+            z = _chunk_logits(h[tokens], w, temperature)  # [c, Vl]
+            values, ids = _gathered_top_k(z, k, vocab_start, group, num_ids)  # [c, k] each
+            picked, lse, _ = _logit_stats(z, targets[tokens, None], vocab_start, group)  # z is spent
+            logp[tokens], top_ids[tokens], top_logp[tokens] = picked[:, 0], ids, values - lse[:, None]
+    return logp, top_ids, top_logp
+
+
+def _gathered_top_k(
+    z: Tensor, k: int, vocab_start: int, group: dist.ProcessGroup | None, num_ids: int
+) -> tuple[Tensor, Tensor]:
+    """The top-k logits [c, k] among ids < num_ids and their global ids [c, k] of a vocab-sliced chunk z [c, Vl]
+    (see head_top_k)."""
+    if vocab_start + z.shape[-1] > num_ids:  # ids past the student's vocabulary are never chosen
+        z = z.clone()
+        z[:, max(num_ids - vocab_start, 0) :] = -torch.inf
+    values, ids = z.topk(min(k, z.shape[-1]), dim=-1)  # [c, kl] each
+    ids = ids + vocab_start
+    if group is None or dist.get_world_size(group) == 1:
+        return values, ids
+    tp = dist.get_world_size(group)
+    all_values = [torch.empty_like(values) for _ in range(tp)]
+    all_ids = [torch.empty_like(ids) for _ in range(tp)]
+    dist.all_gather(all_values, values.contiguous(), group=group)
+    dist.all_gather(all_ids, ids.contiguous(), group=group)
+    candidates, candidate_ids = torch.cat(all_values, dim=-1), torch.cat(all_ids, dim=-1)  # [c, tp kl]
+    best, where = candidates.topk(k, dim=-1)  # [c, k]
+    return best, candidate_ids.gather(-1, where)
+
+
+def _check_args(hidden: Tensor, targets: Tensor, temperature: float) -> None:
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0; got {temperature}")
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(
             f"hidden must be [N, H] and targets [N]; got {tuple(hidden.shape)} and {tuple(targets.shape)}"
         )
-    compute = _compute_dtype(hidden, weight)
+
+
+def _scored_stats(hidden, weight, ids, temperature, vocab_start, group, chunk) -> tuple[Tensor, Tensor]:
+    """(log-probs [N, m] of `ids` [N, m], entropies [N]) through the fused head (see the module docstring)."""
     return _HeadTokenStats.apply(
         hidden,
         weight,
-        targets.long(),
+        ids.long(),
         temperature,
         vocab_start,
         group,
         chunk or chunk_tokens(weight.shape[0]),
-        compute,
+        _compute_dtype(hidden, weight),
     )
 
 
@@ -92,10 +190,12 @@ class _HeadTokenStats(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         with torch.autocast(hidden.device.type, enabled=False):
             h, w = hidden.to(compute), weight.to(compute)
-            logp, lse, mean_z = (torch.empty(h.shape[0], device=h.device) for _ in range(3))  # [N] fp32 each
+            logp = torch.empty(targets.shape, device=h.device)  # [N, m] fp32
+            lse, mean_z = (torch.empty(h.shape[0], device=h.device) for _ in range(2))  # [N] fp32 each
             for start in range(0, h.shape[0], chunk):
                 tokens = slice(start, start + chunk)
-                stats = _chunk_stats(h[tokens], w, targets[tokens], temperature, vocab_start, group)
+                z = _chunk_logits(h[tokens], w, temperature)  # [c, Vl]
+                stats = _logit_stats(z, targets[tokens], vocab_start, group)
                 logp[tokens], lse[tokens], mean_z[tokens] = stats
         ctx.save_for_backward(hidden, weight, targets, lse, mean_z)
         ctx.args = (temperature, vocab_start, chunk, compute)
@@ -155,29 +255,30 @@ def _local_targets(targets: Tensor, vocab_start: int, local_vocab: int) -> tuple
     return local.clamp(0, local_vocab - 1), inside
 
 
-def _chunk_stats(h, w, targets, temperature, vocab_start, group) -> tuple[Tensor, Tensor, Tensor]:
-    """(logp, lse, sum p z) [c] of one chunk, all-reduced over `group`."""
-    z = _chunk_logits(h, w, temperature)  # [c, Vl]
+def _logit_stats(z, targets, vocab_start, group) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp [c, m] of targets [c, m], lse [c], sum p z [c]) of one chunk's logits z [c, Vl], all-reduced over
+    `group`; z is overwritten."""
     peak = z.max(-1).values  # [c]
     if group is not None:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
     local, inside = _local_targets(targets, vocab_start, z.shape[-1])
-    picked = z.gather(-1, local[:, None]).squeeze(-1) * inside  # [c]
+    picked = z.gather(-1, local) * inside  # [c, m]
     z.sub_(peak[:, None])  # z - m
     e = z.exp()  # [c, Vl]
     sum_exp = e.sum(-1)
     weighted = e.mul_(z).sum(-1)  # sum e^(z-m) (z-m)
-    sums = torch.stack([sum_exp, picked, weighted])  # [3, c]
+    sums = torch.cat([sum_exp[:, None], weighted[:, None], picked], dim=-1)  # [c, 2 + m]
     if group is not None:
         dist.all_reduce(sums, group=group)
-    sum_exp, picked, weighted = sums
+    sum_exp, weighted, picked = sums[:, 0], sums[:, 1], sums[:, 2:]
     lse = peak + sum_exp.log()
     mean_z = weighted / sum_exp + peak  # sum p z
-    return picked - lse, lse, mean_z
+    return picked - lse[:, None], lse, mean_z
 
 
 def _chunk_grad(h, w, targets, lse, mean_z, temperature, vocab_start, grad_logp, grad_entropy) -> Tensor:
-    """d loss / d(h @ w.T) [c, Vl] fp32 of one chunk: (g_logp (onehot - p) - g_H p (z - sum p z)) / T."""
+    """d loss / d(h @ w.T) [c, Vl] fp32 of one chunk: (sum_j g_j (onehot(id_j) - p) - g_H p (z - sum p z)) / T,
+    with targets and grad_logp [c, m] (j over a position's m scored ids)."""
     z = _chunk_logits(h, w, temperature)  # [c, Vl]
     p = (z - lse[:, None]).exp_()  # [c, Vl]
     coef = z  # -dz / p, built in z's buffer: g_logp + g_H (z - sum p z)
@@ -186,10 +287,10 @@ def _chunk_grad(h, w, targets, lse, mean_z, temperature, vocab_start, grad_logp,
     else:
         coef.zero_()
     if grad_logp is not None:
-        coef.add_(grad_logp[:, None])
+        coef.add_(grad_logp.sum(-1)[:, None])
     dz = p.mul_(coef).neg_()
     del z, coef
     if grad_logp is not None:
         local, inside = _local_targets(targets, vocab_start, dz.shape[-1])
-        dz.scatter_add_(-1, local[:, None], (grad_logp * inside)[:, None])
+        dz.scatter_add_(-1, local, grad_logp * inside)
     return dz.div_(temperature) if temperature != 1.0 else dz

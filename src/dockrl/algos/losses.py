@@ -4,8 +4,9 @@ clipped value loss (the critic's).
 Shape letters: B rows (sequences) in the micro-batch, T response tokens per row (padded).
 
 Every per-token term is [B, T] and is reduced by ``aggregate`` with the same mode and normaliser, so
-the loss is one linear reduction of ``pg + kl_coef * kl - entropy_coef * entropy``. ``mask`` marks the
-tokens that count (response tokens, not padding, not tool output); it may be bool or float.
+the loss is one linear reduction of ``pg + kl_coef * kl - entropy_coef * entropy`` (+ ``distill_coef`` x
+top-k distillation's forward KL). ``mask`` marks the tokens that count (response tokens, not padding, not
+tool output); it may be bool or float.
 
 Micro-batching: with ``agg="token-mean"`` pass ``num_tokens`` = valid tokens of the whole optimizer
 step (summed over micro-batches and data-parallel ranks). Each micro-batch loss is then its share of
@@ -137,7 +138,8 @@ class PolicyLossOutput:
     """Result of ``policy_loss``: the loss to backpropagate and detached scalars to log.
 
     Attributes:
-        loss: scalar with grad, pg_loss + kl_coef * kl - entropy_coef * entropy (only terms in use).
+        loss: scalar with grad, pg_loss + kl_coef * kl - entropy_coef * entropy + distill_coef * distill_kl
+            (only terms in use).
         pg_loss: aggregated clipped surrogate.
         kl: aggregated KL penalty vs the reference (0 when no ref_logprobs are given), logged even
             when kl_coef is 0.
@@ -171,6 +173,7 @@ def policy_loss(
     num_tokens: float | None = None,
     num_seqs: float | None = None,
     is_weights: Tensor | None = None,
+    distill_kl: Tensor | None = None,
     **settings: Any,
 ) -> PolicyLossOutput:
     """PPO/GRPO clipped policy loss with optional KL-to-reference penalty and entropy bonus, formed as `plan`
@@ -197,6 +200,8 @@ def policy_loss(
         num_tokens, num_seqs: global counts of the optimizer step, see ``aggregate``.
         is_weights: [B, T] importance weights of the rollout-vs-trainer correction (truncated importance
             sampling: min(exp(old - rollout), cap), no grad), multiplied into each token's surrogate.
+        distill_kl: [B, T] top-k distillation's per-token forward KL to the teacher (algos/distill.py, with
+            grad); the loss adds ``plan.distill_coef`` x its aggregate.
     """
     plan = _with_settings(plan, settings)
     if advantages.dim() == 1:
@@ -222,6 +227,11 @@ def policy_loss(
         kl = reduce(kl_penalty(logprobs, ref_logprobs, plan.kl_estimator))
         if plan.kl_coef > 0:
             loss = loss + plan.kl_coef * kl
+    distill = zero
+    if distill_kl is not None:
+        distill = reduce(distill_kl)
+        if plan.distill_coef > 0:
+            loss = loss + plan.distill_coef * distill
     entropy_agg = zero
     if entropy is not None:
         entropy_agg = reduce(entropy)

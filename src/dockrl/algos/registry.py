@@ -164,6 +164,8 @@ class LossPlan:
         "none"  # importance weights old / rollout: tis truncates them, decoupled masks above the cap
     )
     rollout_is_cap: float = 2.0
+    # distill.top_k > 0: the weight (distill.coef) of the top-k forward KL to the teacher in the loss; 0 without
+    distill_coef: float = 0.0
 
 
 # ---------------------------------------------------------------- the presets

@@ -6,8 +6,14 @@
         grpo          the demo's GRPO config (exact-answer reward)
         opd           algo.name=opd with the teacher (the exact-answer reward only logged)
         grpo+distill  GRPO plus distill.coef x the teacher term
+        opd-top-k     algo.name=opd with distill.top_k=--top-k: the forward KL over the teacher's top-k and the
+                      tail, a term of the loss (the teacher's top-k ids and log-probs in the dock)
     held-out accuracy (greedy, the 40 held-out problems) every --eval-every steps, the run's wall time, and the
-    teacher's cost per step (timing/teacher_busy: its forward seconds; the step's time beside it)
+    teacher's cost per step (timing/teacher_busy: its forward seconds; the step's time beside it), learning per
+    step and per second (accuracy points, and the fall of distill/reverse_kl, the sampled tokens' reverse KL to
+    the teacher that both forms log, per step and per training second), and the teacher column's bytes per
+    response token (from the declared dtypes: 4 for teacher_logprobs, k x (4 + 4) for the top-k ids and
+    log-probs)
 
 Writes OUT/results.json and OUT/report.html with OUT/report/*.png (`dockrl report` of the runs side by side:
 eval.png holds the accuracy curves, distill.png the reverse KL to the teacher).
@@ -30,7 +36,7 @@ from typing import Any
 STUDENT: dict[str, Any] = dict(
     family="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=512
 )
-MODES = ("grpo", "opd", "grpo+distill")
+MODES = ("grpo", "opd", "grpo+distill", "opd-top-k")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-every", type=int, default=5, help="held-out accuracy every this many steps")
     parser.add_argument("--sft-epochs", type=float, default=15.0, help="the student's short SFT (epochs)")
     parser.add_argument("--coef", type=float, default=0.5, help="distill.coef of grpo+distill")
+    parser.add_argument("--top-k", type=int, default=16, help="distill.top_k of opd-top-k")
     parser.add_argument("--teacher", default=None, help="a trained teacher directory (default: train one)")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--student-hidden", type=int, default=STUDENT["hidden_size"])
@@ -110,6 +117,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                 overrides += ["algo.name=opd", f"distill.teacher_path={teacher}", "distill.coef=1.0"]
             elif mode == "grpo+distill":
                 overrides += [f"distill.teacher_path={teacher}", f"distill.coef={args.coef}"]
+            elif mode == "opd-top-k":
+                overrides += ["algo.name=opd", f"distill.teacher_path={teacher}", "distill.coef=1.0"]
+                overrides += [f"distill.top_k={args.top_k}"]
             cfg = load_config(TrainConfig, config_path("demo_grpo.yaml"), overrides)
             start = time.perf_counter()
             summary = train(preflight_train(cfg))
@@ -117,6 +127,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             metrics = [json.loads(line) for line in (base / mode / "metrics.jsonl").read_text().splitlines()]
             curve = {0: before} | {m["step"]: m["eval/accuracy"] for m in metrics if "eval/accuracy" in m}
             busy = [m["timing/teacher_busy"] for m in metrics if "timing/teacher_busy" in m]
+            kl = [m.get("distill/reverse_kl") for m in (metrics[0], metrics[-1])]
+            kl_fall = kl[0] - kl[1] if None not in kl else None
             rows.append(
                 {
                     "seed": seed,
@@ -128,10 +140,12 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "train_s": wall_s,
                     "step_s": statistics.median(m["timing/step"] for m in metrics),
                     "teacher_busy_s": statistics.median(busy) if busy else 0.0,
-                    "reverse_kl_first_last": [
-                        metrics[0].get("distill/reverse_kl"),
-                        metrics[-1].get("distill/reverse_kl"),
-                    ],
+                    "reverse_kl_first_last": kl,
+                    "points_per_step": 100 * (curve[max(curve)] - before) / max(curve),
+                    "points_per_s": 100 * (curve[max(curve)] - before) / wall_s,
+                    "kl_fall_per_step": None if kl_fall is None else kl_fall / max(1, len(metrics) - 1),
+                    "kl_fall_per_s": None if kl_fall is None else kl_fall / wall_s,
+                    "column_bytes_per_token": column_bytes_per_token(mode, args.top_k),
                     "run_dir": summary["run_dir"],
                 }
             )
@@ -153,6 +167,27 @@ def run(args: argparse.Namespace) -> list[dict]:
     ] + means
 
 
+def column_bytes_per_token(mode: str, top_k: int) -> int:
+    """Bytes per response token of the teacher's dock column(s) in `mode` (0 without a teacher), from the
+    columns' declared dtypes: teacher_logprobs, or top_k x (teacher_topk_ids + teacher_topk_logprobs)."""
+    import torch
+
+    from dockrl.dock.columns import TEACHER_LOGPROBS, TEACHER_TOPK_IDS, TEACHER_TOPK_LOGPROBS, spec_of
+
+    def size(column: str) -> int:
+        return torch.empty(0, dtype=getattr(torch, spec_of(column).dtype)).element_size()
+
+    if mode == "opd-top-k":
+        return top_k * (size(TEACHER_TOPK_IDS) + size(TEACHER_TOPK_LOGPROBS))
+    return size(TEACHER_LOGPROBS) if mode in ("opd", "grpo+distill") else 0
+
+
+def _mean_of(runs: list[dict], key: str) -> float | None:
+    """The mean of a figure over seeds (None where a run has none: no teacher)."""
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.fmean(values) if len(values) == len(runs) else None
+
+
 def _means(rows: list[dict]) -> list[dict]:
     """Per mode: the mean over seeds of the gain, the final accuracy, the curve, the step and teacher times."""
     out = []
@@ -170,6 +205,11 @@ def _means(rows: list[dict]) -> list[dict]:
                 "train_s": statistics.fmean(r["train_s"] for r in runs),
                 "step_s": statistics.fmean(r["step_s"] for r in runs),
                 "teacher_busy_s": statistics.fmean(r["teacher_busy_s"] for r in runs),
+                **{
+                    key: _mean_of(runs, key)
+                    for key in ("points_per_step", "points_per_s", "kl_fall_per_step", "kl_fall_per_s")
+                },
+                "column_bytes_per_token": runs[0]["column_bytes_per_token"],
             }
         )
     return out

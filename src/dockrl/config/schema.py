@@ -499,7 +499,9 @@ class RewardConfig:
 class DistillConfig:
     """On-policy distillation (docs/distillation.md): a teacher model gives a log-prob for every token the policy
     sampled; each token's advantage gains distill.coef x (teacher log-prob - sampling log-prob), the negative
-    per-token reverse KL to the teacher. algo.name=opd trains on that term alone."""
+    per-token reverse KL to the teacher. algo.name=opd trains on that term alone. With distill.top_k = k > 0 the
+    teacher gives its k most likely tokens at each position instead, and the loss gains distill.coef x the
+    forward KL over them and the tail's mass."""
 
     teacher_path: str | None = setting(
         None,
@@ -509,7 +511,15 @@ class DistillConfig:
     coef: float = setting(
         1.0,
         "Weight of the teacher term in each token's advantage (added to the algorithm's own advantages; with "
-        "algo.name=opd the whole advantage); 0 scores and logs distill/reverse_kl without training on it.",
+        "algo.name=opd the whole advantage), or with distill.top_k > 0 of the top-k KL in the loss; 0 scores "
+        "and logs distill/* without training on it.",
+    )
+    top_k: int = setting(
+        0,
+        "0: the sampled-token form (the teacher's log-prob of each sampled token, a term of the advantages). "
+        "k > 0: the teacher's k most likely token ids and their log-probs at each response position go to the "
+        "dock (k x 8 bytes per token), and the actor's loss adds distill.coef x the forward KL over those k "
+        "tokens and the rest of the vocabulary as one outcome (docs/distillation.md).",
     )
     num_workers: int = setting(
         1,

@@ -144,7 +144,7 @@ class RewardStageSpec:
     )
     # of a multi-turn trajectory (config/budgets.py), whose sampled tokens (loss_mask) count against it
     env_weight: float | None = None  # env.reward_weight of a multi-turn run, None: single-turn
-    distill_coef: float | None = None  # distill.coef when a teacher scores the rows, else None
+    distill_coef: float | None = None  # distill.coef of a sampled-token teacher (distill.top_k 0), else None
 
 
 @dataclass(frozen=True)
@@ -248,7 +248,10 @@ def specs(cfg: TrainConfig, plan: StepPlan) -> Specs:
         log_samples=cfg.run.log_samples,
         max_new_tokens=rollout.max_new_tokens if rollout.env is None else rollout.env.policy_budget,
         env_weight=cfg.env.reward_weight if cfg.env.name is not None else None,
-        distill_coef=cfg.distill.coef if cfg.distill.teacher_path is not None else None,
+        # the sampled-token form's term of the advantages (the top-k form is a term of the actor's loss)
+        distill_coef=cfg.distill.coef
+        if cfg.distill.teacher_path is not None and not cfg.distill.top_k
+        else None,
     )
     reward_model = None
     if cfg.reward.model.path is not None:

@@ -15,7 +15,8 @@ and every worker receive the plan when they are built instead of re-deriving con
     schedule         the step schedule: sync, async (k steps ahead) or partial, and dynamic-sampling rounds
     lora             actor.lora resolved (rank, alpha, dropout, targets), or None for full fine-tuning
     loss             the policy loss (algos/registry.py LossPlan): aggregation, clip range, where the KL goes,
-                     the ratio level (token or sequence) and the loss normaliser
+                     the ratio level (token or sequence), the loss normaliser and top-k distillation's weight
+    distill_top_k    distill.top_k: the update reads the teacher's top-k columns (0: none, or no teacher)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dockrl.algos.registry import PRESETS, Estimator, LossAgg, LossPlan, estimat
 from dockrl.config.budgets import policy_budget
 from dockrl.config.lora_checks import LoraSettings, check_lora
 from dockrl.config.schedule import Schedule, schedule_of
-from dockrl.config.schema import AlgoConfig, TrainConfig
+from dockrl.config.schema import AlgoConfig, DistillConfig, TrainConfig
 
 __all__ = [
     "LossPlan",
@@ -73,6 +74,9 @@ class StepPlan:
     # LoRA from model.lora_path with algo.kl_reference=adapter: the KL reference is the policy with the starting
     # adapter's values (kept beside the trained ones), not its base
     reference_adapters: bool = False
+    distill_top_k: int = (
+        0  # distill.top_k of a run with a teacher: the update reads the teacher's top-k columns
+    )
 
     @property
     def reference_in_policy(self) -> bool:
@@ -134,9 +138,12 @@ def traits_of(algo: AlgoConfig) -> Estimator:
     return estimator_named(estimator_of(algo))
 
 
-def loss_plan(algo: AlgoConfig, max_new_tokens: int | None = None) -> LossPlan:
+def loss_plan(
+    algo: AlgoConfig, max_new_tokens: int | None = None, distill: DistillConfig | None = None
+) -> LossPlan:
     """The policy loss of `algo`; `max_new_tokens` (rollout.max_new_tokens) is the constant normaliser of
-    algo.loss_normalizer=max_new_tokens (Dr. GRPO's), required with it."""
+    algo.loss_normalizer=max_new_tokens (Dr. GRPO's), required with it; `distill` (a run with a teacher):
+    distill.top_k > 0 puts distill.coef x the top-k KL in the loss."""
     normalizer = resolved_loss_normalizer(algo)
     seq_len_norm = None
     if normalizer == "max_new_tokens":
@@ -158,6 +165,7 @@ def loss_plan(algo: AlgoConfig, max_new_tokens: int | None = None) -> LossPlan:
         seq_len_norm=seq_len_norm,
         rollout_is=algo.rollout_is,
         rollout_is_cap=algo.rollout_is_cap,
+        distill_coef=distill.coef if distill is not None and distill.top_k > 0 else 0.0,
     )
 
 
@@ -199,11 +207,12 @@ def step_plan(cfg: TrainConfig) -> StepPlan:
         kl_in_reward=algo.kl_in_reward,
         kl_coef=resolved_kl_coef(algo),
         rollout_lead=rollout_lead(cfg),
-        loss=loss_plan(algo, _sampled_budget(cfg)),
+        loss=loss_plan(algo, _sampled_budget(cfg), cfg.distill if cfg.distill.teacher_path else None),
         schedule=schedule_of(cfg),
         lora=check_lora(actor.lora, has_critic=estimator.needs_critic),
         multi_turn=cfg.env.name is not None,
         reference_adapters=actor.lora.rank > 0
         and cfg.model.lora_path is not None
         and algo.kl_reference == "adapter",
+        distill_top_k=cfg.distill.top_k if cfg.distill.teacher_path is not None else 0,
     )

@@ -364,11 +364,13 @@ def _check_distill(cfg: TrainConfig) -> None:
     positive("distill.tp", distill.tp)
     positive("distill.micro_batch_size", distill.micro_batch_size)
     positive("distill.max_tokens_per_micro_batch", distill.max_tokens_per_micro_batch, allow_zero=True)
+    positive("distill.top_k", distill.top_k, allow_zero=True)
     if not math.isfinite(distill.coef) or distill.coef < 0:
         raise config_error(
             "distill.coef",
             distill.coef,
-            "is the weight of the teacher term in the advantages and must be finite and >= 0",
+            "is the weight of the teacher term (in the advantages, or the loss with distill.top_k) and must be "
+            "finite and >= 0",
             "use 1.0 (algo.name=opd), a smaller weight beside a reward, or 0 to log distill/* only",
         )
     if distill.num_workers % distill.tp:

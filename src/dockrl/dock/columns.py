@@ -181,6 +181,24 @@ TEACHER_LOGPROBS = _declare(
     "distillation (distill.teacher_path): the teacher's log-prob of each sampled token, at the rollout's "
     "temperature; the reward stage adds distill.coef x (teacher_logprobs - rollout_logprobs) to the advantages",
 )
+TEACHER_TOPK_IDS = _declare(
+    "teacher_topk_ids",
+    "int32",
+    "token",
+    (Stage.TEACHER,),
+    (Stage.UPDATE,),
+    "top-k distillation (distill.top_k = k > 0): the teacher's k most likely token ids at each response "
+    "position, [R, k], most likely first, at the rollout's temperature (4k bytes per token)",
+)
+TEACHER_TOPK_LOGPROBS = _declare(
+    "teacher_topk_logprobs",
+    "float32",
+    "token",
+    (Stage.TEACHER,),
+    (Stage.UPDATE,),
+    "top-k distillation: the teacher's log-probs of teacher_topk_ids, [R, k] (4k bytes per token); the update "
+    "adds distill.coef x the forward KL over those ids and the tail's mass to the loss (algos/distill.py)",
+)
 REWARD = _declare(
     "reward",
     "float32",

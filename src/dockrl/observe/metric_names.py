@@ -124,6 +124,10 @@ ROLLOUT_DIGEST_TENSORS = (
 # On-policy distillation (distill.teacher_path): per sampled token, over the step's rows.
 DISTILL_REVERSE_KL = "distill/reverse_kl"  # mean (sampling - teacher) log-prob: the reverse KL estimate
 DISTILL_TEACHER_LOGPROB = "distill/teacher_logprob"  # mean teacher log-prob of the sampled tokens
+# distill.top_k > 0, from the actor's update: mean over response tokens of the forward KL over the teacher's top-k
+# and the tail (the loss term distill.coef weighs), and of the teacher's tail mass (1 - its top-k's probability)
+DISTILL_TOPK_KL = "distill/topk_kl"
+DISTILL_TEACHER_TAIL_MASS = "distill/teacher_tail_mass"
 TIMING_TEACHER = "timing/teacher"  # from the start of generation to the teacher's last put (overlaps rollout)
 TIMING_TEACHER_BUSY = "timing/teacher_busy"  # the teacher's own forward time (its cost per step; max rank)
 

@@ -401,6 +401,13 @@ def _check_teacher(cfg: TrainConfig) -> None:
             f"its embedding has {teacher.vocab_size} rows, fewer than the policy's vocab_size={policy.vocab_size}",
             "use a teacher whose vocab_size covers the policy's",
         )
+    if cfg.distill.top_k > policy.vocab_size:
+        raise config_error(
+            "distill.top_k",
+            cfg.distill.top_k,
+            f"exceeds the policy's vocab_size={policy.vocab_size} (the top-k are among the policy's ids)",
+            f"use a k in [1, {policy.vocab_size}] (tens of tokens hold nearly all of a teacher's mass), or 0",
+        )
     problem = tp_problem(teacher, cfg.distill.tp)
     if teacher.is_moe and cfg.distill.tp > 1:
         problem = "tensor parallelism of MoE layers is not built (a qwen3_moe teacher shards with FSDP2 only)"

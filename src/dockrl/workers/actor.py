@@ -38,6 +38,8 @@ from dockrl.dock.columns import (
     RESPONSE_IDS,
     ROLLOUT_LOGPROBS,
     ROUTED_EXPERTS,
+    TEACHER_TOPK_IDS,
+    TEACHER_TOPK_LOGPROBS,
     UPDATE_WEIGHT,
 )
 from dockrl.dock.stages import Stage
@@ -286,6 +288,7 @@ class ActorWorker(Worker):
         columns += [] if self.plan.single_update or self.plan.old_from_rollout else [OLD_LOGPROBS]
         columns += [LOSS_MASK] if self.plan.multi_turn else []
         columns += [ROUTED_EXPERTS] if self.routes_column else []
+        columns += [TEACHER_TOPK_IDS, TEACHER_TOPK_LOGPROBS] if self.plan.distill_top_k else []
         # REINFORCE++'s KL in the reward reads the sampling policy's log-probs even when the update is
         # on-policy (the loss then keeps ratio 1 exactly: it does not read them).
         extra = [OLD_LOGPROBS] if self.plan.actor_shapes_kl and OLD_LOGPROBS not in columns else []
@@ -301,7 +304,16 @@ class ActorWorker(Worker):
         per_token_names = [
             c
             for c in columns
-            if c not in (PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, LOSS_MASK, ROUTED_EXPERTS)
+            if c
+            not in (
+                PROMPT_IDS,
+                RESPONSE_IDS,
+                UPDATE_WEIGHT,
+                LOSS_MASK,
+                ROUTED_EXPERTS,
+                TEACHER_TOPK_IDS,
+                TEACHER_TOPK_LOGPROBS,
+            )
         ]
         if self.plan.old_from_rollout:  # algo.old_logprobs=rollout: the sampling engine's are the old ones
             batch[OLD_LOGPROBS] = batch[ROLLOUT_LOGPROBS]

@@ -2,7 +2,8 @@
 
     loop: pull whole groups as rollout finishes them (prompt_ids, response_ids, rollout_logprobs[, loss_mask])
           ─▶ the teacher's log-prob of every response token (the fused head: no [B, T, V] logits)
-          ─▶ put teacher_logprobs
+             [distill.top_k = k: and its k most likely ids at every response position, with their log-probs]
+          ─▶ put teacher_logprobs [top-k: teacher_topk_ids, teacher_topk_logprobs, which the update reads]
     ends when no rank of the group got rows (one all-reduce per pull: the ranks stay in lockstep)
 
     rollout ──response_ids──▶ dock ──▶ TeacherWorkers ──teacher_logprobs──▶ dock ──▶ RewardWorker
@@ -31,9 +32,18 @@ import torch.distributed as dist
 from dockrl.algos.distill import DistillSums
 from dockrl.config.specs import TeacherSpec
 from dockrl.dock.choice import DockChoice
-from dockrl.dock.columns import LOSS_MASK, PROMPT_IDS, RESPONSE_IDS, ROLLOUT_LOGPROBS, TEACHER_LOGPROBS
+from dockrl.dock.columns import (
+    LOSS_MASK,
+    PROMPT_IDS,
+    RESPONSE_IDS,
+    ROLLOUT_LOGPROBS,
+    TEACHER_LOGPROBS,
+    TEACHER_TOPK_IDS,
+    TEACHER_TOPK_LOGPROBS,
+)
 from dockrl.dock.stages import Stage
 from dockrl.engines.train.train_engine import TrainEngine
+from dockrl.models.hf import read_config
 from dockrl.models.tokenizer import Tokenizer, first_token_id
 from dockrl.parallel.dist import training_mesh
 from dockrl.parallel.replica import ReplicaClient
@@ -77,6 +87,7 @@ class TeacherWorker(Worker):
         tokenizer = Tokenizer.from_dir(spec.policy_path)  # the same ids as the teacher's (preflight checks)
         self.pad_token_id = first_token_id(tokenizer.pad_token_id, tokenizer.eos_token_id, 0)
         self.dock = ReplicaClient(self.client, self.teacher.tp_group, self.rank, self.tp)
+        self.policy_vocab = read_config(spec.policy_path).vocab_size  # top-k ids are among the student's
         return SetupResult(self.teacher.args.num_params(), str(self.device), self.where())
 
     def score(self, dock: int | None = None) -> TeacherResult:
@@ -100,16 +111,9 @@ class TeacherWorker(Worker):
                 break
             start = time.perf_counter()
             rows, batch = got if got is not None else ([], {c: [] for c in columns})
-            logps, _ = self.teacher.logprobs(
-                batch[PROMPT_IDS],
-                batch[RESPONSE_IDS],
-                temperature=self.temperature,
-                micro_batch_size=self.spec.distill.micro_batch_size,
-                max_tokens_per_micro_batch=self.spec.distill.max_tokens_per_micro_batch,
-                pad_token_id=self.pad_token_id,
-            )
+            logps, put = self._score(batch[PROMPT_IDS], batch[RESPONSE_IDS])
             if rows:
-                self.dock.put(Stage.TEACHER, rows, {TEACHER_LOGPROBS: logps})
+                self.dock.put(Stage.TEACHER, rows, put)
                 masks = batch.get(LOSS_MASK) or [None] * len(rows)
                 for teacher, student, mask in zip(logps, batch[ROLLOUT_LOGPROBS], masks):
                     sums.add(teacher, student, mask)
@@ -118,6 +122,35 @@ class TeacherWorker(Worker):
         if not self.dock.is_head:  # tp peers scored the same rows as their head
             return TeacherResult(0, DistillSums(), busy_s)
         return TeacherResult(rows_done, sums, busy_s)
+
+    def _score(
+        self, prompts: list[torch.Tensor], responses: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
+        """The teacher's log-probs of the sampled tokens [R_i] per row, and the columns to put: those
+        (teacher_logprobs), or with distill.top_k = k its top-k ids and log-probs [R_i, k]."""
+        distill = self.spec.distill
+        sizes = (distill.micro_batch_size, distill.max_tokens_per_micro_batch)
+        if not distill.top_k:
+            logps, _ = self.teacher.logprobs(
+                prompts,
+                responses,
+                temperature=self.temperature,
+                micro_batch_size=sizes[0],
+                max_tokens_per_micro_batch=sizes[1],
+                pad_token_id=self.pad_token_id,
+            )
+            return logps, {TEACHER_LOGPROBS: logps}
+        logps, ids, top = self.teacher.top_k_logprobs(
+            prompts,
+            responses,
+            distill.top_k,
+            temperature=self.temperature,
+            micro_batch_size=sizes[0],
+            max_tokens_per_micro_batch=sizes[1],
+            pad_token_id=self.pad_token_id,
+            num_ids=self.policy_vocab,
+        )
+        return logps, {TEACHER_TOPK_IDS: ids, TEACHER_TOPK_LOGPROBS: top}
 
     def _any_rank_has_rows(self, has_rows: bool) -> bool:
         """Whether any data-parallel rank got rows this pull (all ranks then run the pull's forwards)."""

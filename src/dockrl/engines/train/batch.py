@@ -25,6 +25,10 @@ class MicroBatch:
     # token and its padding, which score nothing, get experts 0..k-1); None without replay
     routes: dict[int, torch.Tensor] | None = None
     route_mask: torch.Tensor | None = None  # [B, T] bool: positions whose experts came from the rollout
+    # top-k distillation (distill.top_k = k): the teacher's top-k ids [B, T-1, k] int64 and their log-probs
+    # [B, T-1, k] fp32 on the shifted grid (0 off the responses); None without
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -64,9 +68,11 @@ def make_micro_batch(
     response_masks: list[torch.Tensor] | None = None,
     routes: list[torch.Tensor] | None = None,
     moe_layers: list[int] | None = None,
+    teacher_topk: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
 ) -> MicroBatch:
     """Pad rows to one tensor; per-token columns (advantages, old/ref log-probs) are placed on the shifted grid.
-    `routes` (MoE): per row the rollout's experts [P + R - 1, L, k] of the MoE layers `moe_layers`."""
+    `routes` (MoE): per row the rollout's experts [P + R - 1, L, k] of the MoE layers `moe_layers`.
+    `teacher_topk` (top-k distillation): per row the teacher's top-k ids [R, k] and log-probs [R, k]."""
     seqs = [torch.cat([p.long(), r.long()]) for p, r in zip(prompts, responses)]
     num_rows, max_len = len(seqs), max(len(s) for s in seqs)
     input_ids = torch.full((num_rows, max_len), pad_token_id, dtype=torch.long)
@@ -85,6 +91,15 @@ def make_micro_batch(
             grid[i, starts[i] : starts[i] + lengths[i]] = values.float()
         grids[name] = grid.to(device)
     batch = MicroBatch(input_ids.to(device), mask.to(device), starts, lengths, grids)
+    if teacher_topk is not None:
+        ids, logps = teacher_topk
+        k = ids[0].shape[-1]
+        id_grid = torch.zeros(num_rows, max_len - 1, k, dtype=torch.long)
+        logp_grid = torch.zeros(num_rows, max_len - 1, k)
+        for i, (row_ids, row_logps) in enumerate(zip(ids, logps)):
+            id_grid[i, starts[i] : starts[i] + lengths[i]] = row_ids.long()
+            logp_grid[i, starts[i] : starts[i] + lengths[i]] = row_logps.float()
+        batch.topk_ids, batch.topk_logprobs = id_grid.to(device), logp_grid.to(device)
     if routes is not None:
         assert moe_layers is not None, "routes come with the model's MoE layer indices"
         batch.routes, batch.route_mask = _route_grids(routes, moe_layers, max_len, device)

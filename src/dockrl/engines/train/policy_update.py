@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dockrl.algos.advantages import masked_moments, whiten
+from dockrl.algos.distill import TEACHER_TAIL_MASS, TOPK_KL, tail_mass, top_k_forward_kl
 from dockrl.algos.losses import policy_loss
 from dockrl.algos.registry import LossPlan
 from dockrl.dock.columns import (
@@ -25,6 +26,8 @@ from dockrl.dock.columns import (
     RESPONSE_IDS,
     ROLLOUT_LOGPROBS,
     ROUTED_EXPERTS,
+    TEACHER_TOPK_IDS,
+    TEACHER_TOPK_LOGPROBS,
     UPDATE_WEIGHT,
 )
 from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
@@ -49,6 +52,9 @@ ROLLOUT_METRICS = (
     "rollout/is_weight_mean",
     "rollout/is_capped_frac",
 )
+# Top-k distillation (the teacher's top-k columns in the batch): the forward KL over the top-k and the tail, and
+# the teacher's tail mass, means over the mini-batch's tokens.
+DISTILL_METRICS = (TOPK_KL, TEACHER_TAIL_MASS)
 
 
 def all_reduce_sum(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -114,21 +120,35 @@ def policy_update(
             # algo.routing_replay=r3: the update's forwards use the rollout's experts
             routes=None if ROUTED_EXPERTS not in batch else [batch[ROUTED_EXPERTS][idx[j]] for j in chunk],
             moe_layers=engine.args.moe_layers,
+            teacher_topk=None
+            if TEACHER_TOPK_IDS not in batch
+            else (
+                [batch[TEACHER_TOPK_IDS][idx[j]] for j in chunk],
+                [batch[TEACHER_TOPK_LOGPROBS][idx[j]] for j in chunk],
+            ),
         )
         for chunk in micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch)
     ]
     # Ranks with fewer rows (rollout.partial trains what finished) keep pace with masked micro-batches.
     idle = engine.common_count(len(micro_batches)) - len(micro_batches)
-    micro_batches += [engine.idle_micro_batch(pad_token_id, tuple(per_token_names)) for _ in range(idle)]
+    top_k = 0
+    if TEACHER_TOPK_IDS in batch:  # requested by every rank alike; one without rows learns k from its peers
+        top_k = engine.common_count(batch[TEACHER_TOPK_IDS][idx[0]].shape[-1] if idx else 0)
+    micro_batches += [
+        engine.idle_micro_batch(pad_token_id, tuple(per_token_names), top_k) for _ in range(idle)
+    ]
     loss_fn = _loss_fn(plan, global_tokens, global_seqs, world_size)
+    forward = engine.support_stats if top_k else engine.token_stats
     metrics = engine.train_step(
         micro_batches,
         loss_fn,
-        forward=lambda mb: engine.token_stats(mb, temperature),
+        forward=lambda mb: forward(mb, temperature),
         replay=replay,
         aux_loss_coef=aux_loss_coef,
     )
-    keys = [k for k in (*SUMMED_METRICS, *ROLLOUT_METRICS) if k in metrics]  # the same on every rank
+    keys = [
+        k for k in (*SUMMED_METRICS, *ROLLOUT_METRICS, *DISTILL_METRICS) if k in metrics
+    ]  # same on all ranks
     totals = all_reduce_sum(torch.tensor([metrics[k] for k in keys], dtype=torch.float64), engine.dp_group)
     out = dict(zip(keys, totals.tolist()))
     if ROUTED_EXPERTS in batch:  # MoE with the rollout's routes: on every rank, so all join the all-reduce
@@ -164,11 +184,13 @@ def _loss_fn(
     world_size: int,
 ):
     # stats: engine.token_stats' log-probs and entropies [B, T-1] (the entropy's gradient is kept only when the
-    # loss has an entropy bonus).
-    def loss_fn(
-        stats: tuple[torch.Tensor, torch.Tensor], mb: MicroBatch
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        logp, all_entropy = stats  # [B, T-1] each
+    # loss has an entropy bonus); engine.support_stats' add the log-probs [B, T-1, k] of the teacher's top-k.
+    def loss_fn(stats: tuple[torch.Tensor, ...], mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        logp, all_entropy = stats[:2]  # [B, T-1] each
+        distill_kl = None
+        if len(stats) == 3:
+            assert mb.topk_logprobs is not None, "support_stats' micro-batches carry the teacher's top-k"
+            distill_kl = top_k_forward_kl(mb.topk_logprobs, stats[2])  # [B, T-1]
         entropy = all_entropy if plan.entropy_coef > 0 else None
         # One optimizer step per RL step (one mini-batch, one epoch): the old policy is the current one.
         old = mb.per_token.get(OLD_LOGPROBS, logp.detach())
@@ -186,6 +208,7 @@ def _loss_fn(
             num_tokens=global_tokens,
             num_seqs=global_seqs,
             is_weights=is_weights,
+            distill_kl=distill_kl,
         )
         if entropy is None:
             entropy_value = (all_entropy.detach() * mb.response_mask).sum().item() / global_tokens
@@ -202,6 +225,11 @@ def _loss_fn(
             "clip_frac_low": out.clip_frac_low.item() * share,
             "approx_kl": out.approx_kl.item() * share,
         }
+        if distill_kl is not None:
+            assert mb.topk_logprobs is not None
+            mask = mb.response_mask
+            metrics[TOPK_KL] = (distill_kl.detach() * mask).sum().item() / global_tokens
+            metrics[TEACHER_TAIL_MASS] = (tail_mass(mb.topk_logprobs) * mask).sum().item() / global_tokens
         if rollout is not None:
             mask = mb.response_mask
             metrics.update(_rollout_metrics(logp.detach(), rollout, raw_weights, plan, mask, global_tokens))

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dockrl.algos.head_logprobs import head_token_stats
+from dockrl.algos.head_logprobs import head_support_stats, head_token_stats, head_top_k
 from dockrl.config.schema import OptimConfig
 from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch_rows, response_positions
 from dockrl.models.decoder import DecoderModel, Transformer
@@ -243,6 +243,106 @@ class TrainEngine:
             logp, entropy = self.model(mb.input_ids, head=head)
         return logp.view(rows, width), entropy.view(rows, width)
 
+    def support_stats(
+        self, mb: MicroBatch, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As `token_stats`, plus the log-probs [B, T-1, k] fp32 of the teacher's top-k ids `mb.topk_ids` (top-k
+        distillation: the student's side of the KL), from the same fused head and logsumexp."""
+        assert mb.topk_ids is not None, "support_stats reads the teacher's top-k ids (make_micro_batch)"
+        targets = mb.input_ids[:, 1:]  # [B, T-1]
+        rows, width = targets.shape
+        k = mb.topk_ids.shape[-1]
+        scored = response_positions(mb)  # [N]
+        support = mb.topk_ids.reshape(rows * width, k).index_select(0, scored)  # [N, k]
+
+        def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            flat = hidden[:, :-1].reshape(rows * width, hidden.shape[-1])  # [B (T-1), H]
+            logp, entropy, support_logp = head_support_stats(
+                flat.index_select(0, scored),
+                weight,
+                targets.reshape(-1).index_select(0, scored),
+                support,
+                temperature,
+                vocab_start=self.vocab_start,
+                group=self.tp_group,
+            )  # [N], [N], [N, k]
+            grid = flat.new_zeros(rows * width, dtype=torch.float32)
+            support_grid = flat.new_zeros(rows * width, k, dtype=torch.float32)
+            return (
+                grid.index_copy(0, scored, logp),
+                grid.index_copy(0, scored, entropy),
+                support_grid.index_copy(0, scored, support_logp),
+            )
+
+        with self.autocast():
+            logp, entropy, support_logp = self.model(mb.input_ids, head=head)
+        return logp.view(rows, width), entropy.view(rows, width), support_logp.view(rows, width, k)
+
+    @torch.no_grad()
+    def top_k_logprobs(
+        self,
+        prompts: list[torch.Tensor],
+        responses: list[torch.Tensor],
+        k: int,
+        *,
+        temperature: float,
+        micro_batch_size: int,
+        pad_token_id: int,
+        max_tokens_per_micro_batch: int = 0,
+        num_ids: int | None = None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Per row: the response tokens' log-probs [R_i], the k most likely ids [R_i, k] int32 at each response
+        position and their log-probs [R_i, k] fp32 (a teacher's, for top-k distillation), under
+        softmax(logits / temperature) over the whole vocabulary; the ids among those < `num_ids`. Micro-batches
+        and the collective lockstep as in `logprobs`."""
+        self.model.eval()
+        temp = temperature if temperature > 0 else 1.0
+        out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(prompts)
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        chunks = micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch)
+        total = self.common_count(len(chunks))
+        for idx in chunks:
+            mb = make_micro_batch(
+                [prompts[i] for i in idx],
+                [responses[i] for i in idx],
+                pad_token_id=pad_token_id,
+                device=self.device,
+            )
+            logp, ids, top = self._top_k_pass(mb, k, temp, num_ids)  # [N], [N, k], [N, k]
+            ends = torch.tensor(mb.lengths).cumsum(0).tolist()
+            for i, start, end in zip(idx, [0, *ends[:-1]], ends):
+                out[i] = (logp[start:end].clone(), ids[start:end].to(torch.int32), top[start:end].clone())
+        for _ in range(total - len(chunks)):  # a rank with fewer rows keeps pace
+            self._top_k_pass(self.idle_micro_batch(pad_token_id), k, temp, num_ids)
+        rows = cast(list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], out)  # every row is in one chunk
+        return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+
+    def _top_k_pass(
+        self, mb: MicroBatch, k: int, temperature: float, num_ids: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One forward of `top_k_logprobs`: per response token, row by row, its log-prob [N], the top-k ids
+        [N, k] and their log-probs [N, k] (on CPU)."""
+        targets = mb.input_ids[:, 1:]  # [B, T-1]
+        rows, width = targets.shape
+        scored = response_positions(mb)  # [N]
+
+        def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            flat = hidden[:, :-1].reshape(rows * width, hidden.shape[-1])  # [B (T-1), H]
+            return head_top_k(
+                flat.index_select(0, scored),
+                weight,
+                targets.reshape(-1).index_select(0, scored),
+                k,
+                temperature,
+                vocab_start=self.vocab_start,
+                group=self.tp_group,
+                num_ids=num_ids,
+            )
+
+        with self.autocast():
+            logp, ids, top = self.model(mb.input_ids, head=head)
+        return logp.cpu(), ids.cpu(), top.cpu()
+
     def adapters_off(self):
         """A context in which the model is its base (LoRA's reference policy: the same weights, adapters off);
         a no-op without LoRA."""
@@ -357,10 +457,14 @@ class TrainEngine:
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.dp_group)
         return int(counts.item())
 
-    def idle_micro_batch(self, pad_token_id: int, per_token_names: tuple[str, ...] = ()) -> MicroBatch:
+    def idle_micro_batch(
+        self, pad_token_id: int, per_token_names: tuple[str, ...] = (), top_k: int = 0
+    ) -> MicroBatch:
         """A one-token micro-batch whose token is masked out: a forward (and backward) that adds nothing to
-        the loss, its normalisers or the gradients, for a rank with fewer rows than its peers."""
+        the loss, its normalisers or the gradients, for a rank with fewer rows than its peers. `top_k` > 0:
+        with a teacher's top-k of that many ids (top-k distillation's passes)."""
         pad = torch.tensor([pad_token_id])
+        topk = ([torch.zeros(1, top_k, dtype=torch.int32)], [torch.zeros(1, top_k)]) if top_k else None
         return make_micro_batch(
             [pad],
             [pad],
@@ -368,6 +472,7 @@ class TrainEngine:
             device=self.device,
             per_token={name: [torch.zeros(1)] for name in per_token_names},
             response_masks=[torch.zeros(1)],
+            teacher_topk=topk,
         )
 
     def train_step(
