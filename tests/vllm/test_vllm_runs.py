@@ -104,3 +104,25 @@ def test_tool_environment_through_cli(ray_session, tmp_path, vllm_model, arithme
     (row,) = rows
     assert row["env/turns"] >= 1 and row["env/failed"] == 0
     assert row["rollout/probe_abs_diff"] < PROBE_BOUND
+
+
+AGENT_FILE = '''
+async def solve(client, row):
+    """Two requests: the question, then a follow-up on the answer the client got back."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(2):
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        messages += [reply.choices[0].message, {"role": "user", "content": "The number only."}]
+    return None
+'''
+
+
+def test_an_agent_function_through_cli(ray_session, tmp_path, vllm_model, arithmetic_data):
+    """An agent function (docs/agents.md) trains with vLLM generating its requests: both turns per sample,
+    continued token in and token out (no prefix break)."""
+    (tmp_path / "agent.py").write_text(AGENT_FILE)
+    env_line = "env: {name: ./agent.py:solve, max_turns: 3, max_response_tokens: 120}\n"
+    rows = _run(tmp_path, vllm_model, arithmetic_data, "agent", "run.steps=1", env_line=env_line)
+    (row,) = rows
+    assert row["env/turns"] == 2.0 and row["agent/prefix_breaks"] == 0.0 and row["env/failed"] == 0.0
+    assert row["rollout/probe_abs_diff"] < PROBE_BOUND and row["rollout/logprob_abs_diff"] < LOGPROB_BOUND

@@ -34,6 +34,7 @@ sample ends. One request at a time per sample: a second while one is open is a 4
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import socket
 import threading
@@ -95,6 +96,12 @@ class AgentHost:
         model_name: str = "policy",
     ):
         self.solve, self.tokenizer, self.family = solve, tokenizer, family
+        for name in (
+            "httpx",
+            "httpx2",
+            "openai",
+        ):  # a line per agent request at INFO: the run's log is not theirs
+            logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
         self.stop_token_ids = stop_token_ids
         self.key = secrets.token_urlsafe(24)
         self.sessions: dict[str, _Session] = {}
