@@ -284,3 +284,16 @@ def test_an_openai_agents_sdk_agent_runs_unchanged(tiny):
         assert sum(out["loss_mask"].tolist()) > 0
         # the SDK rendered the calculator's schema into the request: the row's prompt is that request
         assert len(out["prompt_ids"]) > 40
+
+
+def test_bench_agent_gives_the_same_tokens_both_ways():
+    """`dockrl bench agent --quick`: the environment path and the endpoint path sample the same trajectories."""
+    import argparse
+
+    from dockrl.bench import agent as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    env_row, agent_row, _ = bench.run(parser.parse_args(["--quick"]))
+    assert agent_row["same_tokens"] == "8/8" and agent_row["failed"] == env_row["failed"] == 0
+    assert agent_row["turns"] == env_row["turns"] == 8 * 3 and agent_row["prefix_breaks"] == 0
