@@ -39,7 +39,7 @@ CONFIG = (
     "algo: {kl_coef: 0.01}\n"
     "reward: {functions: [{name: exact_answer}]}\n"
     "run: {steps: 2, prompts_per_step: 2, progress: false, worker_timeout_s: 300, precision: fp32, log_samples: 2}\n"
-    "env: {name: ./agent.py:solve, max_turns: 3, max_response_tokens: 200}\n"
+    "env: {name: ./agent.py:solve, max_turns: 3, max_response_tokens: 200, call_timeout_s: 120}\n"
 )
 
 

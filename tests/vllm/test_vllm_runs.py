@@ -121,7 +121,8 @@ def test_an_agent_function_through_cli(ray_session, tmp_path, vllm_model, arithm
     """An agent function (docs/agents.md) trains with vLLM generating its requests: both turns per sample,
     continued token in and token out (no prefix break)."""
     (tmp_path / "agent.py").write_text(AGENT_FILE)
-    env_line = "env: {name: ./agent.py:solve, max_turns: 3, max_response_tokens: 120}\n"
+    # a generous call limit: on a loaded CPU, vLLM's busy threads can starve the agents' process for seconds
+    env_line = "env: {name: ./agent.py:solve, max_turns: 3, max_response_tokens: 120, call_timeout_s: 120}\n"
     rows = _run(tmp_path, vllm_model, arithmetic_data, "agent", "run.steps=1", env_line=env_line)
     (row,) = rows
     assert row["env/turns"] == 2.0 and row["agent/prefix_breaks"] == 0.0 and row["env/failed"] == 0.0

@@ -127,6 +127,7 @@ class AgentHost:
             stop_token_ids=stop_token_ids,
             sessions=self,
         )
+        import openai  # noqa: F401  (before any call's clock starts: the agents' clients need it)
         import uvicorn
 
         listening = socket.socket()
