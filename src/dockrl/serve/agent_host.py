@@ -20,7 +20,7 @@ to the loopback interface with a key of its own: the agents it runs are its only
 Token in, token out. A chat request that repeats the session's last request's messages, then the assistant
 message it was answered with (as the `openai` client hands it back), then new messages (tool results, the user's
 next turn) has as its prompt the last prompt, the ids sampled for that answer, and the chat template's delta of the
-new messages (engines/rollout/multi_turn.py ChatDelta): what was sampled is never re-tokenized. Any other chat (the
+new messages (envs/chat_delta.py ChatDelta): what was sampled is never re-tokenized. Any other chat (the
 agent rewrote its history, changed its tools) is rendered afresh; its prompt then does not extend the trajectory,
 and the rollout starts the sample's trajectory over (`env/prefix_breaks`). `/v1/completions` prompts are taken as
 given (ids or text).
@@ -43,8 +43,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from dockrl.engines.rollout.multi_turn import ChatDelta
 from dockrl.envs.base import ModelRequest, Observation
+from dockrl.envs.chat_delta import ChatDelta
 from dockrl.envs.host import RESET, STEP, Outcome
 from dockrl.serve.openai_api import ApiError, Sampled, Sampling, template_message
 from dockrl.serve.server import make_app

@@ -37,7 +37,6 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from dockrl.config.specs import EnvSpec
 from dockrl.envs.host import RESET, STEP, EnvHost, Outcome
 from dockrl.envs.loader import factory_of, is_agent
-from dockrl.serve.agent_host import AgentHost, agent_host
 
 HUNG_GRACE_S = 30.0  # past a call's limit, how long a worker may owe answers before it is pinged
 PING_S = 5.0  # how long a ping may take before the worker counts as hung
@@ -48,11 +47,13 @@ class EnvWorker:
     agent function (env.name) an AgentHost (serve/agent_host.py) over the policy's tokenizer at `model_path`."""
 
     def __init__(self, env: EnvSpec, family: str, model_path: str = ""):
-        self.host: EnvHost | AgentHost = (
-            agent_host(env, model_path)
-            if is_agent(env)
-            else EnvHost(factory_of(env, family), env.concurrency)
-        )
+        self.host: Any
+        if is_agent(env):  # imported here: an environment's worker never loads the HTTP server
+            from dockrl.serve.agent_host import agent_host
+
+            self.host = agent_host(env, model_path)
+        else:
+            self.host = EnvHost(factory_of(env, family), env.concurrency)
 
     async def call(
         self, key: str, method: str, argument: Any, limit_s: float, tool_calls_left: int

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,6 +72,7 @@ from dockrl.engines.rollout.backend import RolloutBackend
 from dockrl.engines.rollout.rollout_engine import Request
 from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.envs.base import Message, ModelRequest, Observation, check_messages
+from dockrl.envs.chat_delta import ChatDelta
 from dockrl.envs.host import EnvCalls, Outcome
 
 ENV_METRICS = (
@@ -99,48 +99,6 @@ class TurnLimits:
 def turn_seed(seed: int, turn: int) -> int:
     """The sampling seed of turn `turn` (0-based) of a trajectory whose row seed is `seed`."""
     return seed if turn == 0 else (seed * 1_000_033 + turn * 104_729) % (2**63 - 1)
-
-
-class ChatDelta:
-    """Observation tokens as the chat template's delta (module docstring). `tokenizer` has
-    apply_chat_template(messages, add_generation_prompt=..., tools=...), encode(text) and decode(ids,
-    skip_special_tokens=...)."""
-
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]]):
-        self.tokenizer, self.tools = tokenizer, tools or None
-
-    def render(self, messages: list[Message], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tools=self.tools
-        )
-
-    def observation(
-        self, history: list[Message], assistant: str, sampled_text: str, new: list[Message]
-    ) -> tuple[list[int], bool]:
-        """(tokens that follow the sampled ones: the close of the assistant turn, the new messages and the
-        next generation prompt; whether the template was append-only here)."""
-        before = self.render(history, True)
-        closed = self.render([*history, {"role": "assistant", "content": assistant}], False)
-        after = self.render([*history, {"role": "assistant", "content": assistant}, *new], True)
-        prefixed = closed.startswith(before)
-        turn = closed[len(before) :] if prefixed else closed
-        content_close = _turn_close(turn, assistant)  # what the template writes after the content
-        sampled_whole = turn.startswith(sampled_text)
-        close = turn[len(sampled_text) :] if sampled_whole else content_close
-        if after.startswith(closed):
-            return self.tokenizer.encode(close + after[len(closed) :]), prefixed and sampled_whole
-        # Not append-only: `after` re-rendered earlier turns. The new messages start after the assistant
-        # turn's close, past the point where the two renders part.
-        common = len(os.path.commonprefix([closed, after]))
-        at = after.find(content_close, common) if content_close else -1
-        new_part = after[at + len(content_close) :] if at >= 0 else after[common:]
-        return self.tokenizer.encode(close + new_part), False
-
-
-def _turn_close(rendered_turn: str, assistant: str) -> str:
-    """What the template writes after the assistant's content in its rendered turn."""
-    at = rendered_turn.rfind(assistant) if assistant else -1
-    return rendered_turn[at + len(assistant) :] if at >= 0 else ""
 
 
 @dataclass
