@@ -114,8 +114,9 @@ def policy_update(
             # algo.routing_replay=r3: the update's forwards use the rollout's experts
             routes=None if ROUTED_EXPERTS not in batch else [batch[ROUTED_EXPERTS][idx[j]] for j in chunk],
             moe_layers=engine.args.moe_layers,
+            packed=engine.packing,
         )
-        for chunk in micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch)
+        for chunk in micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch, engine.packing)
     ]
     # Ranks with fewer rows (rollout.partial trains what finished) keep pace with masked micro-batches.
     idle = engine.common_count(len(micro_batches)) - len(micro_batches)
