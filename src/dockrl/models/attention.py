@@ -55,8 +55,8 @@ def packed_causal_attention(q: Tensor, k: Tensor, v: Tensor, bounds: tuple[int, 
     [bounds[i], bounds[i + 1]) (S = bounds[-1]); a token sees the earlier tokens of its own sequence only.
 
     One `causal_attention` per sequence: its cost is sum L_i^2 instead of the S^2 of one call under a
-    block-diagonal mask, and each call keeps torch's kernels (and the CPU bf16 backward above). Measured on the
-    project's CPU (docs/benchmarks.md, packing): faster than one masked SDPA call from 2 sequences on."""
+    block-diagonal mask, and each call keeps torch's kernels (and the CPU bf16 backward above). On the project's
+    CPU it beat one masked SDPA call in every case measured (docs/benchmarks.md, "Padding-free packing")."""
     if len(bounds) == 2:
         return causal_attention(q, k, v)
     parts = [
