@@ -43,10 +43,9 @@ def _rows(seed=0):
     return prompts, responses
 
 
-def _engine(model_dir, packing):
-    engine = TrainEngine(
-        str(model_dir), device="cpu", precision="fp32", optim=ActorConfig(lr=1e-3), packing=packing
-    )
+def _engine(model_dir, packing, checkpointing=False):
+    optim = ActorConfig(lr=1e-3, activation_checkpointing=checkpointing)
+    engine = TrainEngine(str(model_dir), device="cpu", precision="fp32", optim=optim, packing=packing)
     perturb_(engine.model, seed=3)
     return engine
 
@@ -56,9 +55,10 @@ def _bound(logps):
     return 8 * VOCAB * 2.0**-24 * (math.log(VOCAB) + worst)
 
 
-def test_packed_log_probs_and_gradients_equal_the_padded_ones(model_dir):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation_checkpointing"])
+def test_packed_log_probs_and_gradients_equal_the_padded_ones(model_dir, checkpointing):
     prompts, responses = _rows()
-    padded, packed = _engine(model_dir, False), _engine(model_dir, True)
+    padded, packed = _engine(model_dir, False), _engine(model_dir, True, checkpointing)
     kwargs = dict(temperature=0.7, micro_batch_size=4, pad_token_id=0, max_tokens_per_micro_batch=0)
     expected, _ = padded.logprobs(prompts, responses, **kwargs)
     actual, _ = packed.logprobs(prompts, responses, **kwargs)
