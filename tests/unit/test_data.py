@@ -36,8 +36,10 @@ def test_load_jsonl(tmp_path):
     )
     records = load_prompts(path)
     assert records == [
-        PromptRecord("What is 1+1?", "2", 0, str(path)),
-        PromptRecord([{"role": "user", "content": "hi"}], 7, 1, str(path)),
+        PromptRecord("What is 1+1?", "2", 0, str(path), "line 1"),
+        PromptRecord(
+            [{"role": "user", "content": "hi"}], 7, 1, str(path), "line 3"
+        ),  # its line, past the blank
     ]
     assert [r.prompt for r in load_prompts(path, limit=1)] == ["What is 1+1?"]
 

@@ -27,4 +27,5 @@ BENCHMARKS: dict[str, str] = {
     "startup": "dockrl.bench.startup",
     "env": "dockrl.bench.env_tier",
     "agent": "dockrl.bench.agent",
+    "packing": "dockrl.bench.packing",
 }

@@ -202,6 +202,13 @@ class OptimConfig:
         "update holds one layer's activations instead of every layer's (long responses fit), for about one "
         "more forward pass of compute; the numbers trained are the same.",
     )
+    packing: bool = setting(
+        True,
+        "Padding-free micro-batches: the model computes each micro-batch's rows end to end (cumulative lengths, "
+        "block-diagonal causal attention, positions restarting per row), so no padding token is computed in "
+        "the update, reference, old log-prob and value passes; a token budget (max_tokens_per_micro_batch) then "
+        "counts the rows' tokens. False: rows padded to the longest (the numbers agree to fp32 rounding).",
+    )
 
 
 @dataclass

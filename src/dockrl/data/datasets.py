@@ -30,12 +30,14 @@ class PromptRecord:
         label: ground truth handed to the reward functions (None when the dataset has no label field).
         index: 0-based position of the row in its file.
         source: the file it came from.
+        where: where in that file ("line 7" of JSON lines, "item 3" of a JSON array, "row 5" of Parquet).
     """
 
     prompt: str | list[dict]
     label: Any
     index: int
     source: str
+    where: str = ""
 
 
 def load_prompts(
@@ -147,7 +149,7 @@ def _to_record(
             f"{{'role', 'content'}} messages; got {type(prompt).__name__}"
         )
     label = row[label_field] if label_field is not None else None
-    return PromptRecord(prompt=prompt, label=label, index=index, source=str(path))
+    return PromptRecord(prompt=prompt, label=label, index=index, source=str(path), where=where)
 
 
 def _is_messages(value: Any) -> bool:

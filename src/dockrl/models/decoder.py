@@ -11,7 +11,9 @@ Attention mask: causal by slot index (a query in slot s sees key slots <= s) and
 A query always sees its own slot, so left-padding queries, which see no valid key, stay finite.
 
 Three explicit paths, one per entry point of `Transformer`:
-- `forward` / `hidden_states` without a cache: plain causal attention over the T tokens (training, scoring);
+- `forward` / `hidden_states` without a cache: plain causal attention over the T tokens (training, scoring),
+  or with `segments` (cumulative lengths) block-diagonal causal attention over rows packed end to end in one
+  [1, T] row (padding-free micro-batches: attention.packed_causal_attention; positions restart per row);
 - with `kv_cache` and an int `cache_offset`: every row writes its T new keys at slots [offset, offset + T)
   and attends slots [0, offset + T) (prefill, lockstep decode);
 - `hidden_states_per_row` (the rollout engine's continuous batching): row b writes at its own slots
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from dockrl.models.attention import causal_attention, sdpa
+from dockrl.models.attention import causal_attention, packed_causal_attention, sdpa
 from dockrl.models.config import ModelArgs
 from dockrl.models.moe import MoEBlock
 
@@ -159,9 +161,10 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
         cache: tuple[torch.Tensor, torch.Tensor] | None = None,
         write: CacheWrite | None = None,
+        segments: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]. mask bool [B, 1, T, S] or None for plain causal without cache; `cache`
-        this layer's (keys, values) of `write.cache`."""
+        this layer's (keys, values) of `write.cache`; `segments` the cumulative lengths of packed rows (B = 1)."""
         batch, seq = x.shape[:2]
         # -1 heads: under tensor parallelism the projections hold only this rank's heads.
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim)  # [B, T, N, D]
@@ -173,6 +176,8 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), *rope)  # [B, K, T, D]
         if write is not None:
             out = _cached_attention(q, k, v, mask, cache, write).to(x.dtype)  # [B, N, T, D]
+        elif segments is not None:  # packed rows: each attends its own earlier tokens only
+            out = packed_causal_attention(q, k, v, segments)
         elif mask is None:  # plain causal attention over the T tokens (training, scoring)
             out = causal_attention(q, k, v)
         else:  # padded rows without a cache
@@ -212,9 +217,10 @@ class DecoderLayer(nn.Module):
         mask: torch.Tensor | None,
         cache: tuple[torch.Tensor, torch.Tensor] | None = None,
         write: CacheWrite | None = None,
+        segments: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, write)
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, write, segments)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -243,9 +249,12 @@ class DecoderModel(nn.Module):
         position_ids: torch.Tensor,
         key_mask: torch.Tensor | None,
         write: CacheWrite | None = None,
+        segments: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [B, T, H]; arguments as in `Transformer.hidden_states`."""
         batch, seq = input_ids.shape
+        if segments is not None:
+            _check_segments(segments, batch, seq, key_mask, write)
         x = self.embed_tokens(input_ids)  # [B, T, H]
         rope = self._rope(position_ids, x.dtype)
         mask: torch.Tensor | None
@@ -258,10 +267,12 @@ class DecoderModel(nn.Module):
         recompute = self.checkpoint_layers and write is None and torch.is_grad_enabled()
         for index, layer in enumerate(self.layers):
             if recompute:  # keeps only the layer's input; its forward runs again in the backward pass
-                x = torch.utils.checkpoint.checkpoint(layer, x, rope, mask, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(
+                    layer, x, rope, mask, None, None, segments, use_reentrant=False
+                )
                 continue
             cache = None if write is None else write.cache.layer(index)
-            x = layer(x, rope, mask, cache, write)
+            x = layer(x, rope, mask, cache, write, segments)
         return self.norm(x)
 
     def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,12 +327,13 @@ class Transformer(nn.Module):
         kv_cache: KVCache | None = None,
         cache_offset: int = 0,
         head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+        segments: tuple[int, ...] | None = None,
     ) -> Any:
         """Logits [B, T, V] in the parameter dtype; arguments as in `hidden_states`. With `head`, returns
         head(hidden [B, T, H], LM-head weight [V, H]) instead: a loss that fuses the LM head (training's
         chunked log-probs, dockrl.algos.head_logprobs) runs inside forward, where FSDP2 has unsharded the
         weight."""
-        hidden = self.hidden_states(input_ids, position_ids, key_mask, kv_cache, cache_offset)
+        hidden = self.hidden_states(input_ids, position_ids, key_mask, kv_cache, cache_offset, segments)
         if head is not None:
             return head(hidden, self.output_weight())
         return self.lm_logits(hidden)
@@ -343,12 +355,15 @@ class Transformer(nn.Module):
         key_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         cache_offset: int = 0,
+        segments: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [B, T, H], without a cache or with every row at `cache_offset`.
 
         input_ids [B, T] int64. position_ids [B, T], default arange(cache_offset, cache_offset + T) per row.
         key_mask bool [B, S] (True = real token; S = T without cache, cache_offset + T with one; None = all
         real). With kv_cache, the new keys/values go to slots [cache_offset, cache_offset + T).
+        segments (no cache, no key_mask, B = 1): cumulative lengths (0, L_0, L_0 + L_1, ..., T) of rows packed
+        end to end; each row attends its own tokens only, and position_ids default to restart at each row.
         """
         batch, seq = input_ids.shape
         if not isinstance(cache_offset, int):
@@ -360,11 +375,13 @@ class Transformer(nn.Module):
                 f"cache_offset + T = {cache_offset + seq} exceeds kv_cache.max_len={kv_cache.max_len}; "
                 "allocate a longer KVCache"
             )
+        if position_ids is None and segments is not None:
+            position_ids = segment_positions(segments, input_ids.device)[None]
         if position_ids is None:
             position_ids = torch.arange(cache_offset, cache_offset + seq, device=input_ids.device)
             position_ids = position_ids.expand(batch, seq)
         write = None if kv_cache is None else CacheWrite(kv_cache, offset=cache_offset)
-        return self.model(input_ids, position_ids, key_mask, write)
+        return self.model(input_ids, position_ids, key_mask, write, segments)
 
     def hidden_states_per_row(
         self,
@@ -403,6 +420,23 @@ class Transformer(nn.Module):
             else:
                 values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
                 param.copy_(values)
+
+
+def segment_positions(segments: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+    """int64 [T]: each packed row's positions 0 .. L_i - 1 (T = segments[-1]), as that row alone would have."""
+    lengths = torch.tensor([end - start for start, end in zip(segments[:-1], segments[1:])])
+    starts = torch.tensor(segments[:-1]).repeat_interleave(lengths)  # [T] the start of each token's row
+    return (torch.arange(segments[-1]) - starts).to(device)
+
+
+def _check_segments(
+    segments: tuple[int, ...], batch: int, seq: int, key_mask: torch.Tensor | None, write: CacheWrite | None
+) -> None:
+    """Packed rows come as one [1, T] row without a cache or key mask; cumulative lengths from 0 to T."""
+    if batch != 1 or write is not None or key_mask is not None:
+        raise ValueError("segments (packed rows) need input_ids [1, T], no kv_cache and no key_mask")
+    if segments[0] != 0 or segments[-1] != seq or any(a >= b for a, b in zip(segments[:-1], segments[1:])):
+        raise ValueError(f"segments must rise from 0 to T={seq} (cumulative row lengths); got {segments}")
 
 
 def _write_rows(

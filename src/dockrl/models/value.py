@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dockrl.models.config import ModelArgs
-from dockrl.models.decoder import DecoderModel
+from dockrl.models.decoder import DecoderModel, segment_positions
 from dockrl.models.hf import ModelKind, load_state_dict, materialize, read_config
 
 SCORE_WEIGHT, SCORE_BIAS = "score.weight", "score.bias"
@@ -34,11 +34,15 @@ class ValueModel(nn.Module):
         self.model = DecoderModel(args)
         self.score = nn.Linear(args.hidden_size, 1)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Values [B, T] (fp32) of every prefix; right padding is harmless (causal attention)."""
+    def forward(self, input_ids: torch.Tensor, segments: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Values [B, T] (fp32) of every prefix; right padding is harmless (causal attention). `segments`: rows
+        packed end to end in input_ids [1, T] (as `Transformer.hidden_states` takes them)."""
         batch, seq = input_ids.shape
-        position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
-        hidden = self.model(input_ids, position_ids, None)  # [B, T, H]
+        if segments is not None:
+            position_ids = segment_positions(segments, input_ids.device)[None]
+        else:
+            position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+        hidden = self.model(input_ids, position_ids, None, None, segments)  # [B, T, H]
         # A copy, not a view of the head's [B, T, 1] output: FSDP2 hooks the root module's output for backward.
         return self.score(hidden).squeeze(-1).float().clone()  # [B, T]
 

@@ -88,6 +88,7 @@ class EncodedPrompt:
     label: Any
     index: int
     env_row: dict[str, Any] | None = None  # multi-turn: what the rollout resets its environment with
+    where: str = ""  # in its file: "line 7" (data/datasets.py PromptRecord.where)
 
 
 def add_prompts(client: Any, prompts: list[EncodedPrompt], group_size: int) -> list[int]:
@@ -138,7 +139,7 @@ def encode_prompts(
         if len(ids) > max_prompt_len:
             skipped += 1
             continue
-        out.append(EncodedPrompt(ids=ids, text=text, label=rec.label, index=rec.index, env_row=env_row))
+        out.append(EncodedPrompt(ids, text, rec.label, rec.index, env_row=env_row, where=rec.where))
     if not out:
         raise ValueError(
             f"{path}: every prompt is longer than data.max_prompt_len={max_prompt_len}; raise it"
@@ -148,6 +149,51 @@ def encode_prompts(
             "%s: skipped %d prompts longer than data.max_prompt_len=%d", path, skipped, max_prompt_len
         )
     return out, skipped
+
+
+def check_prompt_room(
+    path: str,
+    prompts: list[EncodedPrompt],
+    *,
+    max_positions: int,
+    max_new_tokens: int,
+    trajectory: int | None,
+) -> None:
+    """Prompts that leave no room for their response within the model's positions, found in the data pass
+    (before any process starts) rather than by the rollout worker mid-run: a prompt needs room for one turn of
+    rollout.max_new_tokens (else a ConfigError naming the file, the first such prompt, how many and the fix);
+    multi-turn (`trajectory`: the trajectory budget, config/budgets.py) warns of prompts whose trajectories
+    the model's positions cut short (the rollout ends them there, truncated)."""
+    from dockrl.errors import ConfigError
+
+    room = max_positions - max_new_tokens
+    long = [p for p in prompts if len(p.ids) > room]
+    if long:
+        first = long[0]
+        many = f"{len(long)} prompts leave" if len(long) > 1 else "1 prompt leaves"
+        raise ConfigError(
+            f"{path}: {many} no room for the response: first at {first.where} ({len(first.ids)} tokens); "
+            f"a prompt may hold max_position_embeddings={max_positions} - rollout.max_new_tokens="
+            f"{max_new_tokens} = {room} tokens. Set data.max_prompt_len={max(room, 1)} to skip them, lower "
+            "rollout.max_new_tokens, or use a model with more positions"
+        )
+    if trajectory is None or trajectory <= max_new_tokens:
+        return
+    room = max_positions - trajectory
+    cut = [p for p in prompts if len(p.ids) > room]
+    if cut:
+        log.warning(
+            "%s: %d prompts (first at %s, %d tokens) leave less than the trajectory budget of %d tokens within "
+            "max_position_embeddings=%d: their trajectories end truncated at the model's positions (lower "
+            "env.max_response_tokens or data.max_prompt_len to %d to avoid it)",
+            path,
+            len(cut),
+            cut[0].where,
+            len(cut[0].ids),
+            trajectory,
+            max_positions,
+            max(room, 1),
+        )
 
 
 def _render_env_prompt(env: Any, row: dict[str, Any], tokenizer: Tokenizer, system_prompt: str | None) -> str:

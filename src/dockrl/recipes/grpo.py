@@ -50,6 +50,7 @@ from dockrl.recipes.common import (
     EncodedPrompt,
     EpochSampler,
     RunFailed,
+    check_prompt_room,
     encode_prompts,
     init_ray,
 )
@@ -314,14 +315,15 @@ def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None
     env = env_spec(cfg.env, d.system_prompt, cfg.rollout.max_new_tokens)
     # multi-turn: the first turn is the environment's, rendered with its tools (an agent's rollout puts its own)
     from dockrl.envs.loader import is_agent
+    from dockrl.models.config import read_config
 
+    args = read_config(cfg.model.path)
     agent = env is not None and is_agent(env)
     if env is not None and not agent:
         from dockrl.envs.loader import factory_of
-        from dockrl.models.config import read_config
 
-        make_env = factory_of(env, read_config(cfg.model.path).family)
-    return encode_prompts(
+        make_env = factory_of(env, args.family)
+    prompts, skipped = encode_prompts(
         path,
         tokenizer,
         prompt_field=d.prompt_field,
@@ -333,6 +335,14 @@ def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None
         make_env=make_env,
         agent=agent,
     )
+    check_prompt_room(
+        path,
+        prompts,
+        max_positions=args.max_position_embeddings,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        trajectory=None if env is None else env.max_response_tokens,
+    )
+    return prompts, skipped
 
 
 def _evaluate(

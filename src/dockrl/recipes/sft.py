@@ -133,6 +133,7 @@ def sft(cfg: SFTConfig) -> dict[str, Any]:
         precision=cfg.run.precision,
         optim=cfg.actor,
         total_optimizer_steps=total_steps,
+        packing=cfg.actor.packing,
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rng = random.Random(cfg.run.seed)
@@ -188,8 +189,11 @@ def _micro_batches(engine: TrainEngine, batch, pad: int, actor: ActorConfig) -> 
                 torch.ones(len(batch[i][1])) if batch[i][2] is None else torch.tensor(batch[i][2])
                 for i in idx
             ],
+            packed=engine.packing,
         )
-        for idx in micro_batch_rows(lengths, actor.micro_batch_size, actor.max_tokens_per_micro_batch)
+        for idx in micro_batch_rows(
+            lengths, actor.micro_batch_size, actor.max_tokens_per_micro_batch, engine.packing
+        )
     ]
 
 

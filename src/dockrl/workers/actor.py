@@ -94,7 +94,11 @@ class ActorWorker(Worker):
         spec = self.spec
         mesh = training_mesh(self.device.type, self.dp, spec.optim.tp)
         common: dict[str, Any] = dict(
-            device=self.device, precision=spec.rollout.precision, mesh=mesh, ep=spec.optim.ep
+            device=self.device,
+            precision=spec.rollout.precision,
+            mesh=mesh,
+            ep=spec.optim.ep,
+            packing=spec.optim.packing,
         )
         self.policy = TrainEngine(
             spec.model_path,

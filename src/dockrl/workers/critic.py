@@ -104,6 +104,7 @@ class CriticWorker(Worker):
             optim=spec.optim,
             total_optimizer_steps=spec.total_optimizer_steps,
             load_weights=resume_from is None,
+            packing=spec.optim.packing,
         )
         if resume_from is not None:
             load_engine(self.engine, Path(resume_from) / CRITIC)
@@ -136,6 +137,7 @@ class CriticWorker(Worker):
                 [responses[i] for i in idx],
                 pad_token_id=PAD_TOKEN_ID,
                 device=self.engine.device,
+                packed=self.engine.packing,
             )
             values += mb.unpad(self.engine.logits(mb))  # [B, T-1] values on the shifted grid
         return values
@@ -228,6 +230,7 @@ class CriticWorker(Worker):
                 device=self.engine.device,
                 per_token={name: [batch[name][idx[j]] for j in chunk] for name in (VALUES, RETURNS)},
                 response_masks=[torch.full((len(batch[VALUES][idx[j]]),), weights[j]) for j in chunk],
+                packed=self.engine.packing,
             )
             for chunk in split_indices(len(idx), self.spec.optim.micro_batch_size)
         ]

@@ -1,15 +1,38 @@
-"""Turn ragged dock rows (prompt_ids [P], response_ids [R], per-token columns [R]) into padded micro-batches.
+"""Turn ragged dock rows (prompt_ids [P], response_ids [R], per-token columns [R]) into micro-batches.
 
-Shapes: B rows, T = max(P + R) tokens. Logits at position t predict token t + 1, so per-token training
-tensors live on the shifted grid [B, T-1]: row i's response occupies columns P_i - 1 ... P_i + R_i - 2.
-Padding is on the right; causal attention means pad tokens never influence real ones.
+Shapes: B rows, T = max(P + R) tokens, S = sum(P + R) packed tokens. Logits at position t predict token t + 1,
+so per-token training tensors live on the shifted grid [B, T-1]: row i's response occupies columns
+P_i - 1 ... P_i + R_i - 2. Padding is on the right; causal attention means pad tokens never influence real ones.
+
+Packed micro-batches (actor.packing, critic.packing; `Packing`): the model computes the rows laid end to end
+in one [1, S] row, with cumulative lengths (0, L_0, L_0 + L_1, ..., S): block-diagonal causal attention, and
+positions restarting at each row (models/decoder.py `segments`), so no padding token goes through a layer.
+The per-token tensors stay on the [B, T-1] grid (the losses are elementwise there); the model's outputs go
+onto it by `packed_response_positions` / `MicroBatch.from_packed`.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class Packing:
+    """What the model computes for a packed micro-batch: its rows end to end (module docstring)."""
+
+    input_ids: torch.Tensor  # [1, S] int64
+    segments: tuple[
+        int, ...
+    ]  # cumulative lengths [B + 1]: row i holds packed tokens [segments[i], segments[i+1])
+
+    def grid_to_packed(self, starts: list[int], lengths: list[int]) -> torch.Tensor:
+        """int64 [N] packed token indices of each row's columns [starts[i], starts[i] + lengths[i]) of the
+        shifted grid, row by row (the position of grid column t of row i is segments[i] + t)."""
+        index = [torch.arange(a + s, a + s + n) for a, s, n in zip(self.segments, starts, lengths)]
+        return torch.cat(index).to(self.input_ids.device) if index else torch.zeros(0, dtype=torch.long)
 
 
 @dataclass
@@ -29,6 +52,9 @@ class MicroBatch:
     # [B, T-1, k] fp32 on the shifted grid (0 off the responses); None without
     topk_ids: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = None
+    # Padding-free: the rows end to end, what the model computes (then routes and route_mask are [1, S, k]
+    # and [1, S], in the packed layout the model's forward sees); None: the model computes input_ids
+    packing: Packing | None = None
 
     @property
     def num_rows(self) -> int:
@@ -36,11 +62,29 @@ class MicroBatch:
         return len(self.lengths)
 
     def token_mask(self) -> torch.Tensor:
-        """[B, T] bool: the positions holding a row's tokens (prompt and response), not padding."""
+        """[B, T] bool: the positions holding a row's tokens (prompt and response), not padding; packed: [1, S]
+        of True (the layout of the model's forward)."""
+        if self.packing is not None:
+            return torch.ones(self.packing.input_ids.shape, dtype=torch.bool, device=self.input_ids.device)
         ends = torch.tensor(
             [s + 1 + n for s, n in zip(self.starts, self.lengths)], device=self.input_ids.device
         )
         return torch.arange(self.input_ids.shape[1], device=ends.device)[None, :] < ends[:, None]
+
+    def model_input_ids(self) -> torch.Tensor:
+        """What the model's forward computes: the packed [1, S] ids, or the padded [B, T] ones."""
+        return self.input_ids if self.packing is None else self.packing.input_ids
+
+    def from_packed(self, values: torch.Tensor) -> torch.Tensor:
+        """The model's outputs [1, S, ...] of a packed micro-batch on the shifted grid [B, T-1, ...] (each row's
+        first L_i - 1 positions; 0 elsewhere)."""
+        assert self.packing is not None, "from_packed is for packed micro-batches"
+        rows, width = self.input_ids.shape[0], self.input_ids.shape[1] - 1
+        seq_lens = [s + n for s, n in zip(self.starts, self.lengths)]  # L_i - 1: positions predicting a token
+        grid = values.new_zeros((rows * width, *values.shape[2:]))
+        where = torch.cat([torch.arange(i * width, i * width + n) for i, n in enumerate(seq_lens)])
+        picked = values[0].index_select(0, self.packing.grid_to_packed([0] * rows, seq_lens))
+        return grid.index_copy(0, where.to(values.device), picked).view(rows, width, *values.shape[2:])
 
     def unpad(self, values: torch.Tensor) -> list[torch.Tensor]:
         """[B, T-1] grid -> one [R_i] tensor per row (detached, on CPU)."""
@@ -58,6 +102,13 @@ def response_positions(mb: MicroBatch) -> torch.Tensor:
     return torch.cat(index).to(mb.input_ids.device) if index else torch.zeros(0, dtype=torch.long)
 
 
+def packed_response_positions(mb: MicroBatch) -> torch.Tensor:
+    """int64 [N] indices into the packed [S] tokens of every row's response columns, in the order of
+    `response_positions` (a packed micro-batch's hidden states there score the same next tokens)."""
+    assert mb.packing is not None, "packed_response_positions is for packed micro-batches"
+    return mb.packing.grid_to_packed(mb.starts, mb.lengths)
+
+
 def make_micro_batch(
     prompts: list[torch.Tensor],
     responses: list[torch.Tensor],
@@ -69,10 +120,12 @@ def make_micro_batch(
     routes: list[torch.Tensor] | None = None,
     moe_layers: list[int] | None = None,
     teacher_topk: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+    packed: bool = False,
 ) -> MicroBatch:
     """Pad rows to one tensor; per-token columns (advantages, old/ref log-probs) are placed on the shifted grid.
     `routes` (MoE): per row the rollout's experts [P + R - 1, L, k] of the MoE layers `moe_layers`.
-    `teacher_topk` (top-k distillation): per row the teacher's top-k ids [R, k] and log-probs [R, k]."""
+    `teacher_topk` (top-k distillation): per row the teacher's top-k ids [R, k] and log-probs [R, k]. `packed`:
+    the model computes the rows end to end instead (`Packing`, module docstring)."""
     seqs = [torch.cat([p.long(), r.long()]) for p, r in zip(prompts, responses)]
     num_rows, max_len = len(seqs), max(len(s) for s in seqs)
     input_ids = torch.full((num_rows, max_len), pad_token_id, dtype=torch.long)
@@ -100,22 +153,37 @@ def make_micro_batch(
             id_grid[i, starts[i] : starts[i] + lengths[i]] = row_ids.long()
             logp_grid[i, starts[i] : starts[i] + lengths[i]] = row_logps.float()
         batch.topk_ids, batch.topk_logprobs = id_grid.to(device), logp_grid.to(device)
+    if packed:
+        segments = (0, *itertools.accumulate(len(seq) for seq in seqs))
+        batch.packing = Packing(torch.cat(seqs)[None].to(device), segments)
     if routes is not None:
         assert moe_layers is not None, "routes come with the model's MoE layer indices"
-        batch.routes, batch.route_mask = _route_grids(routes, moe_layers, max_len, device)
+        if batch.packing is None:
+            batch.routes, batch.route_mask = _route_grids(routes, moe_layers, max_len, device)
+        else:  # the layout of the packed forward: one row of S tokens, each row's routes at its own tokens
+            batch.routes, batch.route_mask = _route_grids(
+                routes, moe_layers, batch.packing.segments[-1], device, batch.packing.segments[:-1]
+            )
     return batch
 
 
 def _route_grids(
-    routes: list[torch.Tensor], moe_layers: list[int], width: int, device: torch.device | str
+    routes: list[torch.Tensor],
+    moe_layers: list[int],
+    width: int,
+    device: torch.device | str,
+    packed_starts: tuple[int, ...] | None = None,
 ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-    """Per MoE layer [B, T, k] experts from per-row [n_i, L, k] routes, and the [B, T] mask of given ones."""
+    """Per MoE layer [B, T, k] experts from per-row [n_i, L, k] routes, and the [B, T] mask of given ones;
+    with `packed_starts` (row i's first packed token) one [1, S] row holding every row's routes instead."""
     top_k = routes[0].shape[-1]
-    grid = torch.arange(top_k).expand(len(routes), width, len(moe_layers), top_k).clone()  # fill: 0..k-1
-    given = torch.zeros(len(routes), width, dtype=torch.bool)
+    num_rows = len(routes) if packed_starts is None else 1
+    grid = torch.arange(top_k).expand(num_rows, width, len(moe_layers), top_k).clone()  # fill: 0..k-1
+    given = torch.zeros(num_rows, width, dtype=torch.bool)
     for i, row in enumerate(routes):
-        grid[i, : row.shape[0]] = row.long()
-        given[i, : row.shape[0]] = True
+        at, first = (i, 0) if packed_starts is None else (0, packed_starts[i])
+        grid[at, first : first + row.shape[0]] = row.long()
+        given[at, first : first + row.shape[0]] = True
     return {layer: grid[:, :, j].to(device) for j, layer in enumerate(moe_layers)}, given.to(device)
 
 
@@ -124,21 +192,29 @@ def split_indices(num_rows: int, size: int) -> list[list[int]]:
     return [list(range(i, min(i + size, num_rows))) for i in range(0, num_rows, size)]
 
 
-def micro_batch_rows(lengths: list[int], micro_batch_size: int, max_tokens: int) -> list[list[int]]:
+def micro_batch_rows(
+    lengths: list[int], micro_batch_size: int, max_tokens: int, packed: bool = False
+) -> list[list[int]]:
     """Which rows (positions into `lengths`, each row's prompt + response tokens) form each micro-batch.
 
     max_tokens > 0 (a token budget, actor.max_tokens_per_micro_batch): rows sorted longest first, and each
-    micro-batch takes rows while rows x its longest row (the padded size) stays within max_tokens; a row longer
-    than the budget goes alone. Rows of like length share a micro-batch, so little padding is computed, and a
-    small model's whole batch can be one pass. micro_batch_size is not used. max_tokens = 0: consecutive chunks
-    of micro_batch_size rows, in order.
+    micro-batch takes rows while the tokens it computes stay within max_tokens: rows x its longest row (the
+    padded size), or with `packed` the sum of its rows' lengths; a row longer than the budget goes alone. Rows
+    of like length share a micro-batch, so little padding is computed, and a small model's whole batch can be
+    one pass. micro_batch_size is not used. max_tokens = 0: consecutive chunks of micro_batch_size rows, in
+    order. The same rows give the same micro-batches (a resumed run's passes are the original's).
     """
     if max_tokens <= 0:
         return split_indices(len(lengths), micro_batch_size)
     chunks: list[list[int]] = []
     for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
-        if chunks and (len(chunks[-1]) + 1) * lengths[chunks[-1][0]] <= max_tokens:
+        if chunks and _computed(chunks[-1] + [row], lengths, packed) <= max_tokens:
             chunks[-1].append(row)
         else:
             chunks.append([row])
     return chunks
+
+
+def _computed(rows: list[int], lengths: list[int], packed: bool) -> int:
+    """Tokens a micro-batch of `rows` (longest first) computes: their sum packed, else rows x the longest."""
+    return sum(lengths[i] for i in rows) if packed else len(rows) * lengths[rows[0]]

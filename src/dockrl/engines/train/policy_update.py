@@ -126,8 +126,9 @@ def policy_update(
                 [batch[TEACHER_TOPK_IDS][idx[j]] for j in chunk],
                 [batch[TEACHER_TOPK_LOGPROBS][idx[j]] for j in chunk],
             ),
+            packed=engine.packing,
         )
-        for chunk in micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch)
+        for chunk in micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch, engine.packing)
     ]
     # Ranks with fewer rows (rollout.partial trains what finished) keep pace with masked micro-batches.
     idle = engine.common_count(len(micro_batches)) - len(micro_batches)

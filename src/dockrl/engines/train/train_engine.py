@@ -31,7 +31,13 @@ from torch.distributed.tensor import DTensor
 
 from dockrl.algos.head_logprobs import head_support_stats, head_token_stats, head_top_k
 from dockrl.config.schema import OptimConfig
-from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch_rows, response_positions
+from dockrl.engines.train.batch import (
+    MicroBatch,
+    make_micro_batch,
+    micro_batch_rows,
+    packed_response_positions,
+    response_positions,
+)
 from dockrl.models.decoder import DecoderModel, Transformer
 from dockrl.models.hf import CAUSAL_LM, CheckpointReader, ModelKind, read_config, weights_fingerprint
 from dockrl.models.lora import LoraSpec, adapters_disabled, apply_lora, fresh_adapters
@@ -73,8 +79,12 @@ class TrainEngine:
         keep_starting_adapters: bool = False,
         seed: int = 0,
         ep: int = 1,
+        packing: bool = False,
     ):
         self.device = torch.device(device)
+        # Padding-free micro-batches (actor.packing, critic.packing; engines/train/batch.py `Packing`): the
+        # micro-batches this engine builds for its passes (logprobs, and its callers' updates) are packed
+        self.packing = packing
         self.precision = precision
         self.mesh = mesh
         self.model_path = model_path
@@ -220,15 +230,21 @@ class TrainEngine:
         tensor parallelism over this rank's vocab slice, statistics all-reduced over tp).
 
         Only the response positions go through the head (a prompt's tokens and the padding are never scored,
-        and at a real vocabulary the head is a third or more of the work); the grid holds 0 elsewhere."""
+        and at a real vocabulary the head is a third or more of the work); the grid holds 0 elsewhere. A packed
+        micro-batch's model computes its rows end to end (no padding); the same positions are scored."""
         targets = mb.input_ids[:, 1:]  # [B, T-1]
         rows, width = targets.shape
         scored = response_positions(mb)  # [N] indices into the flat [B (T-1)] grid
+        packing = mb.packing
+        # [N] where those positions' hidden states are in the model's flattened output
+        hidden_at = scored if packing is None else packed_response_positions(mb)
 
         def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            flat = hidden[:, :-1].reshape(rows * width, hidden.shape[-1])  # [B (T-1), H]
+            if packing is None:
+                hidden = hidden[:, :-1]  # [B, T-1, H]: the last column predicts nothing
+            flat = hidden.reshape(-1, hidden.shape[-1])  # [B (T-1), H], or packed [S, H]
             logp, entropy = head_token_stats(
-                flat.index_select(0, scored),
+                flat.index_select(0, hidden_at),
                 weight,
                 targets.reshape(-1).index_select(0, scored),
                 temperature,
@@ -239,8 +255,9 @@ class TrainEngine:
             # [B (T-1)] each: flat, so FSDP2's root output is not a view
             return grid.index_copy(0, scored, logp), grid.index_copy(0, scored, entropy)
 
+        segments = None if packing is None else packing.segments
         with self.autocast():
-            logp, entropy = self.model(mb.input_ids, head=head)
+            logp, entropy = self.model(mb.model_input_ids(), head=head, segments=segments)
         return logp.view(rows, width), entropy.view(rows, width)
 
     def support_stats(
@@ -374,9 +391,12 @@ class TrainEngine:
         return nullcontext()
 
     def logits(self, mb: MicroBatch) -> torch.Tensor:
-        """Forward pass: logits on the shifted grid [B, T-1, V] (a value model's values [B, T-1])."""
+        """Forward pass: logits on the shifted grid [B, T-1, V] (a value model's values [B, T-1]); a packed
+        micro-batch's model computes its rows end to end, and its outputs go onto the grid."""
         with self.autocast():
-            return self.model(mb.input_ids)[:, :-1]
+            if mb.packing is None:
+                return self.model(mb.input_ids)[:, :-1]
+            return mb.from_packed(self.model(mb.packing.input_ids, segments=mb.packing.segments))
 
     @torch.no_grad()
     def logprobs(
@@ -401,7 +421,7 @@ class TrainEngine:
         ents: list[torch.Tensor | None] = [None] * len(prompts)
         temp = temperature if temperature > 0 else 1.0
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-        chunks = micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch)
+        chunks = micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch, self.packing)
         # Agree on the count first: every forward is collective under FSDP, and a rank that reached this
         # all-reduce while a peer still ran forwards would wait in a different collective than the peer's.
         total = self.common_count(len(chunks))
@@ -414,6 +434,7 @@ class TrainEngine:
                 device=self.device,
                 routes=None if routes is None else [routes[i] for i in idx],
                 moe_layers=self.args.moe_layers,
+                packed=self.packing,
             )
             with self.routes_context(mb, replay) as seen:
                 logp, entropy = self.token_stats(mb, temp)  # [B, T-1] each
@@ -473,6 +494,7 @@ class TrainEngine:
             per_token={name: [torch.zeros(1)] for name in per_token_names},
             response_masks=[torch.zeros(1)],
             teacher_topk=topk,
+            packed=self.packing,
         )
 
     def train_step(
