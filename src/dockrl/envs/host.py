@@ -299,10 +299,22 @@ class EnvCalls(Protocol):
         ...
 
 
-class LocalEnvs:
-    """EnvCalls on an EnvHost in this process (held-out evaluation, tests, benches)."""
+class CallHost(Protocol):
+    """What runs a trajectory's calls: an EnvHost, or an agent function's host (serve/agent_host.py AgentHost)."""
 
-    def __init__(self, host: EnvHost):
+    def submit(
+        self, key: str, method: str, argument: Any, limit_s: float, tool_calls_left: int = 1 << 30
+    ) -> Future: ...
+
+    def drop(self, key: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalEnvs:
+    """EnvCalls on an EnvHost (or an AgentHost) in this process (held-out evaluation, tests, benches)."""
+
+    def __init__(self, host: CallHost):
         self.host, self.prefix = host, f"local-{next(_SERVES)}"
         self.running: dict[Future, int] = {}
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from dockrl.checkpoint.inference import load_for_inference
+from dockrl.dock.columns import ENV_FAILED, ENV_REWARD, LOSS_MASK, RESPONSE_IDS
 from dockrl.engines.rollout.sampler import SamplingParams, generate
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.recipes.common import EncodedPrompt, encode_prompts
@@ -158,69 +159,107 @@ def evaluate_agent(
     device: str = "cpu",
     concurrency: int = 16,
     timeout_s: float = 300.0,
-    temperature: float | None = 0.0,
+    temperature: float = 0.0,
+    max_turns: int = 16,
 ) -> dict[str, Any]:
-    """An agent function (serve/agents.py) held out: each row's agent runs against an OpenAI-compatible server
-    over the model (loopback, a key of its own), every request sampled at `temperature` (0: greedy, as
-    `dockrl eval`; None: what each request asks); its reward is what the agent returns, or, when it returns None,
-    the reward functions' score of its final assistant message. Returns the mean reward, accuracy (reward >= 1),
-    failed samples, requests per sample and per-row records."""
-    import asyncio
+    """An agent function (serve/agents.py) held out, on the path a run trains it on: an AgentHost (its
+    OpenAI-compatible server on loopback, a key of its own) in front of a rollout engine over the model, each
+    sample's requests one trajectory, token in and token out (serve/agent_host.py), every turn sampled at
+    `temperature` (0: greedy, as `dockrl eval`), at most `max_new_tokens` a request and `max_turns` requests a
+    sample, `timeout_s` of the agent's own time between two requests. Its reward is what the agent returns, or,
+    when it returns None, the reward functions' score of its final assistant turn. Returns the mean reward,
+    accuracy (reward >= 1), failed samples, requests per sample and per-row records."""
+    import math
 
     from dockrl.data.datasets import load_prompts
-    from dockrl.serve.agents import Sessions, load_agent, run_agents
-    from dockrl.serve.model_server import Background, ServeSettings, build_app
+    from dockrl.engines.rollout.multi_turn import (
+        ChatDelta,
+        TurnLimits,
+        final_turn,
+        run_trajectories,
+        turn_runs,
+    )
+    from dockrl.engines.rollout.rollout_engine import RolloutEngine
+    from dockrl.envs.host import LocalEnvs
+    from dockrl.models.tokenizer import stop_token_ids
+    from dockrl.serve.agent_host import AgentHost
+    from dockrl.serve.agents import load_agent
+    from dockrl.serve.model_server import DEFAULT_MAX_SEQ_LEN
 
     solve = load_agent(agent)
     records = load_prompts(data_path, prompt_field=prompt_field, label_field=label_field, limit=limit)
     rows = [{"prompt": r.prompt, "label": r.label} for r in records]
-    sessions = Sessions()
-    settings = ServeSettings(
-        model=model_path,
-        max_tokens=max_new_tokens,
-        max_batch_size=concurrency,
-        device=device,
-        temperature=temperature,
+    model, tokenizer = load_for_inference(model_path, device=device)
+    stops = stop_token_ids(tokenizer.eos_token_id, model.args.eos_token_id)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
+    max_seq_len = min(model.args.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+    engine = RolloutEngine(
+        model, num_slots=concurrency, max_seq_len=max_seq_len, pad_token_id=pad, detokenize=tokenizer.decode
     )
-    app, loop, key = build_app(settings, sessions=sessions)
-    server = Background(app)
+    host = AgentHost(
+        solve,
+        tokenizer,
+        model.args.family,
+        stop_token_ids=stops,
+        vocab_size=model.args.vocab_size,
+        max_seq_len=max_seq_len,
+        max_tokens=max_new_tokens,
+    )
     try:
-        runs = asyncio.run(
-            run_agents(solve, rows, server.url, key, sessions, concurrency=concurrency, timeout_s=timeout_s)
+        outs, _ = run_trajectories(
+            engine,
+            [
+                tokenizer.encode(str(row["prompt"])) or [pad] for row in rows
+            ],  # the agent's first request replaces it
+            rows,
+            params=SamplingParams(
+                max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stops
+            ),
+            groups_per_pull=concurrency,
+            row_seed=lambda row: row,
+            envs=LocalEnvs(host),
+            delta=ChatDelta(tokenizer, []),
+            system_prompt=None,
+            limits=TurnLimits(max_turns, 1 << 30, max_seq_len, timeout_s),
         )
     finally:
-        server.stop()
-        loop.close()
-    unscored = [i for i, run in enumerate(runs) if run.reward is None and run.failed is None]
-    scores = {i: 0.0 for i, run in enumerate(runs) if run.failed is not None}
-    scores.update({i: float(run.reward) for i, run in enumerate(runs) if run.reward is not None})
+        host.close()
+    finals = [
+        tokenizer.decode(final_turn(o[RESPONSE_IDS], o[LOSS_MASK]), skip_special_tokens=True) for o in outs
+    ]
+    failed = [float(o[ENV_FAILED]) > 0 for o in outs]
+    returned = [float(o[ENV_REWARD]) for o in outs]
+    unscored = [i for i, r in enumerate(returned) if math.isnan(r) and not failed[i]]
+    scores = {i: 0.0 for i in range(len(outs)) if failed[i]}
+    scores.update({i: r for i, r in enumerate(returned) if not math.isnan(r) and not failed[i]})
     if unscored:
         runner = RewardRunner(specs, timeout_s=5.0, num_processes=1)
         try:
             scored, _, _ = runner.score(
                 [str(rows[i]["prompt"]) for i in unscored],
-                [runs[i].final for i in unscored],
+                [finals[i] for i in unscored],
                 [rows[i]["label"] for i in unscored],
             )
         finally:
             runner.close()
         scores.update(zip(unscored, scored))
-    rewards = [scores[i] for i in range(len(runs))]
+    rewards = [scores[i] for i in range(len(outs))]
+    requests = [sum(policy for policy, _ in turn_runs(o[RESPONSE_IDS], o[LOSS_MASK])) for o in outs]
     return {
         "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
         "accuracy": statistics.fmean(float(r >= 1.0) for r in rewards) if rewards else 0.0,
-        "num_prompts": len(runs),
-        "failed": sum(run.failed is not None for run in runs),
-        "requests_per_sample": statistics.fmean(len(run.requests) for run in runs) if runs else 0.0,
+        "num_prompts": len(outs),
+        "failed": sum(failed),
+        "requests_per_sample": statistics.fmean(requests) if requests else 0.0,
         "records": [
             {
                 "prompt": str(row["prompt"]),
                 "label": str(row["label"]),
                 "reward": reward,
-                "final": run.final,
-                "requests": len(run.requests),
-                "failed": run.failed,
+                "final": final,
+                "requests": n,
+                "failed": "the agent raised (or its environment worker failed)" if bad else None,
             }
-            for row, run, reward in zip(rows, runs, rewards)
+            for row, reward, final, n, bad in zip(rows, rewards, finals, requests, failed)
         ],
     }
