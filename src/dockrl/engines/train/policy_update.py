@@ -5,7 +5,10 @@ Shapes: B rows, T tokens (shifted grid T-1), V vocab.
 Normalisation across data-parallel ranks: a token-mean loss must divide by the token count of the
 whole mini-batch on all ranks, not of this rank's share. The local loss is therefore
 sum(local token losses) / global_tokens, and it is multiplied by world_size because FSDP2 averages
-gradients over the ranks. Then dp=N and dp=1 take the same step on the same rows.
+gradients over the ranks. Then dp=N and dp=1 take the same step on the same rows. Under context parallelism
+(actor.cp) FSDP2 averages over dp x cp ranks, and the cp ranks of one dp rank compute the same loss on the same
+rows (engine.token_stats sums their log-prob grids), each backpropagating through its own chunks: the loss is
+multiplied by world_size x cp.
 """
 
 from __future__ import annotations
@@ -115,12 +118,14 @@ def policy_update(
             routes=None if ROUTED_EXPERTS not in batch else [batch[ROUTED_EXPERTS][idx[j]] for j in chunk],
             moe_layers=engine.args.moe_layers,
         )
-        for chunk in micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch)
+        # the budget is per rank: under context parallelism a rank holds 1/cp of each row
+        for chunk in micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch * engine.cp_size)
     ]
     # Ranks with fewer rows (rollout.partial trains what finished) keep pace with masked micro-batches.
     idle = engine.common_count(len(micro_batches)) - len(micro_batches)
     micro_batches += [engine.idle_micro_batch(pad_token_id, tuple(per_token_names)) for _ in range(idle)]
-    loss_fn = _loss_fn(plan, global_tokens, global_seqs, world_size)
+    # FSDP2 averages over the dp x cp ranks; the cp ranks of a dp rank each backpropagate their part of the loss
+    loss_fn = _loss_fn(plan, global_tokens, global_seqs, world_size * engine.cp_size)
     metrics = engine.train_step(
         micro_batches,
         loss_fn,

@@ -1,0 +1,120 @@
+"""Context parallelism (actor.cp): one policy update with cp = 2 and 4 (alone, with dp = 2, with tp = 2, with LoRA)
+equals the single process's loss, metrics and gradients.
+
+One spawn of 4 gloo processes runs every case in sequence on its own (rep, dp, cp, tp) sub-mesh, as the tensor-
+parallel test does. Rows are 15 to 45 tokens long, so at cp = 4 every sequence spans all 8 zig-zag chunks (2 to 6
+tokens each), and every chunk pair of the ring (whole, diagonal, skipped) occurs.
+
+Bounds: the split changes only the order of fp32 sums. Attention's softmax is summed per key block and the blocks
+merged by log-sum-exp (a few extra roundings of eps_fp32 = 1.2e-7 per query, relative); the gradients of keys and
+values add cp partial sums (one per ring step) instead of one; FSDP2 averages over dp x cp ranks instead of dp;
+the loss's per-token terms are the same numbers summed in another order. Each gradient element is a sum of at most
+~10^3 products here (tokens x heads x ranks), so it moves by < 1e3 x eps_fp32 ~ 1.2e-4 of its tensor's scale:
+helpers.GRAD_RTOL / GRAD_ATOL_OF_SCALE, and 1e-4 relative on the O(1) loss sums (the tp test's bound, same
+argument). Wrong rotary offsets, a skipped online-softmax merge, a chunk attending the wrong blocks or a missing
+1/cp change the loss and gradients by O(1) of their scale.
+"""
+
+import pytest
+import torch
+
+from dockrl.config import ActorConfig, AlgoConfig, loss_plan
+from dockrl.parallel.dist import free_port
+from dockrl.parallel.spawn import spawn_ranks
+from helpers import assert_grads_close
+
+NUM_ROWS = 8
+ALGO = AlgoConfig(kl_coef=0.05, clip_low=0.2, clip_high=0.28, entropy_coef=0.01)
+LAYOUTS = [(1, 2, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)]  # (dp, cp, tp)
+LORA_LAYOUTS = [(1, 2, 1), (2, 2, 1)]
+METRICS = ("loss", "pg_loss", "kl", "entropy", "grad_norm", "clip_frac")
+
+
+def make_rows(vocab: int) -> dict[str, list]:
+    """Ragged rows (prompts 5-12 tokens, responses 10-33) with per-token columns."""
+    g = torch.Generator().manual_seed(0)
+    batch = {k: [] for k in ("prompt_ids", "response_ids", "advantages", "ref_logprobs", "old_logprobs")}
+    for i in range(NUM_ROWS):
+        p, r = 5 + (i * 5) % 8, 10 + (i * 7) % 24
+        batch["prompt_ids"].append(torch.randint(0, vocab, (p,), generator=g))
+        batch["response_ids"].append(torch.randint(0, vocab, (r,), generator=g))
+        batch["advantages"].append(torch.full((r,), float(torch.randn(1, generator=g))))
+        batch["ref_logprobs"].append(-torch.rand(r, generator=g) * 5)
+        batch["old_logprobs"].append(-torch.rand(r, generator=g) * 5)
+    return batch
+
+
+def grads(engine) -> dict[str, torch.Tensor]:
+    """The whole gradient of every trained parameter (a collective under FSDP2 / tp)."""
+    from dockrl.parallel.layout import full_tensor
+
+    return {
+        name: full_tensor(param.grad, engine.placement(name)).detach().clone()
+        for name, param in engine.model.named_parameters()
+        if param.requires_grad
+    }
+
+
+def run_update(model_dir: str, idx: list[int], dp: int, mesh=None, lora: bool = False):
+    """One policy update on rows idx; returns (metrics, gradients before the optimizer step)."""
+    from dockrl.engines.train.policy_update import policy_update
+    from dockrl.engines.train.train_engine import TrainEngine
+    from dockrl.models.lora import LoraSpec
+
+    optim = ActorConfig(lr=1e-2, grad_clip=1.0, micro_batch_size=2)
+    spec = LoraSpec(rank=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "v_proj", "down_proj"))
+    engine = TrainEngine(
+        model_dir, device="cpu", precision="fp32", mesh=mesh, optim=optim, lora=spec if lora else None
+    )
+    if lora:  # fresh adapters have B = 0: give them values so every adapter gets a gradient
+        with torch.no_grad():
+            for name, param in engine.model.named_parameters():
+                if name.endswith("lora_B"):
+                    param.fill_(0.05)
+    metrics = policy_update(
+        engine,
+        make_rows(engine.args.vocab_size),
+        idx,
+        ["advantages", "ref_logprobs", "old_logprobs"],
+        loss_plan(ALGO),
+        temperature=0.7,
+        micro_batch_size=2,
+        pad_token_id=0,
+        world_size=dp,
+    )
+    return metrics, grads(engine)
+
+
+def _worker(rank: int, world: int, port: int, model_dir: str, out_path: str, leave) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dockrl.parallel.dist import init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=120)
+    results = {}
+    cases = [(layout, False) for layout in LAYOUTS] + [(layout, True) for layout in LORA_LAYOUTS]
+    for (dp, cp, tp), lora in cases:
+        rep = world // (dp * cp * tp)
+        mesh = init_device_mesh("cpu", (rep, dp, cp, tp), mesh_dim_names=("rep", "dp", "cp", "tp"))
+        per_rank = NUM_ROWS // dp
+        dp_rank = mesh["dp"].get_local_rank()
+        idx = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+        results[(dp, cp, tp, lora)] = run_update(model_dir, idx, dp, mesh["dp", "cp", "tp"], lora)
+    if rank == 0:
+        torch.save(results, out_path)
+    leave(rank)
+
+
+def test_cp_layouts_equal_single_process(tmp_path, tiny_model):
+    out = tmp_path / "results.pt"
+    spawn_ranks(_worker, 4, free_port(), str(tiny_model), str(out))
+    results = torch.load(out, weights_only=False)
+    for lora in (False, True):
+        ref_metrics, ref_grads = run_update(str(tiny_model), list(range(NUM_ROWS)), dp=1, lora=lora)
+        assert ref_metrics["grad_norm"] > 0 and ref_metrics["entropy"] > 0
+        for dp, cp, tp in LORA_LAYOUTS if lora else LAYOUTS:
+            metrics, cp_grads = results[(dp, cp, tp, lora)]
+            for key in METRICS:
+                assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), (dp, cp, tp, lora, key)
+            assert_grads_close(cp_grads, ref_grads, msg=(dp, cp, tp, lora))
