@@ -116,5 +116,11 @@ def test_cp_layouts_equal_single_process(tmp_path, tiny_model):
         for dp, cp, tp in LORA_LAYOUTS if lora else LAYOUTS:
             metrics, cp_grads = results[(dp, cp, tp, lora)]
             for key in METRICS:
-                assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), (dp, cp, tp, lora, key)
+                assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), (
+                    dp,
+                    cp,
+                    tp,
+                    lora,
+                    key,
+                )
             assert_grads_close(cp_grads, ref_grads, msg=(dp, cp, tp, lora))

@@ -153,7 +153,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
         # Context parallelism (dockrl.parallel.context.attach): attention of this rank's tokens of a sequence
         # split over ranks, q [B, N, T, D], k, v [B, K, T, D] -> [B, N, T, D]; None: the whole sequence is here.
-        self.context_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.context_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = (
+            None
+        )
 
     def forward(
         self,

@@ -172,7 +172,9 @@ class _RingAttention(torch.autograd.Function):
                     cols = slice(ki * chunk, (ki + 1) * chunk)
                     scores = _block_scores(q_blk, kv[0][:, :, cols].float(), causal=not whole)
                     block_lse = torch.logsumexp(scores, dim=-1)  # [B, K, G c]
-                    block_out = torch.matmul(scores.sub_(block_lse[..., None]).exp_(), kv[1][:, :, cols].float())
+                    block_out = torch.matmul(
+                        scores.sub_(block_lse[..., None]).exp_(), kv[1][:, :, cols].float()
+                    )
                     _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if pending:
                 _wait(pending)
@@ -185,7 +187,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
         q, k, v, out, lse = ctx.saved_tensors
         shard: ContextShard = ctx.shard
-        num_kv_heads, chunk = k.shape[1], q.shape[2] // 2
+        chunk = q.shape[2] // 2
         delta = (grad_out.float() * out).sum(-1)  # [B, N, Tl]: rowsum(dout * out) = rowsum(p * dp)
         grad_q = torch.zeros(q.shape, device=q.device)  # fp32
         kv = torch.stack([k, v]).contiguous()
@@ -281,7 +283,9 @@ class LocalTokens:
     targets: Tensor
 
 
-def local_tokens(input_ids: Tensor, scored: Tensor, shard: ContextShard, pad_token_id: int = 0) -> LocalTokens:
+def local_tokens(
+    input_ids: Tensor, scored: Tensor, shard: ContextShard, pad_token_id: int = 0
+) -> LocalTokens:
     """This rank's share of input_ids [B, T] whose scored positions are `scored` (int64 [N] into the flat
     [B (T-1)] grid: position t predicts token t + 1). The sequence is padded on the right to a multiple of 2 cp
     with `pad_token_id` (causal attention: a pad never reaches a real token) and cut zig-zag."""
@@ -298,4 +302,6 @@ def local_tokens(input_ids: Tensor, scored: Tensor, shard: ContextShard, pad_tok
     hidden_index = local_scored.nonzero().squeeze(-1)
     grid_index = grid.reshape(-1)[hidden_index]
     next_ids = ids[:, 1:].gather(1, positions.clamp(max=padded - 2).expand(rows, -1))  # [B, Tl]
-    return LocalTokens(ids[:, positions], positions, hidden_index, grid_index, next_ids.reshape(-1)[hidden_index])
+    return LocalTokens(
+        ids[:, positions], positions, hidden_index, grid_index, next_ids.reshape(-1)[hidden_index]
+    )
