@@ -30,6 +30,35 @@ LORA_LAYOUTS = [(1, 2, 1), (2, 2, 1)]
 METRICS = ("loss", "pg_loss", "kl", "entropy", "grad_norm", "clip_frac")
 
 
+def write_model(path) -> str:
+    """A tiny qwen2 model (grouped queries: 4 heads over 2 key/value heads) with weights ~ N(0, 0.15): attention
+    then depends strongly on positions and keys (at N(0, 0.02) it is nearly uniform, and a wrong rotary offset
+    would move the gradients by only ~1e-3 of their scale)."""
+    from dockrl.models.config import ModelArgs
+    from dockrl.models.decoder import Transformer
+    from dockrl.models.hf import save_model
+
+    args = ModelArgs(
+        family="qwen2",
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    model = Transformer(args)
+    model.init_weights(seed=0, std=0.15)
+    save_model(model, args, path)
+    return str(path)
+
+
 def make_rows(vocab: int) -> dict[str, list]:
     """Ragged rows (prompts 5-12 tokens, responses 10-33) with per-token columns."""
     g = torch.Generator().manual_seed(0)
@@ -106,12 +135,13 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_path: str, lea
     leave(rank)
 
 
-def test_cp_layouts_equal_single_process(tmp_path, tiny_model):
+def test_cp_layouts_equal_single_process(tmp_path):
+    model_dir = write_model(tmp_path / "model")
     out = tmp_path / "results.pt"
-    spawn_ranks(_worker, 4, free_port(), str(tiny_model), str(out))
+    spawn_ranks(_worker, 4, free_port(), model_dir, str(out))
     results = torch.load(out, weights_only=False)
     for lora in (False, True):
-        ref_metrics, ref_grads = run_update(str(tiny_model), list(range(NUM_ROWS)), dp=1, lora=lora)
+        ref_metrics, ref_grads = run_update(model_dir, list(range(NUM_ROWS)), dp=1, lora=lora)
         assert ref_metrics["grad_norm"] > 0 and ref_metrics["entropy"] > 0
         for dp, cp, tp in LORA_LAYOUTS if lora else LAYOUTS:
             metrics, cp_grads = results[(dp, cp, tp, lora)]

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dockrl.models.decoder import Attention
+
 
 @dataclass(frozen=True)
 class ContextShard:
@@ -265,9 +267,9 @@ def _block_backward(
 def attach(model: torch.nn.Module, shard: ContextShard) -> None:
     """Make every attention layer of `model` (a decoder's `model.layers[i].self_attn`) attend over the sequence
     split over `shard`'s group (ring attention); the rest of the model is per token and needs nothing."""
-    layers = model.model.layers  # type: ignore[union-attr]  # a ModelKind's module: `.model.layers`
-    for layer in layers:
-        layer.self_attn.context_attention = functools.partial(ring_attention, shard=shard)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.context_attention = functools.partial(ring_attention, shard=shard)
 
 
 @dataclass(frozen=True)

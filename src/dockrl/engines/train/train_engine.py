@@ -171,6 +171,7 @@ class TrainEngine:
         self.cp_size, self.cp_rank = 1, 0
         self.context: ContextShard | None = None
         self.shard_mesh: DeviceMesh | None = None
+        self.replica_group: dist.ProcessGroup | None = None
         self.shard_group: dist.ProcessGroup | None = None
         self.shard_size, self.shard_rank = 1, 0
         self.tp_group: dist.ProcessGroup | None = None
@@ -203,6 +204,12 @@ class TrainEngine:
             self.cp_size, self.cp_rank = self.context.size, self.context.rank
             self.shard_mesh = mesh["dp", "cp"]._flatten("dp_cp")
         self.shard_group = self.shard_mesh.get_group()
+        # the ranks of one dp rank (contiguous: cp x tp), which read the same rows
+        self.replica_group = self.tp_group
+        if self.context is not None:
+            self.replica_group = self.context.group
+            if self.tp_size > 1:
+                self.replica_group = mesh["cp", "tp"]._flatten("cp_tp").get_group()
         self.shard_size, self.shard_rank = self.shard_mesh.size(), self.shard_mesh.get_local_rank()
         if ep > 1:
             self._init_expert_layout(dp_mesh, ep)
