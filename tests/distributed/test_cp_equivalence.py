@@ -1,5 +1,6 @@
 """Context parallelism (actor.cp): one policy update with cp = 2 and 4 (alone, with dp = 2, with tp = 2, with LoRA)
-equals the single process's loss, metrics and gradients.
+equals the single process's loss, metrics and gradients; a checkpoint saved under cp = 4 resumes under cp = 2, 1
+and (dp, tp) = (2, 2) bit for bit.
 
 One spawn of 4 gloo processes runs every case in sequence on its own (rep, dp, cp, tp) sub-mesh, as the tensor-
 parallel test does. Rows are 15 to 45 tokens long, so at cp = 4 every sequence spans all 8 zig-zag chunks (2 to 6
@@ -15,6 +16,8 @@ argument). Wrong rotary offsets, a skipped online-softmax merge, a chunk attendi
 1/cp change the loss and gradients by O(1) of their scale.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -27,6 +30,8 @@ NUM_ROWS = 8
 ALGO = AlgoConfig(kl_coef=0.05, clip_low=0.2, clip_high=0.28, entropy_coef=0.01)
 LAYOUTS = [(1, 2, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)]  # (dp, cp, tp)
 LORA_LAYOUTS = [(1, 2, 1), (2, 2, 1)]
+# A checkpoint saved under (dp, cp, tp) = (1, 4, 1) resumes under these (FSDP2 shards over dp x cp: 4, 2, 1 x tp 2).
+ELASTIC_LAYOUTS = [(1, 2, 1), (2, 1, 2), (1, 1, 1)]
 METRICS = ("loss", "pg_loss", "kl", "entropy", "grad_norm", "clip_frac")
 
 
@@ -84,8 +89,11 @@ def grads(engine) -> dict[str, torch.Tensor]:
     }
 
 
-def run_update(model_dir: str, idx: list[int], dp: int, mesh=None, lora: bool = False):
-    """One policy update on rows idx; returns (metrics, gradients before the optimizer step)."""
+def run_update(
+    model_dir: str, idx: list[int], dp: int, mesh=None, lora: bool = False, keep: list | None = None
+):
+    """One policy update on rows idx; returns (metrics, gradients before the optimizer step); the engine is
+    appended to `keep` when given."""
     from dockrl.engines.train.policy_update import policy_update
     from dockrl.engines.train.train_engine import TrainEngine
     from dockrl.models.lora import LoraSpec
@@ -111,25 +119,58 @@ def run_update(model_dir: str, idx: list[int], dp: int, mesh=None, lora: bool = 
         pad_token_id=0,
         world_size=dp,
     )
+    if keep is not None:
+        keep.append(engine)
     return metrics, grads(engine)
 
 
-def _worker(rank: int, world: int, port: int, model_dir: str, out_path: str, leave) -> None:
+def _mesh(world: int, dp: int, cp: int, tp: int):
+    """The (dp, cp, tp) sub-mesh of a (rep, dp, cp, tp) mesh over all ranks (replicas compute the same)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    mesh = init_device_mesh(
+        "cpu", (world // (dp * cp * tp), dp, cp, tp), mesh_dim_names=("rep", "dp", "cp", "tp")
+    )
+    return mesh["dp", "cp", "tp"]
+
+
+def _elastic(world: int, model_dir: str, saving, checkpoint: str) -> dict:
+    """Save `saving` (trained one step under (dp, cp) = (1, 4)) and load it under each of ELASTIC_LAYOUTS: every
+    parameter, AdamW moment and step counter whole, as saved and as loaded."""
+    from test_sharded_load import _whole_state
+
+    from dockrl.checkpoint.sharded import load_engine, save_engine
+    from dockrl.engines.train.train_engine import TrainEngine
+
+    save_engine(saving, checkpoint)
+    out = {"saved": _whole_state(saving)}
+    for dp, cp, tp in ELASTIC_LAYOUTS:
+        optim = ActorConfig(lr=1e-2, grad_clip=1.0, micro_batch_size=2)
+        mesh = _mesh(world, dp, cp, tp)
+        resumed = TrainEngine(
+            model_dir, device="cpu", precision="fp32", mesh=mesh, optim=optim, load_weights=False
+        )
+        load_engine(resumed, checkpoint)
+        out[(dp, cp, tp)] = _whole_state(resumed)
+    return out
+
+
+def _worker(rank: int, world: int, port: int, model_dir: str, out_path: str, leave) -> None:
     from dockrl.parallel.dist import init_distributed
 
     torch.set_num_threads(1)
     init_distributed(rank, world, "127.0.0.1", port, "cpu", timeout_s=120)
     results = {}
     cases = [(layout, False) for layout in LAYOUTS] + [(layout, True) for layout in LORA_LAYOUTS]
+    engines: list = []
     for (dp, cp, tp), lora in cases:
-        rep = world // (dp * cp * tp)
-        mesh = init_device_mesh("cpu", (rep, dp, cp, tp), mesh_dim_names=("rep", "dp", "cp", "tp"))
+        mesh = _mesh(world, dp, cp, tp)
         per_rank = NUM_ROWS // dp
         dp_rank = mesh["dp"].get_local_rank()
         idx = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-        results[(dp, cp, tp, lora)] = run_update(model_dir, idx, dp, mesh["dp", "cp", "tp"], lora)
+        keep = engines if (dp, cp, tp, lora) == (1, 4, 1, False) else None
+        results[(dp, cp, tp, lora)] = run_update(model_dir, idx, dp, mesh, lora, keep)
+    results["elastic"] = _elastic(world, model_dir, engines[0], str(Path(out_path).parent / "checkpoint"))
     if rank == 0:
         torch.save(results, out_path)
     leave(rank)
@@ -154,3 +195,8 @@ def test_cp_layouts_equal_single_process(tmp_path):
                     key,
                 )
             assert_grads_close(cp_grads, ref_grads, msg=(dp, cp, tp, lora))
+    saved = results["elastic"]["saved"]
+    assert any(k.endswith("/exp_avg_sq") for k in saved) and any(k.endswith("/step") for k in saved)
+    for layout in ELASTIC_LAYOUTS:  # DCP reads each rank's new block from the saved blocks: bit for bit
+        loaded = results["elastic"][layout]
+        assert set(loaded) == set(saved) and all(torch.equal(loaded[k], v) for k, v in saved.items()), layout
