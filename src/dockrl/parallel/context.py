@@ -108,14 +108,26 @@ def cp_sum(part: Tensor, group: dist.ProcessGroup) -> Tensor:
 # ---- ring attention ---------------------------------------------------------------------------------------
 
 
-def _block_scores(q_blk: Tensor, k_blk: Tensor, causal: bool) -> Tensor:
-    """fp32 scores [B, K, G c, c] of a query chunk (grouped: [B, K, G c, D]) over a key chunk [B, K, c, D]; -inf
-    above the diagonal when `causal` (the same chunk on both sides)."""
+# Elements of one tile's [B, K, G t, c] fp32 score buffer (2^22: 16 MiB); the backward holds about three. The
+# query rows of a chunk are cut in tiles of t rows so that the transient buffers stay this size whatever c is.
+_TILE_ELEMENTS = 1 << 22
+
+
+def _query_tiles(rows: int, batch: int, num_heads: int, keys: int) -> list[tuple[int, int]]:
+    """[start, end) query rows of a chunk of `rows`, each tile's scores about _TILE_ELEMENTS elements."""
+    size = max(1, _TILE_ELEMENTS // max(1, batch * num_heads * keys))
+    return [(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
+def _block_scores(q_blk: Tensor, k_blk: Tensor, causal: bool, offset: int, rows: int) -> Tensor:
+    """fp32 scores [B, K, G t, c] of t = `rows` query rows (grouped: [B, K, G t, D]) from row `offset` of their
+    chunk over a key chunk [B, K, c, D]; -inf where the key comes after the query when `causal` (the same chunk on
+    both sides)."""
     scores = torch.matmul(q_blk, k_blk.transpose(-1, -2)).mul_(q_blk.shape[-1] ** -0.5)
     if causal:
-        chunk = k_blk.shape[2]
-        query_pos = torch.arange(chunk, device=q_blk.device).repeat(q_blk.shape[2] // chunk)  # [G c]
-        future = torch.arange(chunk, device=q_blk.device)[None, :] > query_pos[:, None]  # [G c, c]
+        device = q_blk.device
+        query_pos = torch.arange(offset, offset + rows, device=device).repeat(q_blk.shape[2] // rows)  # [G t]
+        future = torch.arange(k_blk.shape[2], device=device)[None, :] > query_pos[:, None]  # [G t, c]
         scores.masked_fill_(future, float("-inf"))
     return scores
 
@@ -159,24 +171,19 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(batch, num_heads, local, head_dim, device=q.device)  # fp32 running output
         lse = torch.full((batch, num_heads, local), float("-inf"), device=q.device)  # fp32 running lse
         kv = torch.stack([k, v]).contiguous()  # [2, B, K, Tl, D], travels the ring as one message
+        tiles = _query_tiles(chunk, batch, num_heads, chunk)
         for step in range(shard.size):
             pending: list = []
             if step < shard.size - 1:
                 incoming, pending = _shift(kv, shard)
-            source = (shard.rank - step) % shard.size
-            for qi, q_chunk in enumerate(shard.chunks()):
-                rows = slice(qi * chunk, (qi + 1) * chunk)
-                q_blk = _grouped(q[:, :, rows], num_kv_heads)  # [B, K, G c, D]
-                for ki, k_chunk in enumerate(shard.chunks(source)):
-                    whole = _visible(q_chunk, k_chunk)
-                    if whole is None:
-                        continue
-                    cols = slice(ki * chunk, (ki + 1) * chunk)
-                    scores = _block_scores(q_blk, kv[0][:, :, cols].float(), causal=not whole)
-                    block_lse = torch.logsumexp(scores, dim=-1)  # [B, K, G c]
-                    block_out = torch.matmul(
-                        scores.sub_(block_lse[..., None]).exp_(), kv[1][:, :, cols].float()
-                    )
+            for q_rows, cols, causal in _block_pairs(shard, step, chunk):
+                keys, values = kv[0][:, :, cols].float(), kv[1][:, :, cols].float()  # [B, K, c, D]
+                for start, end in tiles:
+                    rows = slice(q_rows.start + start, q_rows.start + end)
+                    q_blk = _grouped(q[:, :, rows], num_kv_heads)  # [B, K, G t, D]
+                    scores = _block_scores(q_blk, keys, causal, start, end - start)
+                    block_lse = torch.logsumexp(scores, dim=-1)  # [B, K, G t]
+                    block_out = torch.matmul(scores.sub_(block_lse[..., None]).exp_(), values)
                     _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if pending:
                 _wait(pending)
@@ -190,6 +197,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         shard: ContextShard = ctx.shard
         chunk = q.shape[2] // 2
+        tiles = _query_tiles(chunk, q.shape[0], q.shape[1], chunk)
         delta = (grad_out.float() * out).sum(-1)  # [B, N, Tl]: rowsum(dout * out) = rowsum(p * dp)
         grad_q = torch.zeros(q.shape, device=q.device)  # fp32
         kv = torch.stack([k, v]).contiguous()
@@ -198,23 +206,14 @@ class _RingAttention(torch.autograd.Function):
             pending: list = []
             if step < shard.size - 1:
                 incoming, pending = _shift(kv, shard)
-            source = (shard.rank - step) % shard.size
-            for qi, q_chunk in enumerate(shard.chunks()):
-                rows = slice(qi * chunk, (qi + 1) * chunk)
-                for ki, k_chunk in enumerate(shard.chunks(source)):
-                    whole = _visible(q_chunk, k_chunk)
-                    if whole is None:
-                        continue
-                    cols = slice(ki * chunk, (ki + 1) * chunk)
-                    _block_backward(
-                        q[:, :, rows],
-                        kv[:, :, :, cols],
-                        grad_out[:, :, rows],
-                        lse[:, :, rows],
-                        delta[:, :, rows],
-                        not whole,
-                        grad_q[:, :, rows],
-                        grad_kv[:, :, :, cols],
+            for q_rows, cols, causal in _block_pairs(shard, step, chunk):
+                for start, end in tiles:
+                    rows = slice(q_rows.start + start, q_rows.start + end)
+                    tile = _Tile(
+                        q[:, :, rows], grad_out[:, :, rows], lse[:, :, rows], delta[:, :, rows], start
+                    )
+                    _tile_backward(
+                        tile, kv[:, :, :, cols], causal, grad_q[:, :, rows], grad_kv[:, :, :, cols]
                     )
             if pending:
                 _wait(pending)
@@ -225,11 +224,26 @@ class _RingAttention(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None
 
 
+def _block_pairs(shard: ContextShard, step: int, chunk: int) -> list[tuple[slice, slice, bool]]:
+    """At ring step `step` (this rank holds the keys of rank - step): (this rank's query rows, the held keys'
+    columns, causal) of every chunk pair that attends - whole when the key chunk comes first, causal when it is
+    the query's own chunk, left out when it comes after."""
+    source = (shard.rank - step) % shard.size
+    pairs = []
+    for qi, q_chunk in enumerate(shard.chunks()):
+        for ki, k_chunk in enumerate(shard.chunks(source)):
+            whole = _visible(q_chunk, k_chunk)
+            if whole is not None:
+                pairs.append(
+                    (slice(qi * chunk, (qi + 1) * chunk), slice(ki * chunk, (ki + 1) * chunk), not whole)
+                )
+    return pairs
+
+
 def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
-    """Online softmax: fold a block's normalised output [B, K, G c, D] and log-sum-exp [B, K, G c] into the running
-    out [B, N, c, D] and lse [B, N, c] (views, updated in place)."""
-    shape = lse.shape
-    block_lse = block_lse.reshape(shape)
+    """Online softmax: fold a tile's normalised output [B, K, G t, D] and log-sum-exp [B, K, G t] into the running
+    out [B, N, t, D] and lse [B, N, t] (views, updated in place)."""
+    block_lse = block_lse.reshape(lse.shape)
     merged = torch.logaddexp(lse, block_lse)
     out.mul_((lse - merged).exp_()[..., None]).add_(
         block_out.reshape(out.shape) * (block_lse - merged).exp_()[..., None]
@@ -237,28 +251,32 @@ def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> No
     lse.copy_(merged)
 
 
-def _block_backward(
-    q: Tensor,
-    kv: Tensor,
-    grad_out: Tensor,
-    lse: Tensor,
-    delta: Tensor,
-    causal: bool,
-    grad_q: Tensor,
-    grad_kv: Tensor,
-) -> None:
-    """Add one block pair's gradients: q, grad_out [B, N, c, D], kv [2, B, K, c, D], lse, delta [B, N, c] (the
-    whole row's, so p is the final softmax's), into grad_q [B, N, c, D] and grad_kv [2, B, K, c, D] (fp32 views).
+@dataclass(frozen=True)
+class _Tile:
+    """Query rows of one chunk from row `offset`: q, grad_out [B, N, t, D], and the whole rows' lse, delta [B, N, t]
+    (so p below is the final softmax's)."""
+
+    q: Tensor
+    grad_out: Tensor
+    lse: Tensor
+    delta: Tensor
+    offset: int
+
+
+def _tile_backward(tile: _Tile, kv: Tensor, causal: bool, grad_q: Tensor, grad_kv: Tensor) -> None:
+    """Add one tile's gradients over keys and values kv [2, B, K, c, D] into grad_q [B, N, t, D] and grad_kv
+    [2, B, K, c, D] (fp32 views):
 
         p = exp(s - lse);  dv += p.T dout;  dp = dout v.T;  ds = p (dp - delta) / sqrt D;  dq += ds k;  dk += ds.T q
     """
-    num_kv_heads, head_dim = kv.shape[2], q.shape[-1]
-    q_blk, dout = _grouped(q, num_kv_heads), _grouped(grad_out, num_kv_heads)  # [B, K, G c, D]
+    num_kv_heads, rows, head_dim = kv.shape[2], tile.q.shape[2], tile.q.shape[-1]
+    q_blk, dout = _grouped(tile.q, num_kv_heads), _grouped(tile.grad_out, num_kv_heads)  # [B, K, G t, D]
     keys, values = kv[0].float(), kv[1].float()  # [B, K, c, D]
-    probs = _block_scores(q_blk, keys, causal).sub_(lse.reshape(*q_blk.shape[:3], 1)).exp_()  # [B, K, G c, c]
+    probs = _block_scores(q_blk, keys, causal, tile.offset, rows)
+    probs.sub_(tile.lse.reshape(*q_blk.shape[:3], 1)).exp_()  # [B, K, G t, c]
     grad_kv[1] += torch.matmul(probs.transpose(-1, -2), dout)
     dscores = torch.matmul(dout, values.transpose(-1, -2))  # dp
-    dscores.sub_(delta.reshape(*q_blk.shape[:3], 1)).mul_(probs).mul_(head_dim**-0.5)
+    dscores.sub_(tile.delta.reshape(*q_blk.shape[:3], 1)).mul_(probs).mul_(head_dim**-0.5)
     del probs
     grad_q += torch.matmul(dscores, keys).reshape(grad_q.shape)
     grad_kv[0] += torch.matmul(dscores.transpose(-1, -2), q_blk)
