@@ -26,4 +26,5 @@ BENCHMARKS: dict[str, str] = {
     "scaling": "dockrl.bench.scaling",
     "startup": "dockrl.bench.startup",
     "env": "dockrl.bench.env_tier",
+    "longctx": "dockrl.bench.longctx",
 }
