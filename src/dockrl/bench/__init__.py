@@ -28,4 +28,5 @@ BENCHMARKS: dict[str, str] = {
     "env": "dockrl.bench.env_tier",
     "agent": "dockrl.bench.agent",
     "packing": "dockrl.bench.packing",
+    "longctx": "dockrl.bench.longctx",
 }

@@ -72,7 +72,8 @@ class _LayoutMeshes:
     no process groups are made for them."""
 
     def __init__(self, engine) -> None:
-        ranks = engine.mesh.mesh.reshape(engine.dp_size, engine.tp_size)  # (dp, tp), tp ranks contiguous
+        # (dp x cp, tp): FSDP2 shards over the dp x cp ranks (cp = 1 but under context parallelism), tp contiguous
+        ranks = engine.mesh.mesh.reshape(engine.shard_size, engine.tp_size)
         device = engine.mesh.device_type
         self.dense = DeviceMesh(
             device, ranks.T.contiguous(), mesh_dim_names=("tp", "dp"), _init_backend=False

@@ -115,7 +115,7 @@ class RolloutConfig:
     groups_per_pull: int = setting(4, "Prompt groups a rollout rank pulls from the dock at a time.")
     tp: int = setting(
         1,
-        "Tensor-parallel degree of the rollout: actor.dp x actor.tp / rollout.tp replicas, each serving its "
+        "Tensor-parallel degree of the rollout: actor.dp x actor.cp x actor.tp / rollout.tp replicas, each serving its "
         "own rows (its first rank talks to the dock). Must divide the actor's ranks and the model's heads.",
     )
     placement: Literal["colocated", "separate"] = setting(
@@ -245,7 +245,15 @@ class ActorConfig(OptimConfig):
     )
     dp: int = setting(
         1,
-        "Data-parallel degree of the actor; FSDP2 shards over it. The actor has dp x tp ranks (Ray actors).",
+        "Data-parallel degree of the actor: dp groups of ranks train on different rows. The actor has "
+        "dp x cp x tp ranks (Ray actors); FSDP2 shards the parameters over dp x cp.",
+    )
+    cp: int = setting(
+        1,
+        "Context-parallel degree of training: each sequence of a micro-batch is split over cp ranks (2 cp "
+        "zig-zag chunks, rank r holds chunks r and 2 cp - 1 - r), attention passes keys and values around the "
+        "cp ranks (ring, online softmax), so activation memory per rank falls to about 1/cp (docs/design.md, "
+        "context parallelism). Dense models; combines with dp, tp and LoRA.",
     )
     tp: int = setting(
         1,
@@ -257,6 +265,7 @@ class ActorConfig(OptimConfig):
         "Expert-parallel degree of training (MoE models): each rank holds num_experts / ep experts of every "
         "MoE layer; divides actor.dp and num_experts, with actor.tp=1 (docs/moe.md).",
     )
+
     moe_aux_loss_coef: float = setting(
         0.0,
         "MoE models: weight of the router's load-balancing loss (Switch/GShard, transformers' form, over each "

@@ -164,7 +164,22 @@ def _check_layouts(cfg: TrainConfig) -> None:
     """Training (dp, tp) and rollout tp layouts against each other (against the model: the preflight)."""
     actor, roll = cfg.actor, cfg.rollout
     positive("actor.tp", actor.tp)
+    positive("actor.cp", actor.cp)
     positive("actor.ep", actor.ep)
+    if actor.cp > 1 and actor.ep > 1:
+        raise config_error(
+            "actor.cp",
+            actor.cp,
+            f"with actor.ep={actor.ep}: context parallelism of MoE models is not built",
+            "use actor.cp=1 with expert parallelism",
+        )
+    if actor.cp > 1 and cfg.distill.teacher_path is not None and cfg.distill.top_k > 0:
+        raise config_error(
+            "actor.cp",
+            actor.cp,
+            f"with distill.top_k={cfg.distill.top_k}: the student's top-k scoring over a split sequence is not built",
+            "use actor.cp=1 with top-k distillation, or distill.top_k=0 (the sampled-token form)",
+        )
     _check_aux_loss_coef(actor)
     if actor.dp % actor.ep:
         raise config_error(
@@ -182,13 +197,13 @@ def _check_layouts(cfg: TrainConfig) -> None:
             "use actor.tp=1 with expert parallelism",
         )
     positive("rollout.tp", roll.tp)
-    world = actor.dp * actor.tp
+    world = actor.dp * actor.cp * actor.tp
     positive("rollout.replicas", roll.replicas)
     if roll.placement == "colocated" and roll.replicas != 1:
         raise config_error(
             "rollout.replicas",
             roll.replicas,
-            "colocated rollout runs on the actor's ranks (actor.dp x actor.tp / rollout.tp replicas)",
+            "colocated rollout runs on the actor's ranks (actor.dp x actor.cp x actor.tp / rollout.tp replicas)",
             "set rollout.placement=separate for replicas of their own, or leave rollout.replicas=1",
         )
     if roll.placement == "separate" and roll.tp != 1:
@@ -306,8 +321,8 @@ def _check_layouts(cfg: TrainConfig) -> None:
         raise config_error(
             "rollout.tp",
             roll.tp,
-            f"does not divide the actor's actor.dp x actor.tp = {world} ranks",
-            f"use one of {divisors} (or change actor.dp / actor.tp)",
+            f"does not divide the actor's actor.dp x actor.cp x actor.tp = {world} ranks",
+            f"use one of {divisors} (or change actor.dp / actor.cp / actor.tp)",
         )
 
 
@@ -420,6 +435,8 @@ def check_sft(cfg: SFTConfig) -> None:
         raise config_error("actor.tp", cfg.actor.tp, "dockrl sft runs in one process", "use actor.tp=1")
     if cfg.actor.ep != 1:
         raise config_error("actor.ep", cfg.actor.ep, "dockrl sft runs in one process", "use actor.ep=1")
+    if cfg.actor.cp != 1:
+        raise config_error("actor.cp", cfg.actor.cp, "dockrl sft runs in one process", "use actor.cp=1")
     _check_aux_loss_coef(cfg.actor)
     for key, value in (("actor.mini_batches", cfg.actor.mini_batches), ("actor.epochs", cfg.actor.epochs)):
         if value != 1:

@@ -153,6 +153,11 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        # Context parallelism (dockrl.parallel.context.attach): attention of this rank's tokens of a sequence
+        # split over ranks, q [B, N, T, D], k, v [B, K, T, D] -> [B, N, T, D]; None: the whole sequence is here.
+        self.context_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = (
+            None
+        )
 
     def forward(
         self,
@@ -178,6 +183,8 @@ class Attention(nn.Module):
             out = _cached_attention(q, k, v, mask, cache, write).to(x.dtype)  # [B, N, T, D]
         elif segments is not None:  # packed rows: each attends its own earlier tokens only
             out = packed_causal_attention(q, k, v, segments)
+        elif mask is None and self.context_attention is not None:  # a sequence split over cp ranks
+            out = self.context_attention(q, k, v)
         elif mask is None:  # plain causal attention over the T tokens (training, scoring)
             out = causal_attention(q, k, v)
         else:  # padded rows without a cache

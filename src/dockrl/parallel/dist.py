@@ -110,9 +110,12 @@ def data_parallel_mesh(device: str, dp: int) -> DeviceMesh:
     return init_device_mesh(device, (dp,), mesh_dim_names=("dp",))
 
 
-def training_mesh(device: str, dp: int, tp: int) -> DeviceMesh:
-    """The actor's training mesh (dp, tp): FSDP2 over dp, tensor parallel over tp (tp ranks contiguous)."""
-    return init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
+def training_mesh(device: str, dp: int, tp: int, cp: int = 1) -> DeviceMesh:
+    """The actor's training mesh (dp, tp), or (dp, cp, tp) with context parallelism: FSDP2 over dp (x cp),
+    tensor parallel over tp (tp ranks contiguous, then the cp ranks of one dp rank)."""
+    if cp == 1:
+        return init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
 
 
 def inference_mesh(device: str, world_size: int, tp: int) -> DeviceMesh:

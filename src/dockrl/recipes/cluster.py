@@ -245,7 +245,7 @@ def _watch_dock(supervisor: Supervisor, dock: Dock | CentralDockHandle) -> None:
 def _start_workers(
     cfg: TrainConfig, parts: Specs, plan: StepPlan, dock, supervisor: Supervisor, envs: list[Any] | None
 ) -> tuple[ActorGroup, RewardGroup]:
-    num_actor_ranks = cfg.actor.dp * cfg.actor.tp
+    num_actor_ranks = cfg.actor.dp * cfg.actor.cp * cfg.actor.tp
     actors = _group(
         cfg.run,
         supervisor,

@@ -120,7 +120,7 @@ def preflight_train(cfg: TrainConfig) -> Resolved:
     actor = run_cfg.actor
     teacher_ranks = run_cfg.distill.num_workers if run_cfg.distill.teacher_path is not None else 0
     critic_ranks = run_cfg.critic.dp if plan.critic else 0
-    _check_devices(run_cfg.run.device, actor.dp * actor.tp + critic_ranks + teacher_ranks)
+    _check_devices(run_cfg.run.device, actor.dp * actor.cp * actor.tp + critic_ranks + teacher_ranks)
     _check_reward_model_files(run_cfg)
     _check_teacher(run_cfg)
     _check_model_layouts(run_cfg)
@@ -360,7 +360,7 @@ def _check_devices(device: str, ranks: int) -> None:
     if ranks > count:
         # On a multi-node cluster the driver sees only its own node; Ray places the rest.
         warnings.warn(
-            f"the {ranks} GPU ranks (actor.dp x actor.tp, plus critic.dp with ppo) exceed the {count} GPUs "
+            f"the {ranks} GPU ranks (actor.dp x actor.cp x actor.tp, plus critic.dp with ppo) exceed the {count} GPUs "
             "visible to the driver; Ray must find the rest",
             stacklevel=2,
         )
@@ -438,7 +438,7 @@ def _check_reward_model_files(cfg: TrainConfig) -> None:
     if cfg.run.device == "cuda":
         import torch
 
-        actor_ranks, count = cfg.actor.dp * cfg.actor.tp, torch.cuda.device_count()
+        actor_ranks, count = cfg.actor.dp * cfg.actor.cp * cfg.actor.tp, torch.cuda.device_count()
         if actor_ranks + rm.num_workers > count:
             warnings.warn(
                 f"{actor_ranks} actor ranks and reward.model.num_workers={rm.num_workers} each take a GPU; "
@@ -466,6 +466,13 @@ def _check_model_layouts(cfg: TrainConfig) -> None:
         problem = tp_problem(args, value)
         if problem is not None:
             raise config_error(key, value, problem, f"set {key} to a valid size")
+    if actor.cp > 1 and args.is_moe:
+        raise config_error(
+            "actor.cp",
+            actor.cp,
+            f"splits sequences, and context parallelism of MoE models (model.path={cfg.model.path}) is not built",
+            "use actor.cp=1 with a qwen3_moe model",
+        )
     if actor.ep > 1 and not args.is_moe:
         raise config_error(
             "actor.ep",

@@ -82,7 +82,8 @@ class ActorWorker(Worker):
         super().__init__(name, rank, world_size, num_threads)
         self.spec, self.plan, self.client = spec, plan, client
         self.env_workers = env_workers
-        self.dp = world_size // spec.optim.tp  # tensor-parallel peers train on the same rows
+        # tensor- and context-parallel peers train on the same rows
+        self.dp = world_size // (spec.optim.tp * spec.optim.cp)
         self.rows_per_rank = spec.rows_per_step // self.dp
         temperature = spec.rollout.temperature
         self.temperature = temperature if temperature > 0 else 1.0
@@ -92,7 +93,7 @@ class ActorWorker(Worker):
         """Build the sharded policy (+ optimizer), the reference model and the rollout model; with
         `resume_from` (a checkpoint root) the policy, its optimizer and LR schedule come from there."""
         spec = self.spec
-        mesh = training_mesh(self.device.type, self.dp, spec.optim.tp)
+        mesh = training_mesh(self.device.type, self.dp, spec.optim.tp, spec.optim.cp)
         common: dict[str, Any] = dict(
             device=self.device,
             precision=spec.rollout.precision,
@@ -170,7 +171,8 @@ class ActorWorker(Worker):
         )
         self.rollout_model = self.switch.model
         self.rollout_stale = True
-        self.train_client = ReplicaClient(self.client, self.policy.tp_group, self.rank, spec.optim.tp)
+        peers = spec.optim.tp * spec.optim.cp  # the ranks of one dp rank: the same rows
+        self.train_client = ReplicaClient(self.client, self.policy.replica_group, self.rank, peers)
         self.rollout_client = ReplicaClient(self.client, infer_group, self.rank, tp_infer)
 
     # ---- rollout -------------------------------------------------------------------------------

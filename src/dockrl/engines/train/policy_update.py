@@ -5,7 +5,10 @@ Shapes: B rows, T tokens (shifted grid T-1), V vocab.
 Normalisation across data-parallel ranks: a token-mean loss must divide by the token count of the
 whole mini-batch on all ranks, not of this rank's share. The local loss is therefore
 sum(local token losses) / global_tokens, and it is multiplied by world_size because FSDP2 averages
-gradients over the ranks. Then dp=N and dp=1 take the same step on the same rows.
+gradients over the ranks. Then dp=N and dp=1 take the same step on the same rows. Under context parallelism
+(actor.cp) FSDP2 averages over dp x cp ranks, and the cp ranks of one dp rank compute the same loss on the same
+rows (engine.token_stats sums their log-prob grids), each backpropagating through its own chunks: the loss is
+multiplied by world_size x cp.
 """
 
 from __future__ import annotations
@@ -128,7 +131,10 @@ def policy_update(
             ),
             packed=engine.packing,
         )
-        for chunk in micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch, engine.packing)
+        # the budget is per rank: under context parallelism a rank holds 1/cp of each row
+        for chunk in micro_batch_rows(
+            lengths, micro_batch_size, max_tokens_per_micro_batch * engine.cp_size, engine.packing
+        )
     ]
     # Ranks with fewer rows (rollout.partial trains what finished) keep pace with masked micro-batches.
     idle = engine.common_count(len(micro_batches)) - len(micro_batches)
@@ -138,7 +144,8 @@ def policy_update(
     micro_batches += [
         engine.idle_micro_batch(pad_token_id, tuple(per_token_names), top_k) for _ in range(idle)
     ]
-    loss_fn = _loss_fn(plan, global_tokens, global_seqs, world_size)
+    # FSDP2 averages over the dp x cp ranks; the cp ranks of a dp rank each backpropagate their part of the loss
+    loss_fn = _loss_fn(plan, global_tokens, global_seqs, world_size * engine.cp_size)
     forward = engine.support_stats if top_k else engine.token_stats
     metrics = engine.train_step(
         micro_batches,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,9 @@ from dockrl.models.precision import dtype_of
 from dockrl.models.tp_plan import shard_dim
 from dockrl.parallel.expert_parallel import is_expert_param
 from dockrl.parallel.layout import Placement, full_tensor
+
+if TYPE_CHECKING:
+    from dockrl.parallel.context import ContextShard
 from dockrl.parallel.sharded_load import load_sharded
 
 # A loss over what `forward(mb)` returned (the actor: token_stats' log-probs and entropies; the critic: values).
@@ -122,8 +125,12 @@ class TrainEngine:
 
             assert self.ep_group is not None
             parallelize_experts(model, self.ep_rank, self.ep_size, self.ep_group)
-        if self.dp_mesh is not None:  # set exactly when `mesh` is
-            fully_shard_layers(model, self.dp_mesh, precision, self.edp_mesh)
+        if self.context is not None:
+            from dockrl.parallel.context import attach
+
+            attach(model, self.context)
+        if self.shard_mesh is not None:  # set exactly when `mesh` is
+            fully_shard_layers(model, self.shard_mesh, precision, self.edp_mesh)
         model.to_empty(device=self.device)
         reader = CheckpointReader(model_path)  # headers only
         # Hugging Face exports of this model are written in the dtype its checkpoint came in.
@@ -165,9 +172,18 @@ class TrainEngine:
             )
 
     def _init_layout(self, mesh: DeviceMesh | None, ep: int) -> None:
+        # dp: the data-parallel ranks (different rows); cp: the context-parallel ranks of one dp rank (the same
+        # rows, each its zig-zag chunks of every sequence); FSDP2 shards over the dp x cp "shard" ranks, which
+        # all compute gradients of the same parameters (the dp ranks themselves when cp = 1).
         self.dp_mesh: DeviceMesh | None = None
         self.dp_group: dist.ProcessGroup | None = None
         self.dp_size, self.dp_rank = 1, 0
+        self.cp_size, self.cp_rank = 1, 0
+        self.context: ContextShard | None = None
+        self.shard_mesh: DeviceMesh | None = None
+        self.replica_group: dist.ProcessGroup | None = None
+        self.shard_group: dist.ProcessGroup | None = None
+        self.shard_size, self.shard_rank = 1, 0
         self.tp_group: dist.ProcessGroup | None = None
         self.tp_size, self.tp_rank = 1, 0
         self.vocab_start = 0  # the first id of this rank's vocab slice (set under tp)
@@ -189,6 +205,22 @@ class TrainEngine:
             self.tp_group = mesh.get_group("tp")
             self.tp_size = mesh["tp"].size()
             self.tp_rank = mesh["tp"].get_local_rank()
+        self.shard_mesh = dp_mesh
+        if "cp" in names and mesh["cp"].size() > 1:
+            from dockrl.parallel.context import ContextShard
+
+            assert ep == 1, "context parallelism with expert parallelism is not built (config refuses it)"
+            self.context = ContextShard.of_group(mesh.get_group("cp"))
+            self.cp_size, self.cp_rank = self.context.size, self.context.rank
+            self.shard_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+        self.shard_group = self.shard_mesh.get_group()
+        # the ranks of one dp rank (contiguous: cp x tp), which read the same rows
+        self.replica_group = self.tp_group
+        if self.context is not None:
+            self.replica_group = self.context.group
+            if self.tp_size > 1:
+                self.replica_group = mesh["cp", "tp"]._flatten("cp_tp").get_group()
+        self.shard_size, self.shard_rank = self.shard_mesh.size(), self.shard_mesh.get_local_rank()
         if ep > 1:
             self._init_expert_layout(dp_mesh, ep)
 
@@ -221,7 +253,7 @@ class TrainEngine:
             )
         dim = shard_dim(name) if self.tp_size > 1 else None
         return Placement(
-            dim, self.tp_rank, self.tp_size, self.tp_group, self.dp_rank, self.dp_size, self.dp_group
+            dim, self.tp_rank, self.tp_size, self.tp_group, self.shard_rank, self.shard_size, self.shard_group
         )
 
     def token_stats(self, mb: MicroBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,6 +287,8 @@ class TrainEngine:
             # [B (T-1)] each: flat, so FSDP2's root output is not a view
             return grid.index_copy(0, scored, logp), grid.index_copy(0, scored, entropy)
 
+        if self.context is not None:
+            return self._context_token_stats(mb, temperature, scored)
         segments = None if packing is None else packing.segments
         with self.autocast():
             logp, entropy = self.model(mb.model_input_ids(), head=head, segments=segments)
@@ -360,6 +394,37 @@ class TrainEngine:
             logp, ids, top = self.model(mb.input_ids, head=head)
         return logp.cpu(), ids.cpu(), top.cpu()
 
+    def _context_token_stats(
+        self, mb: MicroBatch, temperature: float, scored: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`token_stats` of a sequence split over the cp ranks (dockrl.parallel.context): this rank's zig-zag
+        chunks run at their global positions, the head scores its own scored positions, and the ranks' parts
+        of the [B, T-1] grids are summed over cp, so every cp rank returns the whole grids."""
+        from dockrl.parallel.context import cp_sum, local_tokens
+
+        assert self.context is not None
+        rows, width = mb.input_ids.shape[0], mb.input_ids.shape[1] - 1
+        local = local_tokens(mb.input_ids, scored, self.context)
+
+        def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            flat = hidden.reshape(-1, hidden.shape[-1])  # [B Tl, H]
+            logp, entropy = head_token_stats(
+                flat.index_select(0, local.hidden_index),
+                weight,
+                local.targets,
+                temperature,
+                vocab_start=self.vocab_start,
+                group=self.tp_group,
+            )  # [n] each
+            grid = flat.new_zeros(rows * width, dtype=torch.float32)
+            return grid.index_copy(0, local.grid_index, logp), grid.index_copy(0, local.grid_index, entropy)
+
+        positions = local.positions.expand(rows, -1)  # [B, Tl]
+        with self.autocast():
+            logp, entropy = self.model(local.input_ids, position_ids=positions, head=head)
+        group = self.context.group
+        return cp_sum(logp, group).view(rows, width), cp_sum(entropy, group).view(rows, width)
+
     def adapters_off(self):
         """A context in which the model is its base (LoRA's reference policy: the same weights, adapters off);
         a no-op without LoRA."""
@@ -422,6 +487,8 @@ class TrainEngine:
         temp = temperature if temperature > 0 else 1.0
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
         chunks = micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch, self.packing)
+        # the budget is per rank: under context parallelism a rank holds 1/cp of each row
+        chunks = micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch * self.cp_size)
         # Agree on the count first: every forward is collective under FSDP, and a rank that reached this
         # all-reduce while a peer still ran forwards would wait in a different collective than the peer's.
         total = self.common_count(len(chunks))
@@ -576,7 +643,7 @@ class TrainEngine:
             local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
             if self.tp_rank == 0 or name not in self.replicated:
                 square += local.double().pow(2).sum()
-        for group in (self.dp_group, self.tp_group):
+        for group in (self.shard_group, self.tp_group):
             if group is not None:
                 dist.all_reduce(square, group=group)
         norm = float(square.sqrt())

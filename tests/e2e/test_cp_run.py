@@ -1,0 +1,86 @@
+"""End to end: a GRPO step through the CLI with context parallelism, (dp, cp) = (2, 2) on 4 actor ranks, against the
+same step with (dp, cp) = (2, 1) on 2 ranks.
+
+Both runs sample the same responses: each row's sampling seed is a function of (run seed, step, row) only
+(engines/rollout/dock_feed.row_seed), whichever replica serves it, and the weights are the same. Their first update
+then trains the same rows, so its figures agree up to fp32 reassociation: the cp run's attention sums keys in ring
+blocks merged by log-sum-exp, its gradients are summed over 4 ranks instead of 2, each a few hundred O(1) terms,
+which moves a figure by ~1e2 x eps_fp32 = 1e-5 relative at most; 1e-4 relative leaves 10x for other CPUs (the
+bound of tests/distributed/test_cp_equivalence.py). actor/entropy checks the split forward (every response token's
+entropy under the model) and actor/grad_norm the split backward. The step's loss is compared too, though at the
+first, on-policy step its policy term is -mean(A) and its KL 0 whatever the model computes.
+"""
+
+import json
+import re
+
+import pytest
+
+from dockrl.cli import main
+from dockrl.config import ConfigError, TrainConfig, load_config
+from dockrl.recipes.preflight import preflight_train
+
+CONFIG = (
+    "rollout: {samples_per_prompt: 4, max_new_tokens: 24, groups_per_pull: 2, tp: 1, temperature: 1.0}\n"
+    "actor: {dp: 2, lr: 1.0e-3, micro_batch_size: 4}\n"
+    "algo: {kl_coef: 0.01, entropy_coef: 0.01}\n"
+    "reward: {functions: [{name: exact_answer}, {name: 'reward_fixtures:length_reward', weight: 0.1}]}\n"
+    "run: {steps: 1, prompts_per_step: 4, progress: false, worker_timeout_s: 300, precision: fp32}\n"
+)
+COMPARED = ("actor/loss", "actor/entropy", "actor/grad_norm", "actor/kl", "response_length/mean")
+
+
+def _first_step(tmp_path, name: str, tiny_model, arithmetic_data, overrides: list[str]) -> dict:
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(CONFIG)
+    code = main(
+        [
+            "train",
+            str(config),
+            f"model.path={tiny_model}",
+            f"data.train_path={arithmetic_data['train']}",
+            f"run.output_dir={tmp_path}",
+            f"run.name={name}",
+            *overrides,
+        ]
+    )
+    assert code == 0
+    return json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_cp2_first_step_equals_cp1(ray_session, tmp_path, tiny_model, arithmetic_data):
+    cp1 = _first_step(tmp_path, "cp1", tiny_model, arithmetic_data, [])
+    cp2 = _first_step(tmp_path, "cp2", tiny_model, arithmetic_data, ["actor.cp=2"])
+    assert cp1["actor/grad_norm"] > 0 and cp1["actor/entropy"] > 0
+    for key in COMPARED:
+        assert cp2[key] == pytest.approx(cp1[key], rel=1e-4, abs=1e-7), (key, cp2[key], cp1[key])
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["actor.cp=0"], "actor.cp=0: must be >= 1"),
+        (
+            ["actor.cp=2", "rollout.tp=3"],
+            "rollout.tp=3: does not divide the actor's actor.dp x actor.cp x actor.tp",
+        ),
+        (["actor.cp=2", "actor.ep=2"], "actor.cp=2: with actor.ep=2: context parallelism of MoE models"),
+    ],
+)
+def test_cp_config_errors(tiny_model, arithmetic_data, extra, expected):
+    base = [f"model.path={tiny_model}", f"data.train_path={arithmetic_data['train']}", "run.steps=1"]
+    base += ["run.prompts_per_step=4", "rollout.samples_per_prompt=2"]
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        preflight_train(load_config(TrainConfig, None, base + extra))
+
+
+def test_cp_with_moe_model_is_refused(tmp_path, arithmetic_data):
+    from dockrl.models.tiny import make_tiny
+
+    moe = make_tiny(tmp_path / "moe", family="qwen3_moe", hidden_size=64, num_layers=2)
+    base = [f"model.path={moe}", f"data.train_path={arithmetic_data['train']}", "run.steps=1"]
+    base += ["run.prompts_per_step=4", "rollout.samples_per_prompt=2", "actor.cp=2"]
+    with pytest.raises(
+        ConfigError, match=re.escape("actor.cp=2: splits sequences, and context parallelism of MoE")
+    ):
+        preflight_train(load_config(TrainConfig, None, base))
