@@ -6,7 +6,7 @@ Both runs sample the same responses: each row's sampling seed is a function of (
 then trains the same rows, so its figures agree up to fp32 reassociation: the cp run's attention sums keys in ring
 blocks merged by log-sum-exp, its gradients are summed over 4 ranks instead of 2, each a few hundred O(1) terms,
 which moves a figure by ~1e2 x eps_fp32 = 1e-5 relative at most; 1e-4 relative leaves 10x for other CPUs (the
-bound of tests/slow/test_cp_equivalence.py). actor/entropy checks the split forward (every response token's
+bound of tests/distributed/test_cp_equivalence.py). actor/entropy checks the split forward (every response token's
 entropy under the model) and actor/grad_norm the split backward. The step's loss is compared too, though at the
 first, on-policy step its policy term is -mean(A) and its KL 0 whatever the model computes.
 """
