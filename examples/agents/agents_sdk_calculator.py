@@ -9,7 +9,14 @@ and token out (docs/agents.md). Train it with
 or hold it out with `dockrl eval --model DIR --data test.jsonl --agent ./agents_sdk_calculator.py:solve`.
 """
 
-from agents import Agent, MaxTurnsExceeded, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+from agents import (
+    Agent,
+    MaxTurnsExceeded,
+    OpenAIChatCompletionsModel,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
 
 from dockrl.envs.tools import Calculator
 

@@ -1,41 +1,12 @@
 """Context parallelism's settings checked before any process starts (the (dp, cp) = (2, 2) run through the CLI is
 tests/slow/test_cp_run.py)."""
 
-import json
 import re
 
 import pytest
 
-from dockrl.cli import main
 from dockrl.config import ConfigError, TrainConfig, load_config
 from dockrl.recipes.preflight import preflight_train
-
-CONFIG = (
-    "rollout: {samples_per_prompt: 4, max_new_tokens: 24, groups_per_pull: 2, tp: 1, temperature: 1.0}\n"
-    "actor: {dp: 2, lr: 1.0e-3, micro_batch_size: 4}\n"
-    "algo: {kl_coef: 0.01, entropy_coef: 0.01}\n"
-    "reward: {functions: [{name: exact_answer}, {name: 'reward_fixtures:length_reward', weight: 0.1}]}\n"
-    "run: {steps: 1, prompts_per_step: 4, progress: false, worker_timeout_s: 300, precision: fp32}\n"
-)
-COMPARED = ("actor/loss", "actor/entropy", "actor/grad_norm", "actor/kl", "response_length/mean")
-
-
-def _first_step(tmp_path, name: str, tiny_model, arithmetic_data, overrides: list[str]) -> dict:
-    config = tmp_path / f"{name}.yaml"
-    config.write_text(CONFIG)
-    code = main(
-        [
-            "train",
-            str(config),
-            f"model.path={tiny_model}",
-            f"data.train_path={arithmetic_data['train']}",
-            f"run.output_dir={tmp_path}",
-            f"run.name={name}",
-            *overrides,
-        ]
-    )
-    assert code == 0
-    return json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
 
 
 @pytest.mark.parametrize(
