@@ -110,7 +110,15 @@ class RolloutConfig:
     max_batch_size: int = setting(
         256,
         "Sequence slots of the rollout engine: most sequences one rank decodes at once (continuous "
-        "batching; the KV cache is preallocated for this many x (data.max_prompt_len + max_new_tokens)).",
+        "batching).",
+    )
+    kv_cache_tokens: int = setting(
+        0,
+        "Positions dockrl's rollout KV cache may hold over all its sequences (backend dockrl; blocks of 32 "
+        "positions handed out as sequences grow, the cache growing to this by doubling). 0: max_batch_size x "
+        "(data.max_prompt_len + max_new_tokens), every slot's worst case (nothing waits for blocks). Lower: "
+        "new sequences wait, and the youngest is preempted and restarted, when the blocks run out; it must hold "
+        "one whole sequence.",
     )
     groups_per_pull: int = setting(4, "Prompt groups a rollout rank pulls from the dock at a time.")
     tp: int = setting(

@@ -77,6 +77,7 @@ def check_train(cfg: TrainConfig) -> None:
             f"must hold one whole group of rollout.samples_per_prompt={roll.samples_per_prompt} sequences",
             f"set it to at least {roll.samples_per_prompt}",
         )
+    _check_kv_cache_tokens(roll, cfg.data.max_prompt_len)
     rows = run.prompts_per_step * roll.samples_per_prompt
     if rows % actor.dp:
         raise config_error(
@@ -466,6 +467,27 @@ def check_sft(cfg: SFTConfig) -> None:
     if cfg.data.label_field is None:
         raise config_error("data.label_field", None, "SFT needs the answer text", "name the answer field")
     check_data(cfg.data)
+
+
+def _check_kv_cache_tokens(roll: RolloutConfig, max_prompt_len: int) -> None:
+    """rollout.kv_cache_tokens: 0 (every slot's worst case) or room for one whole sequence; dockrl's engine only."""
+    tokens = roll.kv_cache_tokens
+    positive("rollout.kv_cache_tokens", tokens, allow_zero=True)
+    longest = max_prompt_len + roll.max_new_tokens
+    if 0 < tokens < longest:
+        raise config_error(
+            "rollout.kv_cache_tokens",
+            tokens,
+            f"cannot hold one sequence of data.max_prompt_len + rollout.max_new_tokens = {max_prompt_len} + "
+            f"{roll.max_new_tokens} = {longest} positions",
+            f"set it to at least {longest}, or 0 for max_batch_size x {longest}",
+        )
+    if tokens and roll.backend != "dockrl":
+        warnings.warn(
+            f"rollout.kv_cache_tokens={tokens} has no effect with rollout.backend={roll.backend} (dockrl's "
+            "engine only; vLLM sizes its own cache)",
+            stacklevel=4,
+        )
 
 
 def check_data(data: DataConfig) -> None:

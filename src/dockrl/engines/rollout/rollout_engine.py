@@ -1,27 +1,34 @@
-"""RolloutEngine: continuous batching over a fixed pool of sequence slots with a preallocated KV cache.
+"""RolloutEngine: continuous batching over a fixed pool of sequence slots with a paged KV cache.
 
 ```
- add(Request: prompt, n seeds, params) ──▶ waiting (FIFO)
+ add(Request: prompt, n seeds, params) ──▶ waiting (FIFO; preempted samples re-enter at the front)
  step():
-   admit   : while the head request's n samples fit in free slots: take the n lowest free slots.
+   admit   : while the head request's n samples fit in free slots AND the blocks of their prompts (+ the
+             first decoded position) can be allocated: take the n lowest free slots and those blocks.
              Prefill all admitted prompts together ONCE (right-padded, causal) into a scratch cache, copy
-             each prompt's KV into its n slots (shared prefill), draw every sample's first token.
-   decode  : one token for every running slot: input = its last token, written at its own cache position
-             (per-row offsets), attending only its own slot's keys.
-   finish  : a sample that hits a stop token / stop string / max_new_tokens frees its slot at once; the
-             next step's admit hands the slot to a waiting request.
+             each prompt's KV into the blocks of its n samples (shared prefill), draw every first token.
+   grow    : a running sample whose next position starts a new block gets one; when none can be had, the
+             youngest running sample is preempted: its blocks are freed and it re-queues (to restart from
+             its prompt: its tokens are a function of (prompt, seed), so it draws the same ones again).
+   decode  : one token for every running slot: input = its last token, written at its own position
+             through its block table, attending only its own blocks.
+   finish  : a sample that hits a stop token / stop string / max_new_tokens frees its slot and its blocks
+             at once; the next step's admit hands them to a waiting request.
    compact : once fewer than half the slots below hi run, the running samples move into the lowest slots
-             (cache rows and state copied once), so a long tail decodes a small contiguous batch.
+             (their block-table rows and state; no KV is copied), so a long tail decodes a small batch.
    returns the Completions finished in this step
 ```
 
-Cache layout: contiguous per slot - per layer k, v [num_slots, K, max_seq_len, D] (the model's `KVCache`), in
-the weights' dtype on an accelerator and fp32 on a CPU (`cache_dtype`).
-A slot's sequence always starts at cache position 0, so cache position == RoPE position. Free slots are
-handed out lowest index first and decode runs over the slot range [0, hi) with hi = highest running slot
-+ 1, as one view of the cache (no gather, no copy); idle slots inside the range compute a harmless garbage
-row (they write only at their position 0 and their output is dropped). Keys are read up to the longest
-running sequence, S = max length + 1, with a causal per-row mask.
+Cache layout: paged (models/paged_cache.py) - per layer k, v [K, num_blocks, BLOCK_SIZE, D], in the weights'
+dtype on an accelerator and fp32 on a CPU (`cache_dtype`); a slot's block-table row lists its blocks in
+position order. A sequence holds ceil(length / BLOCK_SIZE) blocks, not max_seq_len positions: the pool holds
+what the running sequences use, grown by doubling up to `kv_cache_tokens` (default: every slot's worst case,
+num_slots x max_seq_len, so nothing ever waits for blocks; set lower, samples wait or are preempted instead).
+A slot's sequence always starts at position 0, so cache position == RoPE position. Free slots are handed out
+lowest index first and decode runs over the slot range [0, hi) with hi = highest running slot + 1; idle slots
+inside the range compute a harmless garbage row (their block-table row points at the scratch block 0, where
+they write at position 0; their output is dropped). Each step gathers the rows' first ceil(S / BLOCK_SIZE)
+blocks, S = longest running sequence + 1 keys, with a causal per-row mask.
 
 Shape letters: G prompts prefilled together, P longest of them, R sample rows, B decode rows (slot range
 [0, hi)), S key slots read, H hidden size, V vocabulary.
@@ -48,12 +55,21 @@ import torch
 from dockrl.engines.rollout.sampling import RowSettings, SamplingParams, sample_rows
 from dockrl.models.decoder import KVCache, Transformer
 from dockrl.models.moe import Routing, routing
+from dockrl.models.paged_cache import PagedKVCache
 
 _IDLE = SamplingParams(max_new_tokens=1, temperature=0.0)
 # Move the running samples into the lowest slots once fewer than this share of the rows [0, hi) run: one copy
 # of the movers' written cache rows, after which every decode step reads only running rows (decoding all of
 # [0, hi) would attend idle rows' keys at every step; a gather per step would copy the running rows each time).
 COMPACT_BELOW = 0.5
+# Positions per KV block: a sequence wastes under one block (its last one's unwritten tail); larger blocks mean
+# fewer, longer contiguous runs for the per-step gather (32 fp32 positions x D = 32: 4 KiB per key head).
+BLOCK_SIZE = 32
+
+
+def blocks_for(positions: int) -> int:
+    """KV blocks that hold `positions` positions."""
+    return -(-positions // BLOCK_SIZE)
 
 
 def cache_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -109,6 +125,8 @@ class _Running:
     sample: int
     length: int
     """Tokens in this slot's cache = cache position of the next token fed."""
+    admitted: int
+    """Admission order (the youngest running sample, the highest, is the one preempted)."""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     routes: list[torch.Tensor] = field(default_factory=list)  # record_routes: [n, L, k] pieces, prompt first
@@ -123,8 +141,10 @@ class RolloutEngine:
 
     Args:
         model: the rollout model (eval mode; its parameter dtype/device set the cache's).
-        num_slots: sequences decoded at once (the preallocated cache holds this many).
-        max_seq_len: cache positions per slot; a request needs len(prompt) + max_new_tokens of them.
+        num_slots: sequences decoded at once.
+        max_seq_len: positions per sequence; a request needs len(prompt) + max_new_tokens of them.
+        kv_cache_tokens: positions the paged cache may hold over all sequences (rounded up to whole blocks);
+            0: num_slots x max_seq_len, every slot's worst case. The cache grows to it as sequences need.
         pad_token_id: token id used to right-pad prompts prefilled together (never attended to).
         detokenize: token ids -> text, needed only for requests with stop strings.
     """
@@ -138,6 +158,7 @@ class RolloutEngine:
         pad_token_id: int = 0,
         detokenize: Callable[[list[int]], str] | None = None,
         record_routes: bool = False,
+        kv_cache_tokens: int = 0,
     ) -> None:
         limit = model.args.max_position_embeddings
         if num_slots < 1:
@@ -145,6 +166,10 @@ class RolloutEngine:
         if not 1 <= max_seq_len <= limit:
             raise ValueError(
                 f"rollout engine max_seq_len={max_seq_len} must be in [1, max_position_embeddings={limit}]"
+            )
+        if kv_cache_tokens < 0:
+            raise ValueError(
+                f"rollout engine kv_cache_tokens={kv_cache_tokens} must be >= 0 (0: the worst case)"
             )
         self.model, self.num_slots, self.max_seq_len = model, num_slots, max_seq_len
         self.pad_token_id, self.detokenize = pad_token_id, detokenize
@@ -154,8 +179,19 @@ class RolloutEngine:
         weight = model.output_weight()
         self.device, self.dtype = weight.device, weight.dtype
         self.cache_dtype = cache_dtype(self.dtype, self.device)
-        self.cache = KVCache(model.args, num_slots, max_seq_len, self.cache_dtype, self.device)
-        self.waiting: deque[Request] = deque()
+        # Default: every slot's worst case, in whole blocks.
+        max_blocks = blocks_for(kv_cache_tokens) if kv_cache_tokens else num_slots * blocks_for(max_seq_len)
+        self.kv_cache_tokens = kv_cache_tokens or max_blocks * BLOCK_SIZE
+        self.cache = PagedKVCache(
+            model.args, BLOCK_SIZE, min(max_blocks, num_slots), max_blocks, self.cache_dtype, self.device
+        )
+        # Each slot's blocks in position order (host), and as a table the decode reads (device; 0 = scratch).
+        self.blocks: list[list[int]] = [[] for _ in range(num_slots)]
+        self.block_table = torch.zeros(
+            num_slots, blocks_for(max_seq_len), dtype=torch.long, device=self.device
+        )
+        self._admissions = 0
+        self.waiting: deque[tuple[Request, list[int]]] = deque()  # a request and which of its samples to draw
         self.free: list[int] = list(range(num_slots))  # a heap: lowest slot first keeps `hi` small
         self.running: list[_Running | None] = [None] * num_slots
         # Per-slot device state; idle slots keep length 0 so their garbage writes stay in bounds.
@@ -174,6 +210,7 @@ class RolloutEngine:
             "decode_rows": 0,
             "compactions": 0,  # times the running samples were moved into the lowest slots
             "moved_rows": 0,  # samples moved by those
+            "preempted": 0,  # samples sent back to the queue for want of KV blocks
         }
 
     # ---- public API ------------------------------------------------------------------------------
@@ -201,9 +238,17 @@ class RolloutEngine:
                 f"{params.max_new_tokens} = {needed} exceeds the cache limit max_seq_len={self.max_seq_len}"
                 f"{which} tokens per sequence; shorten the prompt or lower max_new_tokens"
             )
+        if blocks_for(needed) > self.cache.max_blocks:
+            raise ValueError(
+                f"request {request.tag!r}: prompt of {prompt_len} tokens + max_new_tokens="
+                f"{params.max_new_tokens} = {needed} positions exceed the KV cache's "
+                f"kv_cache_tokens={self.kv_cache_tokens} (rollout.kv_cache_tokens, in blocks of {BLOCK_SIZE}): "
+                "one sequence must fit; raise kv_cache_tokens to at least "
+                f"{blocks_for(needed) * BLOCK_SIZE} or lower max_new_tokens"
+            )
         if params.stop_strings and self.detokenize is None:
             raise ValueError(f"request {request.tag!r} has stop_strings but the engine has no detokenize")
-        self.waiting.append(request)
+        self.waiting.append((request, list(range(num_samples))))
 
     def has_work(self) -> bool:
         """True while a request is waiting or a sample is running."""
@@ -211,7 +256,17 @@ class RolloutEngine:
 
     def num_free_slots(self) -> int:
         """Slots not running and not claimed by waiting requests: room for new requests to start now."""
-        return len(self.free) - sum(len(request.seeds) for request in self.waiting)
+        return len(self.free) - sum(len(samples) for _, samples in self.waiting)
+
+    def kv_cache_bytes(self) -> dict[str, int]:
+        """The KV cache's bytes: allocated now, held by sequences at the peak so far, and what max-length slots
+        (num_slots x max_seq_len positions, the cache before paging) would take."""
+        per_position = self.cache.block_bytes() // BLOCK_SIZE
+        return {
+            "allocated": self.cache.nbytes(),
+            "peak_used": self.cache.peak_used * self.cache.block_bytes(),
+            "max_length_slots": self.num_slots * self.max_seq_len * per_position,
+        }
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -248,10 +303,24 @@ class RolloutEngine:
 
     def _admit(self) -> list[Completion]:
         admitted: list[tuple[Request, list[int]]] = []
-        while self.waiting and len(self.waiting[0].seeds) <= len(self.free):
-            request = self.waiting.popleft()
-            slots = [heapq.heappop(self.free) for _ in request.seeds]
+        samples_of: list[list[int]] = []
+        while self.waiting and len(self.waiting[0][1]) <= len(self.free):
+            request, samples = self.waiting[0]
+            # Each sample's blocks: the prompt's positions and the first decoded token's. Samples that find no
+            # blocks wait at the head of the queue (with a small pool, a group starts as blocks free up).
+            num_blocks = blocks_for(len(request.prompt_ids) + 1)
+            count = min(len(samples), self.cache.num_obtainable() // num_blocks)
+            if count == 0:
+                break
+            if count == len(samples):
+                self.waiting.popleft()
+            else:
+                self.waiting[0] = (request, samples[count:])
+            slots = [heapq.heappop(self.free) for _ in range(count)]
+            for slot in slots:
+                self._grant(slot, num_blocks)
             admitted.append((request, slots))
+            samples_of.append(samples[:count])
         if not admitted:
             return []
         row_slots = [slot for _, slots in admitted for slot in slots]
@@ -261,8 +330,9 @@ class RolloutEngine:
             logits = self._prefill(prompts, row_slots, row_prompt)
         for g, (request, slots) in enumerate(admitted):
             prefix = self._layer_routes(seen, g, len(request.prompt_ids)) if seen is not None else None
-            for sample, slot in enumerate(slots):
-                self.running[slot] = _Running(request, sample, len(request.prompt_ids))
+            for sample, slot in zip(samples_of[g], slots):
+                self._admissions += 1
+                self.running[slot] = _Running(request, sample, len(request.prompt_ids), self._admissions)
                 if prefix is not None:
                     self.running[slot].routes.append(prefix)  # type: ignore[union-attr]
         index = torch.tensor(row_slots, device=self.device)  # [R]
@@ -270,7 +340,7 @@ class RolloutEngine:
             [len(admitted[i][0].prompt_ids) for i in row_prompt], device=self.device
         )
         self.seeds[index] = torch.tensor(
-            [r.seeds[s] for r, slots in admitted for s in range(len(slots))], device=self.device
+            [r.seeds[s] for (r, _), samples in zip(admitted, samples_of) for s in samples], device=self.device
         )
         self.steps[index] = 0
         self.active[index] = 1
@@ -282,8 +352,14 @@ class RolloutEngine:
         self.steps[index] += 1
         return self._record(row_slots, tokens.tolist(), logprobs.tolist())
 
+    def _grant(self, slot: int, count: int) -> None:
+        """Append `count` new blocks to `slot`'s (callers check they can be had)."""
+        start = len(self.blocks[slot])
+        self.blocks[slot] += self.cache.allocate(count)
+        self.block_table[slot, start : start + count] = torch.tensor(self.blocks[slot][start:])
+
     def _prefill(self, prompts: list[list[int]], row_slots: list[int], row_prompt: list[int]) -> torch.Tensor:
-        """Run each prompt once, copy its KV into the slots of its samples; returns last logits [G, V]."""
+        """Run each prompt once, copy its KV into the blocks of its samples; returns last logits [G, V]."""
         num_prompts, longest = len(prompts), max(len(prompt) for prompt in prompts)
         ids = torch.full((num_prompts, longest), self.pad_token_id, dtype=torch.long)  # [G, P]
         for row, prompt in enumerate(prompts):
@@ -292,11 +368,22 @@ class RolloutEngine:
         scratch = KVCache(self.model.args, num_prompts, longest, self.cache_dtype, self.device)
         last = torch.tensor([len(prompt) - 1 for prompt in prompts], device=self.device)  # [G]
         logits = self._forward_last(ids.to(self.device), None, None, scratch, 0, last)  # [G, V]
-        slots = torch.tensor(row_slots, device=self.device)  # [R]
-        sources = torch.tensor(row_prompt, device=self.device)  # [R]
+        # Every prompt position p of every sample row: (its block, offset in the block) <- (prompt, position).
+        sources: list[int] = []
+        positions: list[int] = []
+        blocks: list[int] = []
+        for slot, g in zip(row_slots, row_prompt):
+            length = len(prompts[g])
+            sources += [g] * length
+            positions += range(length)
+            blocks += [self.blocks[slot][p // BLOCK_SIZE] for p in range(length)]
+        source = torch.tensor(sources, device=self.device)  # [R P']
+        position = torch.tensor(positions, device=self.device)
+        block = torch.tensor(blocks, device=self.device)
+        offset = position % BLOCK_SIZE
         for layer in range(len(self.cache.k)):
-            self.cache.k[layer][slots, :, :longest] = scratch.k[layer][sources]
-            self.cache.v[layer][slots, :, :longest] = scratch.v[layer][sources]
+            self.cache.k[layer][:, block, offset] = scratch.k[layer][source, :, position].transpose(0, 1)
+            self.cache.v[layer][:, block, offset] = scratch.v[layer][source, :, position].transpose(0, 1)
         self.stats["prefill_calls"] += 1
         self.stats["prefill_prompts"] += num_prompts
         return logits
@@ -306,7 +393,7 @@ class RolloutEngine:
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None,
         key_mask: torch.Tensor | None,
-        cache: KVCache,
+        cache: KVCache | PagedKVCache,
         cache_offset: int | torch.Tensor,
         last: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -316,9 +403,15 @@ class RolloutEngine:
         positions never need logits). A tensor-parallel model plugs in here.
         """
         if isinstance(cache_offset, torch.Tensor):  # decode: each row at its own length (continuous batching)
-            assert key_mask is not None, "decode masks the keys of each row"
-            hidden = self.model.hidden_states_per_row(input_ids, cache, cache_offset, key_mask, position_ids)
+            assert key_mask is not None and isinstance(cache, PagedKVCache), (
+                "decode: paged, keys masked per row"
+            )
+            table = self.block_table[: input_ids.shape[0]]
+            hidden = self.model.hidden_states_per_row(
+                input_ids, cache, cache_offset, table, key_mask, position_ids
+            )
         else:  # prefill: the rows of one prompt's samples at the same offset
+            assert isinstance(cache, KVCache), "prefill fills a contiguous scratch cache"
             hidden = self.model.hidden_states(
                 input_ids, position_ids, key_mask, cache, cache_offset
             )  # [B, T, H]
@@ -334,6 +427,7 @@ class RolloutEngine:
         """One token for every running sample, as one batch over the slot range [0, hi). Once fewer than
         COMPACT_BELOW of the slots below hi are running, `_compact` first moves the running samples into the
         lowest slots, so a long tail of a few late samples does not pay for the idle slots between them."""
+        self._grow()
         slots = [slot for slot, state in enumerate(self.running) if state is not None]
         if len(slots) < COMPACT_BELOW * (slots[-1] + 1):
             slots = self._compact(slots)
@@ -348,7 +442,7 @@ class RolloutEngine:
                 self.pending[:hi][:, None],
                 offsets[:, None],
                 self._all_keys[:hi, :num_keys],
-                self.cache.rows(hi),
+                self.cache,
                 offsets,
                 None,
             )  # [B, V]
@@ -368,19 +462,18 @@ class RolloutEngine:
 
     def _compact(self, slots: list[int]) -> list[int]:
         """Move the running samples `slots` into slots [0, n), n = len(slots): each one above n takes a free slot
-        below n, with its cache rows (the positions it has written), its device state and its host state.
-        Returns the new running slots [0, n). A sample's tokens do not depend on its slot (see `sampling`)."""
+        below n, with its blocks (block-table row; the KV stays where it is), its device state and its host
+        state. Returns the new running slots [0, n). A sample's tokens do not depend on its slot (`sampling`)."""
         count = len(slots)
         movers = [slot for slot in slots if slot >= count]
         targets = [slot for slot in range(count) if self.running[slot] is None]  # as many as movers
         source = torch.tensor(movers, device=self.device)
         dest = torch.tensor(targets, device=self.device)
-        written = max(self._state(slot).length for slot in movers)
-        for layer in range(len(self.cache.k)):
-            self.cache.k[layer][dest, :, :written] = self.cache.k[layer][source, :, :written]
-            self.cache.v[layer][dest, :, :written] = self.cache.v[layer][source, :, :written]
-        for state in (self.lengths, self.pending, self.seeds, self.steps, self.active):
+        for state in (self.lengths, self.pending, self.seeds, self.steps, self.active, self.block_table):
             state[dest] = state[source]
+        self.block_table[source] = 0  # idle rows write into the scratch block only
+        for old, new in zip(movers, targets):
+            self.blocks[new], self.blocks[old] = self.blocks[old], []
         self.active[source] = 0
         self.lengths[source] = 0  # idle slots write only at position 0 (see the module docstring)
         self.steps[source] = 0
@@ -448,14 +541,43 @@ class RolloutEngine:
         assert state is not None, f"slot {slot} is not running"
         return state
 
-    def _release(self, slot: int, reason: str) -> Completion:
+    def _grow(self) -> None:
+        """Give every running sample whose next position starts a new block that block, preempting the youngest
+        running sample while none is left (it may be the one asking; one sample alone always fits: `add`)."""
+        for slot, state in enumerate(self.running):
+            if state is None or len(self.blocks[slot]) > state.length // BLOCK_SIZE:
+                continue
+            while self.cache.num_obtainable() == 0 and self.running[slot] is not None:
+                youngest = max(
+                    (s for s, other in enumerate(self.running) if other is not None),
+                    key=lambda s: self._state(s).admitted,
+                )
+                self._preempt(youngest)
+            if self.running[slot] is not None:
+                self._grant(slot, 1)
+
+    def _preempt(self, slot: int) -> None:
+        """Free `slot` and its blocks; its sample goes back to the front of the queue, to start over."""
         state = self._state(slot)
+        self._vacate(slot)
+        self.waiting.appendleft((state.request, [state.sample]))
+        self.stats["preempted"] += 1
+
+    def _vacate(self, slot: int) -> None:
+        """The slot and its blocks become free; its device state idle (writes go to the scratch block)."""
         self.running[slot] = None
         heapq.heappush(self.free, slot)
+        self.cache.release(self.blocks[slot])
+        self.blocks[slot] = []
+        self.block_table[slot] = 0
         self.active[slot] = 0
         self.lengths[slot] = 0
         self.steps[slot] = 0
         self._settings = None
+
+    def _release(self, slot: int, reason: str) -> Completion:
+        state = self._state(slot)
+        self._vacate(slot)
         generation = Generation(
             torch.tensor(state.token_ids, dtype=torch.long),
             torch.tensor(state.logprobs, dtype=torch.float32),
