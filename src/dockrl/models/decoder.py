@@ -38,7 +38,7 @@ from torch import nn
 from dockrl.models.attention import causal_attention, packed_causal_attention, sdpa
 from dockrl.models.config import ModelArgs
 from dockrl.models.moe import MoEBlock
-from dockrl.models.paged_cache import PagedKVCache, gather_blocks, paged_attention, write_blocks
+from dockrl.models.paged_cache import PagedKVCache, paged_attention, write_blocks
 
 
 class KVCache:
@@ -462,9 +462,9 @@ def _cached_attention(
         assert mask is not None and write.block_table is not None, (
             "per-row offsets come with a mask and blocks"
         )
+        assert isinstance(write.cache, PagedKVCache), "per-row offsets write into a paged cache"
         write_blocks(cache, k, v, write.row_offsets, write.block_table)
-        num_keys = mask.shape[-1]
-        keys, values = (gather_blocks(blocks, write.block_table, num_keys) for blocks in cache)
+        keys, values = write.cache.gather(cache, write.block_table, mask.shape[-1])
         return paged_attention(q, keys, values, mask, q.shape[0])  # [B, N, T, D]
     cache_k, cache_v = cache  # every row at the same offset
     end = write.offset + q.shape[2]

@@ -6,7 +6,7 @@
                                           at offset p % block_size; unused entries point at block 0
  write : the T new keys of row b go to its positions [offset_b, offset_b + T)
  read  : index_select of the row's first ceil(S / block_size) blocks -> [K, B, S, D] (one copy of the keys
-         attended), then grouped attention over it
+         attended, into a buffer reused every step), then grouped attention over it
 ```
 
 The pool grows by doubling (one copy of the blocks in use) up to `max_blocks`, so its memory follows the
@@ -49,6 +49,9 @@ class PagedKVCache:
         self._resize(initial_blocks + 1)
         self.free = list(range(initial_blocks, 0, -1))  # a stack; block 0 is the scratch block
         self.peak_used = 0
+        # The keys and values one layer attends, gathered each decode step into the same two buffers: a fresh
+        # tensor of that size each time costs the page faults of fresh memory (on a CPU, more than the copy).
+        self._gathered = [torch.empty(0, dtype=dtype, device=device) for _ in range(2)]
 
     @property
     def capacity(self) -> int:
@@ -94,6 +97,25 @@ class PagedKVCache:
         """Give blocks back to the pool (their contents are stale and never read)."""
         self.free.extend(blocks)
 
+    def gather(
+        self, blocks: tuple[torch.Tensor, torch.Tensor], block_table: torch.Tensor, num_keys: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values of positions [0, num_keys) of every row of block_table [B, M]: each
+        [K B, S, D] (rows K-major), views of this cache's gather buffers, valid until the next gather."""
+        num_kv_heads, _, block_size, head_dim = blocks[0].shape
+        batch, num_blocks = block_table.shape[0], -(-num_keys // block_size)
+        index = block_table[:, :num_blocks].reshape(-1)  # [B M']
+        shape = (num_kv_heads, batch * num_blocks, block_size, head_dim)
+        size = shape[0] * shape[1] * block_size * head_dim
+        gathered = []
+        for which, source in enumerate(blocks):
+            if self._gathered[which].numel() < size:
+                self._gathered[which] = torch.empty(2 * size, dtype=self.dtype, device=self.device)
+            out = self._gathered[which][:size].view(shape)
+            torch.index_select(source, 1, index, out=out)
+            gathered.append(out.view(num_kv_heads * batch, num_blocks * block_size, head_dim)[:, :num_keys])
+        return gathered[0], gathered[1]
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What one attention layer gets: its (key blocks, value blocks) [K, num_blocks, block_size, D]."""
         return self.k[index], self.v[index]
@@ -129,18 +151,10 @@ def write_blocks(
     cache_v[:, block, offset] = v.transpose(0, 1)
 
 
-def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """Keys (or values) of positions [0, num_keys) of every row: [K B, S, D] (one copy, rows K-major)."""
-    num_kv_heads, _, block_size, head_dim = cache.shape
-    batch, num_blocks = block_table.shape[0], -(-num_keys // block_size)
-    picked = cache.index_select(1, block_table[:, :num_blocks].reshape(-1))  # [K, B M', bs, D]
-    return picked.view(num_kv_heads * batch, num_blocks * block_size, head_dim)[:, :num_keys]
-
-
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, batch: int
 ) -> torch.Tensor:
-    """Softmax attention of q [B, N, T, D] over gathered k, v [K B, S, D] (`gather_blocks`), mask [B, 1, T, S].
+    """Softmax attention of q [B, N, T, D] over gathered k, v [K B, S, D] (`PagedKVCache.gather`), mask [B, 1, T, S].
 
     The N / K query heads of one key/value head are stacked into one batched matmul (keys are not repeated per
     head), with the batch K-major as the gather leaves it; each (row, head) product is the same as over a

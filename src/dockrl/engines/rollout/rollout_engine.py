@@ -471,7 +471,7 @@ class RolloutEngine:
         dest = torch.tensor(targets, device=self.device)
         for state in (self.lengths, self.pending, self.seeds, self.steps, self.active, self.block_table):
             state[dest] = state[source]
-        self.block_table[source] = 0  # idle rows write into the scratch block only
+        self.block_table[source] = 0  # an idle row points at the scratch block only (it may write there)
         for old, new in zip(movers, targets):
             self.blocks[new], self.blocks[old] = self.blocks[old], []
         self.active[source] = 0
