@@ -1,5 +1,6 @@
-"""The rollout engine's paged KV cache: a long-tail batch in a pool far below max-length slots, preemption when the
-blocks run out, and the same tokens and log-probs whatever the pool's size.
+"""The rollout engine's paged KV cache: a long-tail batch in a pool far below max-length slots, the same tokens and
+log-probs as max-length slots (bit for bit), preemption when the blocks run out, and the same tokens and log-probs
+whatever the pool's size.
 
 Log-probs of one sample decoded in different batches may differ by fp32 reassociation only (the matmuls' blocking
 depends on the batch size): a relative error of a few ulps per reduction over at most 64 terms, 64 x 2^-24 ~ 4e-6
@@ -70,22 +71,36 @@ def long_tail(num_short: int, num_long: int, long_tokens: int) -> list[Request]:
 
 
 def test_a_long_tail_fits_a_pool_max_length_slots_would_not(model):
+    """The budget holds the long tail paged, in under a quarter of max-length slots (which refuse it and which
+    auto does not take), and the paged samples equal the max-length slots' bit for bit: the same products per
+    (row, head), only read from gathered blocks instead of in place."""
     num_slots, max_seq_len, long_tokens = 16, 16 + 512, 512
     requests = long_tail(14, 2, long_tokens)
     # Two long sequences' blocks and one block for each short one: under a quarter of the max-length slots.
     budget = 2 * (max_seq_len + BLOCK_SIZE) + 14 * BLOCK_SIZE
     assert budget < num_slots * max_seq_len / 4
+    with pytest.raises(ValueError, match=r"kv_cache=slots needs num_slots x max_seq_len = 16 x 528 = 8448"):
+        RolloutEngine(
+            model, num_slots=num_slots, max_seq_len=max_seq_len, kv_cache="slots", kv_cache_tokens=budget
+        )
     paged, engine = run(model, requests, num_slots=num_slots, max_seq_len=max_seq_len, kv_cache_tokens=budget)
+    assert engine.layout == "paged"  # auto, where the slots do not fit
     assert [len(paged[(r.tag, 0)].token_ids) for r in requests] == [r.params.max_new_tokens for r in requests]
     assert engine.stats["preempted"] == 0
     sizes = engine.kv_cache_bytes()
     per_position = sizes["max_length_slots"] // (num_slots * max_seq_len)
     assert sizes["allocated"] <= (-(-budget // BLOCK_SIZE) + 1) * BLOCK_SIZE * per_position  # + scratch block
     assert sizes["max_length_slots"] > 4 * sizes["allocated"]
-    # The default pool (every slot's worst case) grows only as far as the sequences reach, with the same samples.
-    grown, engine = run(model, requests, num_slots=num_slots, max_seq_len=max_seq_len)
+    slots, engine = run(model, requests, num_slots=num_slots, max_seq_len=max_seq_len)
+    assert engine.layout == "slots" and engine.kv_cache_bytes()["allocated"] == sizes["max_length_slots"]
+    assert paged.keys() == slots.keys()
+    for key, generation in paged.items():
+        assert torch.equal(generation.token_ids, slots[key].token_ids), key
+        assert torch.equal(generation.logprobs, slots[key].logprobs), key
+    # Unbounded, the paged pool grows only as far as the sequences reach.
+    grown, engine = run(model, requests, num_slots=num_slots, max_seq_len=max_seq_len, kv_cache="paged")
     assert engine.kv_cache_bytes()["allocated"] < sizes["max_length_slots"] / 2
-    assert_same(paged, grown)
+    assert_same(grown, slots)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -96,7 +111,7 @@ def test_a_pool_that_runs_out_preempts_and_keeps_every_sample(model, temperature
     requests = [
         Request([(11 * i + j) % 96 for j in range(3 + i)], [i, 50 + i], params, tag=i) for i in range(4)
     ]
-    roomy, _ = run(model, requests, num_slots=4, max_seq_len=96)
+    roomy, _ = run(model, requests, num_slots=4, max_seq_len=96, kv_cache="slots")
     tight, engine = run(model, requests, num_slots=4, max_seq_len=96, kv_cache_tokens=8 * BLOCK_SIZE)
     assert engine.stats["preempted"] >= 1
     assert engine.cache.peak_used <= 8

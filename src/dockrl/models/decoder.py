@@ -18,8 +18,9 @@ Three explicit paths, one per entry point of `Transformer`:
   and attends slots [0, offset + T) (prefill, lockstep decode);
 - `hidden_states_per_row` (the rollout engine's continuous batching): row b writes at its own positions
   [row_offsets[b], row_offsets[b] + T) and attends key positions [0, S) with S = key_mask.shape[1], causally
-  from its own offset, so rows of one batch sit at different lengths; the cache is a `PagedKVCache` whose
-  blocks each row reaches through its block table (models/paged_cache.py).
+  from its own offset, so rows of one batch sit at different lengths: of a slot-indexed `KVCache` (row b is
+  cache row b, read in place), or of a `PagedKVCache` whose blocks each row reaches through its block table
+  (models/paged_cache.py; the blocks attended are gathered each call).
 Inside, a `CacheWrite` carries which path a call takes down to the attention layers.
 """
 
@@ -67,6 +68,14 @@ class KVCache:
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)
         ]
 
+    def rows(self, num_rows: int, start: int = 0) -> KVCache:
+        """A view of sequences [start, start + num_rows) of this cache (shares storage, allocates nothing)."""
+        view = KVCache.__new__(KVCache)
+        view.batch_size, view.max_len = num_rows, self.max_len
+        view.k = [k[start : start + num_rows] for k in self.k]
+        view.v = [v[start : start + num_rows] for v in self.v]
+        return view
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What one attention layer gets: its (keys, values)."""
         return self.k[index], self.v[index]
@@ -75,8 +84,8 @@ class KVCache:
 @dataclass(frozen=True)
 class CacheWrite:
     """Where one forward pass puts its new keys/values (see the module docstring): slots [offset, offset + T)
-    of every row of a KVCache, or, with `row_offsets` [B] (int64) and `block_table` [B, M] (int64), each row
-    from its own offset into the blocks of a PagedKVCache."""
+    of every row of a KVCache, or, with `row_offsets` [B] (int64), each row from its own offset: into its own
+    row of a KVCache, or, with `block_table` [B, M] (int64), into the blocks of a PagedKVCache."""
 
     cache: KVCache | PagedKVCache
     offset: int = 0
@@ -389,19 +398,20 @@ class Transformer(nn.Module):
     def hidden_states_per_row(
         self,
         input_ids: torch.Tensor,
-        kv_cache: PagedKVCache,
+        kv_cache: KVCache | PagedKVCache,
         row_offsets: torch.Tensor,
-        block_table: torch.Tensor,
+        block_table: torch.Tensor | None,
         key_mask: torch.Tensor,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [B, T, H] of rows at their own cache offsets (continuous batching).
 
         row_offsets int64 [B]: row b writes its new keys/values at positions [row_offsets[b], row_offsets[b] +
-        T), in the blocks its row of block_table [B, M] names, and attends key positions [0, S), S =
-        key_mask.shape[1], causally from its offset. position_ids default row_offsets[b] + arange(T). The caller
-        keeps every offset + T <= S <= M x block_size, with the blocks allocated (not checked here: it would
-        cost a device sync per decode step).
+        T) - of cache row b of a KVCache (block_table None), or in the blocks its row of block_table [B, M] names
+        in a PagedKVCache - and attends key positions [0, S), S = key_mask.shape[1], causally from its offset.
+        position_ids default row_offsets[b] + arange(T). The caller keeps every offset + T <= max_len (or M x
+        block_size, with the blocks allocated) and S <= max_len (not checked here: it would cost a device sync
+        per decode step).
         """
         if position_ids is None:
             position_ids = row_offsets[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -445,6 +455,28 @@ def _check_segments(
         raise ValueError(f"segments must rise from 0 to T={seq} (cumulative row lengths); got {segments}")
 
 
+def _write_rows(
+    cache: tuple[torch.Tensor, torch.Tensor],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache_offset: torch.Tensor,
+    num_keys: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write k, v [B, K, T, D] of cache rows 0..B-1 at per-row slots cache_offset[b] + t; return the key and value
+    slots [B, K, S, D] (views)."""
+    cache_k, cache_v = cache
+    batch, seq = k.shape[0], k.shape[2]
+    rows = torch.arange(batch, device=k.device)
+    if seq == 1:  # decode: advanced indices on dims 0 and 2 around a slice index a [B, K, D] view
+        cache_k[rows, :, cache_offset] = k[:, :, 0]
+        cache_v[rows, :, cache_offset] = v[:, :, 0]
+    else:  # the indexed view is [B, T, K, D]
+        slots = cache_offset[:, None] + torch.arange(seq, device=k.device)  # [B, T]
+        cache_k[rows[:, None], :, slots] = k.transpose(1, 2)
+        cache_v[rows[:, None], :, slots] = v.transpose(1, 2)
+    return cache_k[:, :, :num_keys], cache_v[:, :, :num_keys]
+
+
 def _cached_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -458,13 +490,16 @@ def _cached_attention(
     assert cache is not None, "a cache write needs the layer's cache"
     dtype = cache[0].dtype
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if write.row_offsets is not None and write.block_table is None:  # continuous batching, max-length slots
+        assert mask is not None, "per-row offsets always come with a mask"
+        k, v = _write_rows(cache, k, v, write.row_offsets, mask.shape[-1])
+        return _grouped_attention(q, k, v, mask)  # [B, N, T, D]: the slots read in place
     if write.row_offsets is not None:  # continuous batching over a paged cache
-        assert mask is not None and write.block_table is not None, (
-            "per-row offsets come with a mask and blocks"
-        )
-        assert isinstance(write.cache, PagedKVCache), "per-row offsets write into a paged cache"
-        write_blocks(cache, k, v, write.row_offsets, write.block_table)
-        keys, values = write.cache.gather(cache, write.block_table, mask.shape[-1])
+        table = write.block_table
+        assert mask is not None and table is not None, "per-row offsets always come with a mask"
+        assert isinstance(write.cache, PagedKVCache), "a block table addresses a paged cache"
+        write_blocks(cache, k, v, write.row_offsets, table)
+        keys, values = write.cache.gather(cache, table, mask.shape[-1])
         return paged_attention(q, keys, values, mask, q.shape[0])  # [B, N, T, D]
     cache_k, cache_v = cache  # every row at the same offset
     end = write.offset + q.shape[2]
@@ -472,6 +507,26 @@ def _cached_attention(
     cache_v[:, :, write.offset : end] = v
     k, v = cache_k[:, :, :end], cache_v[:, :, :end]  # [B, K, S, D]
     return sdpa(q, k, v, mask)
+
+
+def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax attention q [B, N, T, D] over k, v [B, K, S, D] (not repeated per query head), mask [B, 1, T, S].
+
+    The decode path of the rollout engine: the N / K query heads of one key/value head are stacked into
+    one batched matmul, so the cache is read in place instead of being repeated per head (as SDPA's inputs
+    would need), which dominates decode time for small models on CPU.
+    """
+    batch, num_heads, seq, head_dim = q.shape
+    num_kv_heads, num_keys = k.shape[1], k.shape[2]
+    group_rows = num_heads // num_kv_heads * seq
+    q = q.reshape(batch * num_kv_heads, group_rows, head_dim)  # [B*K, G*T, D], head n -> kv head n // G
+    keys = k.reshape(batch * num_kv_heads, num_keys, head_dim)  # a view: the slot range is contiguous in B
+    scores = torch.bmm(q, keys.transpose(1, 2))  # [B*K, G*T, S]
+    scores = scores.view(batch, num_kv_heads, -1, seq, num_keys) * head_dim**-0.5
+    scores = scores.masked_fill_(~mask[:, :, None], float("-inf"))  # [B, K, G, T, S] (a fresh tensor)
+    probs = torch.softmax(scores, dim=-1).view(batch * num_kv_heads, group_rows, num_keys)
+    out = torch.bmm(probs, v.reshape(batch * num_kv_heads, num_keys, head_dim))  # [B*K, G*T, D]
+    return out.view(batch, num_heads, seq, head_dim)
 
 
 def _row_offset_mask(key_mask: torch.Tensor, cache_offset: torch.Tensor, seq: int) -> torch.Tensor:
