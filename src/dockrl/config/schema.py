@@ -110,7 +110,29 @@ class RolloutConfig:
     max_batch_size: int = setting(
         256,
         "Sequence slots of the rollout engine: most sequences one rank decodes at once (continuous "
-        "batching; the KV cache is preallocated for this many x (data.max_prompt_len + max_new_tokens)).",
+        "batching).",
+    )
+    kv_cache: Literal["auto", "slots", "paged"] = setting(
+        "auto",
+        "Layout of dockrl's rollout KV cache (backend dockrl). slots: every slot's worst case, max_batch_size x "
+        "(data.max_prompt_len + max_new_tokens) positions, allocated up front and read in place (the fastest "
+        "decode). paged: blocks of 32 positions handed out as sequences grow, up to kv_cache_tokens (memory "
+        "by use; each decode step gathers the keys it reads). auto: slots when they fit kv_cache_tokens, "
+        "paged when they do not.",
+    )
+    kv_cache_tokens: int = setting(
+        0,
+        "Positions dockrl's rollout KV cache may hold over all its sequences (backend dockrl). 0: no bound "
+        "(max_batch_size x (data.max_prompt_len + max_new_tokens), every slot's worst case). Below that, "
+        "kv_cache=auto takes the paged layout: the cache grows to this by doubling, and new sequences wait, "
+        "and the youngest is preempted and restarted, when its blocks run out; it must hold one whole sequence.",
+    )
+    keep_kv_across_turns: bool = setting(
+        True,
+        "Multi-turn (env.name, backend dockrl): a trajectory's KV stays in the cache while its environment "
+        "runs, so its next turn prefills only the new tokens (the observation) instead of its whole prefix. "
+        "Kept KV only takes room nothing else needs: a new sequence that needs it takes it (oldest first), and "
+        "that trajectory's next turn re-prefills. false: every turn re-prefills.",
     )
     groups_per_pull: int = setting(4, "Prompt groups a rollout rank pulls from the dock at a time.")
     tp: int = setting(

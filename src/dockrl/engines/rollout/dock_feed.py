@@ -66,12 +66,15 @@ def row_seed(run_seed: int, step: int, row: int) -> int:
 
 
 def step_engine(model: Any, spec: RolloutSpec, pad_token_id: int, detokenize: Callable) -> RolloutEngine:
-    """dockrl's continuous-batching engine for a run's rollout: rollout.max_batch_size slots, a KV cache for the
-    longest prompt and the response budget (within the model's positions)."""
+    """dockrl's continuous-batching engine for a run's rollout: rollout.max_batch_size slots, sequences up to the
+    longest prompt and the response budget (within the model's positions), a KV cache laid out as
+    rollout.kv_cache says, of at most rollout.kv_cache_tokens positions."""
     return RolloutEngine(
         model,
         num_slots=spec.max_batch_size,
         max_seq_len=min(model.args.max_position_embeddings, spec.max_seq_len),
+        kv_cache=spec.kv_cache,
+        kv_cache_tokens=spec.kv_cache_tokens,
         pad_token_id=pad_token_id,
         detokenize=detokenize,
         record_routes=spec.env is None,  # MoE single-turn: each row's experts go to routed_experts
@@ -149,6 +152,7 @@ def _serve_env(
             row_seed=lambda row: row_seed(spec.seed, step, row),
             version=version,
             envs=envs,
+            keep_kv=spec.keep_kv_across_turns,
             **settings,
         )
     finally:
