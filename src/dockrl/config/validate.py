@@ -388,12 +388,22 @@ def _check_distill(cfg: TrainConfig) -> None:
             "finite and >= 0",
             "use 1.0 (algo.name=opd), a smaller weight beside a reward, or 0 to log distill/* only",
         )
+    positive("distill.cp", distill.cp)
+    divisors = [d for d in range(1, distill.num_workers + 1) if distill.num_workers % d == 0]
     if distill.num_workers % distill.tp:
         raise config_error(
             "distill.tp",
             distill.tp,
             f"does not divide distill.num_workers={distill.num_workers}",
-            f"use a divisor: {[d for d in range(1, distill.num_workers + 1) if distill.num_workers % d == 0]}",
+            f"use a divisor: {divisors}",
+        )
+    if distill.num_workers % (distill.cp * distill.tp):
+        raise config_error(
+            "distill.cp",
+            distill.cp,
+            f"x distill.tp={distill.tp} does not divide distill.num_workers={distill.num_workers} (the teacher's "
+            "ranks form a (dp, cp, tp) grid)",
+            f"use a cp with cp x {distill.tp} among {divisors}, or raise distill.num_workers",
         )
     if estimator.needs_critic:
         raise config_error(
