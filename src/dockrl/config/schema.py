@@ -207,7 +207,8 @@ class OptimConfig:
         "Padding-free micro-batches: the model computes each micro-batch's rows end to end (cumulative lengths, "
         "block-diagonal causal attention, positions restarting per row), so no padding token is computed in "
         "the update, reference, old log-prob and value passes; a token budget (max_tokens_per_micro_batch) then "
-        "counts the rows' tokens. False: rows padded to the longest (the numbers agree to fp32 rounding).",
+        "counts the rows' tokens. False: rows padded to the longest (the numbers agree to fp32 rounding). "
+        "Under context parallelism (cp > 1) rows are padded whatever this says (each padded row is split).",
     )
 
 

@@ -87,7 +87,7 @@ class TrainEngine:
         self.device = torch.device(device)
         # Padding-free micro-batches (actor.packing, critic.packing; engines/train/batch.py `Packing`): the
         # micro-batches this engine builds for its passes (logprobs, and its callers' updates) are packed
-        self.packing = packing
+        self.packing = packing  # under context parallelism: False (set by _init_layout, see there)
         self.precision = precision
         self.mesh = mesh
         self.model_path = model_path
@@ -213,6 +213,9 @@ class TrainEngine:
             self.context = ContextShard.of_group(mesh.get_group("cp"))
             self.cp_size, self.cp_rank = self.context.size, self.context.rank
             self.shard_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+            # a split sequence is a padded row's zig-zag chunks: packed micro-batches are not built under cp
+            # (config warns that actor.packing / critic.packing then have no effect)
+            self.packing = False
         self.shard_group = self.shard_mesh.get_group()
         # the ranks of one dp rank (contiguous: cp x tp), which read the same rows
         self.replica_group = self.tp_group
@@ -508,8 +511,7 @@ class TrainEngine:
 
     def _context_outputs(self, mb: MicroBatch) -> torch.Tensor:
         """`logits` of a sequence split over the cp ranks (a value model's values [B, T-1]): this rank's zig-zag
-        chunks run at their global positions, and every cp rank gets the whole shifted grid (context.spread).
-        A packed micro-batch runs padded here (the split is of each padded row)."""
+        chunks run at their global positions, and every cp rank gets the whole shifted grid (context.spread)."""
         from dockrl.parallel.context import local_sequence, spread
 
         assert self.context is not None
@@ -586,7 +588,7 @@ class TrainEngine:
             lengths,
             micro_batch_size,
             max_tokens_per_micro_batch * self.cp_size,
-            self.packing and self.context is None,
+            self.packing,
         )
         # Agree on the count first: every forward is collective under FSDP, and a rank that reached this
         # all-reduce while a peer still ran forwards would wait in a different collective than the peer's.
