@@ -215,9 +215,8 @@ def update_peak(
     e, d, h = dtype_bytes, args.head_dim, args.hidden_size
     heads, kv_heads, width = args.num_heads // tp, args.num_kv_heads // tp, args.intermediate_size // tp
     local = rows * padded_length(seq_len, cp) // cp  # t: this rank's tokens
-    ring_out = (
-        4 if cp > 1 else 0
-    )  # the fused kernel's output is o_proj's input; the ring's fp32 one is kept beside
+    # the fused kernel's output is o_proj's input; the ring keeps its fp32 output beside it
+    ring_out = 4 if cp > 1 else 0
     norm = 4 * h + 2 * e * h
     per_layer = (
         2 * norm + e * (2 * heads + 2 * kv_heads) * d + ring_out * heads * d + 4 * heads + 4 * e * width
