@@ -104,15 +104,9 @@ def load_args(model: str) -> ModelArgs:
 
 def shares(args: ModelArgs, dp: int, tp_train: int, tp_infer: int) -> dict[str, int]:
     """Element counts: this rank's training share, inference share, largest tensor and its training slice."""
-    import torch
-
-    from dockrl.models.decoder import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(args)
     train = infer = largest = layer = 0
-    for name, param in model.named_parameters():
-        n, split = param.numel(), shard_dim(name) is not None
+    for name, n in _param_sizes(args):
+        split = shard_dim(name) is not None
         train += -(-(n // tp_train if split else n) // dp)
         infer += n // tp_infer if split else n
         largest = max(largest, n)
@@ -124,6 +118,24 @@ def shares(args: ModelArgs, dp: int, tp_train: int, tp_infer: int) -> dict[str, 
         "largest": largest,
         "layer": layer,
     }
+
+
+_PARAM_SIZES: dict[str, tuple[tuple[str, int], ...]] = {}
+
+
+def _param_sizes(args: ModelArgs) -> tuple[tuple[str, int], ...]:
+    """(name, elements) of every parameter of the model `args` builds (on the meta device; cached by the args'
+    repr, as `smallest_cp` asks for the same model at many cp)."""
+    key = repr(args)
+    if key not in _PARAM_SIZES:
+        import torch
+
+        from dockrl.models.decoder import Transformer
+
+        with torch.device("meta"):
+            model = Transformer(args)
+        _PARAM_SIZES[key] = tuple((name, param.numel()) for name, param in model.named_parameters())
+    return _PARAM_SIZES[key]
 
 
 def plan(p: PlanInput) -> dict[str, float]:
