@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from dockrl.algos.head_logprobs import head_support_stats, head_token_stats, head_top_k
 from dockrl.config.schema import OptimConfig
+from dockrl.engines.train import context_passes
 from dockrl.engines.train.batch import (
     MicroBatch,
     make_micro_batch,
@@ -291,7 +292,7 @@ class TrainEngine:
             return grid.index_copy(0, scored, logp), grid.index_copy(0, scored, entropy)
 
         if self.context is not None:
-            return self._context_token_stats(mb, temperature, scored)
+            return context_passes.token_stats(self, mb, temperature, scored)
         segments = None if packing is None else packing.segments
         with self.autocast():
             logp, entropy = self.model(mb.model_input_ids(), head=head, segments=segments)
@@ -308,7 +309,7 @@ class TrainEngine:
         k = mb.topk_ids.shape[-1]
         scored = response_positions(mb)  # [N]
         if self.context is not None:
-            return self._context_support_stats(mb, temperature, scored)
+            return context_passes.support_stats(self, mb, temperature, scored)
         support = mb.topk_ids.reshape(rows * width, k).index_select(0, scored)  # [N, k]
 
         def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -382,7 +383,7 @@ class TrainEngine:
         rows, width = targets.shape
         scored = response_positions(mb)  # [N]
         if self.context is not None:
-            return self._context_top_k_pass(mb, k, temperature, num_ids, scored)
+            return context_passes.top_k_pass(self, mb, k, temperature, num_ids, scored)
 
         def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
             flat = hidden[:, :-1].reshape(rows * width, hidden.shape[-1])  # [B (T-1), H]
@@ -400,125 +401,6 @@ class TrainEngine:
         with self.autocast():
             logp, ids, top = self.model(mb.input_ids, head=head)
         return logp.cpu(), ids.cpu(), top.cpu()
-
-    def _context_support_stats(
-        self, mb: MicroBatch, temperature: float, scored: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`support_stats` of a sequence split over the cp ranks: as `_context_token_stats`, plus the log-probs of
-        the teacher's top-k ids at this rank's scored positions; the three grids are summed over cp (cp_sum)."""
-        from dockrl.parallel.context import cp_sum, local_tokens
-
-        assert self.context is not None and mb.topk_ids is not None
-        rows, width = mb.input_ids.shape[0], mb.input_ids.shape[1] - 1
-        k = mb.topk_ids.shape[-1]
-        local = local_tokens(mb.input_ids, scored, self.context)
-        support = mb.topk_ids.reshape(rows * width, k).index_select(0, local.grid_index)  # [n, k]
-
-        def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            flat = hidden.reshape(-1, hidden.shape[-1])  # [B Tl, H]
-            logp, entropy, support_logp = head_support_stats(
-                flat.index_select(0, local.hidden_index),
-                weight,
-                local.targets,
-                support,
-                temperature,
-                vocab_start=self.vocab_start,
-                group=self.tp_group,
-            )  # [n], [n], [n, k]
-            grid = flat.new_zeros(rows * width, dtype=torch.float32)
-            support_grid = flat.new_zeros(rows * width, k, dtype=torch.float32)
-            return (
-                grid.index_copy(0, local.grid_index, logp),
-                grid.index_copy(0, local.grid_index, entropy),
-                support_grid.index_copy(0, local.grid_index, support_logp),
-            )
-
-        positions = local.positions.expand(rows, -1)  # [B, Tl]
-        with self.autocast():
-            logp, entropy, support_logp = self.model(local.input_ids, position_ids=positions, head=head)
-        group = self.context.group
-        return (
-            cp_sum(logp, group).view(rows, width),
-            cp_sum(entropy, group).view(rows, width),
-            cp_sum(support_logp, group).view(rows, width, k),
-        )
-
-    def _context_top_k_pass(
-        self, mb: MicroBatch, k: int, temperature: float, num_ids: int | None, scored: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`_top_k_pass` of a sequence split over the cp ranks: each rank scores its own positions, and the
-        parts go onto the flat [B (T-1)] grid, summed over cp (no gradient: a plain all-reduce), so every cp rank
-        returns every response token's, in `scored` order."""
-        from dockrl.parallel.context import local_tokens
-
-        assert self.context is not None
-        cells = mb.input_ids.shape[0] * (mb.input_ids.shape[1] - 1)
-        local = local_tokens(mb.input_ids, scored, self.context)
-
-        def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            flat = hidden.reshape(-1, hidden.shape[-1])  # [B Tl, H]
-            return head_top_k(
-                flat.index_select(0, local.hidden_index),
-                weight,
-                local.targets,
-                k,
-                temperature,
-                vocab_start=self.vocab_start,
-                group=self.tp_group,
-                num_ids=num_ids,
-            )  # [n], [n, k], [n, k]
-
-        positions = local.positions.expand(mb.input_ids.shape[0], -1)  # [B, Tl]
-        with self.autocast():
-            parts = self.model(local.input_ids, position_ids=positions, head=head)
-        whole = []
-        for part in parts:
-            grid = part.new_zeros(cells, *part.shape[1:]).index_copy(0, local.grid_index, part)
-            dist.all_reduce(grid, group=self.context.group)  # disjoint positions: the sum is a gather
-            whole.append(grid.index_select(0, scored).cpu())
-        return whole[0], whole[1], whole[2]
-
-    def _context_token_stats(
-        self, mb: MicroBatch, temperature: float, scored: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`token_stats` of a sequence split over the cp ranks (dockrl.parallel.context): this rank's zig-zag
-        chunks run at their global positions, the head scores its own scored positions, and the ranks' parts
-        of the [B, T-1] grids are summed over cp, so every cp rank returns the whole grids."""
-        from dockrl.parallel.context import cp_sum, local_tokens
-
-        assert self.context is not None
-        rows, width = mb.input_ids.shape[0], mb.input_ids.shape[1] - 1
-        local = local_tokens(mb.input_ids, scored, self.context)
-
-        def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            flat = hidden.reshape(-1, hidden.shape[-1])  # [B Tl, H]
-            logp, entropy = head_token_stats(
-                flat.index_select(0, local.hidden_index),
-                weight,
-                local.targets,
-                temperature,
-                vocab_start=self.vocab_start,
-                group=self.tp_group,
-            )  # [n] each
-            grid = flat.new_zeros(rows * width, dtype=torch.float32)
-            return grid.index_copy(0, local.grid_index, logp), grid.index_copy(0, local.grid_index, entropy)
-
-        positions = local.positions.expand(rows, -1)  # [B, Tl]
-        with self.autocast():
-            logp, entropy = self.model(local.input_ids, position_ids=positions, head=head)
-        group = self.context.group
-        return cp_sum(logp, group).view(rows, width), cp_sum(entropy, group).view(rows, width)
-
-    def _context_outputs(self, mb: MicroBatch) -> torch.Tensor:
-        """`logits` of a sequence split over the cp ranks (a value model's values [B, T-1]): this rank's zig-zag
-        chunks run at their global positions, and every cp rank gets the whole shifted grid (context.spread)."""
-        from dockrl.parallel.context import local_sequence, spread
-
-        assert self.context is not None
-        ids, positions = local_sequence(mb.input_ids, self.context)  # [B, Tl], [Tl]
-        with self.autocast():
-            local = self.model(ids, position_ids=positions.expand(ids.shape[0], -1))  # [B, Tl, ...]
-        return spread(local, positions, mb.input_ids.shape[1] - 1, self.context.group)
 
     def adapters_off(self):
         """A context in which the model is its base (LoRA's reference policy: the same weights, adapters off);
@@ -554,7 +436,7 @@ class TrainEngine:
         """Forward pass: logits on the shifted grid [B, T-1, V] (a value model's values [B, T-1]); a packed
         micro-batch's model computes its rows end to end, and its outputs go onto the grid."""
         if self.context is not None:
-            return self._context_outputs(mb)
+            return context_passes.outputs(self, mb)
         with self.autocast():
             if mb.packing is None:
                 return self.model(mb.input_ids)[:, :-1]
