@@ -1,4 +1,5 @@
-"""End to end (slow tier): the critic's and the teacher's context parallelism through the CLI, on Ray workers.
+"""End to end (slow tier): the critic's and the teacher's context parallelism through the CLI, on Ray workers
+(7.6 minutes on the 2-core CPU under a load average of 10-17 from other jobs; 2026-12-04).
 
 - PPO's first step with critic.cp=2 (2 critic ranks, one dp rank) against critic.cp=1: the same responses (row
   seeds depend on (run seed, step, row) only), the same values up to fp32 reassociation, so the critic's figures
