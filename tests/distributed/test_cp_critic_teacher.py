@@ -4,6 +4,7 @@ student's top-k distillation scoring (support_stats) with a sequence split over 
 One spawn of 2 gloo processes, (dp, cp) = (1, 2):
 - the critic: a CriticWorker (setup on the (1, 2) mesh, its dock reached through the cp head) takes its values
   stage and one update; its values, advantages, returns, metrics and gradients against a single-process worker;
+  its checkpoint (critic.cp is a layout setting) resumes in one process bit for bit;
 - the teacher: TrainEngine.logprobs and top_k_logprobs (what TeacherWorker._score calls) on a frozen engine;
 - the student: one policy update of opd with distill.top_k (engine.support_stats over the split sequence).
 
@@ -123,6 +124,12 @@ def student_update(model_dir: str, batch: dict[str, list], mesh=None) -> tuple[d
 
 
 def _worker(rank, world, port, model_dir, spec, plan, rows, batch, out_path, leave) -> None:
+    from pathlib import Path
+
+    from test_sharded_load import _whole_state
+
+    from dockrl.checkpoint.directory import CRITIC
+    from dockrl.checkpoint.sharded import save_engine
     from dockrl.engines.train.train_engine import TrainEngine
     from dockrl.parallel.dist import init_distributed, training_mesh
     from dockrl.workers.critic import CriticWorker
@@ -133,6 +140,10 @@ def _worker(rank, world, port, model_dir, spec, plan, rows, batch, out_path, lea
     worker.device = torch.device("cpu")
     worker.setup()
     results = {"critic": critic_step(worker, rows)}
+    save_engine(
+        worker.engine, Path(out_path).parent / "checkpoint" / CRITIC
+    )  # CriticWorker.save's state part
+    results["critic_state"] = _whole_state(worker.engine)
     teacher = TrainEngine(
         model_dir, device="cpu", precision="fp32", mesh=training_mesh("cpu", 1, 1, world), trainable=False
     )
@@ -154,6 +165,8 @@ def _rows_close(actual: list[torch.Tensor], expected: list[torch.Tensor], msg) -
         torch.testing.assert_close(row, ref, rtol=0, atol=VALUE_ATOL_OF_SCALE * scale, msg=(msg, i))
 
 
+# DCP's note that the one-process resume below loads without a process group (that is the point)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_critic_teacher_and_top_k_student_under_cp_equal_one_process(tmp_path, arithmetic_data):
     from dockrl.engines.train.train_engine import TrainEngine
     from dockrl.models.value import value_model_kind
@@ -192,6 +205,25 @@ def test_critic_teacher_and_top_k_student_under_cp_equal_one_process(tmp_path, a
             ), (r, key)
         assert_grads_close(rank["critic"]["grads"], expected["grads"], msg=("critic", r))
     assert expected["metrics"]["critic/grad_norm"] > 0
+
+    # the critic's checkpoint saved under cp = 2 resumes in one process bit for bit (DCP shards over dp x cp)
+    from test_sharded_load import _whole_state
+
+    from dockrl.checkpoint.directory import CRITIC
+    from dockrl.checkpoint.sharded import load_engine
+
+    resumed = TrainEngine(
+        model_dir,
+        device="cpu",
+        precision="fp32",
+        optim=single_spec.optim,
+        kind=value_model_kind(spec.seed),
+        load_weights=False,
+    )
+    load_engine(resumed, tmp_path / "checkpoint" / CRITIC)
+    saved, loaded = ranks[0]["critic_state"], _whole_state(resumed)
+    assert any(k.endswith("/exp_avg_sq") for k in saved) and set(loaded) == set(saved)
+    assert all(torch.equal(loaded[k], v) for k, v in saved.items())
 
     # the teacher: every cp rank returns every row's log-probs and top-k (ids exact where not near a tie)
     for r, rank in enumerate(ranks):
