@@ -229,7 +229,8 @@ class OptimConfig:
         "Padding-free micro-batches: the model computes each micro-batch's rows end to end (cumulative lengths, "
         "block-diagonal causal attention, positions restarting per row), so no padding token is computed in "
         "the update, reference, old log-prob and value passes; a token budget (max_tokens_per_micro_batch) then "
-        "counts the rows' tokens. False: rows padded to the longest (the numbers agree to fp32 rounding).",
+        "counts the rows' tokens. False: rows padded to the longest (the numbers agree to fp32 rounding). "
+        "Under context parallelism (cp > 1) rows are padded whatever this says (each padded row is split).",
     )
 
 
@@ -447,8 +448,15 @@ class CriticConfig(OptimConfig):
     )
     dp: int = setting(
         1,
-        "Data-parallel ranks of the critic (its own Ray actors and process group, FSDP2 over them; one GPU "
-        "each on run.device=cuda, besides the actor's).",
+        "Data-parallel degree of the critic: dp groups of ranks train on different rows. The critic has "
+        "critic.dp x critic.cp ranks (its own Ray actors and process group, FSDP2 over all of them; one GPU each "
+        "on run.device=cuda, besides the actor's).",
+    )
+    cp: int = setting(
+        1,
+        "Context-parallel degree of the critic: each sequence of its value and update passes is split over cp "
+        "ranks as under actor.cp (zig-zag chunks, ring attention; every cp rank then holds the whole row's "
+        "values), so activation memory per rank falls to about 1/cp. Dense models.",
     )
     value_clip: float | None = setting(
         0.2,
@@ -561,8 +569,15 @@ class DistillConfig:
     )
     num_workers: int = setting(
         1,
-        "TeacherWorker ranks, in one process group of their own: the teacher is sharded over them with FSDP2 "
-        "(distill.num_workers / distill.tp ways) and tensor parallelism (distill.tp); one GPU each on cuda.",
+        "TeacherWorker ranks, in one process group of their own: a (dp, cp, tp) grid, the teacher sharded over "
+        "them with FSDP2 (distill.num_workers / distill.tp ways), tensor parallelism (distill.tp) and context "
+        "parallelism (distill.cp); one GPU each on cuda.",
+    )
+    cp: int = setting(
+        1,
+        "Context-parallel degree of the teacher: each sequence of its forward passes is split over cp ranks as "
+        "under actor.cp (zig-zag chunks, ring attention), so activation memory per rank falls to about 1/cp; "
+        "distill.cp x distill.tp must divide distill.num_workers. Dense teachers.",
     )
     tp: int = setting(
         1,

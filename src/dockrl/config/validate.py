@@ -174,13 +174,6 @@ def _check_layouts(cfg: TrainConfig) -> None:
             f"with actor.ep={actor.ep}: context parallelism of MoE models is not built",
             "use actor.cp=1 with expert parallelism",
         )
-    if actor.cp > 1 and cfg.distill.teacher_path is not None and cfg.distill.top_k > 0:
-        raise config_error(
-            "actor.cp",
-            actor.cp,
-            f"with distill.top_k={cfg.distill.top_k}: the student's top-k scoring over a split sequence is not built",
-            "use actor.cp=1 with top-k distillation, or distill.top_k=0 (the sampled-token form)",
-        )
     _check_aux_loss_coef(actor)
     if actor.dp % actor.ep:
         raise config_error(
@@ -389,12 +382,22 @@ def _check_distill(cfg: TrainConfig) -> None:
             "finite and >= 0",
             "use 1.0 (algo.name=opd), a smaller weight beside a reward, or 0 to log distill/* only",
         )
+    positive("distill.cp", distill.cp)
+    divisors = [d for d in range(1, distill.num_workers + 1) if distill.num_workers % d == 0]
     if distill.num_workers % distill.tp:
         raise config_error(
             "distill.tp",
             distill.tp,
             f"does not divide distill.num_workers={distill.num_workers}",
-            f"use a divisor: {[d for d in range(1, distill.num_workers + 1) if distill.num_workers % d == 0]}",
+            f"use a divisor: {divisors}",
+        )
+    if distill.num_workers % (distill.cp * distill.tp):
+        raise config_error(
+            "distill.cp",
+            distill.cp,
+            f"times distill.tp={distill.tp} does not divide distill.num_workers={distill.num_workers} (the "
+            "teacher's ranks form a (dp, cp, tp) grid)",
+            f"use a cp with cp x {distill.tp} among {divisors}, or raise distill.num_workers",
         )
     if estimator.needs_critic:
         raise config_error(
