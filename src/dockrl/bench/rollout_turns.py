@@ -18,8 +18,11 @@ samples (the built-in tool environment ends a trajectory at the first message wi
 is every message of a random model).
 
 Each row: the mode's best wall seconds of `run_trajectories` over the rounds (engine and host built before the
-clock) and the median, sampled (policy) tokens and tokens/s at the best, positions prefilled and positions
-found kept, and prefill forward calls. `ratio_to_single` is the mode's sampled tokens/s over single-turn's.
+clock) and the median, sampled (policy) tokens and tokens/s at the best, the process's CPU seconds in that pass
+(every thread: on a shared host, CPU time counts the work without the waits for a core) and sampled tokens per
+CPU second, positions_per_s (sampled tokens + positions prefilled, per wall second: the positions the model
+ran), positions prefilled and positions found kept, and prefill forward calls. `ratio_to_single` is the mode's
+sampled tokens/s over single-turn's, `cpu_ratio_to_single` the same per CPU second.
 `same_tokens` compares multi_kept's trajectories with multi_reprefill's token by token. The last rows: the
 load average before and after (the host may be shared: compare rows of one run only) and the CPU.
 """
@@ -109,12 +112,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 walls[mode].append(row["wall_s"])
                 if mode not in best or row["wall_s"] < best[mode]["wall_s"]:
                     best[mode], outputs[mode] = row, outs
-    single = best["single"]["tokens_per_s"]
     rows = []
     for mode in MODES:
         row = best[mode]
         row["median_wall_s"] = round(statistics.median(walls[mode]), 3)
-        row["ratio_to_single"] = round(row["tokens_per_s"] / single, 3)
+        for figure in ("tokens_per_s", "tokens_per_cpu_s"):
+            ratio = row[figure] / best["single"][figure]
+            row["ratio_to_single" if figure == "tokens_per_s" else "cpu_ratio_to_single"] = round(ratio, 3)
         rows.append(row)
     same = sum(
         a["response_ids"].tolist() == b["response_ids"].tolist()
@@ -164,7 +168,7 @@ def _one_pass(model, tokenizer, mode: str, args: argparse.Namespace) -> tuple[di
         kv_cache=args.kv_cache,
     )
     host = EnvHost(lambda: CalculatorTurns(turns), concurrency=len(prompts))
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outs, stats = run_trajectories(
         engine,
         prompts,
@@ -178,7 +182,7 @@ def _one_pass(model, tokenizer, mode: str, args: argparse.Namespace) -> tuple[di
         limits=TurnLimits(turns, turns - 1, budget, 60.0),
         keep_kv=mode != "multi_reprefill",
     )
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     host.close()
     env = stats["env"]
     row = {
@@ -188,6 +192,9 @@ def _one_pass(model, tokenizer, mode: str, args: argparse.Namespace) -> tuple[di
         "wall_s": round(wall, 3),
         "sampled_tokens": env["policy_tokens"],
         "tokens_per_s": round(env["policy_tokens"] / wall, 1),
+        "cpu_s": round(cpu, 3),
+        "tokens_per_cpu_s": round(env["policy_tokens"] / cpu, 1),
+        "positions_per_s": round((env["policy_tokens"] + env["prefill_tokens"]) / wall, 1),
         "prefill_tokens": env["prefill_tokens"],
         "kv_reused_tokens": env["kv_reused_tokens"],
         "prefill_calls": stats["prefill_calls"],
