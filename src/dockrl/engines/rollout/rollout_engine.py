@@ -5,12 +5,14 @@ in blocks handed out as sequences grow.
  add(Request: prompt, n seeds, params[, kv_key]) ──▶ waiting (FIFO; preempted samples re-enter at the front)
  step():
    admit   : a request whose kv_key has KV kept and whose prompt extends it (a later turn): its slot (and
-             blocks) back, prefill only the new positions on top of the kept ones (`_prefill_suffix`).
+             blocks) back; the new positions of all such requests prefilled in ONE forward on top of their
+             kept ones (`_prefill_suffixes`: right-padded, each row at its own offset).
              Others: while the head request's n samples fit in free slots (slots given up by kept KV, oldest
              first, count; paged: AND the blocks of their prompts + the first decoded position can be had):
              take the n lowest free slots (and those blocks). Prefill all admitted prompts together ONCE
-             (right-padded, causal) into a scratch cache, copy each prompt's KV into its n samples' slots (or
-             blocks) (shared prefill), draw every sample's first token.
+             (right-padded, causal; requests with the same prompt share its row) into a scratch cache, copy
+             each prompt's KV into its samples' slots (or blocks) (shared prefill), draw every sample's first
+             token.
    grow    : paged: a running sample whose next position starts a new block gets one; when none can be had,
              kept KV is given up (oldest first), then the youngest running sample is preempted: its blocks
              are freed and it re-queues (to restart from its prompt: its tokens are a function of (prompt,
