@@ -14,6 +14,7 @@ and activations of order 1, so each layer's output moves by ~160 u relative, and
 import pytest
 import torch
 
+from dockrl.engines.rollout import rollout_engine
 from dockrl.engines.rollout.rollout_engine import BLOCK_SIZE, Request, RolloutEngine
 from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.models import ModelArgs, Transformer
@@ -141,6 +142,20 @@ def test_a_returning_turn_prefills_only_its_new_tokens_with_the_same_tokens(mode
     # however many came back in it (fewer than the later turns: several return in the same step).
     assert return_steps < num * (TURNS - 1)
     assert stats["prefill_calls"] == 1 + return_steps
+
+
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+def test_returning_turns_past_the_score_bound_run_in_several_forwards(model, layout, monkeypatch):
+    """With room for the scores of one row only (SUFFIX_SCORES_MAX), each returning turn prefills in a forward of
+    its own: one prefill call per later turn, the re-prefill path's tokens."""
+    monkeypatch.setattr(rollout_engine, "SUFFIX_SCORES_MAX", 1)
+    num = 6
+    reference, _ = trajectories(engine_of(model, layout, num_slots=8), num, 1.0, keep=False)
+    engine = engine_of(model, layout, num_slots=8)
+    kept, return_steps = trajectories(engine, num, 1.0, keep=True)
+    assert_same_tokens(kept, reference)
+    assert return_steps < num * (TURNS - 1)
+    assert engine.stats["prefill_calls"] == 1 + num * (TURNS - 1)
 
 
 @pytest.mark.parametrize("layout", ["slots", "paged"])

@@ -84,6 +84,9 @@ COMPACT_BELOW = 0.5
 # Positions per KV block: a sequence wastes under one block (its last one's unwritten tail); larger blocks mean
 # fewer, longer contiguous runs for the per-step gather (32 fp32 positions x D = 32: 4 KiB per key head).
 BLOCK_SIZE = 32
+# Attention scores one forward over returning turns' suffixes may hold (rows x heads x T x S, fp32: 256 MiB):
+# more rows than that run in several forwards, so long observations on a large batch cannot exhaust memory.
+SUFFIX_SCORES_MAX = 2**26
 
 
 def blocks_for(positions: int) -> int:
@@ -586,10 +589,14 @@ class RolloutEngine:
         KV of its first `kept` positions kept in its slot, all in one forward (right-padded to the longest
         suffix T, each row at its own offset, attending its own kept keys); returns the last position's logits
         of each, [R, V] in the order given. A pad writes past its row's prompt, where its next token is written
-        before any query reads it; a row whose kept + T would pass max_seq_len runs alone instead."""
+        before any query reads it; a row whose kept + T would pass max_seq_len runs alone instead, and rows
+        whose attention scores would pass SUFFIX_SCORES_MAX run in several forwards."""
         longest = max(len(prompt) - kept for _, prompt, kept in resumed)
         fits = [i for i, (_, _, kept) in enumerate(resumed) if kept + longest <= self.max_seq_len]
-        groups = [fits] + [[i] for i in range(len(resumed)) if i not in set(fits)]  # fits holds the longest
+        num_keys = max(resumed[i][2] for i in fits) + longest
+        per_forward = max(1, SUFFIX_SCORES_MAX // (self.model.args.num_heads * longest * num_keys))
+        groups = [fits[start : start + per_forward] for start in range(0, len(fits), per_forward)]
+        groups += [[i] for i in range(len(resumed)) if i not in set(fits)]  # fits holds the longest
         logits: list[torch.Tensor | None] = [None] * len(resumed)
         for group in groups:
             rows = self._suffix_forward([resumed[i] for i in group])  # [len(group), V]
