@@ -126,3 +126,29 @@ def test_bench_env_quick_sizes_and_a_baseline_no_larger_than_the_run():
     args = build_parser().parse_args(["bench", "env"])
     resolve_sizes(args)
     assert (args.trajectories, args.tool_seconds, args.baseline_trajectories) == (256, 1.0, 16)
+
+
+def test_bench_multiturn_counts_the_same_trajectories_three_ways():
+    """A small shape: every trajectory has its turns in both multi-turn modes, with the same tokens; KV kept
+    prefills exactly what re-prefill does minus what it found kept, its returning turns batched (fewer
+    prefill forwards than later turns); single-turn prefills each distinct prompt once."""
+    from dockrl.bench.rollout_turns import run
+
+    args = build_parser().parse_args(
+        ["bench", "multiturn", "--prompts=2", "--samples=3", "--turns=2", "--new-tokens=4"]
+        + ["--hidden-size=32", "--num-layers=1", "--rounds=1"]
+    )
+    single, reprefill, kept, load, cpu = run(args)
+    assert [single["mode"], reprefill["mode"], kept["mode"], load["mode"], cpu["mode"]] == [
+        "single",
+        "multi_reprefill",
+        "multi_kept",
+        "load",
+        "cpu",
+    ]
+    assert single["turns"] == 6 and reprefill["turns"] == kept["turns"] == 12
+    assert kept["same_tokens"] == "6/6" and kept["sampled_tokens"] == reprefill["sampled_tokens"]
+    assert kept["prefill_tokens"] + kept["kv_reused_tokens"] == reprefill["prefill_tokens"]
+    assert kept["kv_reused_tokens"] > 0 and reprefill["kv_reused_tokens"] == 0
+    assert kept["prefill_calls"] < 1 + 6  # the first turns' forward, then fewer than one per returning turn
+    assert single["prefill_calls"] == 1 and single["ratio_to_single"] == 1.0

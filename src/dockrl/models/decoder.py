@@ -76,6 +76,21 @@ class KVCache:
         view.v = [v[start : start + num_rows] for v in self.v]
         return view
 
+    def take(self, rows: torch.Tensor, num_positions: int) -> KVCache:
+        """A copy of positions [0, num_positions) of the sequences `rows` (int64 [R], any order): a cache of R
+        sequences (`put` writes it back)."""
+        copy = KVCache.__new__(KVCache)
+        copy.batch_size, copy.max_len = len(rows), num_positions
+        copy.k = [k[rows, :, :num_positions] for k in self.k]
+        copy.v = [v[rows, :, :num_positions] for v in self.v]
+        return copy
+
+    def put(self, rows: torch.Tensor, part: KVCache) -> None:
+        """Write `part` (from `take`) back into the sequences `rows`, positions [0, part.max_len)."""
+        for k, v, part_k, part_v in zip(self.k, self.v, part.k, part.v):
+            k[rows, :, : part.max_len] = part_k
+            v[rows, :, : part.max_len] = part_v
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What one attention layer gets: its (keys, values)."""
         return self.k[index], self.v[index]

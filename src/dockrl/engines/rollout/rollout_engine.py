@@ -5,12 +5,14 @@ in blocks handed out as sequences grow.
  add(Request: prompt, n seeds, params[, kv_key]) ──▶ waiting (FIFO; preempted samples re-enter at the front)
  step():
    admit   : a request whose kv_key has KV kept and whose prompt extends it (a later turn): its slot (and
-             blocks) back, prefill only the new positions on top of the kept ones (`_prefill_suffix`).
+             blocks) back; the new positions of all such requests prefilled in ONE forward on top of their
+             kept ones (`_prefill_suffixes`: right-padded, each row at its own offset).
              Others: while the head request's n samples fit in free slots (slots given up by kept KV, oldest
              first, count; paged: AND the blocks of their prompts + the first decoded position can be had):
              take the n lowest free slots (and those blocks). Prefill all admitted prompts together ONCE
-             (right-padded, causal) into a scratch cache, copy each prompt's KV into its n samples' slots (or
-             blocks) (shared prefill), draw every sample's first token.
+             (right-padded, causal; requests with the same prompt share its row) into a scratch cache, copy
+             each prompt's KV into its samples' slots (or blocks) (shared prefill), draw every sample's first
+             token.
    grow    : paged: a running sample whose next position starts a new block gets one; when none can be had,
              kept KV is given up (oldest first), then the youngest running sample is preempted: its blocks
              are freed and it re-queues (to restart from its prompt: its tokens are a function of (prompt,
@@ -82,6 +84,9 @@ COMPACT_BELOW = 0.5
 # Positions per KV block: a sequence wastes under one block (its last one's unwritten tail); larger blocks mean
 # fewer, longer contiguous runs for the per-step gather (32 fp32 positions x D = 32: 4 KiB per key head).
 BLOCK_SIZE = 32
+# Attention scores one forward over returning turns' suffixes may hold (rows x heads x T x S, fp32: 256 MiB):
+# more rows than that run in several forwards, so long observations on a large batch cannot exhaust memory.
+SUFFIX_SCORES_MAX = 2**26
 
 
 def blocks_for(positions: int) -> int:
@@ -422,24 +427,36 @@ class RolloutEngine:
         if not admitted and not resumed:
             return []
         row_slots = [slot for _, slots in admitted for slot in slots]
-        row_prompt = [i for i, (_, slots) in enumerate(admitted) for _ in slots]
-        prompts = [request.prompt_ids for request, _ in admitted]
+        # Requests with the same prompt (a group's samples sent one request each, as multi-turn trajectories
+        # are) share one prefilled row, like the samples of one request.
+        unique: dict[tuple[int, ...], int] = {}
+        prompt_of = [unique.setdefault(tuple(r.prompt_ids), len(unique)) for r, _ in admitted]  # [A] -> G
+        row_prompt = [prompt_of[i] for i, (_, slots) in enumerate(admitted) for _ in slots]
         pieces = []
         if admitted:
             with self._routes() as seen:
-                logits = self._prefill(prompts, row_slots, row_prompt)
+                logits = self._prefill([list(p) for p in unique], row_slots, row_prompt)
             pieces.append(logits[torch.tensor(row_prompt, device=self.device)])  # [R, V]
             for g, (request, slots) in enumerate(admitted):
-                prefix = self._layer_routes(seen, g, len(request.prompt_ids)) if seen is not None else None
+                prefix = (
+                    self._layer_routes(seen, prompt_of[g], len(request.prompt_ids))
+                    if seen is not None
+                    else None
+                )
                 for sample, slot in zip(samples_of[g], slots):
                     self._start(slot, request, sample)
                     if prefix is not None:
                         self._state(slot).routes.append(prefix)
-        for request, slot, reused in resumed:
-            pieces.append(self._prefill_suffix(slot, request.prompt_ids, reused))
+        if resumed:
+            pieces.append(
+                self._prefill_suffixes([(slot, r.prompt_ids, reused) for r, slot, reused in resumed])
+            )
+        for request, slot, _ in resumed:
             self._start(slot, request, 0)
         row_slots += [slot for _, slot, _ in resumed]
-        requests = [admitted[i][0] for i in row_prompt] + [request for request, _, _ in resumed]
+        requests = [request for request, slots in admitted for _ in slots] + [
+            request for request, _, _ in resumed
+        ]
         index = torch.tensor(row_slots, device=self.device)  # [R]
         self.lengths[index] = torch.tensor([len(r.prompt_ids) for r in requests], device=self.device)
         seeds = [r.seeds[s] for (r, _), samples in zip(admitted, samples_of) for s in samples]
@@ -567,19 +584,48 @@ class RolloutEngine:
             pool.k[layer][:, block, offset] = scratch.k[layer][source, :, position].transpose(0, 1)
             pool.v[layer][:, block, offset] = scratch.v[layer][source, :, position].transpose(0, 1)
 
-    def _prefill_suffix(self, slot: int, prompt: list[int], kept: int) -> torch.Tensor:
-        """Run the prompt's positions [kept, len(prompt)) on top of the KV of the first `kept` kept in `slot`
-        (written there, attending the kept keys); returns the last position's logits [1, V]."""
-        suffix = torch.tensor([prompt[kept:]], dtype=torch.long, device=self.device)  # [1, T]
-        offset = torch.tensor([kept], device=self.device)
-        key_mask = self._all_keys[:1, : len(prompt)]
-        cache, table = (
-            (self.cache, self.block_table[slot : slot + 1]) if self.paged else (self._rows(slot), None)
-        )
-        logits = self._forward_last(suffix, None, key_mask, cache, offset, None, table)
+    def _prefill_suffixes(self, resumed: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """Returning turns (slot, prompt, kept): run each prompt's positions [kept, len(prompt)) on top of the
+        KV of its first `kept` positions kept in its slot, all in one forward (right-padded to the longest
+        suffix T, each row at its own offset, attending its own kept keys); returns the last position's logits
+        of each, [R, V] in the order given. A pad writes past its row's prompt, where its next token is written
+        before any query reads it; a row whose kept + T would pass max_seq_len runs alone instead, and rows
+        whose attention scores would pass SUFFIX_SCORES_MAX run in several forwards."""
+        longest = max(len(prompt) - kept for _, prompt, kept in resumed)
+        fits = [i for i, (_, _, kept) in enumerate(resumed) if kept + longest <= self.max_seq_len]
+        num_keys = max(resumed[i][2] for i in fits) + longest
+        per_forward = max(1, SUFFIX_SCORES_MAX // (self.model.args.num_heads * longest * num_keys))
+        groups = [fits[start : start + per_forward] for start in range(0, len(fits), per_forward)]
+        groups += [[i] for i in range(len(resumed)) if i not in set(fits)]  # fits holds the longest
+        logits: list[torch.Tensor | None] = [None] * len(resumed)
+        for group in groups:
+            rows = self._suffix_forward([resumed[i] for i in group])  # [len(group), V]
+            for row, i in enumerate(group):
+                logits[i] = rows[row]
+        self.stats["prefill_tokens"] += sum(len(prompt) - kept for _, prompt, kept in resumed)
+        self.stats["kv_reused_tokens"] += sum(kept for _, _, kept in resumed)
+        return torch.stack(logits)  # type: ignore[arg-type]
+
+    def _suffix_forward(self, resumed: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """One forward of `_prefill_suffixes` over rows whose kept + T all fit max_seq_len; logits [R, V]."""
+        lengths = [len(prompt) - kept for _, prompt, kept in resumed]
+        num_tokens = max(lengths)
+        ids = torch.full((len(resumed), num_tokens), self.pad_token_id, dtype=torch.long)  # [R, T]
+        for row, (_, prompt, kept) in enumerate(resumed):
+            ids[row, : len(prompt) - kept] = torch.tensor(prompt[kept:], dtype=torch.long)
+        offsets = torch.tensor([kept for _, _, kept in resumed], device=self.device)  # [R]
+        last = torch.tensor([n - 1 for n in lengths], device=self.device)  # [R]
+        num_keys = max(kept for _, _, kept in resumed) + num_tokens  # S
+        key_mask = self._all_keys[: len(resumed), :num_keys]
+        slots = torch.tensor([slot for slot, _, _ in resumed], device=self.device)
+        if self.paged:  # every row writes and reads through its own block-table row
+            cache, table = self.cache, self.block_table[slots]
+        else:  # the slots are anywhere in the cache: their rows copied out, prefilled, written back
+            cache, table = self._slots_cache().take(slots, num_keys), None
+        logits = self._forward_last(ids.to(self.device), None, key_mask, cache, offsets, last, table)
+        if not self.paged:
+            self._slots_cache().put(slots, cache)  # type: ignore[arg-type]
         self.stats["prefill_calls"] += 1
-        self.stats["prefill_tokens"] += len(prompt) - kept
-        self.stats["kv_reused_tokens"] += kept
         return logits
 
     def _forward_last(
@@ -848,6 +894,11 @@ class RolloutEngine:
     def _pool(self) -> PagedKVCache:
         """The paged layout's block pool."""
         assert isinstance(self.cache, PagedKVCache), "paged layout only"
+        return self.cache
+
+    def _slots_cache(self) -> KVCache:
+        """The slots layout's cache."""
+        assert isinstance(self.cache, KVCache), "slots layout only"
         return self.cache
 
     def _rows(self, start: int, stop: int | None = None) -> KVCache:
