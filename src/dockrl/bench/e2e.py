@@ -16,7 +16,9 @@ available memory (then the fewest micro-batches that do, and the output says so)
 precision rule (bf16 only on a CPU that computes it natively; TRL's own default is bf16, which a CPU without
 AVX512-BF16 or AMX emulates ~100x slower than fp32). --trl-config micro gives TRL the configuration this bench
 used before (micro-batches of --samples completions, gradient accumulation over the prompts), which is slower.
-The TRL row's `trl_config` says which configuration ran. Both do one optimizer step per generation batch.
+TRL's one process runs one torch thread per core (--trl-threads: fewer where the machine is shared and
+threads that wait on each other at every op cost more than they give). The TRL row's `trl_config` says which
+configuration ran. Both do one optimizer step per generation batch.
 Reported per system over the steps after the first (median): step seconds, response tokens per second, and
 where the time went:
   dockrl  rollout, reference, old log-probs, update (its stage timers) and overhead = step - their sum
@@ -95,6 +97,13 @@ def add_trl_config_argument(parser: argparse.ArgumentParser) -> None:
         help="best: the whole step in one micro-batch where the memory estimate allows (else the fewest "
         "micro-batches that fit), sdpa attention; micro: micro-batches of --samples completions with gradient "
         "accumulation over the prompts (the configuration before issue 47, slower)",
+    )
+    parser.add_argument(
+        "--trl-threads",
+        type=int,
+        default=None,
+        help="torch threads of TRL's one process (default: one per core this process may use); 1 where the "
+        "machine is shared and more threads wait on each other (dockrl's ranks run one thread each)",
     )
 
 
@@ -292,14 +301,21 @@ def trl_config(args: argparse.Namespace, model: Path, available_bytes: int | Non
     completions in one micro-batch (gradient_accumulation_steps=1) unless `training_bytes` of that batch exceeds
     half the memory available (then the fewest micro-batches of whole prompt groups that fit, `fell_back`
     saying so), sdpa attention; micro, micro-batches of --samples with accumulation over the prompts. The
-    precision is dockrl's rule (run.precision=auto on this CPU) in both."""
+    precision is dockrl's rule (run.precision=auto on this CPU) in both, the threads --trl-threads (default: one
+    per core this process may use)."""
     import os
 
     from dockrl.models.hf import read_config
     from dockrl.recipes.preflight import resolve_precision
 
     precision = resolve_precision("auto", "cpu")
-    config: dict[str, Any] = {"name": args.trl_config, "precision": precision, "attn_implementation": "sdpa"}
+    threads = getattr(args, "trl_threads", None) or len(os.sched_getaffinity(0))
+    config: dict[str, Any] = {
+        "name": args.trl_config,
+        "precision": precision,
+        "attn_implementation": "sdpa",
+        "threads": threads,
+    }
     if args.trl_config == "micro":
         return config | {
             "per_device_train_batch_size": args.samples,
@@ -398,6 +414,9 @@ def trl_child(spec_json: str) -> None:
     from dockrl.rewards.builtin import exact_answer
 
     spec = json.loads(spec_json)
+    import torch
+
+    torch.set_num_threads(spec["config"].get("threads") or torch.get_num_threads())
     rows = [json.loads(line) for line in Path(spec["train"]).read_text().splitlines()]
     dataset = datasets.Dataset.from_list(
         [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]

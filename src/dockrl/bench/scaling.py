@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     timeout_s=args.timeout_s,
                     overrides=[],
                     trl_config=args.trl_config,
+                    trl_threads=args.trl_threads,
                 )
                 for system in systems:
                     work_dir = root / f"{size}-{length}-{system}"
