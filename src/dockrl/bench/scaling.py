@@ -160,7 +160,7 @@ def work_tflop(model_args: Any, sequences: int, response_length: float) -> float
 def _speedups(rows: list[dict[str, Any]]) -> None:
     """dockrl's tokens/s over TRL's, on dockrl's row of each point that has both."""
     trl = {(r["size"], r["length"]): r for r in rows if r["system"] == "trl" and "step_s" in r}
-    for row in rows:
-        other = trl.get((row["size"], row["length"]))
+    for row in rows:  # the roofline's row (and a skipped point's) has no time
+        other = trl.get((row["size"], row.get("length")))
         if row["system"] == "dockrl" and "step_s" in row and other is not None:
             row["speedup"] = row["response_tokens_per_s"] / other["response_tokens_per_s"]
