@@ -6,7 +6,10 @@ transformers; both sample num_sequences random prompts of prompt_len tokens with
 sequence, on the same torch thread count and weight precision (--precision, default: what run.precision=auto
 picks on this machine). Each side runs once to warm up, then `repeats` timed runs; the
 best run counts (the machine may be shared). Prints model_params, num_sequences, new_tokens,
-tokens_per_s_dockrl, tokens_per_s_hf, ratio.
+tokens_per_s_dockrl, tokens_per_s_hf, ratio, and the roofline (bench/roofline.py, measured at --threads before
+the engines run): decode_bw_share_<engine>, the bytes the decode steps must read (the weights once per step,
+every sequence's KV cache up to its position: roofline.decode_bytes, prefill included in the seconds) over the
+run's best seconds x the measured bandwidth (bandwidth_gbs), beside the fp32 / bf16 matmul peaks.
 
 `--lengths longtail` gives each sequence its own length, drawn from a lognormal (sigma 1) with mean
 new_tokens / 4, clipped to [1, new_tokens], as RL responses are: dockrl stops each sequence at its length
@@ -85,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build the model, time the engines, return the figures."""
+    import os
     import tempfile
 
     import torch
@@ -103,6 +107,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lengths = sequence_lengths(args)
     num_tokens = sum(lengths)
     out: dict[str, Any] = {}
+    from dockrl.bench import roofline
+
+    peak = roofline.measure_peak(args.threads)
     with tempfile.TemporaryDirectory() as model_dir:
         dockrl_model = _make_model(model_dir, hidden_size, num_layers, args)
         generator = torch.Generator().manual_seed(args.seed)
@@ -115,11 +122,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["tokens_per_s_dockrl"] = num_tokens / dockrl_s
         out["kv_layout"] = kv_bytes.pop("layout")
         out.update({f"kv_bytes_{name}": value for name, value in kv_bytes.items()})
+        from dockrl.engines.rollout.rollout_engine import cache_dtype
+
+        weight_dtype = next(dockrl_model.parameters()).dtype
+        sizes = {
+            "weight_bytes": weight_dtype.itemsize,
+            "kv_bytes": cache_dtype(weight_dtype, torch.device("cpu")).itemsize,
+        }
+        traffic = roofline.decode_bytes(dockrl_model.args, args.prompt_len, lengths, **sizes)
+        out["decode_bw_share_dockrl"] = roofline.share(traffic, dockrl_s, 1e9 * peak["bandwidth_gbs"])
         if "transformers" in engines:
             hf_model = _load_hf(model_dir, args)
             hf_s = _best_time(lambda n: _run_hf(hf_model, prompts, max(_cap(lengths, n)), args), args)
             del hf_model
             out["tokens_per_s_hf"] = num_tokens / hf_s
+            # the same useful traffic (transformers keeps its cache in the weights' dtype)
+            sizes["kv_bytes"] = weight_dtype.itemsize
+            hf_traffic = roofline.decode_bytes(dockrl_model.args, args.prompt_len, lengths, **sizes)
+            out["decode_bw_share_hf"] = roofline.share(hf_traffic, hf_s, 1e9 * peak["bandwidth_gbs"])
             out["ratio"] = hf_s / dockrl_s
         if "vllm" in engines:
             out.update(_vllm_figures(model_dir, dockrl_model, prompts, lengths, args))
@@ -133,6 +153,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "precision": args.precision,
         "mean_new_tokens": num_tokens / len(lengths),
         **out,
+        "peak_fp32_gflops": peak["fp32_gflops"],
+        "peak_bf16_gflops": peak.get("bf16_gflops"),
+        "bandwidth_gbs": peak["bandwidth_gbs"],
+        "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
 
 

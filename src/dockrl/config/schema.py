@@ -523,6 +523,16 @@ class RewardConfig:
     num_processes: int = setting(
         1, "Processes per RewardWorker that run reward calls; 0 runs them inline (no timeout)."
     )
+    inline: Literal["cheap", "all", "none"] = setting(
+        "cheap",
+        "Which reward functions run in the RewardWorker's own thread instead of its process pool (no pipe round "
+        "trip per call): cheap, the built-ins that are pure Python and fast (exact_answer; format with its own "
+        "pattern, not a configured one, which could backtrack for ever) and user functions that declare "
+        "`fn.cheap = True`; all, every function; none, none. An inline call past reward.timeout_s stops the run "
+        "with an error naming the function (a thread cannot be killed; a call stuck in C code that holds the GIL "
+        "is not bounded at all): a function that can hang belongs in the pool.",
+        noun="mode",
+    )
     timeout_s: float = setting(
         5.0,
         "A reward call running longer is stopped and counted in `reward/timeouts`; reward.on_error says what "
