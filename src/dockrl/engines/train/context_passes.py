@@ -9,17 +9,27 @@ Shapes: B rows, T tokens (the shifted grid T-1), Tl tokens on this rank, n of th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from dockrl.algos.head_logprobs import head_support_stats, head_token_stats, head_top_k
 from dockrl.engines.train.batch import MicroBatch
-from dockrl.parallel.context import cp_sum, local_sequence, local_tokens, spread
+from dockrl.parallel.context import ContextShard, cp_sum, local_sequence, local_tokens, spread
 
-if TYPE_CHECKING:
-    from dockrl.engines.train.train_engine import TrainEngine
+
+class TrainEngine(Protocol):
+    """What these passes read of `dockrl.engines.train.train_engine.TrainEngine` (named here, not imported:
+    train_engine imports this module)."""
+
+    model: Any
+    context: ContextShard | None
+    tp_group: dist.ProcessGroup | None
+    vocab_start: int
+
+    def autocast(self) -> AbstractContextManager[Any]: ...
 
 
 def support_stats(
