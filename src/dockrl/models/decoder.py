@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,9 @@ from torch import nn
 from dockrl.models.attention import causal_attention, packed_causal_attention, sdpa
 from dockrl.models.config import ModelArgs
 from dockrl.models.moe import MoEBlock
+
+if TYPE_CHECKING:
+    from dockrl.models.vision import Images
 
 
 class KVCache:
@@ -257,12 +260,16 @@ class DecoderModel(nn.Module):
         key_mask: torch.Tensor | None,
         write: CacheWrite | None = None,
         segments: tuple[int, ...] | None = None,
+        image_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [B, T, H]; arguments as in `Transformer.hidden_states`."""
+        """Final-normed hidden states [B, T, H]; arguments as in `Transformer.hidden_states`; image_embeds
+        [U, H] replace the embeddings of the <|image_pad|> tokens, in order."""
         batch, seq = input_ids.shape
         if segments is not None:
             _check_segments(segments, batch, seq, key_mask, write)
         x = self.embed_tokens(input_ids)  # [B, T, H]
+        if image_embeds is not None:
+            x = _merge_image_embeds(x, input_ids, image_embeds, self.args.image_token_id)
         rope = self._rope(position_ids, x.dtype)
         mask: torch.Tensor | None
         if write is not None and write.row_offsets is not None:
@@ -291,7 +298,9 @@ class DecoderModel(nn.Module):
             # Computed on CPU, then moved, so every device uses bit-identical frequencies.
             inv_freq = rope_inv_freq(self.args).to(device)
             self._inv_freq_by_device[device] = inv_freq
-        freqs = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
+        freqs = position_ids[..., None].float() * inv_freq  # [B, T, D/2], or [3, B, T, D/2] for mrope
+        if freqs.dim() == 4:
+            freqs = _mrope_angles(freqs, self.args.mrope_section)
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
         sin = emb.sin().to(dtype)
         half = sin.shape[-1] // 2
@@ -312,6 +321,10 @@ class Transformer(nn.Module):
         self.model = DecoderModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.vision is not None:
+            from dockrl.models.vision import VisionTower  # vision.py builds on this module's layers
+
+            self.visual = VisionTower(args.vision)
         # An inference model under tensor parallelism all-gathers its vocab slice of the logits (set by
         # dockrl.parallel.tensor_parallel.parallelize(gather_logits=True)); None: logits as computed.
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -335,12 +348,15 @@ class Transformer(nn.Module):
         cache_offset: int = 0,
         head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
         segments: tuple[int, ...] | None = None,
+        images: Images | None = None,
     ) -> Any:
         """Logits [B, T, V] in the parameter dtype; arguments as in `hidden_states`. With `head`, returns
         head(hidden [B, T, H], LM-head weight [V, H]) instead: a loss that fuses the LM head (training's
         chunked log-probs, dockrl.algos.head_logprobs) runs inside forward, where FSDP2 has unsharded the
         weight."""
-        hidden = self.hidden_states(input_ids, position_ids, key_mask, kv_cache, cache_offset, segments)
+        hidden = self.hidden_states(
+            input_ids, position_ids, key_mask, kv_cache, cache_offset, segments, images
+        )
         if head is not None:
             return head(hidden, self.output_weight())
         return self.lm_logits(hidden)
@@ -363,6 +379,7 @@ class Transformer(nn.Module):
         kv_cache: KVCache | None = None,
         cache_offset: int = 0,
         segments: tuple[int, ...] | None = None,
+        images: Images | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [B, T, H], without a cache or with every row at `cache_offset`.
 
@@ -371,6 +388,9 @@ class Transformer(nn.Module):
         real). With kv_cache, the new keys/values go to slots [cache_offset, cache_offset + T).
         segments (no cache, no key_mask, B = 1): cumulative lengths (0, L_0, L_0 + L_1, ..., T) of rows packed
         end to end; each row attends its own tokens only, and position_ids default to restart at each row.
+        A vision model (qwen2_5_vl) takes position_ids [3, B, T] too (temporal, height, width streams:
+        vision.mrope_positions; [B, T] is all three equal, right for text), and `images`, whose embeddings
+        replace the <|image_pad|> tokens of input_ids in order.
         """
         batch, seq = input_ids.shape
         if not isinstance(cache_offset, int):
@@ -388,7 +408,17 @@ class Transformer(nn.Module):
             position_ids = torch.arange(cache_offset, cache_offset + seq, device=input_ids.device)
             position_ids = position_ids.expand(batch, seq)
         write = None if kv_cache is None else CacheWrite(kv_cache, offset=cache_offset)
-        return self.model(input_ids, position_ids, key_mask, write, segments)
+        return self.model(input_ids, position_ids, key_mask, write, segments, self.image_embeds(images))
+
+    def image_embeds(self, images: Images | None) -> torch.Tensor | None:
+        """The vision tower's embeddings [U, H] of `images` (None without images)."""
+        if images is None:
+            return None
+        if self.args.vision is None:
+            raise ValueError(
+                f"images given to a model of family={self.args.family!r}, which has no vision tower"
+            )
+        return self.visual(images)
 
     def hidden_states_per_row(
         self,
@@ -397,6 +427,7 @@ class Transformer(nn.Module):
         row_offsets: torch.Tensor,
         key_mask: torch.Tensor,
         position_ids: torch.Tensor | None = None,
+        images: Images | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [B, T, H] of rows at their own cache offsets (continuous batching).
 
@@ -407,7 +438,8 @@ class Transformer(nn.Module):
         """
         if position_ids is None:
             position_ids = row_offsets[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
-        return self.model(input_ids, position_ids, key_mask, CacheWrite(kv_cache, row_offsets=row_offsets))
+        write = CacheWrite(kv_cache, row_offsets=row_offsets)
+        return self.model(input_ids, position_ids, key_mask, write, None, self.image_embeds(images))
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None, std: float = 0.02) -> None:
@@ -420,13 +452,39 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith("bias"):
                 param.zero_()
-            elif name.endswith("norm.weight"):
+            elif name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight")):
                 param.fill_(1.0)
             elif generator is None:
                 param.normal_(0.0, std)
             else:
                 values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
                 param.copy_(values)
+
+
+def _mrope_angles(freqs: torch.Tensor, section: tuple[int, ...] | None) -> torch.Tensor:
+    """Multimodal RoPE: angles [3, B, T, D/2] of the temporal, height and width position streams -> [B, T, D/2],
+    chunk i of `section` taken from stream i % 3 (transformers picks the same chunks after cos / sin, which
+    act elementwise, so the bits agree)."""
+    if section is None or freqs.shape[0] != 3:
+        raise ValueError(
+            f"position_ids with a stream dim {tuple(freqs.shape[:-1])} need a model with mrope_section "
+            "(qwen2_5_vl) and 3 streams [3, B, T]"
+        )
+    return torch.cat([chunk[i % 3] for i, chunk in enumerate(freqs.split(list(section), dim=-1))], dim=-1)
+
+
+def _merge_image_embeds(
+    x: torch.Tensor, input_ids: torch.Tensor, image_embeds: torch.Tensor, image_token_id: int
+) -> torch.Tensor:
+    """x [B, T, H] with the rows of image_embeds [U, H] at the image-pad tokens of input_ids [B, T], in order."""
+    is_image = input_ids == image_token_id  # [B, T]
+    num_tokens = int(is_image.sum())
+    if num_tokens != image_embeds.shape[0]:
+        raise ValueError(
+            f"{num_tokens} image-pad tokens in input_ids but {image_embeds.shape[0]} image embeddings; each image "
+            "takes grid t*h*w / merge_size^2 tokens (vision_processing.image_token_count)"
+        )
+    return x.masked_scatter(is_image[..., None], image_embeds.to(x.dtype))
 
 
 def segment_positions(segments: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:

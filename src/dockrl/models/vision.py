@@ -15,12 +15,20 @@ model's hidden size, U merge units (P / merge**2), D vision head dim.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from dockrl.models.config import VisionArgs
+from dockrl.models.decoder import RMSNorm
 from dockrl.models.vision_processing import ProcessorConfig, processor_config
+
+Grid = Sequence[tuple[int, int, int]]
+"""Each image's (t, h, w) in patches, in the order of its patches (the dock's image_grid_thw rows)."""
 
 
 def normalize_patches(patches: torch.Tensor, config: ProcessorConfig | str | Path | Mapping) -> torch.Tensor:
@@ -38,3 +46,249 @@ def normalize_patches(patches: torch.Tensor, config: ProcessorConfig | str | Pat
         std = torch.tensor(config.image_std, dtype=torch.float32, device=patches.device)[:, None]
         pixels = (pixels.view(num_patches, 3, -1) - mean) / std
     return pixels.reshape(num_patches, config.patch_dim)
+
+
+@dataclass(frozen=True)
+class Images:
+    """The images of one forward pass: every image's patches end to end and its grid.
+
+    pixel_values [P, C*t*p*p] (normalize_patches of the dock's uint8 patches); grid rows (t, h, w), one per
+    image, in the order the images' <|image_pad|> runs appear in input_ids (row by row for a batch)."""
+
+    pixel_values: torch.Tensor
+    grid: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def from_grid_thw(cls, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Grid) -> Images:
+        """From a grid tensor [n, 3] (or rows)."""
+        rows = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
+        return cls(pixel_values, tuple((int(t), int(h), int(w)) for t, h, w in rows))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class VisionAttention(nn.Module):
+    """Bidirectional multi-head attention within each span of `bounds`, 2-D rotary on q and k (fp32)."""
+
+    def __init__(self, args: VisionArgs) -> None:
+        super().__init__()
+        self.num_heads = args.num_heads
+        self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size, bias=True)
+        self.proj = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: Sequence[int]
+    ) -> torch.Tensor:
+        """x [P, E]; cos, sin [P, 1, D] fp32; bounds the cumulative span ends from 0 to P -> [P, E]."""
+        num_patches = x.shape[0]
+        q, k, v = (
+            self.qkv(x).view(num_patches, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        )  # [P, N, D]
+        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
+        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, N, P, D]
+        # One call per span (as transformers' non-flash path): cost sum L_i^2, no [P, P] mask.
+        parts = [
+            F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ]
+        out = torch.cat(parts, dim=2).transpose(1, 2).reshape(num_patches, -1)  # [P, E]
+        return self.proj(out)
+
+
+class VisionMLP(nn.Module):
+    """SwiGLU with biases: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, args: VisionArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=True)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=True)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [P, E] -> [P, E]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
+
+    def __init__(self, args: VisionArgs) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(args.hidden_size, 1e-6)
+        self.norm2 = RMSNorm(args.hidden_size, 1e-6)
+        self.attn = VisionAttention(args)
+        self.mlp = VisionMLP(args)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: Sequence[int]
+    ) -> torch.Tensor:
+        """x [P, E] -> [P, E]."""
+        x = x + self.attn(self.norm1(x), cos, sin, bounds)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    """Patch embedding: a Conv3d whose stride equals its kernel, applied as the one linear map it is (the
+    weight keeps the Conv3d shape [E, C, t, p, p] of Hugging Face's checkpoints)."""
+
+    def __init__(self, args: VisionArgs) -> None:
+        super().__init__()
+        kernel = (args.temporal_patch_size, args.patch_size, args.patch_size)
+        self.proj = nn.Conv3d(args.in_channels, args.hidden_size, kernel, stride=kernel, bias=False)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [P, C*t*p*p] -> [P, E]."""
+        weight = self.proj.weight
+        return F.linear(pixels.to(weight.dtype), weight.reshape(weight.shape[0], -1))
+
+
+class PatchMerger(nn.Module):
+    """RMSNorm, then each merge unit's m*m patch vectors side by side through Linear, GELU, Linear."""
+
+    def __init__(self, args: VisionArgs) -> None:
+        super().__init__()
+        self.merged_size = args.hidden_size * args.spatial_merge_size**2
+        self.ln_q = RMSNorm(args.hidden_size, 1e-6)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.merged_size, self.merged_size),
+            nn.GELU(),
+            nn.Linear(self.merged_size, args.out_hidden_size),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [P, E] -> [U, H]."""
+        return self.mlp(self.ln_q(x).view(-1, self.merged_size))
+
+
+class VisionTower(nn.Module):
+    """Qwen2.5-VL's vision encoder (module docstring): pixel values of a batch's images -> one embedding per
+    <|image_pad|> token, in the images' order. Hugging Face's `visual.` prefix."""
+
+    def __init__(self, args: VisionArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.patch_embed = PatchEmbed(args)
+        self.blocks = nn.ModuleList(VisionBlock(args) for _ in range(args.depth))
+        self.merger = PatchMerger(args)
+
+    def forward(self, images: Images) -> torch.Tensor:
+        """Image embeddings [U, H] (U = P / m^2) in the dtype of the parameters."""
+        args, grid = self.args, images.grid
+        unit = args.spatial_merge_size**2
+        device = self.patch_embed.proj.weight.device
+        window_index, window_bounds = window_order(grid, args)
+        order = torch.tensor(window_index, device=device)
+        x = self.patch_embed(images.pixel_values.to(device))  # [P, E]
+        num_patches = x.shape[0]
+        if num_patches != sum(t * h * w for t, h, w in grid):
+            raise ValueError(f"{num_patches} patches do not match the image grids {list(grid)}")
+        x = x.view(-1, unit, x.shape[-1])[order].reshape(num_patches, -1)  # window order, merge units intact
+        freqs = vision_rope_angles(grid, args, device)  # [P, D/2] fp32
+        freqs = freqs.view(-1, unit, freqs.shape[-1])[order].reshape(num_patches, -1)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [P, 1, D]
+        cos, sin = emb.cos(), emb.sin()
+        full_bounds = _cumulative([h * w for t, h, w in grid for _ in range(t)])
+        for index, block in enumerate(self.blocks):
+            bounds = full_bounds if index in args.fullatt_block_indexes else window_bounds
+            x = block(x, cos, sin, bounds)
+        merged = self.merger(x)  # [U, H] in window order
+        return merged[torch.argsort(order)]
+
+
+def _cumulative(lengths: Sequence[int]) -> list[int]:
+    bounds = [0]
+    for length in lengths:
+        bounds.append(bounds[-1] + length)
+    return bounds
+
+
+def vision_rope_angles(grid: Grid, args: VisionArgs, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 [P, D/2]: each patch's rotary angles, its row's D/4 frequencies then its column's, for the patches
+    in the processor's order (merge units row-major, patches row-major inside a unit)."""
+    spatial_dim = args.head_dim // 2
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, spatial_dim, 2, dtype=torch.float) / spatial_dim))
+    m = args.spatial_merge_size
+    rows = []
+    for t, h, w in grid:
+        hpos, wpos = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        shape = (h // m, m, w // m, m)
+        hpos = hpos.reshape(shape).transpose(1, 2).flatten()
+        wpos = wpos.reshape(shape).transpose(1, 2).flatten()
+        rows.append(torch.stack([hpos, wpos], dim=-1).repeat(t, 1))
+    positions = torch.cat(rows).to(device)  # [P, 2]
+    freqs = positions[..., None].float() * inv_freq.to(device)  # [P, 2, D/4]
+    return torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+
+
+def window_order(grid: Grid, args: VisionArgs) -> tuple[list[int], list[int]]:
+    """(the merge units in window order: window by window, row-major inside each, windows row-major per frame;
+    cumulative patch bounds of the windows). A window is window_size pixels square; edge windows are cut."""
+    m = args.spatial_merge_size
+    side = args.window_size // m // args.patch_size  # window side in merge units
+    order: list[int] = []
+    bounds = [0]
+    first = 0
+    for t, h, w in grid:
+        units_h, units_w = h // m, w // m
+        for frame in range(t):
+            base = first + frame * units_h * units_w
+            for top in range(0, units_h, side):
+                for left in range(0, units_w, side):
+                    rows = range(top, min(top + side, units_h))
+                    cols = range(left, min(left + side, units_w))
+                    order += [base + r * units_w + c for r in rows for c in cols]
+                    bounds.append(bounds[-1] + len(rows) * len(cols) * m * m)
+        first += t * units_h * units_w
+    return order, bounds
+
+
+def mrope_positions(
+    token_ids: Sequence[int] | torch.Tensor, grid: Grid, image_token_id: int, merge_size: int
+) -> tuple[torch.Tensor, int]:
+    """Multimodal RoPE positions of one sequence (transformers' get_rope_index for images): (int64 [3, T] of
+    the temporal, height and width streams, rope delta).
+
+    Text tokens count on from the last position in all three streams. The k-th run of image-pad tokens is
+    image grid[k] (t, h, w): starting at s (the next text position), its token (i, j) of frame f gets
+    (s + f, s + i, s + j) for a (h / m) x (w / m) unit grid, and the text after it continues at
+    s + max(h, w) / m. delta = max position + 1 - T: a token appended at index T + n has position T + n +
+    delta in every stream (the rollout's decode)."""
+    ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+    streams: list[torch.Tensor] = []
+    grids = [(int(t), int(h), int(w)) for t, h, w in grid]
+    images = iter(enumerate(grids))
+    next_position, index = 0, 0
+    while index < len(ids):
+        end = index
+        is_image = ids[index] == image_token_id
+        while end < len(ids) and (ids[end] == image_token_id) == is_image:
+            end += 1
+        if not is_image:
+            streams.append(torch.arange(next_position, next_position + end - index).expand(3, -1))
+            next_position += end - index
+        else:
+            try:
+                number, (t, h, w) = next(images)
+            except StopIteration:
+                raise ValueError(
+                    f"more image-pad runs in the sequence than the {len(grids)} image grids"
+                ) from None
+            units = (t, h // merge_size, w // merge_size)
+            if end - index != units[0] * units[1] * units[2]:
+                raise ValueError(
+                    f"image {number} (grid {(t, h, w)}) takes {units[0] * units[1] * units[2]} image-pad tokens; "
+                    f"the sequence has a run of {end - index}"
+                )
+            frame, row, col = torch.meshgrid(*(torch.arange(n) for n in units), indexing="ij")
+            streams.append(torch.stack([frame, row, col]).reshape(3, -1) + next_position)
+            next_position += max(units[1], units[2])
+        index = end
+    if next(images, None) is not None:
+        raise ValueError(f"the sequence has fewer image-pad runs than the {len(grids)} image grids")
+    positions = torch.cat(streams, dim=1) if streams else torch.zeros(3, 0, dtype=torch.int64)
+    delta = int(positions.max()) + 1 - len(ids) if ids else 0
+    return positions, delta

@@ -151,3 +151,19 @@ def image_token_count(grid_thw: np.ndarray | Sequence[Sequence[int]], merge_size
     (the merger folds each merge_size x merge_size window into one token)."""
     grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
     return [int(n) // (merge_size * merge_size) for n in grid.prod(axis=1)]
+
+
+def expand_image_pads(token_ids: Sequence[int], counts: Sequence[int], image_token_id: int) -> list[int]:
+    """A prompt's ids as the chat template wrote them (one <|image_pad|> per image) with the k-th pad repeated
+    counts[k] times (image_token_count), as transformers' Qwen2.5-VL processor expands them. Raises
+    ValueError when the prompt's pads and the images disagree in number."""
+    pads = sum(1 for token in token_ids if token == image_token_id)
+    if pads != len(counts):
+        raise ValueError(
+            f"the prompt has {pads} image-pad tokens for {len(counts)} images; use one per image"
+        )
+    out: list[int] = []
+    remaining = iter(counts)
+    for token in token_ids:
+        out += [token] * next(remaining) if token == image_token_id else [token]
+    return out
