@@ -83,6 +83,7 @@ class RolloutHost:
     device_type: str  # "cpu" or "cuda"
     world: int  # the actor's ranks (each its own engine, rollout.tp of them per replica); 1 for a replica
     name: str  # the worker's name, for the backend's logs and errors
+    vision: Any = None  # a vision model's VisionInputs (models/vision.py): its rows' images reach the prefill
 
 
 class Backend:

@@ -408,17 +408,31 @@ class Transformer(nn.Module):
             position_ids = torch.arange(cache_offset, cache_offset + seq, device=input_ids.device)
             position_ids = position_ids.expand(batch, seq)
         write = None if kv_cache is None else CacheWrite(kv_cache, offset=cache_offset)
-        return self.model(input_ids, position_ids, key_mask, write, segments, self.image_embeds(images))
+        hidden = self.model(input_ids, position_ids, key_mask, write, segments, self.image_embeds(images))
+        if images is None and self._trains_vision():
+            # A trainable tower takes part in every backward, images or not: under FSDP2 every rank then
+            # reduces the same gradients (zeros here), whichever rows it got.
+            hidden = hidden + 0.0 * self.visual(self.visual.blank_images()).sum()
+        return hidden
+
+    def _trains_vision(self) -> bool:
+        return (
+            self.args.vision is not None
+            and torch.is_grad_enabled()
+            and any(p.requires_grad for p in self.visual.parameters())
+        )
 
     def image_embeds(self, images: Images | None) -> torch.Tensor | None:
-        """The vision tower's embeddings [U, H] of `images` (None without images)."""
+        """The vision tower's embeddings [U, H] of `images` (None without images); without autograd when the
+        tower is frozen (actor.vision.freeze, LoRA)."""
         if images is None:
             return None
         if self.args.vision is None:
             raise ValueError(
                 f"images given to a model of family={self.args.family!r}, which has no vision tower"
             )
-        return self.visual(images)
+        with torch.set_grad_enabled(self._trains_vision()):
+            return self.visual(images)
 
     def hidden_states_per_row(
         self,

@@ -458,11 +458,12 @@ def peaked_state_dict(model_dir: str | Path, seed: int) -> dict[str, torch.Tenso
     generator = torch.Generator().manual_seed(seed)
     out = {}
     for name, tensor in load_state_dict(model_dir).items():
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight")):  # vision norms too
             out[name] = torch.ones_like(tensor)
         elif tensor.dim() == 1:
             out[name] = torch.zeros_like(tensor)
         else:
-            std = 1.0 if "embed_tokens" in name else tensor.shape[-1] ** -0.5  # 1 / sqrt(fan_in)
+            fan_in = math.prod(tensor.shape[1:])  # a vision patch embedding's Conv3d reads C x t x p x p
+            std = 1.0 if "embed_tokens" in name else fan_in**-0.5
             out[name] = (torch.randn(tensor.shape, generator=generator) * std).to(tensor.dtype)
     return out

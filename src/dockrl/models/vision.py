@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dockrl.models.config import VisionArgs
+from dockrl.models.config import ModelArgs, VisionArgs
 from dockrl.models.decoder import RMSNorm
-from dockrl.models.vision_processing import ProcessorConfig, processor_config
+from dockrl.models.vision_processing import PREPROCESSOR_FILE, ProcessorConfig, processor_config
 
 Grid = Sequence[tuple[int, int, int]]
 """Each image's (t, h, w) in patches, in the order of its patches (the dock's image_grid_thw rows)."""
@@ -175,6 +175,13 @@ class VisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(args) for _ in range(args.depth))
         self.merger = PatchMerger(args)
 
+    def blank_images(self) -> Images:
+        """One black image of one merge unit (the smallest the tower takes)."""
+        m = self.args.spatial_merge_size
+        weight = self.patch_embed.proj.weight
+        pixels = torch.zeros(m * m, self.args.patch_dim, dtype=weight.dtype, device=weight.device)
+        return Images(pixels, ((1, m, m),))
+
     def forward(self, images: Images) -> torch.Tensor:
         """Image embeddings [U, H] (U = P / m^2) in the dtype of the parameters."""
         args, grid = self.args, images.grid
@@ -292,3 +299,44 @@ def mrope_positions(
     positions = torch.cat(streams, dim=1) if streams else torch.zeros(3, 0, dtype=torch.int64)
     delta = int(positions.max()) + 1 - len(ids) if ids else 0
     return positions, delta
+
+
+@dataclass(frozen=True)
+class VisionInputs:
+    """How a vision model reads its rows: the image processor (for the dock's uint8 patches), the image-pad
+    token and the merge size (for the multimodal positions). `for_model` reads them from a model directory."""
+
+    processor: ProcessorConfig
+    image_token_id: int
+    merge_size: int
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path, args: ModelArgs) -> VisionInputs:
+        """From `model_dir`'s preprocessor_config.json and its args; raises FileNotFoundError naming the file."""
+        assert args.vision is not None, "VisionInputs are a vision model's"
+        path = Path(model_dir) / PREPROCESSOR_FILE
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} is missing: a vision model's directory holds its image processor's settings "
+                "(transformers writes it with the model; dockrl make-tiny --family qwen2_5_vl does too)"
+            )
+        return cls(processor_config(path), args.image_token_id, args.vision.spatial_merge_size)
+
+    def images(
+        self, rows: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device | str
+    ) -> Images | None:
+        """The rows' images, row after row ((uint8 patches [N_i, C*t*p*p], grid [n_i, 3]) each; a row without
+        images has 0 of both): None when no row has one."""
+        patches = [torch.as_tensor(p) for p, grid in rows if len(grid)]
+        if not patches:
+            return None
+        grid = tuple(
+            (int(t), int(h), int(w)) for _, row_grid in rows for t, h, w in torch.as_tensor(row_grid).tolist()
+        )
+        pixel_values = normalize_patches(torch.cat(patches).to(device), self.processor)
+        return Images(pixel_values, grid)
+
+    def positions(self, token_ids: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """mrope_positions of one row (its tokens [L], its images' grid [n, 3])."""
+        rows = [tuple(g) for g in torch.as_tensor(grid).tolist()]
+        return mrope_positions(token_ids, rows, self.image_token_id, self.merge_size)

@@ -3,7 +3,7 @@
     PIL image --RGB (alpha on white)--> smart_resize (multiple of patch*merge, min/max pixels)
               --PIL bicubic--> uint8 [3, H, W] --patchify--> uint8 [n_patches, 3*temporal*patch*patch]
 
-This is transformers' PIL image processor (models/qwen2_vl/image_processing_pil_qwen2_vl.py) stopped before
+This is transformers' PIL image processor (Qwen2VLImageProcessorPil, image_processing_pil_qwen2_vl) stopped before
 its rescale and normalize: its resize goes through PIL and back to uint8, so the pixels here are exactly the
 ones it rescales, and models/vision.py `normalize_patches` finishes the job in torch (4x smaller in the dock
 than fp32 and exact). Patch order is the processor's: merge windows row-major, the merge_size x merge_size

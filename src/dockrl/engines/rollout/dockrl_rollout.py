@@ -28,7 +28,9 @@ class DockrlRollout:
     def engine(self) -> Any:
         """The continuous-batching engine on the host's model (dock_feed.step_engine)."""
         if self._engine is None:
-            self._engine = step_engine(self.host.model, self.spec, self.host.pad_token_id, self.host.decode)
+            self._engine = step_engine(
+                self.host.model, self.spec, self.host.pad_token_id, self.host.decode, self.host.vision
+            )
         return self._engine
 
     def release(self, free_memory: bool) -> None:

@@ -30,6 +30,12 @@ Tensor parallelism (issue 3's layouts) touches only `_forward_last`: the model's
 head. Everything else - slots, cache bookkeeping, sampling - is per rank identical, driven by the same
 host-side decisions on every rank of a TP group, and sees full-vocabulary logits.
 
+Vision models (qwen2_5_vl): a request may carry images (`Request.images`: the dock's uint8 patches and grid).
+The prefill runs the vision tower over the admitted prompts' images and computes with multimodal positions
+(models/vision.py `mrope_positions`: 3 streams, an image's tokens placed on its grid); each slot keeps its
+prompt's rope delta, and a decoded token at cache position c has position c + delta in all three streams.
+So cache position == RoPE position holds for text models only.
+
 Seeds: each sample carries its own seed; the uniform of its t-th token is a pure function of (seed, t)
 (see `sampling.counter_uniforms`), so results do not depend on the batch or on arrival order.
 """
@@ -48,6 +54,7 @@ import torch
 from dockrl.engines.rollout.sampling import RowSettings, SamplingParams, sample_rows
 from dockrl.models.decoder import KVCache, Transformer
 from dockrl.models.moe import Routing, routing
+from dockrl.models.vision import Images, VisionInputs
 
 _IDLE = SamplingParams(max_new_tokens=1, temperature=0.0)
 # Move the running samples into the lowest slots once fewer than this share of the rows [0, hi) run: one copy
@@ -75,6 +82,9 @@ class Request:
     """How every sample of this request is drawn."""
     tag: Any = None
     """Caller's handle, returned with each Completion (e.g. dock row ids)."""
+    images: tuple[torch.Tensor, torch.Tensor] | None = None
+    """A vision model's prompt images: (uint8 patches [N, C*t*p*p], grid [n, 3]) as the dock holds them; the
+    prompt holds their <|image_pad|> tokens. None (or 0 images): text."""
 
 
 @dataclass
@@ -138,6 +148,7 @@ class RolloutEngine:
         pad_token_id: int = 0,
         detokenize: Callable[[list[int]], str] | None = None,
         record_routes: bool = False,
+        vision: VisionInputs | None = None,
     ) -> None:
         limit = model.args.max_position_embeddings
         if num_slots < 1:
@@ -148,6 +159,12 @@ class RolloutEngine:
             )
         self.model, self.num_slots, self.max_seq_len = model, num_slots, max_seq_len
         self.pad_token_id, self.detokenize = pad_token_id, detokenize
+        if (vision is None) != (model.args.vision is None):
+            raise ValueError(
+                f"rollout engine: model family={model.args.family!r} with vision inputs={vision is not None}; a "
+                "vision model needs them (VisionInputs.for_model) and a text model takes none"
+            )
+        self.vision = vision
         # MoE: each Generation carries the experts its tokens were routed to (routing replay, routing stats).
         self.record_routes = record_routes and model.args.is_moe
         self.moe_layers = model.args.moe_layers
@@ -164,6 +181,8 @@ class RolloutEngine:
         self.seeds = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self.steps = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # tokens drawn so far
         self.active = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # 1 = running
+        # Vision models: RoPE position - cache position of each slot's decoded tokens (its prompt's rope delta)
+        self.rope_deltas = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self._all_keys = torch.ones(num_slots, max_seq_len, dtype=torch.bool, device=self.device)
         self._settings: RowSettings | None = None  # of the decoded rows, rebuilt when they change
         self._settings_key: int | None = None  # the hi they were built for
@@ -203,6 +222,8 @@ class RolloutEngine:
             )
         if params.stop_strings and self.detokenize is None:
             raise ValueError(f"request {request.tag!r} has stop_strings but the engine has no detokenize")
+        if request.images is not None and len(request.images[1]) and self.vision is None:
+            raise ValueError(f"request {request.tag!r} has images but the model has no vision tower")
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -256,9 +277,8 @@ class RolloutEngine:
             return []
         row_slots = [slot for _, slots in admitted for slot in slots]
         row_prompt = [i for i, (_, slots) in enumerate(admitted) for _ in slots]
-        prompts = [request.prompt_ids for request, _ in admitted]
         with self._routes() as seen:
-            logits = self._prefill(prompts, row_slots, row_prompt)
+            logits, deltas = self._prefill([request for request, _ in admitted], row_slots, row_prompt)
         for g, (request, slots) in enumerate(admitted):
             prefix = self._layer_routes(seen, g, len(request.prompt_ids)) if seen is not None else None
             for sample, slot in enumerate(slots):
@@ -274,6 +294,7 @@ class RolloutEngine:
         )
         self.steps[index] = 0
         self.active[index] = 1
+        self.rope_deltas[index] = torch.tensor([deltas[i] for i in row_prompt], device=self.device)
         self._settings = None
         settings = RowSettings.build([admitted[i][0].params for i in row_prompt], self.device)
         row_logits = logits[torch.tensor(row_prompt, device=self.device)]  # [R, V]
@@ -282,8 +303,12 @@ class RolloutEngine:
         self.steps[index] += 1
         return self._record(row_slots, tokens.tolist(), logprobs.tolist())
 
-    def _prefill(self, prompts: list[list[int]], row_slots: list[int], row_prompt: list[int]) -> torch.Tensor:
-        """Run each prompt once, copy its KV into the slots of its samples; returns last logits [G, V]."""
+    def _prefill(
+        self, requests: list[Request], row_slots: list[int], row_prompt: list[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Run each prompt once, copy its KV into the slots of its samples; returns last logits [G, V] and each
+        prompt's rope delta (0 for text)."""
+        prompts = [request.prompt_ids for request in requests]
         num_prompts, longest = len(prompts), max(len(prompt) for prompt in prompts)
         ids = torch.full((num_prompts, longest), self.pad_token_id, dtype=torch.long)  # [G, P]
         for row, prompt in enumerate(prompts):
@@ -291,7 +316,8 @@ class RolloutEngine:
         # Right padding: pads sit after every real token, so causal attention alone keeps them unseen.
         scratch = KVCache(self.model.args, num_prompts, longest, self.cache_dtype, self.device)
         last = torch.tensor([len(prompt) - 1 for prompt in prompts], device=self.device)  # [G]
-        logits = self._forward_last(ids.to(self.device), None, None, scratch, 0, last)  # [G, V]
+        positions, images, deltas = self._multimodal(requests, ids)
+        logits = self._forward_last(ids.to(self.device), positions, None, scratch, 0, last, images)  # [G, V]
         slots = torch.tensor(row_slots, device=self.device)  # [R]
         sources = torch.tensor(row_prompt, device=self.device)  # [R]
         for layer in range(len(self.cache.k)):
@@ -299,7 +325,27 @@ class RolloutEngine:
             self.cache.v[layer][slots, :, :longest] = scratch.v[layer][sources]
         self.stats["prefill_calls"] += 1
         self.stats["prefill_prompts"] += num_prompts
-        return logits
+        return logits, deltas
+
+    def _multimodal(
+        self, requests: list[Request], ids: torch.Tensor
+    ) -> tuple[torch.Tensor | None, Images | None, list[int]]:
+        """A vision model's prefill inputs: positions [3, G, P] (a prompt's right padding continues its text
+        positions; never attended), the prompts' images in row order, each prompt's rope delta. Text
+        models: (None, None, zeros)."""
+        if self.vision is None:
+            return None, None, [0] * len(requests)
+        empty = (torch.zeros(0, self.vision.processor.patch_dim, dtype=torch.uint8), torch.zeros(0, 3))
+        rows = [request.images if request.images is not None else empty for request in requests]
+        positions = torch.zeros(3, *ids.shape, dtype=torch.long)
+        deltas = []
+        for row, (request, (_, grid)) in enumerate(zip(requests, rows)):
+            length = len(request.prompt_ids)
+            row_positions, delta = self.vision.positions(ids[row, :length], grid)
+            positions[:, row, :length] = row_positions
+            positions[:, row, length:] = torch.arange(length, ids.shape[1]) + delta
+            deltas.append(delta)
+        return positions.to(self.device), self.vision.images(rows, self.device), deltas
 
     def _forward_last(
         self,
@@ -309,6 +355,7 @@ class RolloutEngine:
         cache: KVCache,
         cache_offset: int | torch.Tensor,
         last: torch.Tensor | None,
+        images: Images | None = None,
     ) -> torch.Tensor:
         """The one model call: hidden states, then LM-head logits of token `last[b]` of each row -> [B, V].
 
@@ -320,7 +367,7 @@ class RolloutEngine:
             hidden = self.model.hidden_states_per_row(input_ids, cache, cache_offset, key_mask, position_ids)
         else:  # prefill: the rows of one prompt's samples at the same offset
             hidden = self.model.hidden_states(
-                input_ids, position_ids, key_mask, cache, cache_offset
+                input_ids, position_ids, key_mask, cache, cache_offset, images=images
             )  # [B, T, H]
         if last is None:
             picked = hidden[:, -1]
@@ -346,7 +393,7 @@ class RolloutEngine:
         with self._routes() as seen:
             logits = self._forward_last(
                 self.pending[:hi][:, None],
-                offsets[:, None],
+                offsets[:, None] if self.vision is None else (offsets + self.rope_deltas[:hi])[:, None],
                 self._all_keys[:hi, :num_keys],
                 self.cache.rows(hi),
                 offsets,
@@ -379,7 +426,7 @@ class RolloutEngine:
         for layer in range(len(self.cache.k)):
             self.cache.k[layer][dest, :, :written] = self.cache.k[layer][source, :, :written]
             self.cache.v[layer][dest, :, :written] = self.cache.v[layer][source, :, :written]
-        for state in (self.lengths, self.pending, self.seeds, self.steps, self.active):
+        for state in (self.lengths, self.pending, self.seeds, self.steps, self.active, self.rope_deltas):
             state[dest] = state[source]
         self.active[source] = 0
         self.lengths[source] = 0  # idle slots write only at position 0 (see the module docstring)
