@@ -6,6 +6,7 @@ reduction lengths from pixels to a logit, M = max(1, max |logit|)); a log-prob i
 log-sum-exp of logits, so twice that.
 """
 
+import dataclasses
 import shutil
 
 import numpy as np
@@ -70,12 +71,18 @@ def _rows(model_dir):
 
 
 @torch.no_grad()
-def _full_logprobs(model, vision: VisionInputs, ids: list[int], images, mrope: bool = True):
-    """log_softmax of one forward over the whole row [T, V], and its largest |logit|."""
+def _full_logprobs(model, vision: VisionInputs, ids: list[int], images, mrope: bool = True, prompt_len=None):
+    """log_softmax of one forward over the whole row [T, V] (images in its first prompt_len tokens), and its
+    largest |logit|."""
     input_ids = torch.tensor([ids])
-    positions, _ = vision.positions(input_ids[0], images[1])
+    prompt_len = len(ids) if prompt_len is None else prompt_len
+    positions, _ = vision.positions(input_ids[0], images[1], prompt_len)
     position_ids = positions[:, None] if mrope else None
-    logits = model(input_ids, position_ids=position_ids, images=vision.images([images], "cpu"))
+    found = vision.images([images], "cpu")
+    if found is not None:
+        mask = (input_ids == vision.image_token_id) & (torch.arange(len(ids)) < prompt_len)
+        found = dataclasses.replace(found, token_mask=mask)
+    logits = model(input_ids, position_ids=position_ids, images=found)
     return torch.log_softmax(logits[0].float(), dim=-1), logits.abs().max().item()
 
 
@@ -125,13 +132,15 @@ def test_rollout_engine_needs_vision_inputs_for_a_vision_model(tiny_vl):
 @pytest.mark.parametrize("packing", [True, False])
 def test_training_pass_logprobs_equal_a_full_forward(tiny_vl, packing):
     """The reference / old-log-prob pass (TrainEngine.logprobs): rows with images of different sizes and a
-    text row in one micro-batch, packed ([3, 1, S] positions) or padded ([3, B, T])."""
+    text row in one micro-batch, packed ([3, 1, S] positions) or padded ([3, B, T]); a response that sampled
+    the image-pad token scores it as text."""
     engine = TrainEngine(str(tiny_vl), device="cpu", precision="fp32", trainable=False, packing=packing)
     model = load_model(tiny_vl).eval()
     vision = VisionInputs.for_model(tiny_vl, model.args)
     rows = _rows(tiny_vl)
     generator = torch.Generator().manual_seed(0)
     responses = [torch.randint(3, 400, (n,), generator=generator) for n in (5, 3, 7)]
+    responses[0][2] = vision.image_token_id
     logps, _ = engine.logprobs(
         [torch.tensor(ids) for ids, _ in rows],
         responses,
@@ -142,7 +151,7 @@ def test_training_pass_logprobs_equal_a_full_forward(tiny_vl, packing):
         images=[images for _, images in rows],
     )
     for (ids, images), response, row_logps in zip(rows, responses, logps):
-        full, max_logit = _full_logprobs(model, vision, ids + response.tolist(), images)
+        full, max_logit = _full_logprobs(model, vision, ids + response.tolist(), images, prompt_len=len(ids))
         expected = full[len(ids) - 1 : len(ids) - 1 + len(response)].gather(1, response[:, None])[:, 0]
         bound = _bound(model, max_logit, len(ids) + len(response), images[0].shape[0])
         assert (row_logps - expected).abs().max().item() <= bound

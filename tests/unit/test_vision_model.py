@@ -177,8 +177,12 @@ def test_rope_delta_continues_text_positions():
 def test_make_tiny_vision_model_loads_in_transformers_with_dockrl_logits(tmp_path):
     """make-tiny's qwen2_5_vl directory: its chat template puts the image in the user turn, its processor
     config gives the patches, and transformers computes dockrl's logits from the files."""
-    out = make_tiny(tmp_path, family="qwen2_5_vl")
+    out = make_tiny(tmp_path / "tiny", family="qwen2_5_vl")
     model = load_model(out).eval()
+    save_model(model, model.args, tmp_path / "export", tokenizer_dir=out)  # an export keeps the processor
+    assert (tmp_path / "export" / "preprocessor_config.json").read_text() == (
+        out / "preprocessor_config.json"
+    ).read_text()
     tokenizer = Tokenizer.from_dir(out)
     assert 0.3e6 < model.args.num_params() < 2e6
     message = [{"type": "image"}, {"type": "text", "text": "What is 2+3?"}]

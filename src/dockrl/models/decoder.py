@@ -261,15 +261,18 @@ class DecoderModel(nn.Module):
         write: CacheWrite | None = None,
         segments: tuple[int, ...] | None = None,
         image_embeds: torch.Tensor | None = None,
+        image_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [B, T, H]; arguments as in `Transformer.hidden_states`; image_embeds
-        [U, H] replace the embeddings of the <|image_pad|> tokens, in order."""
+        [U, H] replace the embeddings of the tokens of image_mask [B, T] (None: the <|image_pad|> tokens), in
+        order."""
         batch, seq = input_ids.shape
         if segments is not None:
             _check_segments(segments, batch, seq, key_mask, write)
         x = self.embed_tokens(input_ids)  # [B, T, H]
         if image_embeds is not None:
-            x = _merge_image_embeds(x, input_ids, image_embeds, self.args.image_token_id)
+            is_image = input_ids == self.args.image_token_id if image_mask is None else image_mask
+            x = _merge_image_embeds(x, is_image, image_embeds)
         rope = self._rope(position_ids, x.dtype)
         mask: torch.Tensor | None
         if write is not None and write.row_offsets is not None:
@@ -408,7 +411,10 @@ class Transformer(nn.Module):
             position_ids = torch.arange(cache_offset, cache_offset + seq, device=input_ids.device)
             position_ids = position_ids.expand(batch, seq)
         write = None if kv_cache is None else CacheWrite(kv_cache, offset=cache_offset)
-        hidden = self.model(input_ids, position_ids, key_mask, write, segments, self.image_embeds(images))
+        mask = None if images is None else images.token_mask
+        hidden = self.model(
+            input_ids, position_ids, key_mask, write, segments, self.image_embeds(images), mask
+        )
         if images is None and self._trains_vision():
             # A trainable tower takes part in every backward, images or not: under FSDP2 every rank then
             # reduces the same gradients (zeros here), whichever rows it got.
@@ -453,7 +459,8 @@ class Transformer(nn.Module):
         if position_ids is None:
             position_ids = row_offsets[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
         write = CacheWrite(kv_cache, row_offsets=row_offsets)
-        return self.model(input_ids, position_ids, key_mask, write, None, self.image_embeds(images))
+        mask = None if images is None else images.token_mask
+        return self.model(input_ids, position_ids, key_mask, write, None, self.image_embeds(images), mask)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None, std: float = 0.02) -> None:
@@ -487,11 +494,8 @@ def _mrope_angles(freqs: torch.Tensor, section: tuple[int, ...] | None) -> torch
     return torch.cat([chunk[i % 3] for i, chunk in enumerate(freqs.split(list(section), dim=-1))], dim=-1)
 
 
-def _merge_image_embeds(
-    x: torch.Tensor, input_ids: torch.Tensor, image_embeds: torch.Tensor, image_token_id: int
-) -> torch.Tensor:
-    """x [B, T, H] with the rows of image_embeds [U, H] at the image-pad tokens of input_ids [B, T], in order."""
-    is_image = input_ids == image_token_id  # [B, T]
+def _merge_image_embeds(x: torch.Tensor, is_image: torch.Tensor, image_embeds: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H] with the rows of image_embeds [U, H] at the tokens of is_image [B, T], in order."""
     num_tokens = int(is_image.sum())
     if num_tokens != image_embeds.shape[0]:
         raise ValueError(

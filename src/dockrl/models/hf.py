@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ from dockrl.models.config import (  # read_config lives there, torch-free: the d
 )
 from dockrl.models.decoder import Transformer
 from dockrl.models.tokenizer import copy_tokenizer_files
+from dockrl.models.vision_processing import PREPROCESSOR_FILE
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 LM_HEAD_KEY = "lm_head.weight"
@@ -454,6 +456,9 @@ class HFWriter:
         _write_json(self.path / GENERATION_CONFIG_FILE, generation_config)
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, self.path)
+            processor = Path(tokenizer_dir) / PREPROCESSOR_FILE
+            if self.args.vision is not None and processor.is_file():  # a vision model's image processor
+                shutil.copyfile(processor, self.path / PREPROCESSOR_FILE)
 
 
 def _prepare_for_saving(

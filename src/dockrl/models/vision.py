@@ -53,10 +53,13 @@ class Images:
     """The images of one forward pass: every image's patches end to end and its grid.
 
     pixel_values [P, C*t*p*p] (normalize_patches of the dock's uint8 patches); grid rows (t, h, w), one per
-    image, in the order the images' <|image_pad|> runs appear in input_ids (row by row for a batch)."""
+    image, in the order the images' <|image_pad|> runs appear in input_ids (row by row for a batch).
+    token_mask: bool, the shape of input_ids: the tokens the embeddings replace (the prompts' image pads: a
+    sampled response may hold the pad token too, as text); None: every image-pad token."""
 
     pixel_values: torch.Tensor
     grid: tuple[tuple[int, int, int], ...]
+    token_mask: torch.Tensor | None = None
 
     @classmethod
     def from_grid_thw(cls, pixel_values: torch.Tensor, grid_thw: torch.Tensor | Grid) -> Images:
@@ -254,7 +257,11 @@ def window_order(grid: Grid, args: VisionArgs) -> tuple[list[int], list[int]]:
 
 
 def mrope_positions(
-    token_ids: Sequence[int] | torch.Tensor, grid: Grid, image_token_id: int, merge_size: int
+    token_ids: Sequence[int] | torch.Tensor,
+    grid: Grid,
+    image_token_id: int,
+    merge_size: int,
+    num_prompt_tokens: int | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Multimodal RoPE positions of one sequence (transformers' get_rope_index for images): (int64 [3, T] of
     the temporal, height and width streams, rope delta).
@@ -263,16 +270,18 @@ def mrope_positions(
     image grid[k] (t, h, w): starting at s (the next text position), its token (i, j) of frame f gets
     (s + f, s + i, s + j) for a (h / m) x (w / m) unit grid, and the text after it continues at
     s + max(h, w) / m. delta = max position + 1 - T: a token appended at index T + n has position T + n +
-    delta in every stream (the rollout's decode)."""
+    delta in every stream (the rollout's decode). With `num_prompt_tokens`, image runs are read in the first
+    that many tokens only: a response is text, whatever tokens it sampled."""
     ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+    prompt_end = len(ids) if num_prompt_tokens is None else num_prompt_tokens
     streams: list[torch.Tensor] = []
     grids = [(int(t), int(h), int(w)) for t, h, w in grid]
     images = iter(enumerate(grids))
     next_position, index = 0, 0
     while index < len(ids):
         end = index
-        is_image = ids[index] == image_token_id
-        while end < len(ids) and (ids[end] == image_token_id) == is_image:
+        is_image = ids[index] == image_token_id and index < prompt_end
+        while end < len(ids) and (ids[end] == image_token_id and end < prompt_end) == is_image:
             end += 1
         if not is_image:
             streams.append(torch.arange(next_position, next_position + end - index).expand(3, -1))
@@ -336,7 +345,10 @@ class VisionInputs:
         pixel_values = normalize_patches(torch.cat(patches).to(device), self.processor)
         return Images(pixel_values, grid)
 
-    def positions(self, token_ids: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """mrope_positions of one row (its tokens [L], its images' grid [n, 3])."""
+    def positions(
+        self, token_ids: torch.Tensor, grid: torch.Tensor, num_prompt_tokens: int | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """mrope_positions of one row (its tokens [L], its images' grid [n, 3], images in its first
+        num_prompt_tokens tokens)."""
         rows = [tuple(g) for g in torch.as_tensor(grid).tolist()]
-        return mrope_positions(token_ids, rows, self.image_token_id, self.merge_size)
+        return mrope_positions(token_ids, rows, self.image_token_id, self.merge_size, num_prompt_tokens)

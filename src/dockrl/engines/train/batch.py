@@ -18,6 +18,7 @@ model's forward takes with the ids.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -201,11 +202,25 @@ def _add_images(
     vision: VisionInputs,
     device: torch.device | str,
 ) -> None:
-    """Set `batch.images` and its multimodal `position_ids` (module docstring) from the rows' images."""
-    batch.images = vision.images(images, device)
-    rows = [vision.positions(seq, grid)[0] for seq, (_, grid) in zip(seqs, images)]  # [3, L_i] each
+    """Set `batch.images` and its multimodal `position_ids` (module docstring) from the rows' images: image
+    tokens are read in each row's prompt only (a response that sampled the image-pad token holds it as text)."""
+    prompt_lens = [s + 1 for s in batch.starts]
+    rows = [
+        vision.positions(seq, grid, n)[0] for seq, (_, grid), n in zip(seqs, images, prompt_lens)
+    ]  # [3, L_i]
+    is_image = [
+        (seq == vision.image_token_id) & (torch.arange(len(seq)) < n) for seq, n in zip(seqs, prompt_lens)
+    ]
+    found = vision.images(images, device)
     if batch.packing is not None:
         batch.position_ids = torch.cat(rows, dim=1)[:, None].to(device)  # [3, 1, S]
+        mask = torch.cat(is_image)[None]  # [1, S]
+    else:
+        mask = torch.zeros(batch.input_ids.shape, dtype=torch.bool)  # [B, T]
+        for i, row_mask in enumerate(is_image):
+            mask[i, : len(row_mask)] = row_mask
+    batch.images = None if found is None else dataclasses.replace(found, token_mask=mask.to(device))
+    if batch.packing is not None:
         return
     width = batch.input_ids.shape[1]
     grid = torch.zeros(3, len(rows), width, dtype=torch.long)
