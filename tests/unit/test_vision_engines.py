@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from dockrl.engines.rollout.rollout_engine import Request, RolloutEngine
+from dockrl.engines.rollout.sampler import generate
 from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.engines.train.train_engine import TrainEngine
 from dockrl.models.hf import load_model, save_model
@@ -187,3 +188,20 @@ def test_images_of_an_images_batch_go_in_row_order(tiny_vl):
     assert isinstance(images, Images)
     assert images.grid == tuple(tuple(g) for r in rows for g in r[1][1].tolist())
     assert vision.images([rows[2][1]], "cpu") is None
+
+
+def test_generate_takes_a_vision_models_images(tiny_vl):
+    """The batch API (held-out evaluation, `dockrl eval`): image and text prompts of a vision model."""
+    model = load_model(tiny_vl).eval()
+    vision = VisionInputs.for_model(tiny_vl, model.args)
+    (ids, images), _, (text_ids, _) = _rows(tiny_vl)
+    params = SamplingParams(max_new_tokens=3, temperature=0.0)
+    image_out, text_out = generate(
+        model, [ids, text_ids], params, [0, 0], vision=vision, images=[images, None]
+    )
+    full, max_logit = _full_logprobs(model, vision, ids + image_out.token_ids.tolist(), images)
+    targets = image_out.token_ids
+    expected = full[len(ids) - 1 : len(ids) - 1 + len(targets)].gather(1, targets[:, None])[:, 0]
+    bound = _bound(model, max_logit, len(full), images[0].shape[0])
+    assert (image_out.logprobs - expected).abs().max().item() <= bound
+    assert len(text_out.token_ids) == 3

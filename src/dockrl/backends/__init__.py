@@ -67,8 +67,11 @@ class Rollout(Protocol):
         copy of its own) until the next sync."""
         ...
 
-    def generate(self, prompts: list[list[int]], params: Any, seeds: list[int]) -> list[Any]:
-        """One completion (a Generation) per prompt outside the dock (held-out evaluation), in prompt order."""
+    def generate(
+        self, prompts: list[list[int]], params: Any, seeds: list[int], images: list | None = None
+    ) -> list[Any]:
+        """One completion (a Generation) per prompt outside the dock (held-out evaluation), in prompt order; a
+        vision model's prompts with their images (per prompt (uint8 patches, grid) or None)."""
         ...
 
 

@@ -437,11 +437,16 @@ class ActorWorker(Worker):
         return path
 
     def evaluate(
-        self, prompts: list[list[int]], max_new_tokens: int, env_rows: list[dict] | None = None
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        env_rows: list[dict] | None = None,
+        images: list | None = None,
     ) -> list[list[int]]:
         """Greedy responses for held-out prompts with the current policy (this rank's share; under
         rollout tensor parallelism the replica head's share, answered by the head only). Multi-turn runs
-        (`env_rows`: each prompt's environment row) play whole trajectories and answer with the final turn."""
+        (`env_rows`: each prompt's environment row) play whole trajectories and answer with the final turn. A
+        vision model's prompts come with `images` (per prompt (uint8 patches, grid) or None)."""
         if self.rollout_stale:
             self.sync_rollout_weights()
         prompts = self.rollout_client.broadcast(prompts)
@@ -452,7 +457,12 @@ class ActorWorker(Worker):
             answers = self._evaluate_trajectories(prompts, self.rollout_client.broadcast(env_rows), params)
             self.leave_rollout()
             return answers if self.rollout_client.is_head else []
-        outs = self.rollout.generate(prompts, params, [0] * len(prompts))
+        if images is not None:
+            outs = self.rollout.generate(
+                prompts, params, [0] * len(prompts), self.rollout_client.broadcast(images)
+            )
+        else:
+            outs = self.rollout.generate(prompts, params, [0] * len(prompts))
         self.leave_rollout()
         return [o.token_ids.tolist() for o in outs] if self.rollout_client.is_head else []
 

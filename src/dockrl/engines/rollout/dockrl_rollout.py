@@ -38,8 +38,11 @@ class DockrlRollout:
         if free_memory:
             self._engine = None
 
-    def generate(self, prompts: list[list[int]], params: Any, seeds: list[int]) -> list[Any]:
-        """Held-out prompts on a batch engine of their own (rollout.max_batch_size sequences at once)."""
+    def generate(
+        self, prompts: list[list[int]], params: Any, seeds: list[int], images: list | None = None
+    ) -> list[Any]:
+        """Held-out prompts on a batch engine of their own (rollout.max_batch_size sequences at once); a vision
+        model's prompts with their images (per prompt (uint8 patches, grid) or None)."""
         return generate(
             self.host.model,
             prompts,
@@ -47,4 +50,6 @@ class DockrlRollout:
             seeds,
             pad_token_id=self.host.pad_token_id,
             max_batch_size=self.spec.max_batch_size,
+            vision=self.host.vision,
+            images=images,
         )
