@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForImageTextToText,
     AutoTokenizer,
@@ -208,3 +209,26 @@ def test_make_tiny_vision_model_loads_in_transformers_with_dockrl_logits(tmp_pat
         images = Images.from_grid_thw(pixel_values, grid)
         logits = model(input_ids, position_ids=positions[:, None], images=images)
     assert (logits - expected).abs().max().item() <= _bound(model.args, expected, patches.shape[0])
+
+
+def test_transformers_4_layout_loads(tmp_path):
+    """Checkpoints written by transformers 4.5x name the parts model.language_model.* and model.visual.*."""
+    hf_model = _hf_model()
+    hf_model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    renamed = {_transformers_4_name(name): tensor for name, tensor in weights.items()}
+    assert any(k.startswith("model.visual.") for k in renamed)
+    save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(tmp_path).eval()
+    ids, patches, grid = _sample()
+    expected = _hf_logits(hf_model, ids, patches, grid)
+    logits = _dockrl_logits(model, ids, patches, grid)
+    assert (logits - expected).abs().max().item() <= _bound(model.args, expected, patches.shape[0])
+
+
+def _transformers_4_name(name: str) -> str:
+    if name.startswith("visual."):
+        return "model." + name
+    if name.startswith("model."):
+        return "model.language_model." + name.removeprefix("model.")
+    return name  # lm_head.weight
