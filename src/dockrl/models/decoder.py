@@ -37,6 +37,7 @@ from torch import nn
 from dockrl.models.attention import causal_attention, packed_causal_attention, sdpa
 from dockrl.models.config import ModelArgs
 from dockrl.models.moe import MoEBlock
+from dockrl.models.rms_norm import RMSNorm
 
 if TYPE_CHECKING:
     from dockrl.models.vision import Images
@@ -118,22 +119,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     transformers' x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1): roll(x) = cat(x2, x1) times
     sin with its first half negated gives the same products bit for bit (negation is exact) in fewer ops."""
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back before the weight multiply (Hugging Face order)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., dim] -> same shape and dtype."""
-        input_dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(input_dtype)
 
 
 class Attention(nn.Module):

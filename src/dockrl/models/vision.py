@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dockrl.models.config import ModelArgs, VisionArgs
-from dockrl.models.decoder import RMSNorm
+from dockrl.models.rms_norm import RMSNorm
 from dockrl.models.vision_processing import PREPROCESSOR_FILE, ProcessorConfig, processor_config
 
 Grid = Sequence[tuple[int, int, int]]
