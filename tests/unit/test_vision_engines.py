@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from dockrl.engines.rollout.dock_feed import serve_from_dock
 from dockrl.engines.rollout.rollout_engine import Request, RolloutEngine
 from dockrl.engines.rollout.sampler import generate
 from dockrl.engines.rollout.sampling import SamplingParams
@@ -205,3 +206,52 @@ def test_generate_takes_a_vision_models_images(tiny_vl):
     bound = _bound(model, max_logit, len(full), images[0].shape[0])
     assert (image_out.logprobs - expected).abs().max().item() <= bound
     assert len(text_out.token_ids) == 3
+
+
+class _ImageDock:
+    """DockClient's get/put for the rollout over whole groups of two rows with image columns."""
+
+    def __init__(self, rows: list[tuple[list[int], tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        self.rows = [row for row in rows for _ in range(2)]
+        self.served = 0
+        self.responses: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, consumer, columns, count, *, whole_groups, min_count, timeout_s=None):
+        assert columns == ["prompt_ids", "image_patches", "image_grid_thw"] and whole_groups
+        if self.served == len(self.rows):
+            return None
+        rows = list(range(self.served, min(self.served + count, len(self.rows))))
+        self.served = rows[-1] + 1
+        picked = [self.rows[r] for r in rows]
+        return rows, {
+            "prompt_ids": [torch.tensor(ids) for ids, _ in picked],
+            "image_patches": [images[0] for _, images in picked],
+            "image_grid_thw": [images[1] for _, images in picked],
+        }
+
+    def put(self, producer, rows, batch):
+        for row, ids, logprobs in zip(rows, batch["response_ids"], batch["rollout_logprobs"]):
+            self.responses[row] = (ids, logprobs)
+
+
+def test_dock_rows_bring_their_images_to_the_rollout(tiny_vl):
+    """serve_from_dock pulls the image columns with the prompts: two groups ask the same question about two
+    images of one size (the same prompt ids), and each row's log-probs are those of its own image."""
+    model = load_model(tiny_vl).eval()
+    vision = VisionInputs.for_model(tiny_vl, model.args)
+    rows = [_row(tiny_vl, "What is 2+3?", [_image(seed, 84, 112)]) for seed in (5, 6)]
+    assert rows[0][0] == rows[1][0] and not torch.equal(rows[0][1][0], rows[1][1][0])
+    dock = _ImageDock(rows)
+    engine = RolloutEngine(model, num_slots=4, max_seq_len=256, vision=vision)
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    stats = serve_from_dock(
+        engine, dock, consumer="rollout", params=params, group_size=2, groups_per_pull=2, row_seed=lambda r: r
+    )
+    assert stats["prefill_prompts"] == 2 and sorted(dock.responses) == [0, 1, 2, 3]
+    for row, (ids, logprobs) in dock.responses.items():
+        prompt, images = dock.rows[row]
+        full, max_logit = _full_logprobs(model, vision, prompt + ids.tolist(), images)
+        expected = full[len(prompt) - 1 : len(prompt) - 1 + len(ids)].gather(1, ids[:, None])[:, 0]
+        assert (logprobs - expected).abs().max().item() <= _bound(
+            model, max_logit, len(full), images[0].shape[0]
+        )

@@ -303,14 +303,23 @@ def _requests(
     previous: list[int] | None = None
     for i, (row, prompt_ids) in enumerate(zip(rows, batch[PROMPT_IDS])):
         prompt = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
-        if requests and prompt == previous and len(requests[-1].seeds) < group_size:
+        images = (batch[IMAGE_PATCHES][i], batch[IMAGE_GRID_THW][i]) if IMAGE_PATCHES in batch else None
+        same = requests and prompt == previous and _same_images(requests[-1].images, images)
+        if same and len(requests[-1].seeds) < group_size:
             requests[-1].seeds.append(row_seed(row))
             requests[-1].tag.append(row)
         else:
-            images = (batch[IMAGE_PATCHES][i], batch[IMAGE_GRID_THW][i]) if IMAGE_PATCHES in batch else None
             requests.append(Request(prompt, [row_seed(row)], params, tag=[row], images=images))
         previous = prompt
     return requests
+
+
+def _same_images(first: tuple | None, second: tuple | None) -> bool:
+    """Whether two rows' images (uint8 patches, grid) are the same: the same question about two images of one
+    size has the same prompt ids, and must not share a prefill."""
+    if first is None or second is None:
+        return first is second
+    return all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(first, second))
 
 
 @dataclass

@@ -502,6 +502,7 @@ class RolloutEngine:
         self.active[slot] = 0
         self.lengths[slot] = 0
         self.steps[slot] = 0
+        self.rope_deltas[slot] = 0
         self._settings = None
         generation = Generation(
             torch.tensor(state.token_ids, dtype=torch.long),
