@@ -73,8 +73,32 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@dataclass(frozen=True)
+class Spans:
+    """Where attention is bidirectional within spans of the patches (windows, or whole images), spans of equal
+    length batched: each group's token indices [n, L], and `restore` [P], the original order of the groups'
+    tokens laid end to end. One attention call per distinct length instead of per span (a Qwen2.5-VL image is
+    mostly full windows of one size), each call costing n L^2, never the P^2 of a masked call."""
+
+    groups: tuple[torch.Tensor, ...]
+    restore: torch.Tensor
+
+    @classmethod
+    def of(cls, bounds: Sequence[int], device: torch.device | str) -> Spans:
+        """From cumulative span bounds (0, ..., P)."""
+        starts_by_length: dict[int, list[int]] = {}
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            starts_by_length.setdefault(end - start, []).append(start)
+        groups = tuple(
+            torch.tensor(starts)[:, None] + torch.arange(length)
+            for length, starts in starts_by_length.items()
+        )
+        restore = torch.argsort(torch.cat([group.flatten() for group in groups]))
+        return cls(tuple(group.to(device) for group in groups), restore.to(device))
+
+
 class VisionAttention(nn.Module):
-    """Bidirectional multi-head attention within each span of `bounds`, 2-D rotary on q and k (fp32)."""
+    """Bidirectional multi-head attention within each of `spans`, 2-D rotary on q and k (fp32)."""
 
     def __init__(self, args: VisionArgs) -> None:
         super().__init__()
@@ -82,24 +106,22 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(args.hidden_size, 3 * args.hidden_size, bias=True)
         self.proj = nn.Linear(args.hidden_size, args.hidden_size, bias=True)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: Sequence[int]
-    ) -> torch.Tensor:
-        """x [P, E]; cos, sin [P, 1, D] fp32; bounds the cumulative span ends from 0 to P -> [P, E]."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: Spans) -> torch.Tensor:
+        """x [P, E]; cos, sin [P, 1, D] fp32 -> [P, E]."""
         num_patches = x.shape[0]
         q, k, v = (
             self.qkv(x).view(num_patches, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         )  # [P, N, D]
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, N, P, D]
-        # One call per span (as transformers' non-flash path): cost sum L_i^2, no [P, P] mask.
-        parts = [
-            F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])
-            for a, b in zip(bounds[:-1], bounds[1:])
-        ]
-        out = torch.cat(parts, dim=2).transpose(1, 2).reshape(num_patches, -1)  # [P, E]
-        return self.proj(out)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [N, P, D]
+        parts = []
+        for index in spans.groups:  # [n, L]
+            q_g, k_g, v_g = (t[:, index].transpose(0, 1) for t in (q, k, v))  # [n, N, L, D]
+            out_g = F.scaled_dot_product_attention(q_g, k_g, v_g)  # [n, N, L, D]
+            parts.append(out_g.transpose(0, 1).reshape(self.num_heads, -1, out_g.shape[-1]))  # [N, n L, D]
+        out = torch.cat(parts, dim=1)[:, spans.restore]  # [N, P, D]
+        return self.proj(out.transpose(0, 1).reshape(num_patches, -1))  # [P, E]
 
 
 class VisionMLP(nn.Module):
@@ -126,11 +148,9 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(args)
         self.mlp = VisionMLP(args)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: Sequence[int]
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spans: Spans) -> torch.Tensor:
         """x [P, E] -> [P, E]."""
-        x = x + self.attn(self.norm1(x), cos, sin, bounds)
+        x = x + self.attn(self.norm1(x), cos, sin, spans)
         return x + self.mlp(self.norm2(x))
 
 
@@ -201,10 +221,10 @@ class VisionTower(nn.Module):
         freqs = freqs.view(-1, unit, freqs.shape[-1])[order].reshape(num_patches, -1)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [P, 1, D]
         cos, sin = emb.cos(), emb.sin()
-        full_bounds = _cumulative([h * w for t, h, w in grid for _ in range(t)])
+        full = Spans.of(_cumulative([h * w for t, h, w in grid for _ in range(t)]), device)
+        windows = Spans.of(window_bounds, device)
         for index, block in enumerate(self.blocks):
-            bounds = full_bounds if index in args.fullatt_block_indexes else window_bounds
-            x = block(x, cos, sin, bounds)
+            x = block(x, cos, sin, full if index in args.fullatt_block_indexes else windows)
         merged = self.merger(x)  # [U, H] in window order
         return merged[torch.argsort(order)]
 
