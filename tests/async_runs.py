@@ -1,4 +1,4 @@
-"""What the asynchronous-run tests share (tests/e2e/test_separate_rollout.py, tests/slow/test_async_stragglers.py):
+"""What the asynchronous-run tests share (tests/slow/test_separate_rollout.py, tests/slow/test_async_stragglers.py):
 the separate-rollout config and one uninterrupted two-steps-ahead run. Each module registers the fixture:
 `two_ahead = pytest.fixture(scope="module")(async_runs.two_ahead)`."""
 

@@ -53,3 +53,26 @@ def fails_on_three(prompt, response, label):
     if "3" in response:
         raise RuntimeError("verifier crashed on a 3")
     return 1.0
+
+
+def pid_reward(prompt, response, label):
+    """The process id it ran in: says whether a call ran in the caller's process or the pool's."""
+    return float(os.getpid())
+
+
+def cheap_pid_reward(prompt, response, label):
+    """pid_reward, declared cheap (may run inline)."""
+    return float(os.getpid())
+
+
+cheap_pid_reward.cheap = True
+
+
+def cheap_but_hangs(prompt, response, label, *, seconds=60.0):
+    """Declared cheap, but hangs for `seconds` on the response 'hang' (a wrong declaration)."""
+    if response == "hang":
+        time.sleep(seconds)
+    return 1.0
+
+
+cheap_but_hangs.cheap = True

@@ -8,7 +8,7 @@ dockrl data arithmetic OUT_DIR             synthetic task files
 dockrl demo                                make-tiny -> SFT -> eval -> GRPO -> eval
 dockrl config-docs                         every setting, its type, default and meaning
 dockrl columns                             the dock's columns: dtype, producer, readers
-dockrl plan --model NAME --dp N ...        per-rank memory of each phase for a model and layouts
+dockrl plan --model NAME --dp N ...        per-rank memory of each phase for a model and layouts (and cp)
 """
 
 from __future__ import annotations
@@ -229,14 +229,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from dockrl.parallel.memory_plan import PlanInput, load_args, plan, render
+    from dockrl.parallel.memory_plan import GIB, PlanInput, load_args, parse_bytes, plan, render, smallest_cp
 
     offload = set(args.offload.split(",")) if args.offload else set()
+    device_gib = args.device_gib
+    if args.device_memory is not None:
+        device_gib = parse_bytes(args.device_memory) / GIB
     question = PlanInput(
         load_args(args.model),
         dp=args.dp,
         tp_train=args.tp_train,
         tp_infer=args.tp_infer,
+        cp=args.cp,
+        activation_bytes=4 if args.precision == "fp32" else 2,
+        activation_checkpointing=args.activation_checkpointing,
         offload_optimizer="optimizer" in offload,
         offload_grads="grads" in offload,
         offload_params="params" in offload,
@@ -247,7 +253,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * 2**20),
     )
     result = plan(question)
-    print(json.dumps(result) if args.json else render(result, args.device_gib))
+    if device_gib is not None:  # the least cp at which the train phase fits (0: none up to 64)
+        result["smallest_cp"] = float(smallest_cp(question, device_gib * GIB) or 0)
+    print(json.dumps(result) if args.json else render(result, device_gib))
     return 0
 
 
@@ -439,15 +447,25 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add("columns", _cmd_columns, "print the dock's experience-table columns as a Markdown table")
 
     p = add("plan", _cmd_plan, "per-rank memory of train / switch / rollout for a model and layouts")
-    p.add_argument("--model", required=True, help="preset (Qwen2.5-7B, Qwen2.5-32B, Qwen3-8B) or config.json")
+    p.add_argument(
+        "--model", required=True, help="preset (Qwen2.5-7B, Qwen2.5-32B, Qwen3-8B; any case) or config.json"
+    )
     p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree of training (actor.cp)")
     p.add_argument("--tp-train", type=int, default=1)
     p.add_argument("--tp-infer", type=int, default=1)
     p.add_argument("--offload", default="optimizer,grads,params", help="comma list; '' offloads nothing")
     p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=4096, help="prompt + response tokens")
+    p.add_argument("--seq-len", "--tokens", type=int, default=4096, help="prompt + response tokens")
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="training compute dtype")
+    p.add_argument("--activation-checkpointing", action="store_true", help="actor.activation_checkpointing")
     p.add_argument("--rollout-batch", type=int, default=64, help="sequences one rollout rank decodes at once")
-    p.add_argument("--device-gib", type=float, default=None, help="device memory to check against")
+    p.add_argument("--device-gib", type=float, default=None, help="device memory to check against, GiB")
+    p.add_argument(
+        "--device-memory",
+        default=None,
+        help="device memory with its unit: 80GB (10^9 bytes), 80GiB (2^30); also names the smallest cp that fits",
+    )
     p.add_argument(
         "--bucket-mb", type=float, default=None, help="reshard.bucket_mb (default: largest tensor)"
     )

@@ -196,3 +196,54 @@ def test_ranks_with_uneven_rows_compute_logprobs_in_step(tmp_path, tiny_model):
     # differs, which can reorder the 128- and 384-term dot products: ~1e-6 relative on log-probs of size ~6.
     for i in range(NUM_ROWS):
         torch.testing.assert_close(got[i], ref[i], rtol=0, atol=1e-4)
+
+
+def _single_micro_batch_worker(
+    rank: int, world_size: int, port: int, model_dir: str, out_path: str, keep: bool, leave
+) -> None:
+    """One micro-batch per rank (4 rows, no token budget); `keep` False turns the kept-unsharded path off."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from dockrl.engines.train.train_engine import TrainEngine
+    from dockrl.parallel.dist import data_parallel_mesh, init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed(rank, world_size, "127.0.0.1", port, "cpu", timeout_s=120)
+    if not keep:
+        TrainEngine._kept_unsharded = lambda self, single: contextlib.nullcontext()  # type: ignore[method-assign]
+    gathers, all_gather = [0], dist.all_gather_single
+
+    def counted(*args, **kwargs):
+        gathers[0] += 1
+        return all_gather(*args, **kwargs)
+
+    dist.all_gather_single = counted
+    mesh = data_parallel_mesh("cpu", world_size)
+    rows = list(range(rank * 4, rank * 4 + 4))
+    metrics, grads, state = run_update(model_dir, rows, world_size, mesh, micro_batch_size=4)
+    if rank == 0:
+        torch.save({"metrics": metrics, "grads": grads, "state": state, "gathers": gathers[0]}, out_path)
+    leave(rank)
+
+
+def test_one_micro_batch_gathers_each_layer_once_with_the_same_numbers(tmp_path, tiny_model):
+    """A step of one micro-batch keeps each layer's gathered weights from forward to backward: fewer FSDP2
+    all-gathers, and bit for bit the gradients, metrics and updated weights of gathering them twice."""
+    got = {}
+    for keep in (True, False):
+        out = tmp_path / f"keep{keep}.pt"
+        spawn_ranks(_single_micro_batch_worker, 2, free_port(), str(tiny_model), str(out), keep)
+        got[keep] = torch.load(out)
+    kept, regathered = got[True], got[False]
+    assert kept["metrics"]["grad_norm"] > 0
+    assert kept["metrics"] == regathered["metrics"]
+    for part in ("grads", "state"):
+        for name, value in regathered[part].items():
+            assert torch.equal(kept[part][name], value), (part, name)
+    from dockrl.models.hf import read_config
+
+    layers = read_config(tiny_model).num_layers
+    # the layers' backward re-gathers are gone (the full state dict's own gathers are the same in both)
+    assert regathered["gathers"] - kept["gathers"] == layers

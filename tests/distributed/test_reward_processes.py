@@ -48,7 +48,7 @@ def test_runner_in_processes_matches_inline_and_handles_user_results():
         RewardSpec("exact_answer"),
         RewardSpec("format", weight=0.5),
     ]
-    with RewardRunner(specs, num_processes=2) as runner:
+    with RewardRunner(specs, num_processes=2, inline="none") as runner:  # the built-ins through the pool
         _check_weighted(runner)
         _check_weighted(runner)  # the pool is reused
     with RewardRunner([RewardSpec("reward_fixtures:parity_reward", weight=2.0)], num_processes=1) as runner:

@@ -133,3 +133,29 @@ def test_fp32_and_no_grad_paths_are_torchs_sdpa():
         scored = causal_attention(qb, kb, vb)
     trained = causal_attention(qb.requires_grad_(), kb, vb)
     assert torch.equal(scored, trained.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_attention_stacks_equal_lengths_with_each_rows_own_numbers(dtype):
+    """packed_causal_attention runs the sequences of one length as one batch: each row's output and gradients are
+    bit for bit those of its own causal_attention call (rows of a batch are independent), and a token sees its
+    own sequence only (lengths repeat and differ, in mixed order)."""
+    torch.manual_seed(0)
+    lengths = [5, 9, 5, 1, 9, 9, 3, 5]
+    bounds = tuple(int(b) for b in torch.tensor([0, *lengths]).cumsum(0))
+    total, heads, kv_heads, dim = bounds[-1], 4, 2, 16
+    q = torch.randn(1, heads, total, dim).to(dtype).requires_grad_()
+    k = torch.randn(1, kv_heads, total, dim).to(dtype).requires_grad_()
+    v = torch.randn(1, kv_heads, total, dim).to(dtype).requires_grad_()
+    grad = torch.randn(1, heads, total, dim).to(dtype)
+    out = attention.packed_causal_attention(q, k, v, bounds)
+    out.backward(grad)
+    got = [out.detach(), *(x.grad for x in (q, k, v))]
+    for x in (q, k, v):
+        x.grad = None
+    rows = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    parts = [causal_attention(q[:, :, r], k[:, :, r], v[:, :, r]) for r in rows]
+    torch.cat(parts, dim=2).backward(grad)
+    want = [torch.cat(parts, dim=2).detach(), *(x.grad for x in (q, k, v))]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -67,12 +67,12 @@ def test_bench_scaling_names_an_unknown_size():
 
 def test_bench_scaling_sizes_work_and_speedups(tmp_path):
     """The grid's shapes have about the parameters their names say (8,000-row tied head); the work is
-    5 forwards of 2 x params per token plus causal attention; speedup pairs each dockrl row with TRL's."""
+    5 forwards of 2 x matmul params per token plus attention's full square; speedup pairs each dockrl row with TRL's."""
     from dockrl.bench.scaling import SIZES, _speedups, work_tflop
     from dockrl.models.config import ModelArgs
     from dockrl.observe.report import scaling_plot
 
-    counts = {}
+    counts, shapes = {}, {}
     for name, (hidden, layers, heads, kv_heads, mlp) in SIZES.items():
         args = ModelArgs(
             family="qwen2",
@@ -92,20 +92,24 @@ def test_bench_scaling_sizes_work_and_speedups(tmp_path):
             pad_token_id=0,
         )
         counts[name] = args.num_params() / 1e6
+        shapes[name] = args
     assert counts == pytest.approx({"1m": 1.20, "6m": 8.35, "25m": 28.2, "50m": 51.8}, rel=0.01)
-    # 16 sequences of 128 tokens, 1M params, hidden 64, 2 layers: 5 x (2e6 x 2048 + 2 x 2 x 64 x 16 x 128^2)
-    assert work_tflop(1_000_000, 64, 2, 16, 128) == pytest.approx(
-        5 * (2e6 * 2048 + 4 * 64 * 16 * 128**2) / 1e12
+    # 16 sequences of 128 tokens on "1m" (hidden 96, 4 layers, 3 heads of 32, 1 kv head, MLP 288, head 8000):
+    # matmul params 4 x (96 x (96 + 2 x 32) + 96 x 96 + 3 x 96 x 288) + 8000 x 96 = 1,198,080;
+    # 5 x (2 x params x 2048 tokens + 4 layers x 4 x 96 x 16 x 128^2)
+    assert work_tflop(shapes["1m"], 16, 128) == pytest.approx(
+        5 * (2 * 1_198_080 * 2048 + 4 * 4 * 96 * 16 * 128**2) / 1e12
     )
     rows = [
+        {"size": "roofline", "system": "host", "fp32_gflops": 40.0, "bandwidth_gbs": 10.0},
         {"size": "1m", "params_m": 1.2, "length": 128, "system": "dockrl", "step_s": 2.0},
         {"size": "1m", "params_m": 1.2, "length": 128, "system": "trl", "step_s": 3.0},
         {"size": "1m", "params_m": 1.2, "length": 512, "system": "dockrl", "step_s": 6.0},
     ]
-    for row, tokens_per_s in zip(rows, (300.0, 100.0, 250.0)):
+    for row, tokens_per_s in zip(rows[1:], (300.0, 100.0, 250.0)):
         row.update(response_tokens_per_s=tokens_per_s, s_per_tflop=row["step_s"] / 0.1)
     _speedups(rows)
-    assert rows[0]["speedup"] == 3.0 and "speedup" not in rows[1] and "speedup" not in rows[2]
+    assert rows[1]["speedup"] == 3.0 and "speedup" not in rows[2] and "speedup" not in rows[3]
     assert scaling_plot(rows, tmp_path / "scaling.png") and (tmp_path / "scaling.png").stat().st_size > 0
 
 
@@ -126,3 +130,51 @@ def test_bench_env_quick_sizes_and_a_baseline_no_larger_than_the_run():
     args = build_parser().parse_args(["bench", "env"])
     resolve_sizes(args)
     assert (args.trajectories, args.tool_seconds, args.baseline_trajectories) == (256, 1.0, 16)
+
+
+def test_bench_multiturn_counts_the_same_trajectories_three_ways():
+    """A small shape: every trajectory has its turns in both multi-turn modes, with the same tokens; KV kept
+    prefills exactly what re-prefill does minus what it found kept, its returning turns batched (fewer
+    prefill forwards than later turns); single-turn prefills each distinct prompt once."""
+    from dockrl.bench.rollout_turns import run
+
+    args = build_parser().parse_args(
+        ["bench", "multiturn", "--prompts=2", "--samples=3", "--turns=2", "--new-tokens=4"]
+        + ["--hidden-size=32", "--num-layers=1", "--rounds=1"]
+    )
+    single, reprefill, kept, load, cpu = run(args)
+    assert [single["mode"], reprefill["mode"], kept["mode"], load["mode"], cpu["mode"]] == [
+        "single",
+        "multi_reprefill",
+        "multi_kept",
+        "load",
+        "cpu",
+    ]
+    assert single["turns"] == 6 and reprefill["turns"] == kept["turns"] == 12
+    assert kept["same_tokens"] == "6/6" and kept["sampled_tokens"] == reprefill["sampled_tokens"]
+    assert kept["prefill_tokens"] + kept["kv_reused_tokens"] == reprefill["prefill_tokens"]
+    assert kept["kv_reused_tokens"] > 0 and reprefill["kv_reused_tokens"] == 0
+    assert kept["prefill_calls"] < 1 + 6  # the first turns' forward, then fewer than one per returning turn
+    assert single["prefill_calls"] == 1 and single["ratio_to_single"] == 1.0
+
+
+def test_trl_config_best_is_one_micro_batch_unless_memory_says_otherwise(tmp_path):
+    """--trl-config best puts the whole step in one micro-batch when the estimate fits in half the memory, else
+    the fewest micro-batches of whole prompt groups that fit, saying so; micro is the old configuration."""
+    from dockrl.bench.e2e import _MAX_PROMPT_LEN, training_bytes, trl_config
+    from dockrl.models.hf import read_config
+    from dockrl.models.tiny import make_tiny
+
+    model = make_tiny(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=0)
+    args = build_parser().parse_args(["bench", "e2e", "--prompts=16", "--samples=8", "--max-new-tokens=32"])
+    best = trl_config(args, model, available_bytes=2**40)
+    assert (best["per_device_train_batch_size"], best["gradient_accumulation_steps"]) == (128, 1)
+    assert best["fell_back"] is None and best["attn_implementation"] == "sdpa"
+    # memory for a quarter of the step (32 rows) and no more: 4 micro-batches of 32, and the reason
+    quarter = training_bytes(read_config(model), 32, _MAX_PROMPT_LEN + 32)
+    tight = trl_config(args, model, available_bytes=int(2 * quarter))
+    assert (tight["per_device_train_batch_size"], tight["gradient_accumulation_steps"]) == (32, 4)
+    assert "4 micro-batches of 32" in tight["fell_back"]
+    args.trl_config = "micro"
+    micro = trl_config(args, model)
+    assert (micro["per_device_train_batch_size"], micro["gradient_accumulation_steps"]) == (8, 16)

@@ -73,6 +73,8 @@ def test_missing_required_names_the_key():
         ("run.device=tpu", "run.device='tpu': unknown device"),
         ("reshard.bucket_mb=0.01", "reshard.bucket_mb=0.01: is smaller than the model's largest tensor"),
         ("actor.tp=3", "actor.tp=3"),
+        ("rollout.kv_cache_tokens=-1", "rollout.kv_cache_tokens=-1: must be >= 0"),
+        ("rollout.kv_cache_tokens=100", "rollout.kv_cache_tokens=100: cannot hold one sequence"),
     ],
 )
 def test_validation_errors(tiny_model, arithmetic_data, override, expected):

@@ -276,7 +276,7 @@ class Scripted:
         return Observation(messages=[{"role": "tool", "content": f"result {self.t}"}], info={"tool_calls": 1})
 
 
-def _serve(tiny, prompts, make_env, limits, max_new_tokens=6, max_seq_len=512):
+def _serve(tiny, prompts, make_env, limits, max_new_tokens=6, max_seq_len=512, keep_kv=True):
     path, tokenizer = tiny
     model = load_model(path).eval()
     engine = RolloutEngine(
@@ -314,6 +314,7 @@ def _serve(tiny, prompts, make_env, limits, max_new_tokens=6, max_seq_len=512):
         system_prompt=None,
         limits=limits,
         version=0,
+        keep_kv=keep_kv,
     )
     return dock, sampled, stats, tokenizer
 
@@ -511,6 +512,29 @@ def test_trajectories_repeat_exactly_with_a_deterministic_environment(tiny):
             assert torch.equal(outs[0][row][key], outs[1][row][key]), (row, key)
         a, b = outs[0][row]["rollout_logprobs"], outs[1][row]["rollout_logprobs"]
         assert ((a - b).abs() <= 192 * 2.0**-24 * a.abs().clamp(min=1.0)).all(), row
+
+
+def test_kv_kept_across_turns_gives_the_re_prefill_paths_trajectories(tiny):
+    """A trajectory's KV kept while its environment runs: each later turn prefills only its last sampled token
+    and the observation, and the trajectories are the re-prefill path's token for token. The log-probs differ by
+    fp32 reassociation only (the kept keys of sampled tokens came from decode steps, a re-prefill computes them in
+    one causal pass): the widest sum is attention over at most max_seq_len = 512 positions, n u relative per
+    layer, compounded over the 2 layers and the LM head: 4 x 512 u x max(1, |logp|)."""
+    prompts = ["What is 1+2?", "What is 9-4?"]
+    runs = {}
+    for keep in (False, True):
+        Scripted.seen = {}
+        dock, _, stats, _ = _serve(tiny, prompts, lambda: Scripted(turns=3), LIMITS, keep_kv=keep)
+        runs[keep] = dock.out, stats["env"]
+    (off, off_env), (on, on_env) = runs[False], runs[True]
+    assert on_env["kv_reused_tokens"] > 0 and off_env["kv_reused_tokens"] == 0
+    assert on_env["prefill_tokens"] + on_env["kv_reused_tokens"] == off_env["prefill_tokens"]
+    assert on.keys() == off.keys()
+    for row in on:
+        for key in ("response_ids", "loss_mask"):
+            assert torch.equal(on[row][key], off[row][key]), (row, key)
+        a, b = on[row]["rollout_logprobs"], off[row]["rollout_logprobs"]
+        assert ((a - b).abs() <= 4 * 512 * 2.0**-24 * b.abs().clamp(min=1.0)).all(), row
 
 
 def test_sft_trains_on_the_assistant_turns_of_a_tool_conversation_in_the_rollouts_layout(tiny):

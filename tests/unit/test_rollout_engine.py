@@ -202,6 +202,30 @@ def test_shared_prefill_samples_equal_single_requests(model):
         assert torch.equal(single[(None, 0)].token_ids, grouped[("g", i)].token_ids)
 
 
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+def test_requests_with_the_same_prompt_share_one_prefilled_row(model, layout):
+    """A group's samples sent as one request each (multi-turn trajectories are) and admitted together: their
+    prompt is prefilled once, and each draws what it draws as one request with all the seeds (the same rows in
+    the same slots: the same sums, bit for bit)."""
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    seeds = [1, 2, 3, 4]
+    requests = [Request(PROMPTS[0], [seed], params, tag=("a", i)) for i, seed in enumerate(seeds)]
+    requests += [
+        Request(PROMPTS[1], [9], params, tag=("b", 0)),
+        Request(PROMPTS[1], [8], params, tag=("b", 1)),
+    ]
+    split, engine = run_engine(model, requests, num_slots=6, kv_cache=layout)
+    assert engine.stats["prefill_prompts"] == 2 and engine.stats["prefill_tokens"] == len(PROMPTS[0]) + len(
+        PROMPTS[1]
+    )
+    grouped, _ = run_engine(
+        model, [Request(PROMPTS[0], seeds, params, tag="a"), Request(PROMPTS[1], [9, 8], params, tag="b")], 6
+    )
+    for ((name, i), _), generation in split.items():
+        assert torch.equal(generation.token_ids, grouped[(name, i)].token_ids), (name, i)
+        assert torch.equal(generation.logprobs, grouped[(name, i)].logprobs), (name, i)
+
+
 @pytest.mark.parametrize(
     "temperature,top_k,top_p,min_p", [(1.0, 0, 1.0, 0.0), (0.7, 5, 0.9, 0.0), (1.3, 0, 1.0, 0.1)]
 )

@@ -98,17 +98,23 @@ def _bound(model, max_logit: float, num_tokens: int, num_patches: int) -> float:
     return 2 * 2.0**-24 * length * max(1.0, max_logit)
 
 
-def test_rollout_logprobs_equal_a_full_forward(tiny_vl):
+@pytest.mark.parametrize("kv_cache, kv_cache_tokens", [("slots", 0), ("paged", 0), ("paged", 96)])
+def test_rollout_logprobs_equal_a_full_forward(tiny_vl, kv_cache, kv_cache_tokens):
     """Prefill (vision tower, mrope positions; an image row batched with a text row) and decode (text
-    positions continued with the rope delta) give each sampled token the log-prob of a full forward."""
+    positions continued with the rope delta) give each sampled token the log-prob of a full forward, in
+    either cache layout (paged with a pool of 3 blocks: the image row of 46 tokens is preempted and starts
+    over with its images)."""
     model = load_model(tiny_vl).eval()
     vision = VisionInputs.for_model(tiny_vl, model.args)
     rows = _rows(tiny_vl)
-    engine = RolloutEngine(model, num_slots=4, max_seq_len=256, vision=vision)
+    engine = RolloutEngine(
+        model, num_slots=4, max_seq_len=256, vision=vision, kv_cache=kv_cache, kv_cache_tokens=kv_cache_tokens
+    )
     params = SamplingParams(max_new_tokens=6, temperature=1.0)
     for i, (ids, images) in enumerate(rows):
         engine.add(Request(ids, [10 + i], params, tag=i, images=images))
     done = {c.tag: c.generation for c in engine.run()}
+    assert engine.stats["preempted"] == (1 if kv_cache_tokens else 0)
     for i, (ids, images) in enumerate(rows):
         generation = done[i]
         full, max_logit = _full_logprobs(model, vision, ids + generation.token_ids.tolist(), images)
@@ -123,6 +129,44 @@ def test_rollout_logprobs_equal_a_full_forward(tiny_vl):
     moved = plain[len(ids) - 1 : len(ids) - 1 + len(targets)].gather(1, targets[:, None])[:, 0]
     bound = _bound(model, max_logit, len(ids) + len(targets), images[0].shape[0])
     assert (done[1].logprobs - moved).abs().max().item() > 100 * bound
+
+
+@pytest.mark.parametrize("kv_cache", ["slots", "paged"])
+def test_requests_share_a_prefill_only_with_the_same_images(tiny_vl, kv_cache):
+    """Requests with the same prompt share one prefilled row (as a group sent one request per sample is) only
+    when their images are the same too: the same question about two images of one size is two prefills, and
+    each sample's log-probs are those of its own image."""
+    model = load_model(tiny_vl).eval()
+    vision = VisionInputs.for_model(tiny_vl, model.args)
+    rows = [_row(tiny_vl, "What is 2+3?", [_image(seed, 84, 112)]) for seed in (5, 6, 5)]
+    assert rows[0][0] == rows[1][0] and not torch.equal(rows[0][1][0], rows[1][1][0])
+    engine = RolloutEngine(model, num_slots=4, max_seq_len=256, vision=vision, kv_cache=kv_cache)
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    for i, (ids, images) in enumerate(rows):
+        engine.add(Request(ids, [20 + i], params, tag=i, images=images))
+    done = {c.tag: c.generation for c in engine.run()}
+    assert engine.stats["prefill_calls"] == 1 and engine.stats["prefill_prompts"] == 2  # rows 0 and 2 share
+    for i, (ids, images) in enumerate(rows):
+        targets = done[i].token_ids
+        full, max_logit = _full_logprobs(model, vision, ids + targets.tolist(), images)
+        expected = full[len(ids) - 1 : len(ids) - 1 + len(targets)].gather(1, targets[:, None])[:, 0]
+        assert (done[i].logprobs - expected).abs().max().item() <= _bound(
+            model, max_logit, len(full), images[0].shape[0]
+        ), i
+
+
+def test_vision_model_requests_keep_no_kv_across_turns(tiny_vl):
+    """KV kept across turns is for text models (multi-turn vision runs are refused by preflight)."""
+    model = load_model(tiny_vl).eval()
+    engine = RolloutEngine(
+        model,
+        num_slots=2,
+        max_seq_len=64,
+        vision=VisionInputs.for_model(tiny_vl, model.args),
+        kv_cache="paged",
+    )
+    with pytest.raises(ValueError, match="kv_key='t0' on a vision model"):
+        engine.add(Request([1, 2, 3], [0], SamplingParams(max_new_tokens=2), kv_key="t0"))
 
 
 def test_rollout_engine_needs_vision_inputs_for_a_vision_model(tiny_vl):
@@ -234,7 +278,8 @@ class _ImageDock:
             self.responses[row] = (ids, logprobs)
 
 
-def test_dock_rows_bring_their_images_to_the_rollout(tiny_vl):
+@pytest.mark.parametrize("kv_cache", ["slots", "paged"])
+def test_dock_rows_bring_their_images_to_the_rollout(tiny_vl, kv_cache):
     """serve_from_dock pulls the image columns with the prompts: two groups ask the same question about two
     images of one size (the same prompt ids), and each row's log-probs are those of its own image."""
     model = load_model(tiny_vl).eval()
@@ -242,7 +287,7 @@ def test_dock_rows_bring_their_images_to_the_rollout(tiny_vl):
     rows = [_row(tiny_vl, "What is 2+3?", [_image(seed, 84, 112)]) for seed in (5, 6)]
     assert rows[0][0] == rows[1][0] and not torch.equal(rows[0][1][0], rows[1][1][0])
     dock = _ImageDock(rows)
-    engine = RolloutEngine(model, num_slots=4, max_seq_len=256, vision=vision)
+    engine = RolloutEngine(model, num_slots=4, max_seq_len=256, vision=vision, kv_cache=kv_cache)
     params = SamplingParams(max_new_tokens=4, temperature=1.0)
     stats = serve_from_dock(
         engine, dock, consumer="rollout", params=params, group_size=2, groups_per_pull=2, row_seed=lambda r: r

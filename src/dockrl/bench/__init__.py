@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, str] = {
     # name -> module under dockrl.bench, e.g. "dock": "dockrl.bench.dock"
     "dock": "dockrl.bench.dock",
     "rollout": "dockrl.bench.rollout",
+    "multiturn": "dockrl.bench.rollout_turns",
     "reshard": "dockrl.bench.reshard",
     "load": "dockrl.bench.load_memory",
     "faults": "dockrl.bench.fault_timing",

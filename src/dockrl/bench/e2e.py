@@ -9,18 +9,29 @@
            optimizer step per step
 
 dockrl runs `dockrl train` (actor.dp=--dp, its CPU default precision) in its own local Ray; TRL (when
-importable: `pip install -e .[bench]`) runs GRPOTrainer in this process's child at its defaults (one process),
-but for the precision: dockrl's rule (bf16 only on a CPU that computes it natively; TRL's own default is bf16,
-which a CPU without AVX512-BF16 or AMX emulates ~100x slower than fp32), with one optimizer step per
-generation batch (micro-batches of --samples completions, gradient accumulation over the prompts). Reported per system over the steps after the first
-(median): step seconds, response tokens per second, and where the time went:
+importable: `pip install -e .[bench]`) runs GRPOTrainer in this process's child, one process, at its fastest
+configuration for this machine (--trl-config best, the default): the whole step's prompts x samples completions
+in one micro-batch (gradient_accumulation_steps=1) unless a memory estimate says it does not fit in half the
+available memory (then the fewest micro-batches that do, and the output says so), sdpa attention, and dockrl's
+precision rule (bf16 only on a CPU that computes it natively; TRL's own default is bf16, which a CPU without
+AVX512-BF16 or AMX emulates ~100x slower than fp32). --trl-config micro gives TRL the configuration this bench
+used before (micro-batches of --samples completions, gradient accumulation over the prompts), which is slower.
+TRL's one process runs one torch thread per core (--trl-threads: fewer where the machine is shared and
+threads that wait on each other at every op cost more than they give). The TRL row's `trl_config` says which
+configuration ran. Both do one optimizer step per generation batch.
+Reported per system over the steps after the first (median): step seconds, response tokens per second, and
+where the time went:
   dockrl  rollout, reference, old log-probs, update (its stage timers) and overhead = step - their sum
   trl     generate (generation, rewards and reference log-probs: `_generate_and_score_completions`), train
           (its training_step calls less generate) and overhead = step - training_step calls
 `speedup` is dockrl's response tokens/s over TRL's. Ratios, not absolute times, carry to other machines.
-`peak_share` per stage: its matmul work on the weights (2 x active params per token for a forward pass over prompt and
-response tokens, 6 x for forward and backward; attention's score matmuls left out) over its seconds times
---peak-gflops (290: this project's CPU's bf16 matmul peak with 2 threads; fp32 reaches about 135).
+
+The roofline (bench/roofline.py), measured once per run before either system starts: `roofline` holds the
+host's fp32 (and, where native, bf16) matmul peak and memory bandwidth at the cores the run may use, with the
+load average. `peak_share` per pass: its matmul FLOPs (2 x matmul params per token, x3 for forward and backward,
+plus attention's 4 L^2 d per layer and sequence) over its seconds x the peak of its precision (dockrl: rollout,
+reference, old log-probs, update; TRL: train, its forward and backward). `decode_bw_share`: dockrl's decode
+steps against the bandwidth bound (roofline_shares says how it is counted).
 """
 
 from __future__ import annotations
@@ -70,10 +81,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--systems", default="dockrl,trl", help="comma list of dockrl, trl")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="bound on each run")
-    parser.add_argument(
-        "--peak-gflops", type=float, default=290.0, help="the bf16 matmul peak that peak_share divides by"
-    )
+    add_trl_config_argument(parser)
     parser.add_argument("overrides", nargs="*", help="dockrl train overrides, e.g. run.precision=bf16")
+
+
+TRL_CONFIGS = ("best", "micro")
+
+
+def add_trl_config_argument(parser: argparse.ArgumentParser) -> None:
+    """--trl-config: TRL at its fastest on this machine (best) or the earlier micro-batched configuration."""
+    parser.add_argument(
+        "--trl-config",
+        choices=TRL_CONFIGS,
+        default="best",
+        help="best: the whole step in one micro-batch where the memory estimate allows (else the fewest "
+        "micro-batches that fit), sdpa attention; micro: micro-batches of --samples completions with gradient "
+        "accumulation over the prompts (the configuration before issue 47, slower)",
+    )
+    parser.add_argument(
+        "--trl-threads",
+        type=int,
+        default=None,
+        help="torch threads of TRL's one process (default: one per core this process may use); 1 where the "
+        "machine is shared and more threads wait on each other (dockrl's ranks run one thread each)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -118,13 +149,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_new_tokens": args.max_new_tokens,
             "kl_coef": args.kl_coef,
         }
+        out["roofline"] = peak = measure_peak()
         if "dockrl" in systems:
-            out["dockrl"] = _dockrl(args, root, model, data["train"])
+            out["dockrl"] = _dockrl(args, root, model, data["train"], peak)
         if "trl" in systems:
-            out["trl"] = _trl(args, root, model, data["train"])
+            out["trl"] = _trl(args, root, model, data["train"], peak)
     if isinstance(out.get("dockrl"), dict) and isinstance(out.get("trl"), dict) and "step_s" in out["trl"]:
         out["speedup"] = out["dockrl"]["response_tokens_per_s"] / out["trl"]["response_tokens_per_s"]
     return out
+
+
+def measure_peak() -> dict[str, Any]:
+    """The roofline of this run (bench/roofline.py): matmul peaks and bandwidth at the cores this process may
+    use (every rank of both systems shares them), and the load average while it was measured."""
+    import os
+
+    from dockrl.bench.roofline import measure_peak as measure
+
+    peak = measure(len(os.sched_getaffinity(0)))
+    peak["loadavg"] = os.getloadavg()
+    return peak
 
 
 _MAX_PROMPT_LEN = 64  # dockrl's data.max_prompt_len (the task's prompts are ~15 tokens)
@@ -159,7 +203,9 @@ def _active_params(model_dir: Path) -> int:
     return a.num_params() - idle * len(a.moe_layers) - lookup
 
 
-def _dockrl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> dict[str, Any]:
+def _dockrl(
+    args: argparse.Namespace, root: Path, model: Path, train: Path, peak: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """`dockrl train` of the workload; medians over the steps after the first."""
     config = root / "dockrl.yaml"
     config.write_text(
@@ -191,10 +237,9 @@ def _dockrl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> d
 
     resolved = yaml.safe_load((root / "runs" / "dockrl" / "config.yaml").read_text())
     tokens = median(names.TOKENS_PROMPT) + median(names.TOKENS_RESPONSE)
-    work = {Stage.ROLLOUT: 2, Stage.REFERENCE: 2, Stage.OLD_LOGPROBS: 2, Stage.UPDATE: 6}  # x params x tokens
-    params = _active_params(model)
-    return {
-        "precision": resolved["run"]["precision"],
+    precision = resolved["run"]["precision"]
+    row = {
+        "precision": precision,
         "step_s": step,
         "response_tokens_per_s": statistics.median(
             r[names.TOKENS_RESPONSE] / r[names.TIMING_STEP] for r in timed
@@ -203,30 +248,130 @@ def _dockrl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> d
         "overhead_s": step - sum(stages.values()),
         "response_length_mean": median(names.RESPONSE_LENGTH_MEAN),
         "tokens_per_step": tokens,
-        "peak_share": {
-            name: _peak_share(work[name] * params * tokens, seconds, args.peak_gflops)
-            for name, seconds in stages.items()
-            if seconds > 0
-        },
+    }
+    if peak is not None:
+        row.update(roofline_shares(args, model, stages, tokens, row["response_length_mean"], precision, peak))
+    return row
+
+
+def roofline_shares(
+    args: argparse.Namespace,
+    model: Path,
+    stages: dict[Stage, float],
+    tokens: float,
+    response_length: float,
+    precision: str,
+    peak: dict[str, Any],
+) -> dict[str, Any]:
+    """dockrl's passes against the roofline (bench/roofline.py): `peak_share` per pass (its matmul FLOPs over its
+    seconds x the measured peak of the run's precision), and `decode_bw_share`, the rollout's decode steps
+    against the bandwidth bound (each step reads the weights once per rollout rank, --dp of them, and every
+    sequence's KV cache; the steps taken as the mean response length, the stage's seconds including its
+    prefill and switch: a lower bound of the decode steps' own share)."""
+    from dockrl.bench import roofline
+    from dockrl.models.hf import read_config
+
+    margs = read_config(model)
+    sequences = args.prompts * args.samples
+    length = tokens / sequences
+    lengths = [length] * sequences
+    rate = roofline.peak_flops(peak, precision)
+    shares = {
+        name: roofline.share(roofline.pass_flops(margs, name, lengths), seconds, rate)
+        for name, seconds in stages.items()
+        if seconds > 0
+    }
+    out: dict[str, Any] = {"peak_share": shares}
+    rollout_s = stages.get(Stage.ROLLOUT, 0.0)
+    if rollout_s > 0 and response_length >= 1:
+        prompt = length - response_length
+        contexts = [prompt + response_length / 2] * sequences
+        # bf16 weights, an fp32 cache on a CPU (engines/rollout/rollout_engine.cache_dtype)
+        step_bytes = roofline.decode_step_bytes(
+            margs, contexts, weight_bytes=2 if precision == "bf16" else 4, kv_bytes=4, ranks=args.dp
+        )
+        out["decode_bw_share"] = roofline.share(
+            step_bytes, rollout_s / response_length, peak["bandwidth_gbs"] * 1e9
+        )
+    return out
+
+
+def trl_config(args: argparse.Namespace, model: Path, available_bytes: int | None = None) -> dict[str, Any]:
+    """TRL's configuration for the workload (--trl-config): best, the whole step of prompts x samples
+    completions in one micro-batch (gradient_accumulation_steps=1) unless `training_bytes` of that batch exceeds
+    half the memory available (then the fewest micro-batches of whole prompt groups that fit, `fell_back`
+    saying so), sdpa attention; micro, micro-batches of --samples with accumulation over the prompts. The
+    precision is dockrl's rule (run.precision=auto on this CPU) in both, the threads --trl-threads (default: one
+    per core this process may use)."""
+    import os
+
+    from dockrl.models.hf import read_config
+    from dockrl.recipes.preflight import resolve_precision
+
+    precision = resolve_precision("auto", "cpu")
+    threads = getattr(args, "trl_threads", None) or len(os.sched_getaffinity(0))
+    config: dict[str, Any] = {
+        "name": args.trl_config,
+        "precision": precision,
+        "attn_implementation": "sdpa",
+        "threads": threads,
+    }
+    if args.trl_config == "micro":
+        return config | {
+            "per_device_train_batch_size": args.samples,
+            "gradient_accumulation_steps": args.prompts,
+        }
+    if available_bytes is None:
+        available_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    length = _MAX_PROMPT_LEN + args.max_new_tokens
+    margs = read_config(model)
+    for accumulation in [n for n in range(1, args.prompts + 1) if args.prompts % n == 0]:
+        rows = args.prompts * args.samples // accumulation
+        estimate = training_bytes(margs, rows, length)
+        if estimate <= available_bytes / 2 or accumulation == args.prompts:
+            break
+    fell_back = (
+        None
+        if accumulation == 1
+        else f"one micro-batch of {args.prompts * args.samples} rows needs about "
+        f"{training_bytes(margs, args.prompts * args.samples, length) / 2**30:.1f} GiB, over half the "
+        f"{available_bytes / 2**30:.1f} GiB available: {accumulation} micro-batches of {rows}"
+    )
+    return config | {
+        "per_device_train_batch_size": rows,
+        "gradient_accumulation_steps": accumulation,
+        "memory_estimate_gib": estimate / 2**30,
+        "fell_back": fell_back,
     }
 
 
-def _peak_share(flops: float, seconds: float, peak_gflops: float) -> float:
-    return flops / (seconds * peak_gflops * 1e9)
+def training_bytes(margs: Any, rows: int, length: int) -> float:
+    """An upper estimate of the activation memory of TRL's forward and backward over `rows` sequences of `length`
+    tokens, in fp32 (4 bytes; autocast keeps fp32 copies beside bf16 ones): per layer and token the tensors saved
+    for backward (12 x hidden around attention and the norms, 4 x the MLP width, 2 x heads x length for the
+    attention probabilities of a kernel that keeps them), and per token 3 x vocabulary for the logits, their
+    log-softmax and its gradient; plus the weights, their gradients and Adam's two moments (4 x params)."""
+    per_token = margs.num_layers * (
+        12 * margs.hidden_size + 4 * margs.intermediate_size + 2 * margs.num_heads * length
+    )
+    per_token += 3 * margs.vocab_size
+    return 4.0 * (rows * length * per_token + 4 * margs.num_params())
 
 
-def _trl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> dict[str, Any] | str:
+def _trl(
+    args: argparse.Namespace, root: Path, model: Path, train: Path, peak: dict[str, Any] | None = None
+) -> dict[str, Any] | str:
     """TRL's GRPOTrainer on the same work, in a child process; a reason string when TRL is missing."""
     try:
         import trl  # noqa: F401
     except ImportError:
         return "trl is not installed (pip install -e .[bench]); skipped"
-    from dockrl.recipes.preflight import resolve_precision
 
     # TRL's GRPOConfig defaults to bf16 even on a CPU, where a CPU without native bf16 (AVX2 only) emulates it
     # at ~1 GFLOP/s; TRL then gets dockrl's rule (run.precision=auto): bf16 only where the CPU computes it.
+    config = trl_config(args, model)
     spec = {
-        "bf16": resolve_precision("auto", "cpu") == "bf16",
+        "config": config,
         "model": str(model),
         "train": str(train),
         "out": str(root / "trl"),
@@ -242,7 +387,20 @@ def _trl(args: argparse.Namespace, root: Path, model: Path, train: Path) -> dict
     )
     if done.returncode != 0:
         raise RuntimeError(f"TRL run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    row["trl_config"] = config
+    if peak is not None and row.get("train_s"):
+        from dockrl.bench import roofline
+        from dockrl.models.hf import read_config
+
+        # TRL's train: the policy's forward and backward over the step's sequences (its reference and old
+        # log-prob forwards are inside generate)
+        sequences = args.prompts * args.samples
+        lengths = [row["tokens_per_sequence"]] * sequences
+        work = roofline.pass_flops(read_config(model), "update", lengths)
+        rate = roofline.peak_flops(peak, config["precision"])
+        row["peak_share"] = {"train": roofline.share(work, row["train_s"], rate)}
+    return row
 
 
 def trl_child(spec_json: str) -> None:
@@ -256,6 +414,9 @@ def trl_child(spec_json: str) -> None:
     from dockrl.rewards.builtin import exact_answer
 
     spec = json.loads(spec_json)
+    import torch
+
+    torch.set_num_threads(spec["config"].get("threads") or torch.get_num_threads())
     rows = [json.loads(line) for line in Path(spec["train"]).read_text().splitlines()]
     dataset = datasets.Dataset.from_list(
         [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
@@ -265,18 +426,21 @@ def trl_child(spec_json: str) -> None:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [exact_answer("", text, label).score for text, label in zip(texts, answer)]
 
+    trl = spec["config"]
     config = GRPOConfig(
         output_dir=spec["out"],
         max_steps=spec["steps"],
-        per_device_train_batch_size=spec["samples"],
-        gradient_accumulation_steps=spec["prompts"],  # one optimizer step per prompts x samples completions
+        # one optimizer step per prompts x samples completions: per_device x accumulation of them
+        per_device_train_batch_size=trl["per_device_train_batch_size"],
+        gradient_accumulation_steps=trl["gradient_accumulation_steps"],
+        model_init_kwargs={"attn_implementation": trl["attn_implementation"]},
         num_generations=spec["samples"],
         max_completion_length=spec["max_new_tokens"],
         beta=spec["kl_coef"],
         learning_rate=1e-5,
         temperature=1.0,
         use_cpu=True,
-        bf16=spec["bf16"],
+        bf16=trl["precision"] == "bf16",
         logging_steps=1,
         report_to=[],
         save_strategy="no",
@@ -291,14 +455,18 @@ def trl_child(spec_json: str) -> None:
         processing_class=tokenizer,
     )
     generate_s: list[float] = []
+    sequence_tokens: list[float] = []  # real (unpadded) prompt + completion tokens per sequence, per call
     inner = trainer._generate_and_score_completions
 
     def timed_generate(*a, **k):
         start = time.perf_counter()
         try:
-            return inner(*a, **k)
+            out = inner(*a, **k)
         finally:
             generate_s.append(time.perf_counter() - start)
+        masks = out["prompt_mask"], out["completion_mask"]
+        sequence_tokens.append(float(sum(m.sum() for m in masks)) / len(masks[0]))
+        return out
 
     trainer._generate_and_score_completions = timed_generate  # type: ignore[method-assign]
     # Trainer.training_step (inputs prepared, generation included, forward, backward) summed per optimizer
@@ -349,6 +517,7 @@ def trl_child(spec_json: str) -> None:
                 "train_s": in_steps - statistics.median(generate),
                 "overhead_s": step - in_steps,
                 "response_length_mean": statistics.median(lengths[1:]) if len(lengths) > 1 else None,
+                "tokens_per_sequence": statistics.median(sequence_tokens),
             }
         )
     )

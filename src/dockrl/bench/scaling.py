@@ -7,14 +7,15 @@ The grid: model sizes (--sizes, from SIZES: about 1M, 6M, 25M and 50M parameters
 actor.dp=--dp) run for --steps steps, the first untimed. A random model ends a response with its own small
 end-of-sequence probability (about 1 / vocab per token), so lengths are close to the maximum.
 
-Per point and system: step seconds, response tokens/s, where the time went (bench e2e's stage figures), and
-`work`, the matmul work of the step in TFLOP:
-10 x params x tokens (a forward of the rollout, one of the reference, forward and backward of the update; the
-LM head counted once, tied embeddings a lookup) plus attention's scores, 2 x layers x hidden x the sum of each
-sequence's squared length per forward (causal: half of QK^T and PV), x 5 likewise. `s_per_tflop` is step
+Per point and system: step seconds, response tokens/s, where the time went (bench e2e's stage figures, and its
+`peak_share` per pass against the roofline measured once at the start of the run, in the `roofline` row), and
+`work`, the matmul work of the step in TFLOP from bench/roofline.py: five forward-equivalents (a forward of the
+rollout, one of the reference, forward and backward of the update) of 2 x matmul params per token plus
+attention's 4 x layers x heads x head_dim x length^2 per sequence. `s_per_tflop` is step
 seconds over work: constant when the time grows as the work does; it rises where a system's time grows faster
 (per-token overhead of decoding small batches, memory traffic), and falls where larger matmuls run nearer the
-CPU's peak. `speedup`: dockrl's tokens/s over TRL's at the same point.
+CPU's peak. `speedup`: dockrl's tokens/s over TRL's at the same point. TRL runs at its fastest configuration
+(--trl-config, as in bench e2e).
 
 --out DIR writes DIR/scaling.json and DIR/scaling.png (step time against response length per size and system,
 and s_per_tflop) with the report code (dockrl.observe.report.scaling_plot).
@@ -27,6 +28,8 @@ import json
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from dockrl.bench import e2e
 
 # name -> decoder shape (hidden, layers, heads, kv heads, MLP width); parameters with an 8,000-row tied head:
 # 1m 1.2M, 6m 8.3M (bench e2e's shape), 25m 28M, 50m 52M.
@@ -50,12 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default="dockrl,trl", help="comma list of dockrl, trl")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="bound on each run")
     parser.add_argument("--out", default=None, help="write scaling.json and scaling.png here")
+    e2e.add_trl_config_argument(parser)
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every (size, length) point for each system; one row per point and system."""
-    from dockrl.bench import e2e
     from dockrl.data.synthetic import write_task
+    from dockrl.models.hf import read_config
     from dockrl.models.tiny import make_tiny
 
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -66,7 +70,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if sorted(set(systems) - {"dockrl", "trl"}):
         raise SystemExit(f"--systems={args.systems}: use a comma list of dockrl, trl")
-    rows: list[dict[str, Any]] = []
+    peak = e2e.measure_peak()
+    rows: list[dict[str, Any]] = [{"size": "roofline", "system": "host", **peak}]
     with tempfile.TemporaryDirectory(prefix="dockrl-bench-scaling-") as tmp:
         root = Path(tmp)
         data = write_task("arithmetic", root / "data", num_train=256, num_test=32, seed=0)
@@ -95,16 +100,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     kl_coef=0.001,
                     dp=args.dp,
                     timeout_s=args.timeout_s,
-                    peak_gflops=290.0,
                     overrides=[],
+                    trl_config=args.trl_config,
+                    trl_threads=args.trl_threads,
                 )
                 for system in systems:
                     work_dir = root / f"{size}-{length}-{system}"
                     work_dir.mkdir()
                     if system == "dockrl":
-                        got: dict[str, Any] | str = e2e._dockrl(point, work_dir, model, data["train"])
+                        got: dict[str, Any] | str = e2e._dockrl(point, work_dir, model, data["train"], peak)
                     else:
-                        got = e2e._trl(point, work_dir, model, data["train"])
+                        got = e2e._trl(point, work_dir, model, data["train"], peak)
                     if isinstance(got, str):  # TRL not installed
                         rows.append({"size": size, "length": length, "system": system, "skipped": got})
                         continue
@@ -119,9 +125,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             "step_s": got["step_s"],
                             "response_tokens_per_s": got["response_tokens_per_s"],
                             "response_length_mean": mean_length,
-                            "work_tflop": work_tflop(params, hidden, layers, sequences, mean_length),
+                            "work_tflop": work_tflop(read_config(model), sequences, mean_length),
                             # where the time went: dockrl's stages, TRL's generate / train (bench e2e's)
                             **{k: v for k, v in got.items() if k.endswith("_s") and k != "step_s" and v},
+                            **{
+                                k: got[k] for k in ("peak_share", "decode_bw_share", "trl_config") if k in got
+                            },
                         }
                     )
     for row in rows:
@@ -138,19 +147,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def work_tflop(params: int, hidden: int, layers: int, sequences: int, response_length: float) -> float:
+def work_tflop(model_args: Any, sequences: int, response_length: float) -> float:
     """A step's matmul work in TFLOP (see the module docstring): five forward-equivalents over the step's
-    tokens (rollout, reference, update forward + backward) of 2 x params per token plus causal attention's
-    2 x layers x hidden x length^2 per sequence. Prompts (~15 tokens here) are left out of the lengths."""
-    tokens = sequences * response_length
-    attention = 2 * layers * hidden * sequences * response_length**2
-    return 5 * (2 * params * tokens + attention) / 1e12
+    sequences (rollout, reference, update forward + backward) of bench/roofline.py's forward. Prompts (~15
+    tokens here) are left out of the lengths."""
+    from dockrl.bench.roofline import PASS_FORWARDS, forward_flops
+
+    forwards = PASS_FORWARDS["rollout"] + PASS_FORWARDS["reference"] + PASS_FORWARDS["update"]
+    return forwards * forward_flops(model_args, [response_length] * sequences) / 1e12
 
 
 def _speedups(rows: list[dict[str, Any]]) -> None:
     """dockrl's tokens/s over TRL's, on dockrl's row of each point that has both."""
     trl = {(r["size"], r["length"]): r for r in rows if r["system"] == "trl" and "step_s" in r}
-    for row in rows:
-        other = trl.get((row["size"], row["length"]))
+    for row in rows:  # the roofline's row (and a skipped point's) has no time
+        other = trl.get((row["size"], row.get("length")))
         if row["system"] == "dockrl" and "step_s" in row and other is not None:
             row["speedup"] = row["response_tokens_per_s"] / other["response_tokens_per_s"]

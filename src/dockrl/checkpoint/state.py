@@ -41,7 +41,19 @@ NEUTRAL_KEYS = frozenset(
 # The parallel layout: a checkpoint reshards to another one on load (checkpoint/sharded.py), and the run then
 # computes the same numbers up to fp32 reassociation (another split of the same sums), not bit for bit. A
 # resume may change them; it is reported, never refused.
-LAYOUT_KEYS = frozenset({"actor.dp", "actor.cp", "actor.tp", "critic.dp", "rollout.tp", "rollout.replicas"})
+LAYOUT_KEYS = frozenset(
+    {
+        "actor.dp",
+        "actor.cp",
+        "actor.tp",
+        "critic.dp",
+        "critic.cp",
+        "distill.cp",
+        "distill.tp",
+        "rollout.tp",
+        "rollout.replicas",
+    }
+)
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -294,7 +294,7 @@ def _check_ppo(cfg: TrainConfig) -> None:
             f"algo.critic_warmup_steps={algo.critic_warmup_steps} >= run.steps={cfg.run.steps}: the actor never updates",
             stacklevel=4,
         )
-    for key in ("dp", "micro_batch_size", "mini_batches", "epochs"):
+    for key in ("dp", "cp", "micro_batch_size", "mini_batches", "epochs"):
         positive(f"critic.{key}", getattr(critic, key))
     positive("critic.lr", critic.lr)
     if critic.value_clip is not None:

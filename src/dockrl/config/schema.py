@@ -110,7 +110,29 @@ class RolloutConfig:
     max_batch_size: int = setting(
         256,
         "Sequence slots of the rollout engine: most sequences one rank decodes at once (continuous "
-        "batching; the KV cache is preallocated for this many x (data.max_prompt_len + max_new_tokens)).",
+        "batching).",
+    )
+    kv_cache: Literal["auto", "slots", "paged"] = setting(
+        "auto",
+        "Layout of dockrl's rollout KV cache (backend dockrl). slots: every slot's worst case, max_batch_size x "
+        "(data.max_prompt_len + max_new_tokens) positions, allocated up front and read in place (the fastest "
+        "decode). paged: blocks of 32 positions handed out as sequences grow, up to kv_cache_tokens (memory "
+        "by use; each decode step gathers the keys it reads). auto: slots when they fit kv_cache_tokens, "
+        "paged when they do not.",
+    )
+    kv_cache_tokens: int = setting(
+        0,
+        "Positions dockrl's rollout KV cache may hold over all its sequences (backend dockrl). 0: no bound "
+        "(max_batch_size x (data.max_prompt_len + max_new_tokens), every slot's worst case). Below that, "
+        "kv_cache=auto takes the paged layout: the cache grows to this by doubling, and new sequences wait, "
+        "and the youngest is preempted and restarted, when its blocks run out; it must hold one whole sequence.",
+    )
+    keep_kv_across_turns: bool = setting(
+        True,
+        "Multi-turn (env.name, backend dockrl): a trajectory's KV stays in the cache while its environment "
+        "runs, so its next turn prefills only the new tokens (the observation) instead of its whole prefix. "
+        "Kept KV only takes room nothing else needs: a new sequence that needs it takes it (oldest first), and "
+        "that trajectory's next turn re-prefills. false: every turn re-prefills.",
     )
     groups_per_pull: int = setting(4, "Prompt groups a rollout rank pulls from the dock at a time.")
     tp: int = setting(
@@ -207,7 +229,8 @@ class OptimConfig:
         "Padding-free micro-batches: the model computes each micro-batch's rows end to end (cumulative lengths, "
         "block-diagonal causal attention, positions restarting per row), so no padding token is computed in "
         "the update, reference, old log-prob and value passes; a token budget (max_tokens_per_micro_batch) then "
-        "counts the rows' tokens. False: rows padded to the longest (the numbers agree to fp32 rounding).",
+        "counts the rows' tokens. False: rows padded to the longest (the numbers agree to fp32 rounding). "
+        "Under context parallelism (cp > 1) rows are padded whatever this says (each padded row is split).",
     )
 
 
@@ -441,8 +464,15 @@ class CriticConfig(OptimConfig):
     )
     dp: int = setting(
         1,
-        "Data-parallel ranks of the critic (its own Ray actors and process group, FSDP2 over them; one GPU "
-        "each on run.device=cuda, besides the actor's).",
+        "Data-parallel degree of the critic: dp groups of ranks train on different rows. The critic has "
+        "critic.dp x critic.cp ranks (its own Ray actors and process group, FSDP2 over all of them; one GPU each "
+        "on run.device=cuda, besides the actor's).",
+    )
+    cp: int = setting(
+        1,
+        "Context-parallel degree of the critic: each sequence of its value and update passes is split over cp "
+        "ranks as under actor.cp (zig-zag chunks, ring attention; every cp rank then holds the whole row's "
+        "values), so activation memory per rank falls to about 1/cp. Dense models.",
     )
     value_clip: float | None = setting(
         0.2,
@@ -509,6 +539,16 @@ class RewardConfig:
     num_processes: int = setting(
         1, "Processes per RewardWorker that run reward calls; 0 runs them inline (no timeout)."
     )
+    inline: Literal["cheap", "all", "none"] = setting(
+        "cheap",
+        "Which reward functions run in the RewardWorker's own thread instead of its process pool (no pipe round "
+        "trip per call): cheap, the built-ins that are pure Python and fast (exact_answer; format with its own "
+        "pattern, not a configured one, which could backtrack for ever) and user functions that declare "
+        "`fn.cheap = True`; all, every function; none, none. An inline call past reward.timeout_s stops the run "
+        "with an error naming the function (a thread cannot be killed; a call stuck in C code that holds the GIL "
+        "is not bounded at all): a function that can hang belongs in the pool.",
+        noun="mode",
+    )
     timeout_s: float = setting(
         5.0,
         "A reward call running longer is stopped and counted in `reward/timeouts`; reward.on_error says what "
@@ -555,8 +595,15 @@ class DistillConfig:
     )
     num_workers: int = setting(
         1,
-        "TeacherWorker ranks, in one process group of their own: the teacher is sharded over them with FSDP2 "
-        "(distill.num_workers / distill.tp ways) and tensor parallelism (distill.tp); one GPU each on cuda.",
+        "TeacherWorker ranks, in one process group of their own: a (dp, cp, tp) grid, the teacher sharded over "
+        "them with FSDP2 (distill.num_workers / distill.tp ways), tensor parallelism (distill.tp) and context "
+        "parallelism (distill.cp); one GPU each on cuda.",
+    )
+    cp: int = setting(
+        1,
+        "Context-parallel degree of the teacher: each sequence of its forward passes is split over cp ranks as "
+        "under actor.cp (zig-zag chunks, ring attention), so activation memory per rank falls to about 1/cp; "
+        "distill.cp x distill.tp must divide distill.num_workers. Dense teachers.",
     )
     tp: int = setting(
         1,

@@ -88,6 +88,9 @@ class RolloutSpec:
     samples_per_prompt: int
     groups_per_pull: int
     max_batch_size: int
+    kv_cache: str  # auto | slots | paged
+    kv_cache_tokens: int  # 0: max_batch_size x max_seq_len
+    keep_kv_across_turns: bool
     max_prompt_len: int
     tp: int
     seed: int
@@ -289,6 +292,9 @@ def rollout_spec(cfg: TrainConfig) -> RolloutSpec:
         samples_per_prompt=roll.samples_per_prompt,
         groups_per_pull=roll.groups_per_pull,
         max_batch_size=roll.max_batch_size,
+        kv_cache=roll.kv_cache,
+        kv_cache_tokens=roll.kv_cache_tokens,
+        keep_kv_across_turns=roll.keep_kv_across_turns,
         max_prompt_len=cfg.data.max_prompt_len,
         tp=roll.tp,
         seed=cfg.run.seed,

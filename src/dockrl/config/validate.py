@@ -77,6 +77,7 @@ def check_train(cfg: TrainConfig) -> None:
             f"must hold one whole group of rollout.samples_per_prompt={roll.samples_per_prompt} sequences",
             f"set it to at least {roll.samples_per_prompt}",
         )
+    _check_kv_cache_tokens(roll, cfg.data.max_prompt_len)
     rows = run.prompts_per_step * roll.samples_per_prompt
     if rows % actor.dp:
         raise config_error(
@@ -172,13 +173,6 @@ def _check_layouts(cfg: TrainConfig) -> None:
             actor.cp,
             f"with actor.ep={actor.ep}: context parallelism of MoE models is not built",
             "use actor.cp=1 with expert parallelism",
-        )
-    if actor.cp > 1 and cfg.distill.teacher_path is not None and cfg.distill.top_k > 0:
-        raise config_error(
-            "actor.cp",
-            actor.cp,
-            f"with distill.top_k={cfg.distill.top_k}: the student's top-k scoring over a split sequence is not built",
-            "use actor.cp=1 with top-k distillation, or distill.top_k=0 (the sampled-token form)",
         )
     _check_aux_loss_coef(actor)
     if actor.dp % actor.ep:
@@ -388,12 +382,22 @@ def _check_distill(cfg: TrainConfig) -> None:
             "finite and >= 0",
             "use 1.0 (algo.name=opd), a smaller weight beside a reward, or 0 to log distill/* only",
         )
+    positive("distill.cp", distill.cp)
+    divisors = [d for d in range(1, distill.num_workers + 1) if distill.num_workers % d == 0]
     if distill.num_workers % distill.tp:
         raise config_error(
             "distill.tp",
             distill.tp,
             f"does not divide distill.num_workers={distill.num_workers}",
-            f"use a divisor: {[d for d in range(1, distill.num_workers + 1) if distill.num_workers % d == 0]}",
+            f"use a divisor: {divisors}",
+        )
+    if distill.num_workers % (distill.cp * distill.tp):
+        raise config_error(
+            "distill.cp",
+            distill.cp,
+            f"times distill.tp={distill.tp} does not divide distill.num_workers={distill.num_workers} (the "
+            "teacher's ranks form a (dp, cp, tp) grid)",
+            f"use a cp with cp x {distill.tp} among {divisors}, or raise distill.num_workers",
         )
     if estimator.needs_critic:
         raise config_error(
@@ -466,6 +470,42 @@ def check_sft(cfg: SFTConfig) -> None:
     if cfg.data.label_field is None:
         raise config_error("data.label_field", None, "SFT needs the answer text", "name the answer field")
     check_data(cfg.data)
+
+
+def _check_kv_cache_tokens(roll: RolloutConfig, max_prompt_len: int) -> None:
+    """rollout.kv_cache_tokens: 0 (every slot's worst case) or room for one whole sequence; rollout.kv_cache=slots
+    within it; dockrl's engine only."""
+    tokens = roll.kv_cache_tokens
+    positive("rollout.kv_cache_tokens", tokens, allow_zero=True)
+    longest = max_prompt_len + roll.max_new_tokens
+    if 0 < tokens < longest:
+        raise config_error(
+            "rollout.kv_cache_tokens",
+            tokens,
+            f"cannot hold one sequence of data.max_prompt_len + rollout.max_new_tokens = {max_prompt_len} + "
+            f"{roll.max_new_tokens} = {longest} positions",
+            f"set it to at least {longest}, or 0 for max_batch_size x {longest}",
+        )
+    worst = roll.max_batch_size * longest
+    if roll.kv_cache == "slots" and 0 < tokens < worst:
+        raise config_error(
+            "rollout.kv_cache",
+            roll.kv_cache,
+            f"needs rollout.max_batch_size x (data.max_prompt_len + rollout.max_new_tokens) = {roll.max_batch_size}"
+            f" x {longest} = {worst} positions, over rollout.kv_cache_tokens={tokens}",
+            "use rollout.kv_cache=auto (paged where slots do not fit) or paged, or raise rollout.kv_cache_tokens",
+        )
+    if roll.backend != "dockrl":
+        for name, value, default in (
+            ("kv_cache_tokens", tokens, 0),
+            ("kv_cache", roll.kv_cache, "auto"),
+        ):
+            if value != default:
+                warnings.warn(
+                    f"rollout.{name}={value} has no effect with rollout.backend={roll.backend} (dockrl's "
+                    "engine only; vLLM sizes its own cache)",
+                    stacklevel=4,
+                )
 
 
 def check_data(data: DataConfig) -> None:

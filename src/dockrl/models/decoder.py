@@ -16,9 +16,11 @@ Three explicit paths, one per entry point of `Transformer`:
   [1, T] row (padding-free micro-batches: attention.packed_causal_attention; positions restart per row);
 - with `kv_cache` and an int `cache_offset`: every row writes its T new keys at slots [offset, offset + T)
   and attends slots [0, offset + T) (prefill, lockstep decode);
-- `hidden_states_per_row` (the rollout engine's continuous batching): row b writes at its own slots
-  [row_offsets[b], row_offsets[b] + T) and attends key slots [0, S) with S = key_mask.shape[1], causally from
-  its own offset, so rows of one batch sit at different lengths of a slot-indexed cache.
+- `hidden_states_per_row` (the rollout engine's continuous batching): row b writes at its own positions
+  [row_offsets[b], row_offsets[b] + T) and attends key positions [0, S) with S = key_mask.shape[1], causally
+  from its own offset, so rows of one batch sit at different lengths: of a slot-indexed `KVCache` (row b is
+  cache row b, read in place), or of a `PagedKVCache` whose blocks each row reaches through its block table
+  (models/paged_cache.py; the blocks attended are gathered each call).
 Inside, a `CacheWrite` carries which path a call takes down to the attention layers.
 """
 
@@ -37,6 +39,7 @@ from torch import nn
 from dockrl.models.attention import causal_attention, packed_causal_attention, sdpa
 from dockrl.models.config import ModelArgs
 from dockrl.models.moe import MoEBlock
+from dockrl.models.paged_cache import PagedKVCache, paged_attention, write_blocks
 from dockrl.models.rms_norm import RMSNorm
 
 if TYPE_CHECKING:
@@ -69,13 +72,28 @@ class KVCache:
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.num_layers)
         ]
 
-    def rows(self, num_rows: int) -> KVCache:
-        """A view of the first num_rows sequences of this cache (shares storage, allocates nothing)."""
+    def rows(self, num_rows: int, start: int = 0) -> KVCache:
+        """A view of sequences [start, start + num_rows) of this cache (shares storage, allocates nothing)."""
         view = KVCache.__new__(KVCache)
         view.batch_size, view.max_len = num_rows, self.max_len
-        view.k = [k[:num_rows] for k in self.k]
-        view.v = [v[:num_rows] for v in self.v]
+        view.k = [k[start : start + num_rows] for k in self.k]
+        view.v = [v[start : start + num_rows] for v in self.v]
         return view
+
+    def take(self, rows: torch.Tensor, num_positions: int) -> KVCache:
+        """A copy of positions [0, num_positions) of the sequences `rows` (int64 [R], any order): a cache of R
+        sequences (`put` writes it back)."""
+        copy = KVCache.__new__(KVCache)
+        copy.batch_size, copy.max_len = len(rows), num_positions
+        copy.k = [k[rows, :, :num_positions] for k in self.k]
+        copy.v = [v[rows, :, :num_positions] for v in self.v]
+        return copy
+
+    def put(self, rows: torch.Tensor, part: KVCache) -> None:
+        """Write `part` (from `take`) back into the sequences `rows`, positions [0, part.max_len)."""
+        for k, v, part_k, part_v in zip(self.k, self.v, part.k, part.v):
+            k[rows, :, : part.max_len] = part_k
+            v[rows, :, : part.max_len] = part_v
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What one attention layer gets: its (keys, values)."""
@@ -84,12 +102,14 @@ class KVCache:
 
 @dataclass(frozen=True)
 class CacheWrite:
-    """Where one forward pass puts its new keys/values in a KVCache (see the module docstring): slots
-    [offset, offset + T) of every row, or, with `row_offsets` [B] (int64), each row from its own offset."""
+    """Where one forward pass puts its new keys/values (see the module docstring): slots [offset, offset + T)
+    of every row of a KVCache, or, with `row_offsets` [B] (int64), each row from its own offset: into its own
+    row of a KVCache, or, with `block_table` [B, M] (int64), into the blocks of a PagedKVCache."""
 
-    cache: KVCache
+    cache: KVCache | PagedKVCache
     offset: int = 0
     row_offsets: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -428,22 +448,25 @@ class Transformer(nn.Module):
     def hidden_states_per_row(
         self,
         input_ids: torch.Tensor,
-        kv_cache: KVCache,
+        kv_cache: KVCache | PagedKVCache,
         row_offsets: torch.Tensor,
+        block_table: torch.Tensor | None,
         key_mask: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         images: Images | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [B, T, H] of rows at their own cache offsets (continuous batching).
 
-        row_offsets int64 [B]: row b writes its new keys/values at slots [row_offsets[b], row_offsets[b] + T)
-        and attends key slots [0, S), S = key_mask.shape[1], causally from its offset. position_ids default
-        row_offsets[b] + arange(T). The caller keeps every offset + T <= S <= max_len (not checked here: it
-        would cost a device sync per decode step).
+        row_offsets int64 [B]: row b writes its new keys/values at positions [row_offsets[b], row_offsets[b] +
+        T) - of cache row b of a KVCache (block_table None), or in the blocks its row of block_table [B, M] names
+        in a PagedKVCache - and attends key positions [0, S), S = key_mask.shape[1], causally from its offset.
+        position_ids default row_offsets[b] + arange(T). The caller keeps every offset + T <= max_len (or M x
+        block_size, with the blocks allocated) and S <= max_len (not checked here: it would cost a device sync
+        per decode step).
         """
         if position_ids is None:
             position_ids = row_offsets[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
-        write = CacheWrite(kv_cache, row_offsets=row_offsets)
+        write = CacheWrite(kv_cache, row_offsets=row_offsets, block_table=block_table)
         mask = None if images is None else images.token_mask
         return self.model(input_ids, position_ids, key_mask, write, None, self.image_embeds(images), mask)
 
@@ -542,10 +565,17 @@ def _cached_attention(
     assert cache is not None, "a cache write needs the layer's cache"
     dtype = cache[0].dtype
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if write.row_offsets is not None:  # continuous batching
+    if write.row_offsets is not None and write.block_table is None:  # continuous batching, max-length slots
         assert mask is not None, "per-row offsets always come with a mask"
         k, v = _write_rows(cache, k, v, write.row_offsets, mask.shape[-1])
-        return _grouped_attention(q, k, v, mask)  # [B, N, T, D]
+        return _grouped_attention(q, k, v, mask)  # [B, N, T, D]: the slots read in place
+    if write.row_offsets is not None:  # continuous batching over a paged cache
+        table = write.block_table
+        assert mask is not None and table is not None, "per-row offsets always come with a mask"
+        assert isinstance(write.cache, PagedKVCache), "a block table addresses a paged cache"
+        write_blocks(cache, k, v, write.row_offsets, table)
+        keys, values = write.cache.gather(cache, table, mask.shape[-1])
+        return paged_attention(q, keys, values, mask, q.shape[0])  # [B, N, T, D]
     cache_k, cache_v = cache  # every row at the same offset
     end = write.offset + q.shape[2]
     cache_k[:, :, write.offset : end] = k

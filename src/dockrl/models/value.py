@@ -34,13 +34,19 @@ class ValueModel(nn.Module):
         self.model = DecoderModel(args)
         self.score = nn.Linear(args.hidden_size, 1)
 
-    def forward(self, input_ids: torch.Tensor, segments: tuple[int, ...] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        segments: tuple[int, ...] | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Values [B, T] (fp32) of every prefix; right padding is harmless (causal attention). `segments`: rows
-        packed end to end in input_ids [1, T] (as `Transformer.hidden_states` takes them)."""
+        packed end to end in input_ids [1, T] (as `Transformer.hidden_states` takes them). `position_ids` [B, T]:
+        the tokens' positions when they are not 0..T-1 (a context-parallel rank's zig-zag share)."""
         batch, seq = input_ids.shape
-        if segments is not None:
+        if position_ids is None and segments is not None:
             position_ids = segment_positions(segments, input_ids.device)[None]
-        else:
+        elif position_ids is None:
             position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
         hidden = self.model(input_ids, position_ids, None, None, segments)  # [B, T, H]
         # A copy, not a view of the head's [B, T, 1] output: FSDP2 hooks the root module's output for backward.

@@ -108,6 +108,10 @@ ENV_POLICY_TOKEN_FRAC = (
     "env/policy_token_frac"  # share of response tokens the policy sampled (the rest observed)
 )
 THROUGHPUT_POLICY_TOKENS_PER_S = "throughput/policy_tokens_per_s"  # sampled tokens over the rollout
+# positions the rollout prefilled (prompts, and the new tokens of later turns), summed over ranks
+ROLLOUT_PREFILL_TOKENS = "rollout/prefill_tokens"
+# positions later turns found kept from their earlier turns instead of prefilling them (keep_kv_across_turns)
+ROLLOUT_KV_REUSED_TOKENS = "rollout/kv_reused_tokens"
 TIMING_ENV = "timing/env"  # seconds inside environment calls, summed over calls (they overlap decoding)
 TIMING_ENV_WAIT = (
     "timing/env_wait"  # wall seconds a rollout rank waited on calls with nothing to decode (max)

@@ -1,4 +1,5 @@
-"""Context parallelism (actor.cp): one sequence split over the cp ranks of a data-parallel rank.
+"""Context parallelism (actor.cp, critic.cp, distill.cp): one sequence split over the cp ranks of a data-parallel
+rank.
 
 Shape letters: B rows, N query heads, K key/value heads, G = N / K, D head dim, T tokens of the padded
 sequence, c = T / (2 cp) tokens of one chunk, Tl = 2c tokens on one rank.
@@ -22,7 +23,8 @@ with it and reach their owner after the last step (one more shift). Scores, soft
 Everything else in a decoder layer is per token, so it runs on the rank's Tl tokens unchanged. The LM head and
 the log-probs run per chunk on each rank's own scored positions; `cp_sum` then adds the ranks' disjoint parts
 of the [B, T-1] log-prob grid, so every cp rank holds the whole grid and computes the same loss (any
-aggregation: token sums, per-row means, GSPO's sequence ratios) - see `cp_sum` for the gradient.
+aggregation: token sums, per-row means, GSPO's sequence ratios) - see `cp_sum` for the gradient. A value model's
+outputs (the critic's values at every position) go onto their grid the same way (`spread`).
 """
 
 from __future__ import annotations
@@ -103,6 +105,16 @@ def cp_sum(part: Tensor, group: dist.ProcessGroup) -> Tensor:
     through its own part, so the gradient of its part is dL/dgrid itself (not a sum over ranks). The ranks'
     parameter gradients then add up, over cp, to the single process's dL/dtheta (FSDP2 sums them over dp x cp)."""
     return _CpSum.apply(part, group)
+
+
+def spread(local: Tensor, positions: Tensor, width: int, group: dist.ProcessGroup) -> Tensor:
+    """The whole grid [B, width, ...] of per-position outputs from each cp rank's local [B, Tl, ...] at its global
+    `positions` [Tl] (zigzag_positions): positions >= width (the right padding, and the last token when width is
+    T - 1, the shifted grid) are dropped, the rest placed and summed over `group` (`cp_sum`: every cp rank holds
+    the whole grid; each backpropagates through its own positions)."""
+    keep = positions < width
+    grid = local.new_zeros(local.shape[0], width, *local.shape[2:])
+    return cp_sum(grid.index_copy(1, positions[keep], local[:, keep]), group)
 
 
 # ---- ring attention ---------------------------------------------------------------------------------------
@@ -290,6 +302,16 @@ def attach(model: torch.nn.Module, shard: ContextShard) -> None:
             module.context_attention = functools.partial(ring_attention, shard=shard)
 
 
+def local_sequence(input_ids: Tensor, shard: ContextShard, pad_token_id: int = 0) -> tuple[Tensor, Tensor]:
+    """This rank's zig-zag share of input_ids [B, T], padded on the right to a multiple of 2 cp: ids [B, Tl] and
+    their global positions [Tl]."""
+    seq = input_ids.shape[1]
+    padded = padded_length(seq, shard.size)
+    ids = torch.nn.functional.pad(input_ids, (0, padded - seq), value=pad_token_id)  # [B, T']
+    positions = zigzag_positions(padded, shard.size, shard.rank).to(input_ids.device)  # [Tl]
+    return ids[:, positions], positions
+
+
 @dataclass(frozen=True)
 class LocalTokens:
     """What this cp rank runs of a micro-batch [B, T]: input_ids [B, Tl] at the global `positions` [Tl], and
@@ -312,7 +334,7 @@ def local_tokens(
     rows, seq = input_ids.shape
     width, padded = seq - 1, padded_length(seq, shard.size)
     ids = torch.nn.functional.pad(input_ids, (0, padded - seq), value=pad_token_id)  # [B, T']
-    positions = zigzag_positions(padded, shard.size, shard.rank).to(input_ids.device)  # [Tl]
+    local_ids, positions = local_sequence(input_ids, shard, pad_token_id)  # [B, Tl], [Tl]
     is_scored = torch.zeros(rows * width + 1, dtype=torch.bool, device=input_ids.device)
     is_scored[scored] = True
     grid = torch.arange(rows, device=ids.device)[:, None] * width + positions[None, :]  # [B, Tl]
@@ -322,6 +344,4 @@ def local_tokens(
     hidden_index = local_scored.nonzero().squeeze(-1)
     grid_index = grid.reshape(-1)[hidden_index]
     next_ids = ids[:, 1:].gather(1, positions.clamp(max=padded - 2).expand(rows, -1))  # [B, Tl]
-    return LocalTokens(
-        ids[:, positions], positions, hidden_index, grid_index, next_ids.reshape(-1)[hidden_index]
-    )
+    return LocalTokens(local_ids, positions, hidden_index, grid_index, next_ids.reshape(-1)[hidden_index])

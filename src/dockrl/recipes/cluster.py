@@ -297,15 +297,17 @@ def _start_reward_models(
 def _start_critic(
     cfg: TrainConfig, parts: Specs, plan: StepPlan, dock, supervisor: Supervisor
 ) -> CriticGroup | None:
-    """PPO's CriticWorkers (critic.dp ranks in their own process group; one GPU each on cuda), else None."""
+    """PPO's CriticWorkers (critic.dp x critic.cp ranks in their own process group; one GPU each on cuda), else
+    None."""
     if parts.critic is None:
         return None
     critic = cfg.critic
+    ranks = critic.dp * critic.cp
     return _group(
         cfg.run,
         supervisor,
         CriticGroup,
-        critic.dp,
+        ranks,
         "critic",
         place=cfg.placement.critic,
         gpu=True,
@@ -313,7 +315,7 @@ def _start_critic(
         spec=parts.critic,
         plan=plan,
         client=dock.client(),
-        num_threads=_threads_per_rank(cfg, critic.dp),
+        num_threads=_threads_per_rank(cfg, ranks),
     )
 
 

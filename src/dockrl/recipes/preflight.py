@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from dockrl.config.algo_checks import runs_critic
 from dockrl.config.fields import config_error
 from dockrl.config.resolve import Resolved, copy_with, resolve
 from dockrl.config.schema import DataConfig, SFTConfig, TrainConfig
@@ -119,7 +120,7 @@ def preflight_train(cfg: TrainConfig) -> Resolved:
     _check_loggers(run_cfg.run.loggers)
     actor = run_cfg.actor
     teacher_ranks = run_cfg.distill.num_workers if run_cfg.distill.teacher_path is not None else 0
-    critic_ranks = run_cfg.critic.dp if plan.critic else 0
+    critic_ranks = run_cfg.critic.dp * run_cfg.critic.cp if plan.critic else 0
     _check_devices(run_cfg.run.device, actor.dp * actor.cp * actor.tp + critic_ranks + teacher_ranks)
     _check_reward_model_files(run_cfg)
     _check_teacher(run_cfg)
@@ -360,7 +361,7 @@ def _check_devices(device: str, ranks: int) -> None:
     if ranks > count:
         # On a multi-node cluster the driver sees only its own node; Ray places the rest.
         warnings.warn(
-            f"the {ranks} GPU ranks (actor.dp x actor.cp x actor.tp, plus critic.dp with ppo) exceed the {count} GPUs "
+            f"the {ranks} GPU ranks (actor.dp x actor.cp x actor.tp, plus critic.dp x critic.cp with ppo and distill.num_workers with a teacher) exceed the {count} GPUs "
             "visible to the driver; Ray must find the rest",
             stacklevel=2,
         )
@@ -407,6 +408,13 @@ def _check_teacher(cfg: TrainConfig) -> None:
             cfg.distill.top_k,
             f"exceeds the policy's vocab_size={policy.vocab_size} (the top-k are among the policy's ids)",
             f"use a k in [1, {policy.vocab_size}] (tens of tokens hold nearly all of a teacher's mass), or 0",
+        )
+    if cfg.distill.cp > 1 and teacher.is_moe:
+        raise config_error(
+            "distill.cp",
+            cfg.distill.cp,
+            f"splits sequences, and context parallelism of MoE models (distill.teacher_path={path}) is not built",
+            "use distill.cp=1 with a qwen3_moe teacher",
         )
     problem = tp_problem(teacher, cfg.distill.tp)
     if teacher.is_moe and cfg.distill.tp > 1:
@@ -472,6 +480,14 @@ def _check_model_layouts(cfg: TrainConfig) -> None:
             actor.cp,
             f"splits sequences, and context parallelism of MoE models (model.path={cfg.model.path}) is not built",
             "use actor.cp=1 with a qwen3_moe model",
+        )
+    critic_path = cfg.critic.path or cfg.model.path
+    if runs_critic(cfg.algo) and cfg.critic.cp > 1 and read_config(critic_path).is_moe:
+        raise config_error(
+            "critic.cp",
+            cfg.critic.cp,
+            f"splits sequences, and context parallelism of MoE models (the critic's {critic_path}) is not built",
+            "use critic.cp=1 with a qwen3_moe critic",
         )
     if actor.ep > 1 and not args.is_moe:
         raise config_error(

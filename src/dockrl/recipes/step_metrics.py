@@ -173,6 +173,8 @@ def _env(record: StepRecord, response_tokens: int) -> dict[str, float]:
         names.ENV_POLICY_TOKEN_FRAC: counts["policy_tokens"] / max(1, response_tokens),
         names.THROUGHPUT_POLICY_TOKENS_PER_S: counts["policy_tokens"]
         / max(record.timings[Stage.ROLLOUT], 1e-9),
+        names.ROLLOUT_PREFILL_TOKENS: counts.get("prefill_tokens", 0.0),
+        names.ROLLOUT_KV_REUSED_TOKENS: counts.get("kv_reused_tokens", 0.0),
     }
 
 

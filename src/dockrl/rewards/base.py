@@ -4,8 +4,11 @@ A reward function scores one sample: ``fn(prompt, response, label) -> RewardResu
 named either by a built-in name (``BUILTIN_REWARDS`` in ``builtin.py``) or by ``"package.module:function"``
 for user code. A reward function may carry a ``warmup`` attribute, a no-argument callable that
 RewardRunner runs once in each worker process at start-up, outside the per-call timeout (for heavy
-imports or grammar compilation that would otherwise make the first call time out). Extra keyword arguments from the config are bound at resolution time, so a typo in them
-fails when the config is built, not on the first sample.
+imports or grammar compilation that would otherwise make the first call time out). A reward function may
+also carry ``cheap = True``: it is fast and pure Python, and may run in the RewardRunner's own thread instead of
+its process pool (reward.inline=cheap, the default); ``is_cheap`` says which resolved functions qualify. Extra
+keyword arguments from the config are bound at resolution time, so a typo in them fails when the config is
+built, not on the first sample.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dockrl.rewards.builtin import BUILTIN_REWARDS
 from dockrl.rewards.result import RewardFn, RewardResult
 from dockrl.user_code import attr_from_code, import_attr
 
-__all__ = ["RewardFn", "RewardResult", "resolve_reward_fn", "warmup_of"]
+__all__ = ["RewardFn", "RewardResult", "is_cheap", "resolve_reward_fn", "warmup_of"]
 
 
 def warmup_of(fn: RewardFn) -> Callable[[], Any] | None:
@@ -28,6 +31,17 @@ def warmup_of(fn: RewardFn) -> Callable[[], Any] | None:
     target = fn.func if isinstance(fn, functools.partial) else fn
     warmup = getattr(target, "warmup", None)
     return warmup if callable(warmup) else None
+
+
+def is_cheap(fn: RewardFn) -> bool:
+    """Whether a resolved reward function may run inline (reward.inline=cheap): it carries ``cheap = True``, and
+    a built-in has no keyword arguments bound from the config (format's configured pattern is the user's regex,
+    which can backtrack for ever while holding the GIL, beyond any in-process timeout)."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    if getattr(target, "cheap", False) is not True:
+        return False
+    builtin = any(target is f for f in BUILTIN_REWARDS.values())
+    return not (builtin and isinstance(fn, functools.partial))
 
 
 def _import_function(name: str) -> Callable[..., Any]:

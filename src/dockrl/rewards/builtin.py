@@ -1,7 +1,10 @@
 """Built-in verifiers: exact numeric answer, math-verify equivalence, regex format.
 
 All are pure Python (math-verify pulls in sympy, imported on first use), return ``RewardResult`` with
-score 1.0 or 0.0, and are safe to call from any thread.
+score 1.0 or 0.0, and are safe to call from any thread. Those marked ``cheap`` (exact_answer, format) take
+microseconds and cannot hang on any response (a linear scan, a fixed regex without nested quantifiers), so the
+RewardRunner calls them in its own thread (reward.inline=cheap) rather than through its process pool;
+math_verify (sympy, seconds on adversarial input) stays in the pool.
 """
 
 from __future__ import annotations
@@ -129,6 +132,9 @@ def format_reward(
     score = 1.0 if _compiled(pattern).fullmatch(response) else 0.0
     return RewardResult(score=score)
 
+
+exact_answer.cheap = True  # type: ignore[attr-defined]  # see rewards/base.py: cheap
+format_reward.cheap = True  # type: ignore[attr-defined]  # with its own pattern only (base.is_cheap)
 
 BUILTIN_REWARDS = {
     "exact_answer": exact_answer,

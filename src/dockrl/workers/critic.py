@@ -1,7 +1,10 @@
 """CriticWorker: one data-parallel rank of PPO's critic, a value model (`models.value`) with its own AdamW.
 
-Placement: the critic runs on its own Ray actors (`critic.dp` ranks in their own process group, FSDP2 over
-them; one GPU each on cuda, besides the actor's), so its stages overlap the actor's. Lifecycle of one RL step,
+Placement: the critic runs on its own Ray actors (`critic.dp` x `critic.cp` ranks in their own process group, a
+(dp, cp) grid, FSDP2 over all of them; one GPU each on cuda, besides the actor's), so its stages overlap the
+actor's. With critic.cp > 1 the cp ranks of a dp rank read the same rows (their first rank talks to the dock) and
+split each sequence (parallel/context.py: ring attention; every cp rank gets the whole grid of values, and the
+loss, computed alike on each, is scaled by dp x cp as FSDP2 averages over those ranks). Lifecycle of one RL step,
 every stage pulling exactly rows/dp rows from the dock (length-balanced, so the FSDP ranks stay in lockstep):
 
     setup(resume_from?) ──▶ [compute_values ──▶ update ──▶ save?] x steps
@@ -37,6 +40,7 @@ from dockrl.checkpoint.directory import CRITIC, HF
 from dockrl.checkpoint.sharded import export_hf, load_engine, save_engine
 from dockrl.config.specs import CriticSpec
 from dockrl.config.step_plan import StepPlan
+from dockrl.dock.api import DockAPI
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import (
     ADVANTAGES,
@@ -54,7 +58,8 @@ from dockrl.engines.train.batch import MicroBatch, make_micro_batch, split_indic
 from dockrl.engines.train.policy_update import all_reduce_sum
 from dockrl.engines.train.train_engine import TrainEngine
 from dockrl.models.value import value_model_kind
-from dockrl.parallel.dist import data_parallel_mesh
+from dockrl.parallel.dist import data_parallel_mesh, training_mesh
+from dockrl.parallel.replica import ReplicaClient
 from dockrl.workers.group import Pending, Worker, WorkerGroup
 from dockrl.workers.results import CriticState, LogprobResult, SetupResult, UpdateResult
 
@@ -82,7 +87,10 @@ class CriticWorker(Worker):
         super().__init__(name, rank, world_size, num_threads)
         self.spec, self.plan, self.client = spec, plan, client
         self.rows = spec.rows_per_step
-        self.rows_per_rank = self.rows // world_size
+        self.cp = spec.optim.cp
+        self.dp = world_size // self.cp  # context-parallel peers train on the same rows
+        self.rows_per_rank = self.rows // self.dp
+        self.dock: DockAPI | DockChoice = client
         # Every rank sees the same all-reduced KL each step, so their controllers stay identical.
         algo = spec.algo
         self.kl_ctrl = KLController(
@@ -100,7 +108,11 @@ class CriticWorker(Worker):
             kind=value_model_kind(spec.seed),
             device=self.device,
             precision=spec.precision,
-            mesh=data_parallel_mesh(self.device.type, self.world_size),
+            mesh=(
+                data_parallel_mesh(self.device.type, self.dp)
+                if self.cp == 1
+                else training_mesh(self.device.type, self.dp, 1, self.cp)
+            ),
             optim=spec.optim,
             total_optimizer_steps=spec.total_optimizer_steps,
             load_weights=resume_from is None,
@@ -108,21 +120,23 @@ class CriticWorker(Worker):
         )
         if resume_from is not None:
             load_engine(self.engine, Path(resume_from) / CRITIC)
+        if self.cp > 1:  # the cp ranks of one dp rank read the same rows; their first rank talks to the dock
+            self.dock = ReplicaClient(self.client, self.engine.replica_group, self.rank, self.cp)
         num_params = sum(p.numel() for p in self.engine.model.parameters())
         return SetupResult(num_params, str(self.device), self.where())
 
     def compute_values(self) -> LogprobResult:
         """Values of this rank's share of rows -> `values` [R] per row."""
-        got = self.client.get(
+        got = self.dock.get(
             Stage.CRITIC_VALUES,
             [PROMPT_IDS, RESPONSE_IDS],
             self.rows_per_rank,
-            balance_over=self.world_size,
-            peer=self.rank,
+            balance_over=self.dp,
+            peer=self.engine.dp_rank,
         )
         assert got is not None, "the dock had no rows left for this critic rank"
         rows, batch = got
-        self.client.put(
+        self.dock.put(
             Stage.CRITIC_VALUES, rows, {VALUES: self._values(batch[PROMPT_IDS], batch[RESPONSE_IDS])}
         )
         return LogprobResult(len(rows), sum(len(r) for r in batch[RESPONSE_IDS]))
@@ -151,8 +165,8 @@ class CriticWorker(Worker):
         algo = self.spec.algo
         columns = [PROMPT_IDS, RESPONSE_IDS, UPDATE_WEIGHT, REWARD, VALUES]
         columns += [REF_LOGPROBS, OLD_LOGPROBS] if algo.kl_in_reward else []
-        got = self.client.get(
-            Stage.CRITIC_UPDATE, columns, self.rows_per_rank, balance_over=self.world_size, peer=self.rank
+        got = self.dock.get(
+            Stage.CRITIC_UPDATE, columns, self.rows_per_rank, balance_over=self.dp, peer=self.engine.dp_rank
         )
         assert got is not None, "the dock had no rows left for this critic rank"
         rows, batch = got
@@ -172,7 +186,7 @@ class CriticWorker(Worker):
         lengths = [len(v) for v in batch[VALUES]]
         batch[RETURNS] = [returns[i, :n].clone() for i, n in enumerate(lengths)]
         row_advantages = [advantages[i, :n].clone() for i, n in enumerate(lengths)]
-        self.client.put(Stage.CRITIC_UPDATE, rows, {ADVANTAGES: row_advantages, RETURNS: batch[RETURNS]})
+        self.dock.put(Stage.CRITIC_UPDATE, rows, {ADVANTAGES: row_advantages, RETURNS: batch[RETURNS]})
         metrics = self._step_stats(values, returns, advantages, counted, kl, kl_coef)
         if kl is not None:
             self.kl_ctrl.update(metrics["reward/kl_penalty"], self.rows)
@@ -248,7 +262,7 @@ class CriticWorker(Worker):
                 "value_clipfrac": clipfrac * share,
                 "vpred_mean": masked_mean(vpred.detach(), mask).item() * share,
             }
-            return loss * world, metrics  # FSDP2 averages gradients over the ranks
+            return loss * world, metrics  # FSDP2 averages gradients over the dp x cp ranks
 
         metrics = self.engine.train_step(micro_batches, loss_fn)
         totals = torch.tensor([metrics[k] for k in SUMMED_METRICS], dtype=torch.float64)

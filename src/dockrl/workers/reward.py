@@ -96,7 +96,12 @@ class RewardWorker(Worker):
         self.tokenizer = Tokenizer.from_dir(spec.tokenizer_path)
         functions = reward_specs(reward)
         self.runner = (
-            RewardRunner(functions, timeout_s=reward.timeout_s, num_processes=reward.num_processes)
+            RewardRunner(
+                functions,
+                timeout_s=reward.timeout_s,
+                num_processes=reward.num_processes,
+                inline=reward.inline,
+            )
             if functions
             else None
         )

@@ -11,8 +11,10 @@
                                                                    distill.coef x (teacher - rollout log-prob))
 
 Placement: distill.num_workers ranks in a process group of their own (one GPU each on cuda, beside the
-actor's), the teacher sharded like the actor's reference model: FSDP2 over num_workers / distill.tp ranks and
-tensor parallelism over distill.tp (the head of each tp group talks to the dock, parallel/replica.py). Every
+actor's), a (dp, cp, tp) grid as the actor's, the teacher sharded like the actor's reference model: FSDP2 over
+num_workers / distill.tp ranks, tensor parallelism over distill.tp and context parallelism over distill.cp (each
+sequence split over cp ranks, parallel/context.py; the head of each cp x tp block talks to the dock,
+parallel/replica.py, and its peers score the same rows). Every
 forward is collective, so each pull ends with an all-reduce of how many micro-batches each rank needs, and a
 rank with fewer rows (or none: the step ran out) runs idle ones (TrainEngine.logprobs). Because the teacher
 pulls groups as they finish, its work overlaps the rollout, like reward scoring; the RewardWorker reads
@@ -66,8 +68,8 @@ class TeacherWorker(Worker):
     ):
         super().__init__(name, rank, world_size, num_threads)
         self.spec, self.client = spec, client
-        self.tp = spec.distill.tp
-        self.dp = world_size // self.tp
+        self.tp, self.cp = spec.distill.tp, spec.distill.cp
+        self.dp = world_size // (self.tp * self.cp)
         self.group_size = spec.samples_per_prompt
         self.temperature = spec.temperature if spec.temperature > 0 else 1.0
         self.multi_turn = spec.multi_turn
@@ -82,11 +84,12 @@ class TeacherWorker(Worker):
             trainable=False,
             device=self.device,
             precision=spec.precision,
-            mesh=training_mesh(self.device.type, self.dp, self.tp),
+            mesh=training_mesh(self.device.type, self.dp, self.tp, self.cp),
         )
         tokenizer = Tokenizer.from_dir(spec.policy_path)  # the same ids as the teacher's (preflight checks)
         self.pad_token_id = first_token_id(tokenizer.pad_token_id, tokenizer.eos_token_id, 0)
-        self.dock = ReplicaClient(self.client, self.teacher.tp_group, self.rank, self.tp)
+        # the cp x tp ranks of one dp rank score the same rows; their first rank talks to the dock
+        self.dock = ReplicaClient(self.client, self.teacher.replica_group, self.rank, self.cp * self.tp)
         self.policy_vocab = read_config(spec.policy_path).vocab_size  # top-k ids are among the student's
         return SetupResult(self.teacher.args.num_params(), str(self.device), self.where())
 
@@ -119,7 +122,7 @@ class TeacherWorker(Worker):
                     sums.add(teacher, student, mask)
                 rows_done += len(rows)
             busy_s += time.perf_counter() - start
-        if not self.dock.is_head:  # tp peers scored the same rows as their head
+        if not self.dock.is_head:  # cp and tp peers scored the same rows as their head
             return TeacherResult(0, DistillSums(), busy_s)
         return TeacherResult(rows_done, sums, busy_s)
 

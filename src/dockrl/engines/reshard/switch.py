@@ -183,11 +183,11 @@ class RolloutSwitch:
         adapters = self._gather_adapters(train_params)
         for bucket in self.buckets:
             buffer = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+            if full is None:
+                self._gather_bucket(bucket, train_params, buffer)
             for spec in bucket.specs:
                 view = buffer[spec.offset : spec.offset + spec.numel].view(spec.shape)
-                if full is None:
-                    self._gather_into(spec, train_params[spec.name], view)
-                else:
+                if full is not None:
                     self._cut_into(spec, full[spec.name], view)
                 self._merge_adapter(spec, view, adapters)
                 set_param(self.model, spec.name, view)
@@ -225,10 +225,10 @@ class RolloutSwitch:
         adapters = self._gather_adapters(train_params)
         for bucket in self.buckets:
             buffer = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+            self._gather_bucket(bucket, train_params, buffer)
             views = []
             for spec in bucket.specs:
                 view = buffer[spec.offset : spec.offset + spec.numel].view(spec.shape)
-                self._gather_into(spec, train_params[spec.name], view)
                 self._merge_adapter(spec, view, adapters)
                 views.append((spec.name, view))
             yield buffer, views
@@ -341,6 +341,80 @@ class RolloutSwitch:
     def _cut_into(self, spec: _ParamSpec, full: torch.Tensor, out: torch.Tensor) -> None:
         dim, start, end = self.infer_layout.shard_slice(spec.name, spec.full_shape, self.rank)
         out.copy_(full if dim is None else full.narrow(dim, start, end - start))
+
+    def _gather_bucket(
+        self, bucket: _Bucket, train_params: Mapping[str, torch.Tensor], buffer: torch.Tensor
+    ) -> None:
+        """Every spec of `bucket` into its view of `buffer`. A tensor sharded over dp only (FSDP2's dim-0 shards, no
+        tp or ep split) that each inference rank holds whole joins its neighbours in one all-gather, as many as fit
+        a quarter bucket (the bound `_gather_into` keeps): one collective for a bucket of small tensors instead of
+        one per tensor. The others, and any too large for that, go through `_gather_into`. A gather only moves
+        bytes, so the buffer holds the same values either way."""
+        batch: list[tuple[_ParamSpec, torch.Tensor, int]] = []
+        batch_bytes = 0
+        group: dist.ProcessGroup | None = None
+        for spec in bucket.specs:
+            view = buffer[spec.offset : spec.offset + spec.numel].view(spec.shape)
+            param = train_params[spec.name]
+            whole = self._dp_only(spec, param)
+            if whole is None:
+                self._gather_into(spec, param, view)
+                continue
+            local, dp_group, dp, shard_rows = whole
+            row_numel = int(torch.Size(spec.full_shape[1:]).numel())
+            nbytes = dp * shard_rows * row_numel * local.element_size()
+            if nbytes > self.bucket_bytes // 4:
+                self._gather_into(spec, param, view)
+                continue
+            same = not batch or (dp_group is group and local.dtype == batch[0][1].dtype)
+            if not same or batch_bytes + nbytes > self.bucket_bytes // 4:
+                self._gather_batch(batch, buffer, group)
+                batch, batch_bytes = [], 0
+            batch.append((spec, local, shard_rows))
+            batch_bytes += nbytes
+            group = dp_group
+        if batch:
+            self._gather_batch(batch, buffer, group)
+
+    def _dp_only(
+        self, spec: _ParamSpec, param: torch.Tensor
+    ) -> tuple[torch.Tensor, dist.ProcessGroup, int, int] | None:
+        """(local shard, dp group, dp, rows per shard) of a tensor sharded over dp only and held whole by every
+        inference rank; None for any other layout."""
+        if not isinstance(param, DTensor) or self.engine.placement(spec.name).size > 1:
+            return None
+        if self.infer_layout.shard_slice(spec.name, spec.full_shape, self.rank)[0] is not None:
+            return None
+        group = param.device_mesh.get_group()
+        dp = dist.get_world_size(group)
+        return param.to_local(), group, dp, -(-spec.full_shape[0] // dp)
+
+    def _gather_batch(
+        self,
+        batch: list[tuple[_ParamSpec, torch.Tensor, int]],
+        buffer: torch.Tensor,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        """One all-gather of the batch's dp shards (each padded to its rows per shard), then each tensor's rows in
+        rank order (FSDP2 splits dim 0 like torch.chunk) into its view of `buffer`."""
+        dp = dist.get_world_size(group)
+        pieces = []
+        for spec, local, shard_rows in batch:
+            if local.shape[0] < shard_rows:  # a short (or empty) last shard
+                local = torch.cat(
+                    [local, local.new_zeros((shard_rows - local.shape[0], *spec.full_shape[1:]))]
+                )
+            pieces.append(local.reshape(-1))
+        flat = torch.cat(pieces)
+        out = torch.empty(dp * flat.numel(), dtype=flat.dtype, device=flat.device)
+        dist.all_gather_single(out, flat, group=group)
+        by_rank = out.view(dp, flat.numel())
+        offset = 0
+        for spec, _, shard_rows in batch:
+            numel = shard_rows * int(torch.Size(spec.full_shape[1:]).numel())
+            rows = by_rank[:, offset : offset + numel].reshape(dp * shard_rows, *spec.full_shape[1:])
+            buffer[spec.offset : spec.offset + spec.numel].view(spec.shape).copy_(rows[: spec.full_shape[0]])
+            offset += numel
 
     def _gather_into(self, spec: _ParamSpec, param: torch.Tensor, out: torch.Tensor) -> None:
         """Copy this rank's inference slice of `param` into `out`, gathering training shards in chunks.

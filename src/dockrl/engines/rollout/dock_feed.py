@@ -52,7 +52,7 @@ from dockrl.dock.columns import (
 from dockrl.dock.errors import DockTimeoutError
 from dockrl.dock.stages import Stage
 from dockrl.engines.rollout.backend import RolloutBackend
-from dockrl.engines.rollout.rollout_engine import Completion, Request, RolloutEngine
+from dockrl.engines.rollout.rollout_engine import Completion, Request, RolloutEngine, same_images
 from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.envs.host import EnvCalls
 
@@ -70,13 +70,16 @@ def row_seed(run_seed: int, step: int, row: int) -> int:
 def step_engine(
     model: Any, spec: RolloutSpec, pad_token_id: int, detokenize: Callable, vision: Any = None
 ) -> RolloutEngine:
-    """dockrl's continuous-batching engine for a run's rollout: rollout.max_batch_size slots, a KV cache for the
-    longest prompt and the response budget (within the model's positions); `vision` a vision model's
+    """dockrl's continuous-batching engine for a run's rollout: rollout.max_batch_size slots, sequences up to the
+    longest prompt and the response budget (within the model's positions), a KV cache laid out as
+    rollout.kv_cache says, of at most rollout.kv_cache_tokens positions; `vision` a vision model's
     VisionInputs."""
     return RolloutEngine(
         model,
         num_slots=spec.max_batch_size,
         max_seq_len=min(model.args.max_position_embeddings, spec.max_seq_len),
+        kv_cache=spec.kv_cache,
+        kv_cache_tokens=spec.kv_cache_tokens,
         pad_token_id=pad_token_id,
         detokenize=detokenize,
         record_routes=spec.env is None,  # MoE single-turn: each row's experts go to routed_experts
@@ -155,6 +158,7 @@ def _serve_env(
             row_seed=lambda row: row_seed(spec.seed, step, row),
             version=version,
             envs=envs,
+            keep_kv=spec.keep_kv_across_turns,
             **settings,
         )
     finally:
@@ -304,7 +308,7 @@ def _requests(
     for i, (row, prompt_ids) in enumerate(zip(rows, batch[PROMPT_IDS])):
         prompt = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
         images = (batch[IMAGE_PATCHES][i], batch[IMAGE_GRID_THW][i]) if IMAGE_PATCHES in batch else None
-        same = requests and prompt == previous and _same_images(requests[-1].images, images)
+        same = requests and prompt == previous and same_images(requests[-1].images, images)
         if same and len(requests[-1].seeds) < group_size:
             requests[-1].seeds.append(row_seed(row))
             requests[-1].tag.append(row)
@@ -312,14 +316,6 @@ def _requests(
             requests.append(Request(prompt, [row_seed(row)], params, tag=[row], images=images))
         previous = prompt
     return requests
-
-
-def _same_images(first: tuple | None, second: tuple | None) -> bool:
-    """Whether two rows' images (uint8 patches, grid) are the same: the same question about two images of one
-    size has the same prompt ids, and must not share a prefill."""
-    if first is None or second is None:
-        return first is second
-    return all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(first, second))
 
 
 @dataclass

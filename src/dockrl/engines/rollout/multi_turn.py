@@ -5,7 +5,7 @@
  engine.step() ─▶ a finished turn: its sampled tokens join the trajectory (loss_mask 1, their log-probs)
      └▶ env.step(message) in a thread pool; the engine keeps decoding the other samples meanwhile
  an observation returns ─▶ its tokens (the chat template's delta) join the trajectory (loss_mask 0) ─▶ next
-     turn request: prompt + trajectory so far, re-prefilled (see below)
+     turn request: prompt + trajectory so far; only its new tokens prefilled on the KV kept (see below)
  a trajectory ends (the environment says done, or a limit) ─▶ response_ids / rollout_logprobs / loss_mask /
      policy_version / env_reward / env_failed put for its row
 ```
@@ -27,11 +27,18 @@ append-only (it re-renders earlier turns differently, as Qwen3 strips earlier `<
 keeps its own history: the earlier turns stay as sampled, only the new suffix is taken from the template, and
 `env/template_mismatch` counts the turns where a fresh render of the conversation would differ.
 
-Re-prefill: a trajectory gives up its slot (and KV cache) while its environment runs, and its next turn is a
-new request whose prompt is the whole trajectory so far. Holding the slot would block other samples for as long
-as a tool runs (seconds, against milliseconds of decode); re-prefilling costs one batched prefill of the prefix,
-which the engine shares with the other prompts admitted in the same step. Keeping KV across turns (prefix
-caching) is left for the vLLM backend.
+KV across turns (keep_kv, rollout.keep_kv_across_turns): a trajectory gives up its slot while its environment
+runs - holding it would block other samples for as long as a tool runs (seconds, against milliseconds of
+decode) - but its KV stays: each turn's request carries the row as its `kv_key`, the engine keeps the finished
+turn's KV under it (max-length slots: the slot is parked; paged: its blocks), and the next turn's request, whose
+prompt is the whole trajectory so far, prefills only what the kept positions lack (the last sampled token and
+the observation) on top of them. An agent's request that continues its trajectory does the same; one that
+rewrote its history (a prefix break) finds no match and is prefilled whole. Kept KV takes only room nothing
+else needs: a new sequence that needs the slot or the blocks takes them, oldest kept first, and that
+trajectory's next turn re-prefills its prefix in one batched prefill, shared with the other prompts admitted
+in the same step (what every turn did with keep_kv off). The tokens are the same either way; the log-probs
+differ by fp32 reassociation (the kept keys came from decode steps, not from a prefill of the whole prefix).
+`rollout/prefill_tokens` counts the positions prefilled in a step, `rollout/kv_reused_tokens` those found kept.
 
 Seeds: turn k of row r samples with `turn_seed(row_seed(r), k)`, so a trajectory depends only on its row, the
 weights and the environment: a deterministic environment regenerates it exactly (how exact resume treats
@@ -85,6 +92,9 @@ ENV_METRICS = (
     "prefix_breaks",
 )
 
+# The engine's prefill counters, reported per call in "env" (rollout/prefill_tokens, rollout/kv_reused_tokens).
+KV_STATS = ("prefill_tokens", "kv_reused_tokens")
+
 
 @dataclass(frozen=True)
 class TurnLimits:
@@ -134,13 +144,20 @@ def serve_multi_turn(
     limits: TurnLimits,
     version: int | None = None,
     peers: Any = None,
+    keep_kv: bool = True,
 ) -> dict[str, Any]:
     """Generate a trajectory for every row `consumer` gets from the dock (module docstring); returns lengths,
     the summed env counters (ENV_METRICS), env_s (seconds environment calls ran, summed over calls that run
     concurrently), env_wait_s (wall seconds the loop waited on calls with nothing to decode: what the
     environments cost the rollout) and the engine's stats. `envs` runs the environment calls, on the head rank
-    only of the tensor-parallel group `peers` talks for (a ReplicaClient; default: `client`): see Lockstep."""
+    only of the tensor-parallel group `peers` talks for (a ReplicaClient; default: `client`): see Lockstep.
+    keep_kv: a waiting trajectory's KV stays in the engine for its next turn (see "KV across turns"; an engine
+    without `forget`, vLLM's, caches prefixes its own way)."""
     calls = Lockstep(envs, client if peers is None else peers)
+    keep = keep_kv and hasattr(engine, "forget")
+    if keep:
+        engine.forget_all()  # type: ignore[attr-defined]  # KV of earlier weights
+    counted = {key: engine.stats.get(key, 0) for key in KV_STATS}
     exhausted = False
     live: dict[int, _Trajectory] = {}
     waiting: set[int] = set()  # rows whose environment call runs: the same set on every tp peer
@@ -167,12 +184,15 @@ def serve_multi_turn(
                 stop_strings=[*turn_params.stop_strings, *request.stop],
             )
         seed = turn_seed(traj.seed, traj.counts["turns"])
-        engine.add(Request(traj.prompt + traj.ids, [seed], turn_params, tag=[traj.row]))
+        kv_key = traj.row if keep else None
+        engine.add(Request(traj.prompt + traj.ids, [seed], turn_params, tag=[traj.row], kv_key=kv_key))
 
     def finish(traj: _Trajectory, truncated: bool = False) -> None:
         traj.counts["truncated"] += int(truncated)
         live.pop(traj.row, None)
         calls.drop(traj.row)
+        if keep:
+            engine.forget(traj.row)  # type: ignore[attr-defined]
         if not traj.ids:  # failed before its first turn: one masked stop token, so every row has a response
             traj.ids, traj.logprobs, traj.mask = [params.stop_token_ids[0]], [0.0], [0.0]
         ids = torch.tensor(traj.ids, dtype=torch.int64)
@@ -345,6 +365,9 @@ def serve_multi_turn(
     finally:
         for row in list(live):
             calls.drop(row)
+        if keep:
+            engine.forget_all()  # type: ignore[attr-defined]
+    totals.update({key: engine.stats.get(key, 0) - counted[key] for key in KV_STATS})
     return {
         "response_lengths": lengths,
         "truncated": totals["truncated"],

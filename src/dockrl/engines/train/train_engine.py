@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from dockrl.algos.head_logprobs import head_support_stats, head_token_stats, head_top_k
 from dockrl.config.schema import OptimConfig
+from dockrl.engines.train import context_passes
 from dockrl.engines.train.batch import (
     MicroBatch,
     make_micro_batch,
@@ -89,7 +90,7 @@ class TrainEngine:
         self.device = torch.device(device)
         # Padding-free micro-batches (actor.packing, critic.packing; engines/train/batch.py `Packing`): the
         # micro-batches this engine builds for its passes (logprobs, and its callers' updates) are packed
-        self.packing = packing
+        self.packing = packing  # under context parallelism: False (set by _init_layout, see there)
         self.precision = precision
         self.mesh = mesh
         self.model_path = model_path
@@ -219,6 +220,9 @@ class TrainEngine:
             self.context = ContextShard.of_group(mesh.get_group("cp"))
             self.cp_size, self.cp_rank = self.context.size, self.context.rank
             self.shard_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+            # a split sequence is a padded row's zig-zag chunks: packed micro-batches are not built under cp
+            # (config warns that actor.packing / critic.packing then have no effect)
+            self.packing = False
         self.shard_group = self.shard_mesh.get_group()
         # the ranks of one dp rank (contiguous: cp x tp), which read the same rows
         self.replica_group = self.tp_group
@@ -294,7 +298,7 @@ class TrainEngine:
             return grid.index_copy(0, scored, logp), grid.index_copy(0, scored, entropy)
 
         if self.context is not None:
-            return self._context_token_stats(mb, temperature, scored)
+            return context_passes.token_stats(self, mb, temperature, scored)
         with self.autocast():
             logp, entropy = self.model(mb.model_input_ids(), head=head, **mb.model_inputs())
         return logp.view(rows, width), entropy.view(rows, width)
@@ -309,6 +313,8 @@ class TrainEngine:
         rows, width = targets.shape
         k = mb.topk_ids.shape[-1]
         scored = response_positions(mb)  # [N]
+        if self.context is not None:
+            return context_passes.support_stats(self, mb, temperature, scored)
         support = mb.topk_ids.reshape(rows * width, k).index_select(0, scored)  # [N, k]
 
         def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -355,7 +361,7 @@ class TrainEngine:
         temp = temperature if temperature > 0 else 1.0
         out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(prompts)
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-        chunks = micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch)
+        chunks = micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch * self.cp_size)
         total = self.common_count(len(chunks))
         for idx in chunks:
             mb = make_micro_batch(
@@ -381,6 +387,8 @@ class TrainEngine:
         targets = mb.input_ids[:, 1:]  # [B, T-1]
         rows, width = targets.shape
         scored = response_positions(mb)  # [N]
+        if self.context is not None:
+            return context_passes.top_k_pass(self, mb, k, temperature, num_ids, scored)
 
         def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
             flat = hidden[:, :-1].reshape(rows * width, hidden.shape[-1])  # [B (T-1), H]
@@ -398,37 +406,6 @@ class TrainEngine:
         with self.autocast():
             logp, ids, top = self.model(mb.input_ids, head=head)
         return logp.cpu(), ids.cpu(), top.cpu()
-
-    def _context_token_stats(
-        self, mb: MicroBatch, temperature: float, scored: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`token_stats` of a sequence split over the cp ranks (dockrl.parallel.context): this rank's zig-zag
-        chunks run at their global positions, the head scores its own scored positions, and the ranks' parts
-        of the [B, T-1] grids are summed over cp, so every cp rank returns the whole grids."""
-        from dockrl.parallel.context import cp_sum, local_tokens
-
-        assert self.context is not None
-        rows, width = mb.input_ids.shape[0], mb.input_ids.shape[1] - 1
-        local = local_tokens(mb.input_ids, scored, self.context)
-
-        def head(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            flat = hidden.reshape(-1, hidden.shape[-1])  # [B Tl, H]
-            logp, entropy = head_token_stats(
-                flat.index_select(0, local.hidden_index),
-                weight,
-                local.targets,
-                temperature,
-                vocab_start=self.vocab_start,
-                group=self.tp_group,
-            )  # [n] each
-            grid = flat.new_zeros(rows * width, dtype=torch.float32)
-            return grid.index_copy(0, local.grid_index, logp), grid.index_copy(0, local.grid_index, entropy)
-
-        positions = local.positions.expand(rows, -1)  # [B, Tl]
-        with self.autocast():
-            logp, entropy = self.model(local.input_ids, position_ids=positions, head=head)
-        group = self.context.group
-        return cp_sum(logp, group).view(rows, width), cp_sum(entropy, group).view(rows, width)
 
     def adapters_off(self):
         """A context in which the model is its base (LoRA's reference policy: the same weights, adapters off);
@@ -463,6 +440,8 @@ class TrainEngine:
     def logits(self, mb: MicroBatch) -> torch.Tensor:
         """Forward pass: logits on the shifted grid [B, T-1, V] (a value model's values [B, T-1]); a packed
         micro-batch's model computes its rows end to end, and its outputs go onto the grid."""
+        if self.context is not None:
+            return context_passes.outputs(self, mb)
         with self.autocast():
             if mb.packing is None:
                 return self.model(mb.input_ids, **mb.model_inputs())[:, :-1]
@@ -493,9 +472,13 @@ class TrainEngine:
         ents: list[torch.Tensor | None] = [None] * len(prompts)
         temp = temperature if temperature > 0 else 1.0
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-        chunks = micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch, self.packing)
-        # the budget is per rank: under context parallelism a rank holds 1/cp of each row
-        chunks = micro_batch_rows(lengths, micro_batch_size, max_tokens_per_micro_batch * self.cp_size)
+        # the budget is per rank: under context parallelism a rank holds 1/cp of each (padded) row
+        chunks = micro_batch_rows(
+            lengths,
+            micro_batch_size,
+            max_tokens_per_micro_batch * self.cp_size,
+            self.packing,
+        )
         # Agree on the count first: every forward is collective under FSDP, and a rank that reached this
         # all-reduce while a peer still ran forwards would wait in a different collective than the peer's.
         total = self.common_count(len(chunks))
@@ -600,7 +583,11 @@ class TrainEngine:
         self.routing_stats = RoutingStats.empty(self.args) if with_routes else None
         for mb in micro_batches:
             # backward inside: recomputes replay the same experts
-            with self.routes_context(mb, replay) as seen, self._router_logits() as logits:
+            with (
+                self._kept_unsharded(len(micro_batches) == 1),
+                self.routes_context(mb, replay) as seen,
+                self._router_logits() as logits,
+            ):
                 loss, metrics = loss_fn(forward(mb), mb)
                 if logits is not None and bool(mb.response_mask.any()):  # not an idle micro-batch
                     aux = self._aux_loss(logits, mb, with_grad=aux_loss_coef > 0)
@@ -627,6 +614,24 @@ class TrainEngine:
         totals["lr"] = cast(float, self.scheduler.get_last_lr()[0])  # a tensor only for a tensor lr
         self.scheduler.step()
         return totals
+
+    @contextmanager
+    def _kept_unsharded(self, single: bool) -> Iterator[None]:
+        """With `single` (the step's only micro-batch) FSDP2 keeps each layer's gathered weights from its forward
+        to its backward instead of freeing them after the forward and gathering them again in the backward: one
+        all-gather per layer per step instead of two, the same values (its post-backward frees them as before).
+        The whole model is unsharded at once for that while, as the rollout's switch holds it anyway."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not single or not isinstance(self.model, FSDPModule):
+            yield
+            return
+        self.model.set_reshard_after_forward(False)
+        try:
+            yield
+        finally:  # the layers free after forward again; the root keeps its own (FSDP2's default for a root)
+            self.model.set_reshard_after_forward(True)
+            self.model.set_reshard_after_forward(False, recurse=False)
 
     def skip_step(self) -> None:
         """A step with nothing to train on: no optimizer step, but the LR schedule advances as if taken (the

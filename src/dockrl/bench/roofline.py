@@ -1,0 +1,133 @@
+"""The roofline a benchmark's passes are measured against: the host's matmul peak and memory bandwidth, measured
+once per bench run, and the matmul work and memory traffic of each pass, counted from the model's shape.
+
+Work (FLOP) of one forward pass over a sequence of L tokens (`forward_flops`):
+
+    2 x matmul_params x L                      every projection, the MLP (an MoE layer's k routed experts and its
+                                               router) and the LM head, once per token; an untied embedding is a
+                                               lookup (no FLOPs), a tied one is counted once, as the head
+  + layers x 4 x L^2 x (heads x head_dim)      attention's two score matmuls (Q K^T and P V, 2 L^2 d each) over
+                                               the full square, what a dense kernel computes (a causal kernel
+                                               that skips the masked half does half of this)
+
+A pass's work is `PASS_FORWARDS[pass]` forward-equivalents of that: 1 for a forward (rollout, reference, old
+log-probs), 3 for forward and backward (update: the backward pass is two matmuls per forward matmul). Recomputed
+activations (checkpointing) are not counted: they are overhead, not the pass's work.
+
+Traffic of one decode step (`decode_step_bytes`; a whole rollout: `decode_bytes`): every matmul weight read once
+per rank (the embedding's rows of the batch only, left out) plus each sequence's K and V cache up to its
+position, in their dtypes. A decode step cannot run faster than that traffic over the measured bandwidth, so its
+bytes / seconds / bandwidth (`share`) is its share of the bandwidth bound.
+
+Peak (`measure_peak`): the best of `repeats` timed n x n matmuls per dtype (fp32; bf16 only where the CPU
+computes it natively, `cpu_has_native_bf16`), and a stream of large copies and adds (bytes read + written per
+second), at the thread count the run uses. Shares are a pass's FLOPs over its seconds x the peak: 1.0 is the
+machine's best on large square matmuls, which small-batch passes cannot reach.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+# forward-equivalents of matmul work per pass (see the module docstring)
+PASS_FORWARDS: dict[str, int] = {"rollout": 1, "reference": 1, "old_logprobs": 1, "update": 3}
+
+
+def matmul_params(args: Any) -> int:
+    """Weights a token's forward pass multiplies by (a models.config.ModelArgs): attention's q, k, v, o
+    projections, the MLP (an MoE layer: its k routed experts and the router), and the LM head once."""
+    hidden, q_width = args.hidden_size, args.num_heads * args.head_dim
+    kv_width = args.num_kv_heads * args.head_dim
+    attention = hidden * (q_width + 2 * kv_width) + q_width * hidden
+    dense = 3 * hidden * args.intermediate_size
+    moe = args.num_experts_per_tok * 3 * hidden * args.moe_intermediate_size + hidden * args.num_experts
+    mlps = sum(moe if args.num_experts and args.is_moe_layer(i) else dense for i in range(args.num_layers))
+    return args.num_layers * attention + mlps + args.vocab_size * hidden
+
+
+def forward_flops(args: Any, lengths: Sequence[float]) -> float:
+    """Matmul FLOPs of one forward pass over sequences of these lengths (tokens each, prompt and response)."""
+    width = args.num_heads * args.head_dim
+    linear = 2 * matmul_params(args) * sum(lengths)
+    attention = args.num_layers * 4 * width * sum(n * n for n in lengths)
+    return float(linear + attention)
+
+
+def pass_flops(args: Any, pass_name: str, lengths: Sequence[float]) -> float:
+    """Matmul FLOPs of a pass (`PASS_FORWARDS`: rollout, reference, old_logprobs, update) over the sequences."""
+    return PASS_FORWARDS[pass_name] * forward_flops(args, lengths)
+
+
+def decode_step_bytes(
+    args: Any, contexts: Sequence[float], *, weight_bytes: int, kv_bytes: int, ranks: int = 1
+) -> float:
+    """Bytes one decode step reads: the matmul weights (`weight_bytes` each) once per rank, and each sequence's K
+    and V cache (`kv_bytes` each: dockrl's CPU rollout keeps an fp32 cache under bf16 weights) over its
+    `contexts` (tokens before the new one) in every layer."""
+    kv_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim
+    return float(weight_bytes * ranks * matmul_params(args) + kv_bytes * kv_per_token * sum(contexts))
+
+
+def decode_bytes(
+    args: Any, prompt_len: int, lengths: Sequence[int], *, weight_bytes: int, kv_bytes: int
+) -> float:
+    """Bytes a whole rollout's decode steps read on one rank: max(lengths) steps, each reading the weights, and
+    every sequence's cache over the tokens before each of its new tokens (prompt_len + t for t < its length),
+    a sequence that has ended reading nothing (continuous batching)."""
+    kv_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim
+    contexts = sum(n * prompt_len + n * (n - 1) / 2 for n in lengths)
+    return float(weight_bytes * max(lengths) * matmul_params(args) + kv_bytes * kv_per_token * contexts)
+
+
+def share(work: float, seconds: float, rate: float) -> float | None:
+    """work / seconds over the rate (FLOP/s or bytes/s): the share of the roofline a pass reached."""
+    if seconds <= 0 or rate <= 0:
+        return None
+    return work / seconds / rate
+
+
+def measure_peak(threads: int, *, size: int = 2048, repeats: int = 5, stream_mb: int = 256) -> dict[str, Any]:
+    """The host's matmul peak per dtype (GFLOP/s) and memory bandwidth (GB/s) at `threads` torch threads, each
+    the best of `repeats` runs: {"threads", "fp32_gflops", "bf16_gflops" (only where native), "bandwidth_gbs"}.
+    Restores torch's thread count."""
+    import torch
+
+    from dockrl.recipes.preflight import cpu_has_native_bf16
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out: dict[str, Any] = {"threads": threads, "matmul_n": size}
+        dtypes = {"fp32": torch.float32} | ({"bf16": torch.bfloat16} if cpu_has_native_bf16() else {})
+        for name, dtype in dtypes.items():
+            generator = torch.Generator().manual_seed(0)
+            a = torch.randn(size, size, generator=generator).to(dtype)
+            b = torch.randn(size, size, generator=generator).to(dtype)
+            c = torch.empty(size, size, dtype=dtype)
+            seconds = _best(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), repeats)
+            out[f"{name}_gflops"] = 2 * size**3 / seconds / 1e9
+        n = stream_mb * 2**20 // 4
+        x, y, z = torch.ones(n), torch.ones(n), torch.empty(n)
+        copy_s = _best(lambda: z.copy_(x), repeats)  # reads x, writes z
+        add_s = _best(lambda: torch.add(x, y, out=z), repeats)  # reads x and y, writes z
+        out["bandwidth_gbs"] = max(2 * 4 * n / copy_s, 3 * 4 * n / add_s) / 1e9
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
+def _best(fn: Any, repeats: int) -> float:
+    fn()  # warm up (allocations, kernel selection)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def peak_flops(peak: dict[str, Any], precision: str) -> float:
+    """The matmul peak (FLOP/s) of a run's precision ("fp32" or "bf16"); fp32's where bf16 was not measured."""
+    return 1e9 * peak.get(f"{precision}_gflops", peak["fp32_gflops"])

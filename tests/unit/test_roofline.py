@@ -1,0 +1,95 @@
+"""The roofline's FLOP model (dockrl.bench.roofline) against torch's own count of the model's matmuls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from dockrl.bench import roofline
+from dockrl.models.config import ModelArgs
+from dockrl.models.decoder import Transformer
+
+
+def _args(tie: bool) -> ModelArgs:
+    return ModelArgs(
+        family="qwen2",
+        vocab_size=10,
+        hidden_size=4,
+        intermediate_size=6,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=2,
+        attention_bias=True,
+        tie_word_embeddings=tie,
+    )
+
+
+def test_known_shape_by_hand():
+    # per layer: q 4x4, k and v 4x2 each, o 4x4 -> 48; MLP 3 x 4 x 6 = 72; 2 layers; LM head 10 x 4 = 40
+    args = _args(tie=True)
+    assert roofline.matmul_params(args) == 2 * (48 + 72) + 40 == 280
+    # lengths 3 and 5: 2 x 280 x 8 tokens + 2 layers x 4 x (2 heads x 2) x (9 + 25)
+    assert roofline.forward_flops(args, [3, 5]) == 4480 + 1088
+    assert roofline.pass_flops(args, "update", [3, 5]) == 3 * 5568
+    assert roofline.pass_flops(args, "reference", [3, 5]) == 5568
+    # decode: weights once per rank + K and V (2 layers x 1 kv head x 2 dims, x2 = 8 values) per context token
+    assert (
+        roofline.decode_step_bytes(args, [3, 5], weight_bytes=2, kv_bytes=4, ranks=2)
+        == 2 * 2 * 280 + 4 * 8 * 8
+    )
+    # a rollout of 2 sequences after 3-token prompts, 2 and 4 new tokens: 4 steps of weights; contexts
+    # 3 + 4 (first) and 3 + 4 + 5 + 6 (second)
+    assert roofline.decode_bytes(args, 3, [2, 4], weight_bytes=4, kv_bytes=4) == 4 * 4 * 280 + 4 * 8 * (
+        7 + 18
+    )
+
+
+def test_moe_counts_the_routed_experts_and_the_router():
+    args = ModelArgs(
+        family="qwen3_moe",
+        vocab_size=10,
+        hidden_size=4,
+        intermediate_size=6,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=2,
+        qk_norm=True,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=3,
+    )
+    # attention 48; 2 routed experts x 3 x 4 x 3 + router 4 x 8; head 40
+    assert roofline.matmul_params(args) == 48 + 72 + 32 + 40
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_flops_equal_torchs_count_of_the_real_model(tie):
+    """torch's FlopCounterMode counts every mm/bmm the model runs (the math attention kernel decomposes into
+    counted bmm's): the model's forward, and forward + backward, equal the FLOP model exactly."""
+    torch.manual_seed(0)
+    args = _args(tie)
+    model = Transformer(args)
+    ids = torch.randint(0, args.vocab_size, (3, 5))
+    with sdpa_kernel(SDPBackend.MATH):
+        with FlopCounterMode(display=False) as forward:
+            model(ids)
+        with FlopCounterMode(display=False) as both:
+            model(ids).sum().backward()
+    assert forward.get_total_flops() == roofline.forward_flops(args, [5, 5, 5])
+    assert both.get_total_flops() == roofline.pass_flops(args, "update", [5, 5, 5])
+
+
+def test_share():
+    assert roofline.share(2e9, 2.0, 1e9) == 1.0
+    assert roofline.share(1.0, 0.0, 1e9) is None
+
+
+def test_measure_peak_reports_positive_rates():
+    peak = roofline.measure_peak(1, size=64, repeats=1, stream_mb=1)
+    assert peak["threads"] == 1
+    assert peak["fp32_gflops"] > 0 and peak["bandwidth_gbs"] > 0
+    assert roofline.peak_flops(peak, "fp32") == 1e9 * peak["fp32_gflops"]
