@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dockrl.envs.tool_calls import PARSERS, parse_tool_calls
-from dockrl.models.config import ModelArgs
+from dockrl.models.config import ModelArgs, VisionArgs
 from dockrl.models.decoder import Transformer
 from dockrl.models.families import (
     FAMILIES,
@@ -38,6 +38,11 @@ SMALL = dict(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, vocab_si
 def _args(family: Family, **overrides) -> ModelArgs:
     """Two layers, the first dense, so an MoE family has both kinds of MLP."""
     experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(0,))
+    vision = dict(
+        vision=VisionArgs(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=32),
+        mrope_section=(1, 1, 2),
+        vision_token_ids={"image": 60, "video": 61, "vision_start": 62, "vision_end": 63},
+    )
     fields = dict(
         family=family.name,
         vocab_size=64,
@@ -50,6 +55,7 @@ def _args(family: Family, **overrides) -> ModelArgs:
         attention_bias=family.qkv_bias,
         qk_norm=family.qk_norm,
         **(experts if family.moe else {}),
+        **(vision if family.vision else {}),
     )
     return ModelArgs(**(fields | overrides))
 
@@ -148,7 +154,10 @@ def test_linear_names_are_the_decoders_linear_layers(name):
     linears = {
         module_name.rpartition(".")[2]
         for module_name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and module_name != "lm_head" and not module_name.endswith("mlp.gate")
+        if isinstance(module, nn.Linear)
+        and module_name != "lm_head"
+        and not module_name.endswith("mlp.gate")
+        and not module_name.startswith("visual.")  # a vision tower's linears take no adapters
     }
     assert linears == set(family.linear_names)
     with torch.device("meta"):

@@ -67,8 +67,11 @@ class Rollout(Protocol):
         copy of its own) until the next sync."""
         ...
 
-    def generate(self, prompts: list[list[int]], params: Any, seeds: list[int]) -> list[Any]:
-        """One completion (a Generation) per prompt outside the dock (held-out evaluation), in prompt order."""
+    def generate(
+        self, prompts: list[list[int]], params: Any, seeds: list[int], images: list | None = None
+    ) -> list[Any]:
+        """One completion (a Generation) per prompt outside the dock (held-out evaluation), in prompt order; a
+        vision model's prompts with their images (per prompt (uint8 patches, grid) or None)."""
         ...
 
 
@@ -83,6 +86,7 @@ class RolloutHost:
     device_type: str  # "cpu" or "cuda"
     world: int  # the actor's ranks (each its own engine, rollout.tp of them per replica); 1 for a replica
     name: str  # the worker's name, for the backend's logs and errors
+    vision: Any = None  # a vision model's VisionInputs (models/vision.py): its rows' images reach the prefill
 
 
 class Backend:

@@ -67,6 +67,11 @@ def vllm_problem() -> str | None:
 
 def model_problem(args: Any, device_type: str) -> str | None:
     """Why vLLM cannot serve a model of these ModelArgs (None: it can), checked before any process starts."""
+    if getattr(args, "vision", None) is not None:
+        return (
+            f"dockrl's vLLM backend feeds prompts as token ids only, and this is a vision-language model "
+            f"(family {args.family!r}): its images would not reach vLLM; use rollout.backend=dockrl for it"
+        )
     head_dim = args.head_dim
     if device_type == "cpu" and head_dim not in CPU_HEAD_SIZES:
         return (

@@ -9,10 +9,19 @@ from __future__ import annotations
 import torch
 
 from dockrl.checkpoint.directory import resolve_lora
+from dockrl.models.config import ModelArgs
 from dockrl.models.decoder import Transformer
 from dockrl.models.hf import load_model
 from dockrl.models.lora import load_peft, merge_lora
 from dockrl.models.tokenizer import Tokenizer
+from dockrl.models.vision import VisionInputs
+
+
+def vision_inputs(path: str, args: ModelArgs) -> VisionInputs | None:
+    """A vision model's inputs (its image processor beside the weights `path` resolves to), None for text."""
+    if args.vision is None:
+        return None
+    return VisionInputs.for_model(resolve_lora(path)[0], args)
 
 
 def load_for_inference(path: str, *, device: str) -> tuple[Transformer, Tokenizer]:

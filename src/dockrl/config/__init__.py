@@ -25,6 +25,7 @@ from dockrl.config.schema import (
     SFTConfig,
     SFTRunConfig,
     TrainConfig,
+    VisionConfig,
 )
 from dockrl.config.step_plan import StepPlan, loss_plan, step_plan
 from dockrl.config.validate import check_sft, check_train
@@ -50,6 +51,7 @@ __all__ = [
     "SFTRunConfig",
     "StepPlan",
     "TrainConfig",
+    "VisionConfig",
     "apply_override",
     "check_sft",
     "check_train",

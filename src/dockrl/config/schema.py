@@ -256,6 +256,18 @@ class LoraConfig:
 
 
 @dataclass
+class VisionConfig:
+    """A vision-language policy's vision tower (qwen2_5_vl; docs/vision.md). Ignored for a text model."""
+
+    freeze: bool = setting(
+        True,
+        "Keep the vision tower's weights as loaded: the update trains the language model (and the merger's "
+        "input stays what the tower computes, without autograd). False: the tower trains with the language "
+        "model (full fine-tuning only: with actor.lora.rank > 0 every base weight is frozen).",
+    )
+
+
+@dataclass
 class ActorConfig(OptimConfig):
     """Training of the policy (and the colocated reference model)."""
 
@@ -297,6 +309,10 @@ class ActorConfig(OptimConfig):
     )
     lora: LoraConfig = field(
         default_factory=LoraConfig, metadata={"doc": "LoRA adapters (rank 0: full fine-tuning)."}
+    )
+    vision: VisionConfig = field(
+        default_factory=VisionConfig,
+        metadata={"doc": "The vision tower of a vision-language policy (qwen2_5_vl)."},
     )
 
 

@@ -11,7 +11,8 @@ identical parameters.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,116 @@ _DIR_CONTENTS = (
 )
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+VISION_TOKENS = ("image", "video", "vision_start", "vision_end")
+"""A vision model's special tokens, config.json's `<name>_token_id`."""
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+
+
+@dataclass(frozen=True)
+class VisionArgs:
+    """Shape of a Qwen2.5-VL vision tower (config.json's vision_config; transformers' names in brackets)."""
+
+    depth: int
+    """Vision blocks."""
+    hidden_size: int
+    """Width E of the vision blocks."""
+    intermediate_size: int
+    """Width of a block's SwiGLU MLP."""
+    num_heads: int
+    """Attention heads per block; head dim D = hidden_size / num_heads, a multiple of 4 (2-D rotary)."""
+    out_hidden_size: int
+    """Width of the merger's output: the language model's hidden size."""
+    patch_size: int = 14
+    """Side of a patch in pixels."""
+    temporal_patch_size: int = 2
+    """Frames per patch."""
+    spatial_merge_size: int = 2
+    """Side m of the window of patches the merger folds into one token."""
+    window_size: int = 112
+    """Side of an attention window in pixels (a multiple of patch_size * spatial_merge_size)."""
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    """Blocks that attend over the whole image instead of a window."""
+    in_channels: int = 3
+    """Colour channels."""
+    tokens_per_second: int = 2
+    """Video time scale of the temporal position (carried to config.json; dockrl reads images only)."""
+    rope_theta: float = 10000.0
+    """Base wavelength of the 2-D rotary."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fullatt_block_indexes", tuple(self.fullatt_block_indexes))
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            raise ValueError(
+                f"vision_config hidden_size={self.hidden_size}, num_heads={self.num_heads}: the head dim must be "
+                "an integer multiple of 4 (2-D rotary over h and w)"
+            )
+        unit = self.patch_size * self.spatial_merge_size
+        if self.window_size % unit:
+            raise ValueError(
+                f"vision_config window_size={self.window_size} must be a multiple of patch_size * "
+                f"spatial_merge_size = {unit}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Width D of one vision attention head."""
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Pixel values per patch (channels x frames x patch x patch)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    def num_params(self) -> int:
+        """Parameters of the tower these args describe."""
+        e, i, merged = self.hidden_size, self.intermediate_size, self.hidden_size * self.spatial_merge_size**2
+        block = 2 * e + (3 * e * e + 3 * e) + (e * e + e) + (2 * e * i + 2 * i) + (i * e + e)
+        merger = e + merged * merged + merged + merged * self.out_hidden_size + self.out_hidden_size
+        return self.patch_dim * e + self.depth * block + merger
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping) -> VisionArgs:
+        """From config.json's vision_config dict; raises ValueError for what dockrl does not implement."""
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(
+                f"vision_config hidden_act={cfg['hidden_act']!r} is not supported; only 'silu' is"
+            )
+        rope = cfg.get("rope_parameters") or {}
+        return cls(
+            depth=cfg["depth"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_heads=cfg["num_heads"],
+            out_hidden_size=cfg["out_hidden_size"],
+            patch_size=cfg.get("patch_size", 14),
+            temporal_patch_size=cfg.get("temporal_patch_size", 2),
+            spatial_merge_size=cfg.get("spatial_merge_size", 2),
+            window_size=cfg.get("window_size", 112),
+            fullatt_block_indexes=tuple(cfg.get("fullatt_block_indexes", (7, 15, 23, 31))),
+            in_channels=cfg.get("in_channels", 3),
+            tokens_per_second=cfg.get("tokens_per_second", 2),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+        )
+
+    def to_hf_config(self) -> dict:
+        """config.json's vision_config dict (transformers' Qwen2_5_VLVisionConfig keys)."""
+        return {
+            "model_type": "qwen2_5_vl",
+            "depth": self.depth,
+            "hidden_size": self.hidden_size,
+            "hidden_act": "silu",
+            "intermediate_size": self.intermediate_size,
+            "num_heads": self.num_heads,
+            "in_channels": self.in_channels,
+            "patch_size": self.patch_size,
+            "spatial_merge_size": self.spatial_merge_size,
+            "temporal_patch_size": self.temporal_patch_size,
+            "tokens_per_second": self.tokens_per_second,
+            "window_size": self.window_size,
+            "out_hidden_size": self.out_hidden_size,
+            "fullatt_block_indexes": list(self.fullatt_block_indexes),
+            "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta},
+        }
 
 
 @dataclass
@@ -84,12 +194,21 @@ class ModelArgs:
     """Layers that keep a dense MLP of intermediate_size."""
     router_aux_loss_coef: float = 0.001
     """Weight of the router's load-balancing loss in Hugging Face's config (dockrl logs its loss; actor.moe_aux_loss_coef weighs it in)."""
+    vision: VisionArgs | None = None
+    """The vision tower (qwen2_5_vl, `Family.vision`); None for a text-only model."""
+    mrope_section: tuple[int, ...] | None = None
+    """Multimodal RoPE (qwen2_5_vl): the head's D/2 frequencies split into chunks that rotate by the temporal,
+    height and width position streams in turn (sums to head_dim / 2); None: one position stream."""
+    vision_token_ids: dict[str, int] = field(default_factory=dict)
+    """image (<|image_pad|>), video, vision_start and vision_end token ids of a vision model (config.json's
+    `<name>_token_id`)."""
 
     def __post_init__(self) -> None:
         self.mlp_only_layers = tuple(self.mlp_only_layers)
         self._validate_shape()
         self._validate_family()
         self._validate_moe()
+        self._validate_vision()
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
 
     @property
@@ -143,6 +262,39 @@ class ModelArgs:
                 f"{self.decoder_sparse_step} must be >= 1"
             )
 
+    def _validate_vision(self) -> None:
+        if isinstance(self.vision, Mapping):  # ModelArgs(**asdict(args)) round trips
+            self.vision = VisionArgs(**self.vision)
+        if self.mrope_section is not None:
+            self.mrope_section = tuple(self.mrope_section)
+        if self.family_record.vision != (self.vision is not None):
+            raise ValueError(
+                f"model family={self.family!r} with vision={self.vision is not None}: a vision tower comes "
+                f"with the families {[f.name for f in FAMILIES.values() if f.vision]} and only with them"
+            )
+        if self.vision is None:
+            return
+        if self.vision.out_hidden_size != self.hidden_size:
+            raise ValueError(
+                f"vision_config out_hidden_size={self.vision.out_hidden_size} must equal the language model's "
+                f"hidden_size={self.hidden_size}"
+            )
+        if self.mrope_section is None or 2 * sum(self.mrope_section) != self.head_dim:
+            raise ValueError(
+                f"model mrope_section={self.mrope_section} must sum to head_dim / 2 = {self.head_dim // 2}"
+            )
+        missing = [n for n in VISION_TOKENS if not 0 <= self.vision_token_ids.get(n, -1) < self.vocab_size]
+        if missing:
+            raise ValueError(
+                f"model vision_token_ids={self.vision_token_ids}: {missing} missing or outside the "
+                f"vocabulary of {self.vocab_size}; config.json names them <name>_token_id"
+            )
+
+    @property
+    def image_token_id(self) -> int:
+        """The <|image_pad|> token each image embedding replaces (a vision model only)."""
+        return self.vision_token_ids["image"]
+
     @property
     def is_moe(self) -> bool:
         """Whether any layer routes tokens to experts."""
@@ -177,6 +329,9 @@ class ModelArgs:
         `rope_parameters`. Raises ValueError for a model_type or a feature dockrl does not implement.
         """
         family = family_of(cfg)
+        vision_fields: dict[str, Any] = {}
+        if family.vision:
+            cfg, vision_fields = _read_vision(cfg)
         _reject_unsupported_features(cfg, family)
         num_heads = cfg["num_attention_heads"]
         rope_theta, rope_scaling = _read_rope(cfg)
@@ -200,6 +355,7 @@ class ModelArgs:
             eos_token_id=cfg.get("eos_token_id"),
             pad_token_id=cfg.get("pad_token_id"),
             **_read_moe(cfg, family),
+            **vision_fields,
         )
 
     def to_hf_config(self) -> dict:
@@ -237,6 +393,14 @@ class ModelArgs:
             "pad_token_id": self.pad_token_id,
         }
         cfg.update(family.hf_fixed)
+        if self.vision is not None:
+            # The hub's Qwen2.5-VL layout: text fields at the top, mrope in both rope layouts.
+            assert self.mrope_section is not None  # checked with vision
+            section = list(self.mrope_section)
+            cfg["rope_scaling"] = {"type": "mrope", "rope_type": "default", "mrope_section": section}
+            cfg["rope_parameters"] |= {"mrope_section": section}
+            cfg["vision_config"] = self.vision.to_hf_config()
+            cfg.update({f"{name}_token_id": token for name, token in self.vision_token_ids.items()})
         if self.is_moe:
             cfg.update(
                 num_experts=self.num_experts,
@@ -273,6 +437,7 @@ class ModelArgs:
         per_layer = attention + 2 * hidden
         embedding = self.vocab_size * hidden
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * hidden
+        lm_head += 0 if self.vision is None else self.vision.num_params()
         return embedding + self.num_layers * per_layer + mlps + hidden + lm_head
 
     def to_dict(self) -> dict:
@@ -292,6 +457,31 @@ def _reject_unsupported_features(cfg: dict, family: Family) -> None:
             f"config.json {key}={cfg[key]} is not supported for model_type={cfg['model_type']!r}; "
             f"only full attention is ({key}: null or false)"
         )
+
+
+def _read_vision(cfg: dict) -> tuple[dict, dict[str, Any]]:
+    """A vision model's config.json -> (the text model's keys at the top, without mrope; the vision fields of
+    ModelArgs). Reads transformers 5's layout (text_config nested) and the hub's (text keys at the top,
+    rope_scaling {"type": "mrope", "mrope_section": ...})."""
+    text = {**cfg, **{k: v for k, v in (cfg.get("text_config") or {}).items() if k != "model_type"}}
+    section = None
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = dict(text.get(key) or {})
+        section = rope.pop("mrope_section", section)
+        if rope.get("type") == "mrope" or rope.get("rope_type") == "mrope":
+            rope.pop("type", None)
+            rope["rope_type"] = "default"
+        text[key] = rope or None
+    if "vision_config" not in cfg:
+        raise ValueError(f"config.json model_type={cfg['model_type']!r} has no vision_config")
+    fields = {
+        "vision": VisionArgs.from_hf_config(cfg["vision_config"]),
+        "mrope_section": None if section is None else tuple(section),
+        "vision_token_ids": {
+            n: cfg[f"{n}_token_id"] for n in VISION_TOKENS if cfg.get(f"{n}_token_id") is not None
+        },
+    }
+    return text, fields
 
 
 def _read_moe(cfg: dict, family: Family) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,10 @@ from dockrl.models.attention import causal_attention, packed_causal_attention, s
 from dockrl.models.config import ModelArgs
 from dockrl.models.moe import MoEBlock
 from dockrl.models.paged_cache import PagedKVCache, paged_attention, write_blocks
+from dockrl.models.rms_norm import RMSNorm
+
+if TYPE_CHECKING:
+    from dockrl.models.vision import Images
 
 
 class KVCache:
@@ -135,22 +139,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     transformers' x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1): roll(x) = cat(x2, x1) times
     sin with its first half negated gives the same products bit for bit (negation is exact) in fewer ops."""
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back before the weight multiply (Hugging Face order)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., dim] -> same shape and dtype."""
-        input_dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(input_dtype)
 
 
 class Attention(nn.Module):
@@ -277,12 +265,19 @@ class DecoderModel(nn.Module):
         key_mask: torch.Tensor | None,
         write: CacheWrite | None = None,
         segments: tuple[int, ...] | None = None,
+        image_embeds: torch.Tensor | None = None,
+        image_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [B, T, H]; arguments as in `Transformer.hidden_states`."""
+        """Final-normed hidden states [B, T, H]; arguments as in `Transformer.hidden_states`; image_embeds
+        [U, H] replace the embeddings of the tokens of image_mask [B, T] (None: the <|image_pad|> tokens), in
+        order."""
         batch, seq = input_ids.shape
         if segments is not None:
             _check_segments(segments, batch, seq, key_mask, write)
         x = self.embed_tokens(input_ids)  # [B, T, H]
+        if image_embeds is not None:
+            is_image = input_ids == self.args.image_token_id if image_mask is None else image_mask
+            x = _merge_image_embeds(x, is_image, image_embeds)
         rope = self._rope(position_ids, x.dtype)
         mask: torch.Tensor | None
         if write is not None and write.row_offsets is not None:
@@ -311,7 +306,9 @@ class DecoderModel(nn.Module):
             # Computed on CPU, then moved, so every device uses bit-identical frequencies.
             inv_freq = rope_inv_freq(self.args).to(device)
             self._inv_freq_by_device[device] = inv_freq
-        freqs = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
+        freqs = position_ids[..., None].float() * inv_freq  # [B, T, D/2], or [3, B, T, D/2] for mrope
+        if freqs.dim() == 4:
+            freqs = _mrope_angles(freqs, self.args.mrope_section)
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
         sin = emb.sin().to(dtype)
         half = sin.shape[-1] // 2
@@ -332,6 +329,10 @@ class Transformer(nn.Module):
         self.model = DecoderModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.vision is not None:
+            from dockrl.models.vision import VisionTower  # vision.py builds on this module's layers
+
+            self.visual = VisionTower(args.vision)
         # An inference model under tensor parallelism all-gathers its vocab slice of the logits (set by
         # dockrl.parallel.tensor_parallel.parallelize(gather_logits=True)); None: logits as computed.
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -355,12 +356,15 @@ class Transformer(nn.Module):
         cache_offset: int = 0,
         head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
         segments: tuple[int, ...] | None = None,
+        images: Images | None = None,
     ) -> Any:
         """Logits [B, T, V] in the parameter dtype; arguments as in `hidden_states`. With `head`, returns
         head(hidden [B, T, H], LM-head weight [V, H]) instead: a loss that fuses the LM head (training's
         chunked log-probs, dockrl.algos.head_logprobs) runs inside forward, where FSDP2 has unsharded the
         weight."""
-        hidden = self.hidden_states(input_ids, position_ids, key_mask, kv_cache, cache_offset, segments)
+        hidden = self.hidden_states(
+            input_ids, position_ids, key_mask, kv_cache, cache_offset, segments, images
+        )
         if head is not None:
             return head(hidden, self.output_weight())
         return self.lm_logits(hidden)
@@ -383,6 +387,7 @@ class Transformer(nn.Module):
         kv_cache: KVCache | None = None,
         cache_offset: int = 0,
         segments: tuple[int, ...] | None = None,
+        images: Images | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [B, T, H], without a cache or with every row at `cache_offset`.
 
@@ -391,6 +396,9 @@ class Transformer(nn.Module):
         real). With kv_cache, the new keys/values go to slots [cache_offset, cache_offset + T).
         segments (no cache, no key_mask, B = 1): cumulative lengths (0, L_0, L_0 + L_1, ..., T) of rows packed
         end to end; each row attends its own tokens only, and position_ids default to restart at each row.
+        A vision model (qwen2_5_vl) takes position_ids [3, B, T] too (temporal, height, width streams:
+        vision.mrope_positions; [B, T] is all three equal, right for text), and `images`, whose embeddings
+        replace the <|image_pad|> tokens of input_ids in order.
         """
         batch, seq = input_ids.shape
         if not isinstance(cache_offset, int):
@@ -408,7 +416,34 @@ class Transformer(nn.Module):
             position_ids = torch.arange(cache_offset, cache_offset + seq, device=input_ids.device)
             position_ids = position_ids.expand(batch, seq)
         write = None if kv_cache is None else CacheWrite(kv_cache, offset=cache_offset)
-        return self.model(input_ids, position_ids, key_mask, write, segments)
+        mask = None if images is None else images.token_mask
+        hidden = self.model(
+            input_ids, position_ids, key_mask, write, segments, self.image_embeds(images), mask
+        )
+        if images is None and self._trains_vision():
+            # A trainable tower takes part in every backward, images or not: under FSDP2 every rank then
+            # reduces the same gradients (zeros here), whichever rows it got.
+            hidden = hidden + 0.0 * self.visual(self.visual.blank_images()).sum()
+        return hidden
+
+    def _trains_vision(self) -> bool:
+        return (
+            self.args.vision is not None
+            and torch.is_grad_enabled()
+            and any(p.requires_grad for p in self.visual.parameters())
+        )
+
+    def image_embeds(self, images: Images | None) -> torch.Tensor | None:
+        """The vision tower's embeddings [U, H] of `images` (None without images); without autograd when the
+        tower is frozen (actor.vision.freeze, LoRA)."""
+        if images is None:
+            return None
+        if self.args.vision is None:
+            raise ValueError(
+                f"images given to a model of family={self.args.family!r}, which has no vision tower"
+            )
+        with torch.set_grad_enabled(self._trains_vision()):
+            return self.visual(images)
 
     def hidden_states_per_row(
         self,
@@ -418,6 +453,7 @@ class Transformer(nn.Module):
         block_table: torch.Tensor | None,
         key_mask: torch.Tensor,
         position_ids: torch.Tensor | None = None,
+        images: Images | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [B, T, H] of rows at their own cache offsets (continuous batching).
 
@@ -431,7 +467,8 @@ class Transformer(nn.Module):
         if position_ids is None:
             position_ids = row_offsets[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
         write = CacheWrite(kv_cache, row_offsets=row_offsets, block_table=block_table)
-        return self.model(input_ids, position_ids, key_mask, write)
+        mask = None if images is None else images.token_mask
+        return self.model(input_ids, position_ids, key_mask, write, None, self.image_embeds(images), mask)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None, std: float = 0.02) -> None:
@@ -444,13 +481,36 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith("bias"):
                 param.zero_()
-            elif name.endswith("norm.weight"):
+            elif name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight")):
                 param.fill_(1.0)
             elif generator is None:
                 param.normal_(0.0, std)
             else:
                 values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
                 param.copy_(values)
+
+
+def _mrope_angles(freqs: torch.Tensor, section: tuple[int, ...] | None) -> torch.Tensor:
+    """Multimodal RoPE: angles [3, B, T, D/2] of the temporal, height and width position streams -> [B, T, D/2],
+    chunk i of `section` taken from stream i % 3 (transformers picks the same chunks after cos / sin, which
+    act elementwise, so the bits agree)."""
+    if section is None or freqs.shape[0] != 3:
+        raise ValueError(
+            f"position_ids with a stream dim {tuple(freqs.shape[:-1])} need a model with mrope_section "
+            "(qwen2_5_vl) and 3 streams [3, B, T]"
+        )
+    return torch.cat([chunk[i % 3] for i, chunk in enumerate(freqs.split(list(section), dim=-1))], dim=-1)
+
+
+def _merge_image_embeds(x: torch.Tensor, is_image: torch.Tensor, image_embeds: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H] with the rows of image_embeds [U, H] at the tokens of is_image [B, T], in order."""
+    num_tokens = int(is_image.sum())
+    if num_tokens != image_embeds.shape[0]:
+        raise ValueError(
+            f"{num_tokens} image-pad tokens in input_ids but {image_embeds.shape[0]} image embeddings; each image "
+            "takes grid t*h*w / merge_size^2 tokens (vision_processing.image_token_count)"
+        )
+    return x.masked_scatter(is_image[..., None], image_embeds.to(x.dtype))
 
 
 def segment_positions(segments: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ from dockrl.models.config import (  # read_config lives there, torch-free: the d
 )
 from dockrl.models.decoder import Transformer
 from dockrl.models.tokenizer import copy_tokenizer_files
+from dockrl.models.vision_processing import PREPROCESSOR_FILE
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 LM_HEAD_KEY = "lm_head.weight"
@@ -143,8 +145,22 @@ class CheckpointReader:
                 f"{self.path / WEIGHTS_INDEX_FILE} lists {len(absent)} tensors its shards lack, "
                 f"e.g. {absent[:_NUM_KEYS_SHOWN]}"
             )
+        self.stored: dict[str, str] = {}  # dockrl's name -> the file's, where they differ (`_rename_vision`)
+        self._rename_vision()
         self.fused: dict[str, list[list[str]]] = {}  # fused name -> per expert, the file tensors it stacks
         self._fuse_experts()
+
+    def _rename_vision(self) -> None:
+        """Qwen2.5-VL checkpoints of transformers 4.5x name the language model `model.language_model.*` and the
+        tower `model.visual.*`; the hub's files and transformers 5's (and dockrl's) say `model.*`, `visual.*`."""
+        for name in list(self.shapes):
+            for old, new in (("model.language_model.", "model."), ("model.visual.", "visual.")):
+                if name.startswith(old):
+                    renamed = new + name[len(old) :]
+                    self.stored[renamed] = name
+                    self.shapes[renamed] = self.shapes.pop(name)
+                    self.dtypes[renamed] = self.dtypes.pop(name)
+                    self.files[renamed] = self.files.pop(name)
 
     def _fuse_experts(self) -> None:
         """Present per-expert tensors under their fused names: gate_up_proj [E, 2I, H] (each expert's gate rows
@@ -193,8 +209,9 @@ class CheckpointReader:
                 [torch.cat([self.read(part) for part in self.fused[name][e]]) for e in experts]
             )
             return stacked[(slice(None), *index[1:])] if len(index) > 1 else stacked
+        stored = self.stored.get(name, name)
         with safe_open(str(self.files[name]), framework="pt", device="cpu") as f:
-            return f.get_slice(name)[index] if index else f.get_tensor(name)
+            return f.get_slice(stored)[index] if index else f.get_tensor(stored)
 
 
 FINGERPRINT_SAMPLE_BYTES = 4096  # per tensor, from its first and its last bytes
@@ -454,6 +471,9 @@ class HFWriter:
         _write_json(self.path / GENERATION_CONFIG_FILE, generation_config)
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, self.path)
+            processor = Path(tokenizer_dir) / PREPROCESSOR_FILE
+            if self.args.vision is not None and processor.is_file():  # a vision model's image processor
+                shutil.copyfile(processor, self.path / PREPROCESSOR_FILE)
 
 
 def _prepare_for_saving(

@@ -176,7 +176,12 @@ def adapter_layout(args: ModelArgs, spec: LoraSpec) -> list[tuple[str, tuple[int
 
 
 def _is_target(name: str, module: nn.Module, spec: LoraSpec) -> bool:
-    return isinstance(module, nn.Linear) and name.rpartition(".")[2] in spec.target_modules
+    # A vision model's tower (`visual.`, models/vision.py) has linears of the same short names (gate_proj, ...):
+    # adapters go on the language model only, the tower stays frozen with every other base weight.
+    in_language_model = "visual" not in name.split(".")
+    return (
+        isinstance(module, nn.Linear) and in_language_model and name.rpartition(".")[2] in spec.target_modules
+    )
 
 
 class AdaptedLayer(Protocol):

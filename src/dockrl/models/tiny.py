@@ -21,11 +21,12 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as BackendTokenizer
 
 from dockrl.models.classifier import RewardModel, save_reward_model
-from dockrl.models.config import ModelArgs
+from dockrl.models.config import ModelArgs, VisionArgs
 from dockrl.models.decoder import MLP, Transformer
 from dockrl.models.families import FAMILIES
 from dockrl.models.hf import load_state_dict, save_model
 from dockrl.models.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
+from dockrl.models.vision_processing import PREPROCESSOR_FILE
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -34,6 +35,17 @@ SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
 # Qwen2.5's tool-call markers: added tokens that are not special (decoding keeps them, so a parser reads them),
 # one id each as in Qwen's vocabulary. make_tiny(tools=True) adds them.
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+# Qwen2.5-VL's vision markers, special added tokens as in its vocabulary; a vision family's make_tiny adds them.
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+VISION_SPECIAL_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+# The image processor beside a tiny vision model (transformers' Qwen2VLImageProcessor keys): few pixels, so a
+# 56 x 56 .. 224 x 224 image is 16 .. 256 patches (4 .. 64 image-pad tokens).
+TINY_MIN_PIXELS, TINY_MAX_PIXELS = 56 * 56, 224 * 224
 
 # Qwen2's pre-tokenizer regex (transformers' Qwen2Tokenizer.PRETOKENIZE_REGEX): \p{N} matches one digit.
 QWEN2_PRETOKENIZE_REGEX = (
@@ -44,8 +56,9 @@ QWEN2_PRETOKENIZE_REGEX = (
 # ChatML with Qwen2.5's tool conventions, compact: each tool as one line `name(arguments): description` in the
 # system turn (a tiny vocabulary spends a token per JSON character; real Qwen templates list the JSON), calls as
 # <tool_call>{json}</tool_call> in the assistant's text, and consecutive tool messages as one user turn of
-# <tool_response> blocks. Without tools and tool messages it renders exactly plain ChatML.
-CHATML_TEMPLATE = (
+# <tool_response> blocks. Without tools and tool messages it renders exactly plain ChatML. __CONTENT__ stands for
+# how a message's content renders (below).
+_CHATML_SKELETON = (
     "{% if tools %}"
     "{{ '<|im_start|>system\\n' }}"
     "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
@@ -62,12 +75,26 @@ CHATML_TEMPLATE = (
     "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
     "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
     "{% elif message['role'] in ['system', 'user', 'assistant'] %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + __CONTENT__ + '<|im_end|>' + '\\n' }}"
     "{% else %}"
     "{{ raise_exception('chat roles must be system, user, assistant or tool, got ' + message['role']) }}"
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Qwen2.5-VL's way with content: a string as it is, or a list of parts, {"type": "image"} (or a part holding an
+# "image" key) as <|vision_start|><|image_pad|><|vision_end|> (the data side repeats the pad once per image
+# token) and {"type": "text", "text": ...} as its text.
+_CONTENT_MACRO = (
+    "{% macro render_content(content) %}{% if content is string %}{{ content }}{% else %}"
+    "{% for part in content %}"
+    "{% if part['type'] == 'image' or 'image' in part %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{% endmacro %}"
+)
+CHATML_TEMPLATE = _CHATML_SKELETON.replace("__CONTENT__", "message['content']")
+VISION_CHAT_TEMPLATE = _CONTENT_MACRO + _CHATML_SKELETON.replace(
+    "__CONTENT__", "render_content(message['content'])"
 )
 
 _SUBJECTS = (
@@ -159,10 +186,13 @@ def tool_corpus() -> list[str]:
 
 
 def train_tokenizer(
-    corpus: list[str], vocab_size: int, added_tokens: tuple[str, ...] = ()
+    corpus: list[str],
+    vocab_size: int,
+    added_tokens: tuple[str, ...] = (),
+    added_special: tuple[str, ...] = (),
 ) -> BackendTokenizer:
-    """Train a Qwen2-style byte-level BPE on ``corpus``; special tokens get ids 0, 1, 2, and `added_tokens`
-    (not special) the ids after the trained vocabulary."""
+    """Train a Qwen2-style byte-level BPE on ``corpus``; special tokens get ids 0, 1, 2, `added_special`
+    (special: the vision markers) the ids after the trained vocabulary, then `added_tokens` (not special)."""
     backend = BackendTokenizer(models.BPE())
     backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -179,13 +209,19 @@ def train_tokenizer(
         show_progress=False,
     )
     backend.train_from_iterator(corpus, trainer=trainer)
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in added_special])
     backend.add_tokens([AddedToken(token, special=False, normalized=False) for token in added_tokens])
     return backend
 
 
-def tokenizer_config(backend: BackendTokenizer, max_length: int, added: tuple[str, ...] = ()) -> dict:
+def tokenizer_config(
+    backend: BackendTokenizer,
+    max_length: int,
+    added: tuple[str, ...] = (),
+    added_special: tuple[str, ...] = (),
+) -> dict:
     """tokenizer_config.json for ``backend`` in the form Qwen2 checkpoints use (`added`: its non-special
-    added tokens)."""
+    added tokens; `added_special`: its vision markers, whose presence picks the vision chat template)."""
     added_tokens = {
         str(backend.token_to_id(token)): {
             "content": token,
@@ -193,16 +229,16 @@ def tokenizer_config(backend: BackendTokenizer, max_length: int, added: tuple[st
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": token in SPECIAL_TOKENS,
+            "special": token in SPECIAL_TOKENS or token in added_special,
         }
-        for token in (*SPECIAL_TOKENS, *added)
+        for token in (*SPECIAL_TOKENS, *added_special, *added)
     }
     return {
         "add_prefix_space": False,
         "added_tokens_decoder": added_tokens,
         "additional_special_tokens": [IM_START, IM_END],
         "bos_token": None,
-        "chat_template": CHATML_TEMPLATE,
+        "chat_template": VISION_CHAT_TEMPLATE if added_special else CHATML_TEMPLATE,
         "clean_up_tokenization_spaces": False,
         "eos_token": IM_END,
         "errors": "replace",
@@ -264,10 +300,11 @@ def make_tiny(
     with tempfile.TemporaryDirectory() as tokenizer_dir:
         text = default_corpus() if corpus is None else corpus
         added = TOOL_TOKENS if tools else ()
-        backend = train_tokenizer(text + tool_corpus() if tools else text, vocab_size, added)
+        special = VISION_SPECIAL_TOKENS if record.vision else ()
+        backend = train_tokenizer(text + tool_corpus() if tools else text, vocab_size, added, special)
         backend.save(str(Path(tokenizer_dir) / TOKENIZER_FILE))
         with open(Path(tokenizer_dir) / TOKENIZER_CONFIG_FILE, "w", encoding="utf-8") as f:
-            json.dump(tokenizer_config(backend, max_position_embeddings, added), f, indent=2)
+            json.dump(tokenizer_config(backend, max_position_embeddings, added, special), f, indent=2)
             f.write("\n")
         tokenizer = Tokenizer.from_dir(tokenizer_dir)
         moe: dict[str, Any] = {}
@@ -299,6 +336,7 @@ def make_tiny(
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             **moe,
+            **(_tiny_vision(backend, hidden_size, num_heads) if record.vision else {}),
         )
         if reward_model:
             scorer = RewardModel(args)
@@ -310,7 +348,66 @@ def make_tiny(
         if eos_rate is not None:
             with_eos_rate(model, eos_rate, seed)
         save_model(model, args, out_dir, tokenizer_dir=tokenizer_dir)
+    if record.vision:
+        _write_json(out_dir / PREPROCESSOR_FILE, tiny_preprocessor_config())
     return out_dir
+
+
+def _tiny_vision(backend: BackendTokenizer, hidden_size: int, num_heads: int) -> dict[str, Any]:
+    """The vision fields of a tiny ModelArgs: a 2-block tower of width 64 whose 56-pixel windows (2 x 2 merge
+    units) cut a 224 x 224 image into 16, block 1 attending the whole image; mrope in Qwen2.5-VL's proportions
+    (head_dim / 2 split 1/4 temporal, 3/8 height, 3/8 width)."""
+    half = hidden_size // num_heads // 2
+    temporal = half // 4
+    height = (half - temporal) // 2
+    vision = VisionArgs(
+        depth=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        out_hidden_size=hidden_size,
+        window_size=56,
+        fullatt_block_indexes=(1,),
+    )
+    ids = {
+        "image": backend.token_to_id(IMAGE_PAD),
+        "video": backend.token_to_id(VIDEO_PAD),
+        "vision_start": backend.token_to_id(VISION_START),
+        "vision_end": backend.token_to_id(VISION_END),
+    }
+    return {
+        "vision": vision,
+        "mrope_section": (temporal, height, half - temporal - height),
+        "vision_token_ids": ids,
+    }
+
+
+def tiny_preprocessor_config() -> dict[str, Any]:
+    """preprocessor_config.json of a tiny vision model: transformers' Qwen2VLImageProcessor with its defaults
+    and few pixels (TINY_MIN_PIXELS .. TINY_MAX_PIXELS)."""
+    return {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "merge_size": 2,
+        "min_pixels": TINY_MIN_PIXELS,
+        "max_pixels": TINY_MAX_PIXELS,
+        "patch_size": 14,
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+        "size": {"longest_edge": TINY_MAX_PIXELS, "shortest_edge": TINY_MIN_PIXELS},
+        "temporal_patch_size": 2,
+    }
+
+
+def _write_json(path: Path, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 @torch.no_grad()
@@ -361,11 +458,12 @@ def peaked_state_dict(model_dir: str | Path, seed: int) -> dict[str, torch.Tenso
     generator = torch.Generator().manual_seed(seed)
     out = {}
     for name, tensor in load_state_dict(model_dir).items():
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight")):  # vision norms too
             out[name] = torch.ones_like(tensor)
         elif tensor.dim() == 1:
             out[name] = torch.zeros_like(tensor)
         else:
-            std = 1.0 if "embed_tokens" in name else tensor.shape[-1] ** -0.5  # 1 / sqrt(fan_in)
+            fan_in = math.prod(tensor.shape[1:])  # a vision patch embedding's Conv3d reads C x t x p x p
+            std = 1.0 if "embed_tokens" in name else fan_in**-0.5
             out[name] = (torch.randn(tensor.shape, generator=generator) * std).to(tensor.dtype)
     return out

@@ -9,6 +9,7 @@ One plan serves the three families (they differ only in which biases and norms e
     o_proj.bias, every RMSNorm weight         replicated          (q_norm/k_norm act per head on local heads)
     <column>.lora_B  [out, r]                 split dim 0         (with its base's rows; lora_A replicated)
     <row>.lora_A     [r, in]                  split dim 1         (with its base's columns; lora_B replicated)
+    visual.*  (qwen2_5_vl's vision tower)     replicated          (every tp rank computes the image embeddings)
 
 Rank r of a tp group holds the r-th of tp equal contiguous slices of each split parameter. Key/value heads
 are split, never replicated: tp must divide num_kv_heads (and num_heads, vocab_size, intermediate_size).
@@ -29,6 +30,8 @@ _ROW_PARALLEL_WEIGHTS = ("o_proj.weight", "down_proj.weight")
 
 def shard_dim(name: str) -> int | None:
     """The dim along which parameter `name` is split under tensor parallelism; None = replicated."""
+    if name.startswith("visual.") or ".visual." in name:  # its gate_proj etc. are the tower's own
+        return None
     if name.endswith(_ROW_SPLIT):
         return 0
     module, _, leaf = name.rpartition(".")

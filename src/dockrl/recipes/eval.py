@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dockrl.checkpoint.inference import load_for_inference
+from dockrl.checkpoint.inference import load_for_inference, vision_inputs
 from dockrl.dock.columns import ENV_FAILED, ENV_REWARD, LOSS_MASK, RESPONSE_IDS
 from dockrl.engines.rollout.sampler import SamplingParams, generate
 from dockrl.models.tokenizer import Tokenizer
@@ -141,6 +141,9 @@ def evaluate_model_dir(
         [0] * len(prompts),
         pad_token_id=pad,
         max_batch_size=batch_size,
+        vision=vision_inputs(
+            model_path, model.args
+        ),  # a vision model's prompts are text here (docs/vision.md)
     )
     responses = [tokenizer.decode(o.token_ids.tolist()) for o in outs]
     return score_answers(prompts, responses, specs)

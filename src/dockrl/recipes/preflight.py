@@ -505,6 +505,7 @@ def _check_model_layouts(cfg: TrainConfig) -> None:
             f"use one of {divisors} that also divides actor.dp",
         )
     _check_moe_lora(cfg, args)
+    _check_vision(cfg, args)
     # the largest tensor: the embedding / LM head, a dense MLP matrix, or one MoE layer's fused experts
     numel = max(args.vocab_size, args.intermediate_size) * args.hidden_size
     if args.is_moe:
@@ -525,6 +526,76 @@ def _check_model_layouts(cfg: TrainConfig) -> None:
                     "(the switch runs the same code path and moves nothing)",
                     stacklevel=3,
                 )
+
+
+def _check_vision(cfg: TrainConfig, args) -> None:
+    """A vision-language policy (model.path a qwen2_5_vl): what feeds its images is built for the single-turn
+    actor's passes and dockrl's rollout; the rest is refused by name (docs/vision.md)."""
+    from dockrl.config.step_plan import step_plan
+
+    if args.vision is None:
+        if not cfg.actor.vision.freeze:
+            warnings.warn(
+                f"actor.vision.freeze=False has no effect: model.path={cfg.model.path} has no vision tower",
+                stacklevel=3,
+            )
+        return
+    path = cfg.model.path
+    refused = [
+        (
+            "actor.cp",
+            cfg.actor.cp,
+            cfg.actor.cp > 1,
+            "splits sequences, and the multimodal positions and images of a split row are not built",
+            "use actor.cp=1",
+        ),
+        (
+            "rollout.partial",
+            cfg.rollout.partial,
+            cfg.rollout.partial,
+            "carries cut rows to the next step without their images",
+            "use rollout.partial=false",
+        ),
+        (
+            "env.name",
+            cfg.env.name,
+            cfg.env.name is not None,
+            "multi-turn rollouts render text observations and carry no images",
+            "use a single-turn run (env.name=null)",
+        ),
+        (
+            "distill.teacher_path",
+            cfg.distill.teacher_path,
+            cfg.distill.teacher_path is not None,
+            "a teacher scores rows without their images",
+            "use no teacher",
+        ),
+        (
+            "reward.model.path",
+            cfg.reward.model.path,
+            cfg.reward.model.path is not None,
+            "a reward model scores rows without their images",
+            "use reward functions",
+        ),
+        (
+            "algo.adv_estimator",
+            cfg.algo.adv_estimator,
+            step_plan(cfg).critic,
+            "runs a critic, which reads rows without their images",
+            "use a critic-free estimator (grpo, rloo, reinforce_pp, ...)",
+        ),
+    ]
+    for key, value, bad, problem, fix in refused:
+        if bad:
+            raise config_error(key, value, f"{problem} (model.path={path} is a vision-language model)", fix)
+    if not cfg.actor.vision.freeze and cfg.actor.lora.rank > 0:
+        raise config_error(
+            "actor.vision.freeze",
+            False,
+            "trains the vision tower, and with actor.lora.rank > 0 every base weight is frozen (adapters go on "
+            "the language model only)",
+            "use actor.vision.freeze=true with LoRA, or actor.lora.rank=0",
+        )
 
 
 def _check_moe_lora(cfg: TrainConfig, args) -> None:

@@ -134,6 +134,7 @@ def sft(cfg: SFTConfig) -> dict[str, Any]:
         optim=cfg.actor,
         total_optimizer_steps=total_steps,
         packing=cfg.actor.packing,
+        freeze_vision=cfg.actor.vision.freeze,  # a vision model's tower (its SFT rows are text: docs/vision.md)
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rng = random.Random(cfg.run.seed)

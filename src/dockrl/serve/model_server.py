@@ -37,7 +37,7 @@ class ServeSettings:
 def build_app(settings: ServeSettings, sessions: Any = None) -> tuple[FastAPI, Any, str]:
     """The app over `settings.model`, its engine loop (to close) and the API key it checks; `sessions` (a
     server.SessionHooks) sees each session's requests."""
-    from dockrl.checkpoint.inference import load_for_inference
+    from dockrl.checkpoint.inference import load_for_inference, vision_inputs
     from dockrl.engines.rollout.rollout_engine import RolloutEngine
     from dockrl.models.tokenizer import stop_token_ids
     from dockrl.serve.engine_loop import EngineLoop
@@ -60,6 +60,9 @@ def build_app(settings: ServeSettings, sessions: Any = None) -> tuple[FastAPI, A
         max_seq_len=max_seq_len,
         pad_token_id=pad,
         detokenize=tokenizer.decode,
+        vision=vision_inputs(
+            settings.model, model.args
+        ),  # a vision model serves text messages (docs/vision.md)
     )
     loop = EngineLoop(engine, stops)
     key = settings.api_key or secrets.token_urlsafe(24)

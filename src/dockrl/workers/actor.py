@@ -31,6 +31,8 @@ from dockrl.config.step_plan import StepPlan
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import (
     ADVANTAGES,
+    IMAGE_GRID_THW,
+    IMAGE_PATCHES,
     LOSS_MASK,
     OLD_LOGPROBS,
     PROMPT_IDS,
@@ -104,6 +106,7 @@ class ActorWorker(Worker):
         self.policy = TrainEngine(
             spec.model_path,
             optim=spec.optim,
+            freeze_vision=spec.optim.vision.freeze,
             total_optimizer_steps=spec.total_optimizer_steps,
             load_weights=resume_from is None or self.plan.lora is not None,  # LoRA resumes adapters only
             **common,
@@ -127,6 +130,7 @@ class ActorWorker(Worker):
             self.device.type,
             self.world_size,
             self.name,
+            self.policy.vision,
         )
         self.rollout: Rollout = self.backend.colocated(spec.rollout, host)
         self.weight_sync: dict[str, float] = {}  # what the last sync loaded (backends that load: vLLM)
@@ -266,6 +270,7 @@ class ActorWorker(Worker):
     def _logprob_stage(self, stage: Stage, engine: TrainEngine, column: str) -> LogprobResult:
         # The dp ranks of a stage get near-equal token counts (length balance, dock.policies.balanced_partition).
         columns = [PROMPT_IDS, RESPONSE_IDS] + ([ROUTED_EXPERTS] if self.replay_routes else [])
+        columns += [IMAGE_PATCHES, IMAGE_GRID_THW] if engine.vision is not None else []
         got = self.train_client.get(
             stage, columns, self.rows_per_rank, balance_over=self.dp, peer=self.policy.dp_rank
         )
@@ -279,6 +284,7 @@ class ActorWorker(Worker):
             pad_token_id=self.pad_token_id,
             routes=batch.get(ROUTED_EXPERTS),  # algo.routing_replay=r3: the rollout's experts
             replay=self.replay_routes,
+            images=_row_images(batch),
         )
         if rows:
             self.train_client.put(stage, rows, {column: logps})
@@ -295,6 +301,7 @@ class ActorWorker(Worker):
         columns += [LOSS_MASK] if self.plan.multi_turn else []
         columns += [ROUTED_EXPERTS] if self.routes_column else []
         columns += [TEACHER_TOPK_IDS, TEACHER_TOPK_LOGPROBS] if self.plan.distill_top_k else []
+        columns += [IMAGE_PATCHES, IMAGE_GRID_THW] if self.policy.vision is not None else []
         # REINFORCE++'s KL in the reward reads the sampling policy's log-probs even when the update is
         # on-policy (the loss then keeps ratio 1 exactly: it does not read them).
         extra = [OLD_LOGPROBS] if self.plan.actor_shapes_kl and OLD_LOGPROBS not in columns else []
@@ -319,6 +326,8 @@ class ActorWorker(Worker):
                 ROUTED_EXPERTS,
                 TEACHER_TOPK_IDS,
                 TEACHER_TOPK_LOGPROBS,
+                IMAGE_PATCHES,
+                IMAGE_GRID_THW,
             )
         ]
         if self.plan.old_from_rollout:  # algo.old_logprobs=rollout: the sampling engine's are the old ones
@@ -428,11 +437,16 @@ class ActorWorker(Worker):
         return path
 
     def evaluate(
-        self, prompts: list[list[int]], max_new_tokens: int, env_rows: list[dict] | None = None
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        env_rows: list[dict] | None = None,
+        images: list | None = None,
     ) -> list[list[int]]:
         """Greedy responses for held-out prompts with the current policy (this rank's share; under
         rollout tensor parallelism the replica head's share, answered by the head only). Multi-turn runs
-        (`env_rows`: each prompt's environment row) play whole trajectories and answer with the final turn."""
+        (`env_rows`: each prompt's environment row) play whole trajectories and answer with the final turn. A
+        vision model's prompts come with `images` (per prompt (uint8 patches, grid) or None)."""
         if self.rollout_stale:
             self.sync_rollout_weights()
         prompts = self.rollout_client.broadcast(prompts)
@@ -443,7 +457,12 @@ class ActorWorker(Worker):
             answers = self._evaluate_trajectories(prompts, self.rollout_client.broadcast(env_rows), params)
             self.leave_rollout()
             return answers if self.rollout_client.is_head else []
-        outs = self.rollout.generate(prompts, params, [0] * len(prompts))
+        if images is not None:
+            outs = self.rollout.generate(
+                prompts, params, [0] * len(prompts), self.rollout_client.broadcast(images)
+            )
+        else:
+            outs = self.rollout.generate(prompts, params, [0] * len(prompts))
         self.leave_rollout()
         return [o.token_ids.tolist() for o in outs] if self.rollout_client.is_head else []
 
@@ -530,3 +549,10 @@ class ActorGroup(WorkerGroup):
             return self.start_ranks(ActorWorker.evaluate, [(shard, max_new_tokens) for shard in shards])
         args = [(shard, max_new_tokens, rows) for shard, rows in zip(shards, env_shards)]
         return self.start_ranks(ActorWorker.evaluate, args)
+
+
+def _row_images(batch: dict[str, list]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """A vision model's rows' (uint8 patches, grid) from their image columns; None when not pulled."""
+    if IMAGE_PATCHES not in batch:
+        return None
+    return list(zip(batch[IMAGE_PATCHES], batch[IMAGE_GRID_THW]))

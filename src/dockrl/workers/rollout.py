@@ -34,6 +34,7 @@ from dockrl.models.config import read_config
 from dockrl.models.lora import LoraSpec
 from dockrl.models.precision import dtype_of
 from dockrl.models.tokenizer import Tokenizer, first_token_id, stop_token_ids
+from dockrl.models.vision import VisionInputs
 from dockrl.parallel.dist import side_group
 from dockrl.parallel.replica import ReplicaClient
 from dockrl.workers.env import tier_envs
@@ -88,8 +89,9 @@ class RolloutWorker(Worker):
         self.pad_token_id = first_token_id(self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
         self.stop_token_ids = stop_token_ids(self.tokenizer.eos_token_id, args.eos_token_id)
         self.replica_client = ReplicaClient(self.client, None, 0, 1)
+        vision = None if args.vision is None else VisionInputs.for_model(spec.model_path, args)
         host = RolloutHost(
-            self.model, self.tokenizer.decode, self.pad_token_id, self.device.type, 1, self.name
+            self.model, self.tokenizer.decode, self.pad_token_id, self.device.type, 1, self.name, vision
         )
         self.rollout: Rollout = backend(spec.backend).replica(spec, host)
         self.rollout_version = -1  # the weight version the rollout took last

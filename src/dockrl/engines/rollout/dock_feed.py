@@ -38,6 +38,8 @@ import torch
 from dockrl.config.specs import EnvSpec, Partial, RolloutSpec
 from dockrl.dock.api import DockAPI
 from dockrl.dock.columns import (
+    IMAGE_GRID_THW,
+    IMAGE_PATCHES,
     PARTIAL_IDS,
     PARTIAL_LOGPROBS,
     PARTIAL_VERSIONS,
@@ -50,7 +52,7 @@ from dockrl.dock.columns import (
 from dockrl.dock.errors import DockTimeoutError
 from dockrl.dock.stages import Stage
 from dockrl.engines.rollout.backend import RolloutBackend
-from dockrl.engines.rollout.rollout_engine import Completion, Request, RolloutEngine
+from dockrl.engines.rollout.rollout_engine import Completion, Request, RolloutEngine, same_images
 from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.envs.host import EnvCalls
 
@@ -65,10 +67,13 @@ def row_seed(run_seed: int, step: int, row: int) -> int:
     return (run_seed * 1_000_003 + step * 100_003 + row * 7919) % (2**63 - 1)
 
 
-def step_engine(model: Any, spec: RolloutSpec, pad_token_id: int, detokenize: Callable) -> RolloutEngine:
+def step_engine(
+    model: Any, spec: RolloutSpec, pad_token_id: int, detokenize: Callable, vision: Any = None
+) -> RolloutEngine:
     """dockrl's continuous-batching engine for a run's rollout: rollout.max_batch_size slots, sequences up to the
     longest prompt and the response budget (within the model's positions), a KV cache laid out as
-    rollout.kv_cache says, of at most rollout.kv_cache_tokens positions."""
+    rollout.kv_cache says, of at most rollout.kv_cache_tokens positions; `vision` a vision model's
+    VisionInputs."""
     return RolloutEngine(
         model,
         num_slots=spec.max_batch_size,
@@ -78,6 +83,7 @@ def step_engine(model: Any, spec: RolloutSpec, pad_token_id: int, detokenize: Ca
         pad_token_id=pad_token_id,
         detokenize=detokenize,
         record_routes=spec.env is None,  # MoE single-turn: each row's experts go to routed_experts
+        vision=vision,
     )
 
 
@@ -230,7 +236,9 @@ def serve_from_dock(
                 engine.add(request)
         while not carried and not exhausted and engine.num_free_slots() >= group_size:
             num_groups = min(groups_per_pull, engine.num_free_slots() // group_size)
-            status, got = _pull(client, consumer, num_groups * group_size, group_size, engine.has_work())
+            status, got = _pull(
+                client, consumer, num_groups * group_size, group_size, engine.has_work(), _has_vision(engine)
+            )
             if status == "done":
                 exhausted = True
             if got is None:
@@ -258,15 +266,22 @@ def serve_from_dock(
     }
 
 
+def _has_vision(engine: RolloutBackend) -> bool:
+    """Whether the engine's model reads images (a RolloutEngine with VisionInputs): its rows' image columns are
+    pulled with the prompts."""
+    return getattr(engine, "vision", None) is not None
+
+
 def _pull(
-    client: DockAPI, consumer: Stage, count: int, group_size: int, busy: bool
+    client: DockAPI, consumer: Stage, count: int, group_size: int, busy: bool, images: bool = False
 ) -> tuple[str, tuple[list[int], dict[str, list]] | None]:
     """("rows", got), ("done", None) once every row was served, or ("later", None) when a busy engine's
-    poll found nothing ready yet (it keeps decoding and asks again next step)."""
+    poll found nothing ready yet (it keeps decoding and asks again next step). `images`: the rows' image
+    columns too."""
     try:
         got = client.get(
             consumer,
-            [PROMPT_IDS],
+            [PROMPT_IDS, IMAGE_PATCHES, IMAGE_GRID_THW] if images else [PROMPT_IDS],
             count,
             whole_groups=True,
             min_count=group_size,
@@ -286,16 +301,19 @@ def _requests(
     group_size: int,
     row_seed: Callable[[int], int],
 ) -> list[Request]:
-    """Consecutive rows with the same prompt (at most group_size) become one Request tagged by its rows."""
+    """Consecutive rows with the same prompt (at most group_size) become one Request tagged by its rows; a
+    vision model's rows carry their images (a group's rows hold the same ones)."""
     requests: list[Request] = []
     previous: list[int] | None = None
-    for row, prompt_ids in zip(rows, batch[PROMPT_IDS]):
+    for i, (row, prompt_ids) in enumerate(zip(rows, batch[PROMPT_IDS])):
         prompt = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
-        if requests and prompt == previous and len(requests[-1].seeds) < group_size:
+        images = (batch[IMAGE_PATCHES][i], batch[IMAGE_GRID_THW][i]) if IMAGE_PATCHES in batch else None
+        same = requests and prompt == previous and same_images(requests[-1].images, images)
+        if same and len(requests[-1].seeds) < group_size:
             requests[-1].seeds.append(row_seed(row))
             requests[-1].tag.append(row)
         else:
-            requests.append(Request(prompt, [row_seed(row)], params, tag=[row]))
+            requests.append(Request(prompt, [row_seed(row)], params, tag=[row], images=images))
         previous = prompt
     return requests
 

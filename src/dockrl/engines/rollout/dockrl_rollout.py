@@ -28,7 +28,9 @@ class DockrlRollout:
     def engine(self) -> Any:
         """The continuous-batching engine on the host's model (dock_feed.step_engine)."""
         if self._engine is None:
-            self._engine = step_engine(self.host.model, self.spec, self.host.pad_token_id, self.host.decode)
+            self._engine = step_engine(
+                self.host.model, self.spec, self.host.pad_token_id, self.host.decode, self.host.vision
+            )
         return self._engine
 
     def release(self, free_memory: bool) -> None:
@@ -36,8 +38,11 @@ class DockrlRollout:
         if free_memory:
             self._engine = None
 
-    def generate(self, prompts: list[list[int]], params: Any, seeds: list[int]) -> list[Any]:
-        """Held-out prompts on a batch engine of their own (rollout.max_batch_size sequences at once)."""
+    def generate(
+        self, prompts: list[list[int]], params: Any, seeds: list[int], images: list | None = None
+    ) -> list[Any]:
+        """Held-out prompts on a batch engine of their own (rollout.max_batch_size sequences at once); a vision
+        model's prompts with their images (per prompt (uint8 patches, grid) or None)."""
         return generate(
             self.host.model,
             prompts,
@@ -45,4 +50,6 @@ class DockrlRollout:
             seeds,
             pad_token_id=self.host.pad_token_id,
             max_batch_size=self.spec.max_batch_size,
+            vision=self.host.vision,
+            images=images,
         )

@@ -37,7 +37,7 @@ Two cache layouts (`kv_cache`, rollout.kv_cache; "auto" picks slots when they fi
   preempted beyond it). Each decode step gathers the rows' first ceil(S / BLOCK_SIZE) blocks (a copy of the
   keys attended: why slots stay the default where they fit; docs/benchmarks.md).
 Both in the weights' dtype on an accelerator and fp32 on a CPU (`cache_dtype`). A slot's sequence always
-starts at position 0, so cache position == RoPE position. Free slots are handed out lowest index first and
+starts at position 0, so cache position == RoPE position for text models (vision: below). Free slots are handed out lowest index first and
 decode runs over the slot range [0, hi) with hi = highest running slot + 1; idle slots inside the range
 compute a harmless garbage row (they write only at their position 0, or into the scratch block 0; a parked
 slot at its kept length, the position its next turn writes first; their output is dropped). Keys are read up
@@ -48,6 +48,15 @@ finishes - the prompt's positions and every drawn token's but the last - until a
 whose prompt extends those tokens takes it back (its new positions prefilled on top, `kv_reused_tokens`), the
 caller `forget`s it, or its room is needed: admission and growth give kept KV up oldest first (`kv_evicted`;
 that turn then re-prefills its whole prompt). Kept KV never holds a slot a request is waiting for.
+
+Vision models (qwen2_5_vl): a request may carry images (`Request.images`: the dock's uint8 patches and grid).
+The prefill runs the vision tower over the admitted prompts' images and computes with multimodal positions
+(models/vision.py `mrope_positions`: 3 streams, an image's tokens placed on its grid); each slot keeps its
+prompt's rope delta, and a decoded token at cache position c has position c + delta in all three streams.
+Both layouts hold the same keys (RoPE is applied before the cache write): the prefill fills a scratch cache
+either way. Requests share a prefilled row only when their prompts and their images are the same. KV kept
+across turns is for text models (multi-turn is refused for vision models, recipes/preflight.py): `add`
+refuses a kv_key on a vision model.
 
 Shape letters: G prompts prefilled together, P longest of them, R sample rows, B decode rows (slot range
 [0, hi)), S key slots read, H hidden size, V vocabulary.
@@ -75,6 +84,7 @@ from dockrl.engines.rollout.sampling import RowSettings, SamplingParams, sample_
 from dockrl.models.decoder import KVCache, Transformer
 from dockrl.models.moe import Routing, routing
 from dockrl.models.paged_cache import PagedKVCache
+from dockrl.models.vision import Images, VisionInputs
 
 _IDLE = SamplingParams(max_new_tokens=1, temperature=0.0)
 # Move the running samples into the lowest slots once fewer than this share of the rows [0, hi) run: one copy
@@ -116,6 +126,9 @@ class Request:
     kv_key: Any = None
     """One sample only: keep its KV under this key when it finishes, and start from the KV kept under it when
     the prompt extends the kept positions (a trajectory's next turn; see the module docstring)."""
+    images: tuple[torch.Tensor, torch.Tensor] | None = None
+    """A vision model's prompt images: (uint8 patches [N, C*t*p*p], grid [n, 3]) as the dock holds them; the
+    prompt holds their <|image_pad|> tokens. None (or 0 images): text."""
 
 
 @dataclass
@@ -164,6 +177,33 @@ class _Kept:
     tokens: list[int]
     slot: int | None
     blocks: list[int]
+
+
+def _shared_prompts(requests: list[Request]) -> tuple[list[int], list[Request]]:
+    """Which prefilled row each request reads ([A] -> G) and the G requests whose prompts are prefilled: one row
+    per distinct (prompt, images); two images of one size give the same prompt ids, so rows with different
+    images never share."""
+    rows: dict[tuple[int, ...], list[int]] = {}  # prompt -> its rows in `unique`
+    unique: list[Request] = []
+    prompt_of: list[int] = []
+    for request in requests:
+        candidates = rows.setdefault(tuple(request.prompt_ids), [])
+        g = next((g for g in candidates if same_images(unique[g].images, request.images)), None)
+        if g is None:
+            g = len(unique)
+            candidates.append(g)
+            unique.append(request)
+        prompt_of.append(g)
+    return prompt_of, unique
+
+
+def same_images(first: tuple | None, second: tuple | None) -> bool:
+    """Whether two requests' images (uint8 patches, grid) are the same (None and 0 images: none)."""
+    first = None if first is None or not len(first[1]) else first
+    second = None if second is None or not len(second[1]) else second
+    if first is None or second is None:
+        return first is second
+    return all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(first, second))
 
 
 def kv_layout(kv_cache: str, num_slots: int, max_seq_len: int, kv_cache_tokens: int) -> str:
@@ -216,6 +256,7 @@ class RolloutEngine:
         record_routes: bool = False,
         kv_cache: str = "auto",
         kv_cache_tokens: int = 0,
+        vision: VisionInputs | None = None,
     ) -> None:
         limit = model.args.max_position_embeddings
         if num_slots < 1:
@@ -226,6 +267,12 @@ class RolloutEngine:
             )
         self.model, self.num_slots, self.max_seq_len = model, num_slots, max_seq_len
         self.pad_token_id, self.detokenize = pad_token_id, detokenize
+        if (vision is None) != (model.args.vision is None):
+            raise ValueError(
+                f"rollout engine: model family={model.args.family!r} with vision inputs={vision is not None}; a "
+                "vision model needs them (VisionInputs.for_model) and a text model takes none"
+            )
+        self.vision = vision
         # MoE: each Generation carries the experts its tokens were routed to (routing replay, routing stats).
         self.record_routes = record_routes and model.args.is_moe
         self.moe_layers = model.args.moe_layers
@@ -267,6 +314,8 @@ class RolloutEngine:
         self.seeds = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self.steps = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # tokens drawn so far
         self.active = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # 1 = running
+        # Vision models: RoPE position - cache position of each slot's decoded tokens (its prompt's rope delta)
+        self.rope_deltas = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self._all_keys = torch.ones(num_slots, max_seq_len, dtype=torch.bool, device=self.device)
         self._settings: RowSettings | None = None  # of the decoded rows, rebuilt when they change
         self._settings_key: int | None = None  # the hi they were built for
@@ -323,6 +372,13 @@ class RolloutEngine:
             )
         if params.stop_strings and self.detokenize is None:
             raise ValueError(f"request {request.tag!r} has stop_strings but the engine has no detokenize")
+        if request.images is not None and len(request.images[1]) and self.vision is None:
+            raise ValueError(f"request {request.tag!r} has images but the model has no vision tower")
+        if request.kv_key is not None and self.vision is not None:
+            raise ValueError(
+                f"request {request.tag!r} has kv_key={request.kv_key!r} on a vision model; KV kept across turns "
+                "is for text models (multi-turn rollouts of vision models are refused): send it without kv_key"
+            )
         self.waiting.append((request, list(range(num_samples))))
 
     def has_work(self) -> bool:
@@ -427,15 +483,16 @@ class RolloutEngine:
         if not admitted and not resumed:
             return []
         row_slots = [slot for _, slots in admitted for slot in slots]
-        # Requests with the same prompt (a group's samples sent one request each, as multi-turn trajectories
-        # are) share one prefilled row, like the samples of one request.
-        unique: dict[tuple[int, ...], int] = {}
-        prompt_of = [unique.setdefault(tuple(r.prompt_ids), len(unique)) for r, _ in admitted]  # [A] -> G
+        # Requests with the same prompt and images (a group's samples sent one request each, as multi-turn
+        # trajectories are) share one prefilled row, like the samples of one request.
+        prompt_of, unique = _shared_prompts([request for request, _ in admitted])  # [A] -> G, G requests
         row_prompt = [prompt_of[i] for i, (_, slots) in enumerate(admitted) for _ in slots]
         pieces = []
+        deltas: list[int] = []
         if admitted:
             with self._routes() as seen:
-                logits = self._prefill([list(p) for p in unique], row_slots, row_prompt)
+                logits, prompt_deltas = self._prefill(unique, row_slots, row_prompt)
+            deltas = [prompt_deltas[g] for g in row_prompt]
             pieces.append(logits[torch.tensor(row_prompt, device=self.device)])  # [R, V]
             for g, (request, slots) in enumerate(admitted):
                 prefix = (
@@ -463,6 +520,8 @@ class RolloutEngine:
         self.seeds[index] = torch.tensor(seeds + [r.seeds[0] for r, _, _ in resumed], device=self.device)
         self.steps[index] = 0
         self.active[index] = 1
+        # returning turns are text models' (`add`): delta 0
+        self.rope_deltas[index] = torch.tensor(deltas + [0] * len(resumed), device=self.device)
         self._settings = None
         settings = RowSettings.build([r.params for r in requests], self.device)
         row_logits = torch.cat(pieces) if len(pieces) > 1 else pieces[0]  # [R, V]
@@ -539,9 +598,12 @@ class RolloutEngine:
         self.blocks[slot] += self._pool().allocate(count)
         self.block_table[slot, start : start + count] = torch.tensor(self.blocks[slot][start:])
 
-    def _prefill(self, prompts: list[list[int]], row_slots: list[int], row_prompt: list[int]) -> torch.Tensor:
-        """Run each prompt once, copy its KV into the slots (or blocks) of its samples; returns last logits
-        [G, V]."""
+    def _prefill(
+        self, requests: list[Request], row_slots: list[int], row_prompt: list[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Run each request's prompt once, copy its KV into the slots (or blocks) of its samples; returns last
+        logits [G, V] and each prompt's rope delta (0 for text)."""
+        prompts = [request.prompt_ids for request in requests]
         num_prompts, longest = len(prompts), max(len(prompt) for prompt in prompts)
         ids = torch.full((num_prompts, longest), self.pad_token_id, dtype=torch.long)  # [G, P]
         for row, prompt in enumerate(prompts):
@@ -549,7 +611,10 @@ class RolloutEngine:
         # Right padding: pads sit after every real token, so causal attention alone keeps them unseen.
         scratch = KVCache(self.model.args, num_prompts, longest, self.cache_dtype, self.device)
         last = torch.tensor([len(prompt) - 1 for prompt in prompts], device=self.device)  # [G]
-        logits = self._forward_last(ids.to(self.device), None, None, scratch, 0, last)  # [G, V]
+        positions, images, deltas = self._multimodal(requests, ids)
+        logits = self._forward_last(
+            ids.to(self.device), positions, None, scratch, 0, last, images=images
+        )  # [G, V]
         if self.paged:
             self._copy_to_blocks(scratch, [len(p) for p in prompts], row_slots, row_prompt)
         else:
@@ -561,7 +626,27 @@ class RolloutEngine:
         self.stats["prefill_calls"] += 1
         self.stats["prefill_prompts"] += num_prompts
         self.stats["prefill_tokens"] += sum(len(prompt) for prompt in prompts)
-        return logits
+        return logits, deltas
+
+    def _multimodal(
+        self, requests: list[Request], ids: torch.Tensor
+    ) -> tuple[torch.Tensor | None, Images | None, list[int]]:
+        """A vision model's prefill inputs: positions [3, G, P] (a prompt's right padding continues its text
+        positions; never attended), the prompts' images in row order, each prompt's rope delta. Text
+        models: (None, None, zeros)."""
+        if self.vision is None:
+            return None, None, [0] * len(requests)
+        empty = (torch.zeros(0, self.vision.processor.patch_dim, dtype=torch.uint8), torch.zeros(0, 3))
+        rows = [request.images if request.images is not None else empty for request in requests]
+        positions = torch.zeros(3, *ids.shape, dtype=torch.long)
+        deltas = []
+        for row, (request, (_, grid)) in enumerate(zip(requests, rows)):
+            length = len(request.prompt_ids)
+            row_positions, delta = self.vision.positions(ids[row, :length], grid)
+            positions[:, row, :length] = row_positions
+            positions[:, row, length:] = torch.arange(length, ids.shape[1]) + delta
+            deltas.append(delta)
+        return positions.to(self.device), self.vision.images(rows, self.device), deltas
 
     def _copy_to_blocks(
         self, scratch: KVCache, lengths: list[int], row_slots: list[int], row_prompt: list[int]
@@ -637,6 +722,7 @@ class RolloutEngine:
         cache_offset: int | torch.Tensor,
         last: torch.Tensor | None,
         block_table: torch.Tensor | None = None,
+        images: Images | None = None,
     ) -> torch.Tensor:
         """The one model call: hidden states, then LM-head logits of token `last[b]` of each row -> [B, V].
 
@@ -651,7 +737,7 @@ class RolloutEngine:
         else:  # prefill: the rows of one prompt's samples at the same offset
             assert isinstance(cache, KVCache), "prefill fills a contiguous scratch cache"
             hidden = self.model.hidden_states(
-                input_ids, position_ids, key_mask, cache, cache_offset
+                input_ids, position_ids, key_mask, cache, cache_offset, images=images
             )  # [B, T, H]
         if last is None:
             picked = hidden[:, -1]
@@ -681,7 +767,7 @@ class RolloutEngine:
         with self._routes() as seen:
             logits = self._forward_last(
                 self.pending[:hi][:, None],
-                offsets[:, None],
+                offsets[:, None] if self.vision is None else (offsets + self.rope_deltas[:hi])[:, None],
                 self._all_keys[:hi, :num_keys],
                 cache,
                 offsets,
@@ -724,7 +810,7 @@ class RolloutEngine:
             for layer in range(len(self.cache.k)):
                 self.cache.k[layer][dest, :, :written] = self.cache.k[layer][source, :, :written]
                 self.cache.v[layer][dest, :, :written] = self.cache.v[layer][source, :, :written]
-        for state in (self.lengths, self.pending, self.seeds, self.steps, self.active):
+        for state in (self.lengths, self.pending, self.seeds, self.steps, self.active, self.rope_deltas):
             state[dest] = state[source]
         self.active[source] = 0
         self.lengths[source] = 0  # idle slots write only at position 0 (see the module docstring)
@@ -832,6 +918,7 @@ class RolloutEngine:
         self.active[slot] = 0
         self.lengths[slot] = 0
         self.steps[slot] = 0
+        self.rope_deltas[slot] = 0
         self._settings = None
 
     def _release(self, slot: int, reason: str) -> Completion:

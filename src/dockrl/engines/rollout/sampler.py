@@ -20,6 +20,7 @@ from dockrl.engines.rollout.backend import RolloutBackend
 from dockrl.engines.rollout.rollout_engine import Generation, Request, RolloutEngine
 from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.models.decoder import Transformer
+from dockrl.models.vision import VisionInputs
 
 __all__ = ["Generation", "SamplingParams", "generate", "generate_with"]
 
@@ -34,8 +35,11 @@ def generate(
     pad_token_id: int = 0,
     max_batch_size: int | None = None,
     detokenize: Callable[[list[int]], str] | None = None,
+    vision: VisionInputs | None = None,
+    images: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
 ) -> list[Generation]:
     """Sample one completion per prompt, request i seeded with seeds[i]; results in the order of `prompts`.
+    A vision model takes its `vision` inputs and, per prompt, its images (uint8 patches, grid) or None.
 
     At most max_batch_size sequences (None = all) run at once; a finished one's slot goes to the next
     prompt. A prompt with len + max_new_tokens > max_position_embeddings is a ValueError naming the limit.
@@ -54,9 +58,11 @@ def generate(
         max_seq_len=min(needed, model.args.max_position_embeddings),
         pad_token_id=pad_token_id,
         detokenize=detokenize,
+        vision=vision,
     )
     for index, (prompt, seed) in enumerate(zip(prompts, seeds)):
-        engine.add(Request(list(prompt), [seed], params, tag=index))
+        row_images = None if images is None else images[index]
+        engine.add(Request(list(prompt), [seed], params, tag=index, images=row_images))
     generations: list[Generation | None] = [None] * len(prompts)
     for completion in engine.run():
         generations[completion.tag] = completion.generation

@@ -531,8 +531,11 @@ class VllmRollout:
         if free_memory and self._engine is not None:
             self._engine.sleep()
 
-    def generate(self, prompts: list[list[int]], params: Any, seeds: list[int]) -> list[Any]:
-        """Held-out prompts on the engine itself."""
+    def generate(
+        self, prompts: list[list[int]], params: Any, seeds: list[int], images: list | None = None
+    ) -> list[Any]:
+        """Held-out prompts on the engine itself (text: preflight refuses vision models for vLLM)."""
         from dockrl.engines.rollout.sampler import generate_with
 
+        assert images is None, "vLLM's backend serves text models (backends/vllm.py model_problem)"
         return generate_with(self.engine(), prompts, params, seeds)

@@ -9,14 +9,22 @@ in one [1, S] row, with cumulative lengths (0, L_0, L_0 + L_1, ..., S): block-di
 positions restarting at each row (models/decoder.py `segments`), so no padding token goes through a layer.
 The per-token tensors stay on the [B, T-1] grid (the losses are elementwise there); the model's outputs go
 onto it by `packed_response_positions` / `MicroBatch.from_packed`.
+
+Vision models (qwen2_5_vl, `vision=`): each row may carry images (the dock's uint8 patches and grid); the
+micro-batch holds them all, row after row (`images`), and the multimodal positions of its tokens
+(`position_ids`: [3, B, T], padding continuing each row's last position, or packed [3, 1, S]), which the
+model's forward takes with the ids.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
 import torch
+
+from dockrl.models.vision import Images, VisionInputs
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,21 @@ class MicroBatch:
     # Padding-free: the rows end to end, what the model computes (then routes and route_mask are [1, S, k]
     # and [1, S], in the packed layout the model's forward sees); None: the model computes input_ids
     packing: Packing | None = None
+    # Vision models: every row's images in row order, and the positions the model computes with (module
+    # docstring); None: text rows (the model's default positions)
+    images: Images | None = None
+    position_ids: torch.Tensor | None = None
+
+    def model_inputs(self) -> dict:
+        """What the model's forward takes beside the ids: packed segments, positions and images (those set)."""
+        inputs: dict = {}
+        if self.packing is not None:
+            inputs["segments"] = self.packing.segments
+        if self.position_ids is not None:
+            inputs["position_ids"] = self.position_ids
+        if self.images is not None:
+            inputs["images"] = self.images
+        return inputs
 
     @property
     def num_rows(self) -> int:
@@ -121,11 +144,14 @@ def make_micro_batch(
     moe_layers: list[int] | None = None,
     teacher_topk: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
     packed: bool = False,
+    images: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    vision: VisionInputs | None = None,
 ) -> MicroBatch:
     """Pad rows to one tensor; per-token columns (advantages, old/ref log-probs) are placed on the shifted grid.
     `routes` (MoE): per row the rollout's experts [P + R - 1, L, k] of the MoE layers `moe_layers`.
     `teacher_topk` (top-k distillation): per row the teacher's top-k ids [R, k] and log-probs [R, k]. `packed`:
-    the model computes the rows end to end instead (`Packing`, module docstring)."""
+    the model computes the rows end to end instead (`Packing`, module docstring). `images` (a vision model,
+    read through `vision`): per row its uint8 patches [N_i, C*t*p*p] and grid [n_i, 3]."""
     seqs = [torch.cat([p.long(), r.long()]) for p, r in zip(prompts, responses)]
     num_rows, max_len = len(seqs), max(len(s) for s in seqs)
     input_ids = torch.full((num_rows, max_len), pad_token_id, dtype=torch.long)
@@ -156,6 +182,8 @@ def make_micro_batch(
     if packed:
         segments = (0, *itertools.accumulate(len(seq) for seq in seqs))
         batch.packing = Packing(torch.cat(seqs)[None].to(device), segments)
+    if vision is not None and images is not None:
+        _add_images(batch, seqs, images, vision, device)
     if routes is not None:
         assert moe_layers is not None, "routes come with the model's MoE layer indices"
         if batch.packing is None:
@@ -165,6 +193,42 @@ def make_micro_batch(
                 routes, moe_layers, batch.packing.segments[-1], device, batch.packing.segments[:-1]
             )
     return batch
+
+
+def _add_images(
+    batch: MicroBatch,
+    seqs: list[torch.Tensor],
+    images: list[tuple[torch.Tensor, torch.Tensor]],
+    vision: VisionInputs,
+    device: torch.device | str,
+) -> None:
+    """Set `batch.images` and its multimodal `position_ids` (module docstring) from the rows' images: image
+    tokens are read in each row's prompt only (a response that sampled the image-pad token holds it as text)."""
+    prompt_lens = [s + 1 for s in batch.starts]
+    rows = [
+        vision.positions(seq, grid, n)[0] for seq, (_, grid), n in zip(seqs, images, prompt_lens)
+    ]  # [3, L_i]
+    is_image = [
+        (seq == vision.image_token_id) & (torch.arange(len(seq)) < n) for seq, n in zip(seqs, prompt_lens)
+    ]
+    found = vision.images(images, device)
+    if batch.packing is not None:
+        batch.position_ids = torch.cat(rows, dim=1)[:, None].to(device)  # [3, 1, S]
+        mask = torch.cat(is_image)[None]  # [1, S]
+    else:
+        mask = torch.zeros(batch.input_ids.shape, dtype=torch.bool)  # [B, T]
+        for i, row_mask in enumerate(is_image):
+            mask[i, : len(row_mask)] = row_mask
+    batch.images = None if found is None else dataclasses.replace(found, token_mask=mask.to(device))
+    if batch.packing is not None:
+        return
+    width = batch.input_ids.shape[1]
+    grid = torch.zeros(3, len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        grid[:, i, : row.shape[1]] = row
+        last = int(row.max()) if row.numel() else -1  # padding continues the row's text positions
+        grid[:, i, row.shape[1] :] = torch.arange(last + 1, last + 1 + width - row.shape[1])
+    batch.position_ids = grid.to(device)
 
 
 def _route_grids(

@@ -22,6 +22,8 @@ from dockrl.algos.losses import policy_loss
 from dockrl.algos.registry import LossPlan
 from dockrl.dock.columns import (
     ADVANTAGES,
+    IMAGE_GRID_THW,
+    IMAGE_PATCHES,
     LOSS_MASK,
     OLD_LOGPROBS,
     PROMPT_IDS,
@@ -130,6 +132,10 @@ def policy_update(
                 [batch[TEACHER_TOPK_LOGPROBS][idx[j]] for j in chunk],
             ),
             packed=engine.packing,
+            images=None
+            if IMAGE_PATCHES not in batch
+            else [(batch[IMAGE_PATCHES][idx[j]], batch[IMAGE_GRID_THW][idx[j]]) for j in chunk],
+            vision=engine.vision,
         )
         # the budget is per rank: under context parallelism a rank holds 1/cp of each row
         for chunk in micro_batch_rows(

@@ -52,6 +52,7 @@ from dockrl.models.moe import (
 )
 from dockrl.models.precision import dtype_of
 from dockrl.models.tp_plan import shard_dim
+from dockrl.models.vision import VisionInputs
 from dockrl.parallel.expert_parallel import is_expert_param
 from dockrl.parallel.layout import Placement, full_tensor
 
@@ -84,6 +85,7 @@ class TrainEngine:
         seed: int = 0,
         ep: int = 1,
         packing: bool = False,
+        freeze_vision: bool = True,
     ):
         self.device = torch.device(device)
         # Padding-free micro-batches (actor.packing, critic.packing; engines/train/batch.py `Packing`): the
@@ -94,6 +96,8 @@ class TrainEngine:
         self.model_path = model_path
         self.args = read_config(model_path)
         self.routing_stats: RoutingStats | None = None  # MoE: set by logprobs(routes=...), see there
+        # A vision model (qwen2_5_vl) reads its rows' images through this (models/vision.py); None: text only
+        self.vision = VisionInputs.for_model(model_path, self.args) if self.args.vision is not None else None
         # `kind` builds a module with `.args` and `.model.layers` (PPO's critic passes
         # models.value.value_model_kind; its forward returns values [B, T] instead of logits).
         with torch.device("meta"):
@@ -112,6 +116,8 @@ class TrainEngine:
         self.global_shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         if not trainable:
             model.requires_grad_(False)
+        elif self.args.vision is not None and freeze_vision:  # actor.vision.freeze: the language model trains
+            cast(Transformer, model).visual.requires_grad_(False)
         self._init_layout(mesh, ep)
         if self.tp_size > 1:
             from dockrl.parallel.tensor_parallel import parallelize, replicated_names
@@ -293,9 +299,8 @@ class TrainEngine:
 
         if self.context is not None:
             return context_passes.token_stats(self, mb, temperature, scored)
-        segments = None if packing is None else packing.segments
         with self.autocast():
-            logp, entropy = self.model(mb.model_input_ids(), head=head, segments=segments)
+            logp, entropy = self.model(mb.model_input_ids(), head=head, **mb.model_inputs())
         return logp.view(rows, width), entropy.view(rows, width)
 
     def support_stats(
@@ -439,8 +444,8 @@ class TrainEngine:
             return context_passes.outputs(self, mb)
         with self.autocast():
             if mb.packing is None:
-                return self.model(mb.input_ids)[:, :-1]
-            return mb.from_packed(self.model(mb.packing.input_ids, segments=mb.packing.segments))
+                return self.model(mb.input_ids, **mb.model_inputs())[:, :-1]
+            return mb.from_packed(self.model(mb.packing.input_ids, **mb.model_inputs()))
 
     @torch.no_grad()
     def logprobs(
@@ -455,11 +460,13 @@ class TrainEngine:
         with_entropy: bool = False,
         routes: list[torch.Tensor] | None = None,
         replay: bool = False,
+        images: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Per-row response log-probs [R_i] (and entropies) under softmax(logits / temperature), in row order;
         micro-batches as `batch.micro_batch_rows` forms them. MoE `routes` (the rollout's experts per row):
         with `replay` the forwards use them (algo.routing_replay=r3); either way `routing_stats` counts how
-        often the router's own top-k is the rollout's."""
+        often the router's own top-k is the rollout's. `images` (a vision model): per row its uint8 patches and
+        grid (the dock's image_patches, image_grid_thw)."""
         self.model.eval()
         logps: list[torch.Tensor | None] = [None] * len(prompts)
         ents: list[torch.Tensor | None] = [None] * len(prompts)
@@ -485,6 +492,8 @@ class TrainEngine:
                 routes=None if routes is None else [routes[i] for i in idx],
                 moe_layers=self.args.moe_layers,
                 packed=self.packing,
+                images=None if images is None else [images[i] for i in idx],
+                vision=self.vision,
             )
             with self.routes_context(mb, replay) as seen:
                 logp, entropy = self.token_stats(mb, temp)  # [B, T-1] each

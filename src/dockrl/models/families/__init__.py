@@ -1,8 +1,8 @@
 """Model families as records: one file per family, each registering one `Family` (record.py).
 
-    llama.py   qwen2.py   qwen3.py   qwen3_moe.py      each: FAMILY = register(Family(name=..., ...))
-        |          |          |          |
-        +----------+----------+----------+--> FAMILIES (name -> Family), read through
+    llama.py  qwen2.py  qwen2_5_vl.py  qwen3.py  qwen3_moe.py    each: FAMILY = register(Family(name=..., ...))
+        |         |           |           |          |
+        +---------+-----------+-----------+----------+--> FAMILIES (name -> Family), read through
                                                family_named(name), family_of(config.json dict), LINEAR_NAMES
 
 Who reads the records: models/config.py (ModelArgs: what config.json holds and what the family requires),
@@ -13,7 +13,8 @@ A family whose layers dockrl's decoder already builds (a Llama-like one) is one 
 <name>.py, fill in its record, and add <name> to the import line below; tests/unit/test_families.py then
 checks that the file is registered, that its config.json round-trips and that make-tiny builds it. A family
 with new layers also needs them in models/decoder.py (and models/hf.py, models/tp_plan.py where its tensors
-differ).
+differ). A family with a vision tower (qwen2_5_vl) also has models/vision.py and the multimodal positions
+in the decoder (docs/vision.md).
 
 Imports no torch and no Ray: config/ reads it before any worker starts.
 """
@@ -23,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dockrl.errors import ConfigError
 
 # Each family file registers its record when imported: a new family is one more name on this line.
-from dockrl.models.families import llama, qwen2, qwen3, qwen3_moe  # noqa: F401
+from dockrl.models.families import llama, qwen2, qwen2_5_vl, qwen3, qwen3_moe  # noqa: F401
 from dockrl.models.families.record import (
     ATTENTION_LINEARS,
     FAMILIES,

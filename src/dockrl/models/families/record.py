@@ -71,6 +71,9 @@ class Family:
     environment runs on it."""
     tiny: TinyPreset
     """What make-tiny builds of it."""
+    vision: bool = False
+    """The model has a vision tower and multimodal RoPE (Qwen2.5-VL: models/vision.py); a model of the family
+    has one exactly when this is True."""
     linear_names: tuple[str, ...] = ATTENTION_LINEARS + MLP_LINEARS
     """The decoder's linear layers of this family that take LoRA adapters (never the LM head or a router)."""
 
