@@ -66,6 +66,47 @@ PROMPT_IDS = _declare(
 LABEL = _declare(
     "label", "object", "row", (Stage.DRIVER,), (Stage.REWARD,), "the ground truth handed to reward functions"
 )
+# A vision-language model's images, put by the driver with prompt_ids (every row of such a run: a text row has
+# zero images), read where the model runs a forward over the prompt. Never gathered: each worker pulls its rows.
+_IMAGE_READERS = (
+    Stage.ROLLOUT,
+    Stage.REWARD_MODEL,
+    Stage.TEACHER,
+    Stage.REFERENCE,
+    Stage.OLD_LOGPROBS,
+    Stage.CRITIC_VALUES,
+    Stage.CRITIC_UPDATE,
+    Stage.UPDATE,
+)
+IMAGE_PATCHES = _declare(
+    "image_patches",
+    "uint8",
+    "image patch",
+    (Stage.DRIVER,),
+    _IMAGE_READERS,
+    "vision-language models: [N, 3 x temporal_patch x patch x patch], the row's image patches in prompt order, "
+    "before rescale and normalize (exact, 4x smaller than fp32; models/vision_processing.py); N is the sum of "
+    "t x h x w over image_grid_thw, and prompt_ids holds N / merge_size^2 <|image_pad|> tokens",
+)
+IMAGE_GRID_THW = _declare(
+    "image_grid_thw",
+    "int64",
+    "image",
+    (Stage.DRIVER,),
+    _IMAGE_READERS,
+    "vision-language models: [n_images, 3], each image's (frames, patch rows, patch columns); [0, 3] for a row "
+    "without images",
+)
+IMAGE_REFS = _declare(
+    "image_refs",
+    "object",
+    "row",
+    (Stage.DRIVER,),
+    (Stage.REWARD,),
+    "vision-language models: the row's images as references, never pixels: {ref, width, height} with ref the "
+    "file's absolute path, or base64: or bytes: and a sha256 prefix; the reward workers copy them into "
+    "samples.jsonl",
+)
 RESPONSE_IDS = _declare(
     "response_ids",
     "int64",
