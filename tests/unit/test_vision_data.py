@@ -400,6 +400,14 @@ def test_the_synthetic_answers_are_read_back_from_the_pixels(tmp_path):
     assert answers["colour"] == set(COLOURS)
 
 
+def test_no_image_is_drawn_twice_even_where_draws_repeat():
+    """28 x 28 bars have 306 distinct pictures (heights 5-25, at least 4 apart): 250 draws repeat some, kept out."""
+    items = vision_items(250, kinds=("bars",), size=28, seed=0)
+    assert len({item.image.tobytes() for item in items}) == 250  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="n=400: only 306 distinct images"):
+        vision_items(400, kinds=("bars",), size=28, seed=0)
+
+
 def test_the_reward_reads_numbers_and_words_and_the_teacher_is_noisy_as_asked(tmp_path):
     from dockrl.rewards.builtin import exact_answer
 
