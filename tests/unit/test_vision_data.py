@@ -455,3 +455,48 @@ def test_the_report_shows_each_samples_image_beside_its_answer(tmp_path):
     table = markdown_table([{**sample, "images": images}])
     assert f"| {image} (56x56); base64:0123456789abcdef (9x7) |" in table
     assert paths["train"].is_file()
+
+
+def test_a_vision_runs_samples_name_their_images_never_their_pixels(tmp_path, tokenizer):
+    """The reward workers of a vision-language model's run read image_refs (not the patches) and copy each
+    sampled row's images into samples.jsonl's record; a text model's workers never ask for the column."""
+    from dockrl.config.schema import AlgoConfig, RewardConfig
+    from dockrl.config.specs import RewardStageSpec
+    from dockrl.dock.columns import IMAGE_REFS
+    from dockrl.workers.reward import RewardWorker
+    from helpers import FakeDock
+
+    prompts = _vision_prompts(tmp_path, tokenizer)[:2]
+    model = tmp_path / "vl"
+    tokenizer.save(model)
+    responses = [tokenizer.encode(r) for r in ("7", "3", "red", "blue")]
+    columns = {
+        "prompt_ids": [torch.tensor(prompts[i // 2].ids) for i in range(4)],
+        "response_ids": [torch.tensor(r) for r in responses],
+        "label": [prompts[i // 2].label for i in range(4)],
+        "policy_version": [torch.zeros(len(r), dtype=torch.int64) for r in responses],
+        IMAGE_REFS: [prompts[i // 2].images for i in range(4)],
+    }
+
+    def samples(vision: bool) -> list[dict]:
+        (model / "config.json").write_text(json.dumps({"vision_config": {}} if vision else {}))
+        spec = RewardStageSpec(
+            reward=RewardConfig(num_processes=0, groups_per_pull=2),
+            algo=AlgoConfig(name="grpo"),
+            estimator="grpo",
+            tokenizer_path=str(model),
+            group_size=2,
+            log_samples=4,
+        )
+        dock = FakeDock(dict(columns), group_size=2)
+        worker = RewardWorker("reward-0", 0, 1, spec=spec, client=dock)
+        out = worker.score().samples
+        worker.close()
+        return out
+
+    shown = samples(True)
+    assert [s["images"] for s in shown] == [prompts[i // 2].images for i in range(4)]
+    assert shown[0]["images"][0]["ref"].endswith("images/train_00000.png") and "patches" not in json.dumps(
+        shown
+    )
+    assert all("images" not in s for s in samples(False))
