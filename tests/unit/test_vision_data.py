@@ -404,8 +404,8 @@ def test_no_image_is_drawn_twice_even_where_draws_repeat():
     """28 x 28 bars have 306 distinct pictures (heights 5-25, at least 4 apart): 250 draws repeat some, kept out."""
     items = vision_items(250, kinds=("bars",), size=28, seed=0)
     assert len({item.image.tobytes() for item in items}) == 250  # type: ignore[attr-defined]
-    with pytest.raises(ValueError, match="n=400: only 306 distinct images"):
-        vision_items(400, kinds=("bars",), size=28, seed=0)
+    with pytest.raises(ValueError, match="n=320: only 306 distinct images"):
+        vision_items(320, kinds=("bars",), size=28, seed=0)
 
 
 def test_the_reward_reads_numbers_and_words_and_the_teacher_is_noisy_as_asked(tmp_path):
@@ -500,3 +500,44 @@ def test_a_vision_runs_samples_name_their_images_never_their_pixels(tmp_path, to
         shown
     )
     assert all("images" not in s for s in samples(False))
+
+
+def test_sft_examples_of_the_noisy_teacher_carry_their_images(tmp_path, tokenizer):
+    """dockrl sft's examples (recipes/sft.py build_examples) read images as the RL data pass does; a text
+    model given them is told the fix."""
+    from PIL import Image
+
+    from dockrl.config import SFTConfig, load_config
+    from dockrl.models.vision_processing import PREPROCESSOR_FILE
+    from dockrl.recipes.sft import build_examples
+
+    paths = write_vision_task(
+        tmp_path / "task", num_train=6, num_test=0, teacher_error=0.5, teacher_samples=2
+    )
+    model = tmp_path / "vl"
+    tokenizer.save(model)
+    (model / PREPROCESSOR_FILE).write_text(json.dumps(PROCESSOR))
+    (model / "config.json").write_text(json.dumps({"vision_config": {}}))
+    overrides = [f"model.path={model}", f"data.train_path={paths['sft']}", "data.label_field=answer"]
+    cfg = load_config(SFTConfig, None, overrides)
+    examples, skipped = build_examples(cfg, tokenizer, str(paths["sft"]))
+    rows = [json.loads(line) for line in paths["sft"].read_text().splitlines()]
+    assert len(examples) == len(rows) == 12 and sum(skipped.values()) == 0
+    pad = tokenizer.encode(IMAGE_PAD)[0]
+    for example, row in zip(examples, rows):
+        image = row["prompt"][0]["content"][0]["image"]
+        patches, grid = _reference_patches([Image.open(paths["sft"].parent / image).convert("RGB")])
+        assert torch.equal(example.images[0], torch.from_numpy(patches)) and example.images[1].tolist() == [
+            [1, 4, 4]
+        ]
+        assert example.prompt.count(pad) == 4
+        assert tokenizer.decode(example.answer) == row["answer"]
+    assert sum(
+        r["answer"] != json.loads(t)["answer"]
+        for r, t in zip(rows[::2], paths["train"].read_text().splitlines())
+    )
+    (model / "config.json").write_text(json.dumps({}))  # a text model
+    with pytest.raises(
+        DatasetError, match=r"12 rows have images \(first at line 1\) but model.path=.* is a text model"
+    ):
+        build_examples(cfg, tokenizer, str(paths["sft"]))

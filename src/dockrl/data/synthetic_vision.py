@@ -120,7 +120,8 @@ DRAW: dict[str, Callable] = {"count": draw_count, "colour": draw_colour, "bars":
 def vision_items(
     n: int, *, seed: int = 0, size: int = 56, kinds: tuple[str, ...] = VISION_KINDS
 ) -> list[VisionItem]:
-    """`n` items, kinds in turn, no two with the same pixels; deterministic for (seed, size, kinds)."""
+    """`n` items, kinds in turn, no two with the same pixels; deterministic for (seed, size, kinds). Raises
+    ValueError when the kinds cannot make `n` distinct images at this size."""
     unknown = sorted(set(kinds) - set(VISION_KINDS))
     if not kinds or unknown:
         raise ValueError(f"kinds={kinds!r}: use a non-empty subset of {VISION_KINDS}")
@@ -129,13 +130,19 @@ def vision_items(
     rng = random.Random(seed)
     seen: set[str] = set()
     items: list[VisionItem] = []
-    while len(items) < n:
+    for _ in range(100 * n + 1000):  # each draw is new with good odds until the distinct images run out
+        if len(items) == n:
+            break
         kind = kinds[len(items) % len(kinds)]
         image, answer = DRAW[kind](rng, size)
         digest = hashlib.sha256(image.tobytes()).hexdigest()
         if digest not in seen:  # a redrawn duplicate keeps train and test apart
             seen.add(digest)
             items.append(VisionItem(kind, image, answer))
+    if len(items) < n:
+        raise ValueError(
+            f"n={n}: only {len(items)} distinct images drawn for kinds={kinds}, size={size}; draw larger"
+        )
     return items
 
 

@@ -158,7 +158,7 @@ def encode_prompts(
     records: list[PromptRecord] = load_prompts(
         path, prompt_field=prompt_field, label_field=label_field, limit=limit
     )
-    _check_images_supported(path, records, processor, model_path, make_env is not None or agent)
+    check_images_supported(path, records, processor, model_path, make_env is not None or agent)
     out, skipped = [], 0
     for rec in records:
         env_row = {"prompt": rec.prompt, "label": rec.label} if agent else None
@@ -169,17 +169,14 @@ def encode_prompts(
         else:
             env_row = {"prompt": rec.prompt, "label": rec.label}
             text = _render_env_prompt(make_env(), env_row, tokenizer, system_prompt)
-        images = None
-        if processor is not None:
-            images = read_row_images(rec, processor)
-            text = _expand(text, images.token_counts, rec)
-        ids = tokenizer.encode(text)
+        text, ids, images = encode_with_images(rec, text, tokenizer, processor)
         if len(ids) > max_prompt_len:
             skipped += 1
             continue
         prompt = EncodedPrompt(ids, text, rec.label, rec.index, env_row=env_row, where=rec.where)
         if images is not None:
-            _attach_images(prompt, images, tokenizer, rec.source)
+            prompt.image_patches, prompt.image_grid_thw = image_tensors(images)
+            prompt.images = images.refs
         out.append(prompt)
     if not out:
         raise ValueError(
@@ -192,10 +189,11 @@ def encode_prompts(
     return out, skipped
 
 
-def _check_images_supported(
+def check_images_supported(
     path: str, records: list[PromptRecord], processor: Any, model_path: str, multi_turn: bool
 ) -> None:
-    """Rows with images need a vision-language model and a single-turn run (DatasetError naming the first)."""
+    """Rows with images need a vision-language model (`processor` not None) and a single-turn run: else a
+    DatasetError naming the file, the first such row and the fix."""
     first = next((r for r in records if r.images), None)
     if first is None:
         return
@@ -209,34 +207,43 @@ def _check_images_supported(
     if multi_turn:
         raise DatasetError(
             f"{path}: {many} rows have images (first at {first.where}); multi-turn and agent runs (env.name) "
-            "take text prompts only: unset env.name or drop the images"
+            "and tool conversations take text prompts only: use single-turn rows or drop the images"
         )
 
 
-def _expand(text: str, counts: list[int], rec: PromptRecord) -> str:
+def encode_with_images(
+    rec: PromptRecord, text: str, tokenizer: Tokenizer, processor: Any
+) -> tuple[str, list[int], RowImages | None]:
+    """Tokenize a record's rendered prompt `text`: (text, ids, None) for a text model (`processor` None); for a
+    vision-language model its images are read and processed once, each image's <|image_pad|> repeated to its
+    token count, and the ids checked to hold one <|image_pad|> token per merged patch (a tokenizer without the
+    vision tokens splits them into pieces). Raises DatasetError naming the file and the row."""
+    if processor is None:
+        return text, tokenizer.encode(text), None
+    images = read_row_images(rec, processor)
     try:
-        return expand_image_tokens(text, counts)
+        text = expand_image_tokens(text, images.token_counts)
     except ImageError as exc:
         raise DatasetError(f"{rec.source}: {rec.where}: {exc}") from exc
-
-
-def _attach_images(prompt: EncodedPrompt, images: RowImages, tokenizer: Tokenizer, source: str) -> None:
-    """Give a prompt its image columns (torch, as the dock holds them), after checking that its ids hold one
-    <|image_pad|> token per merged patch (a tokenizer without the vision tokens splits them into pieces)."""
-    import torch
-
+    ids = tokenizer.encode(text)
     pad = tokenizer.encode(IMAGE_PAD)
     wanted = sum(images.token_counts)
-    found = sum(1 for i in prompt.ids if len(pad) == 1 and i == pad[0])
+    found = sum(1 for i in ids if len(pad) == 1 and i == pad[0])
     if found != wanted:
         raise DatasetError(
-            f"{source}: {prompt.where}: the prompt holds {found} {IMAGE_PAD} tokens for its images' {wanted}: the "
-            f"tokenizer encodes {IMAGE_PAD} as {pad}, not one special token; use the vision-language model's "
-            "own tokenizer"
+            f"{rec.source}: {rec.where}: the prompt holds {found} {IMAGE_PAD} tokens for its images' {wanted}: "
+            f"the tokenizer encodes {IMAGE_PAD} as {pad}, not one special token; use the vision-language "
+            "model's own tokenizer"
         )
-    prompt.image_patches = torch.from_numpy(images.patches)
-    prompt.image_grid_thw = torch.from_numpy(images.grid_thw)
-    prompt.images = images.refs
+    return text, ids, images
+
+
+def image_tensors(images: RowImages) -> tuple[Any, Any]:
+    """A row's (patches uint8 [N, 3*t*p*p], grid_thw int64 [n_images, 3]) as torch tensors, as the dock and
+    the train engine hold them."""
+    import torch
+
+    return torch.from_numpy(images.patches), torch.from_numpy(images.grid_thw)
 
 
 def check_prompt_room(
