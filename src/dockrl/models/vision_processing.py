@@ -3,10 +3,10 @@
     PIL image --RGB (alpha on white)--> smart_resize (multiple of patch*merge, min/max pixels)
               --PIL bicubic--> uint8 [3, H, W] --patchify--> uint8 [n_patches, 3*temporal*patch*patch]
 
-This is transformers' PIL image processor (models/qwen2_vl/image_processing_pil_qwen2_vl.py) stopped before
-its rescale and normalize: its resize goes through PIL and back to uint8, so the pixels here are exactly the
-ones it rescales, and models/vision.py `normalize_patches` finishes the job in torch (4x smaller in the dock
-than fp32 and exact). Patch order is the processor's: merge windows row-major, the merge_size x merge_size
+This is transformers' PIL image processor (Qwen2VLImageProcessorPil, image_processing_pil_qwen2_vl) stopped
+before its rescale and normalize: its resize goes through PIL and back to uint8, so the pixels here are exactly
+the ones it rescales, and models/vision.py `normalize_patches` finishes the job in torch (4x smaller in the
+dock than fp32 and exact). Patch order is the processor's: merge windows row-major, the merge_size x merge_size
 patches of a window row-major inside it, each patch channel-major then the repeated temporal frame.
 """
 
@@ -23,6 +23,9 @@ from PIL import Image
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 """The image processor's settings beside a checkpoint (transformers' file name)."""
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+"""The processor's default per-channel mean and std (OpenAI CLIP's)."""
 
 
 @dataclass(frozen=True)
@@ -79,12 +82,17 @@ def processor_config(source: str | Path | Mapping) -> ProcessorConfig:
         patch_size=int(raw.get("patch_size", 14)),
         temporal_patch_size=int(raw.get("temporal_patch_size", 2)),
         merge_size=int(raw.get("merge_size", 2)),
-        image_mean=tuple(float(x) for x in raw.get("image_mean", (0.48145466, 0.4578275, 0.40821073))),  # type: ignore[arg-type]
-        image_std=tuple(float(x) for x in raw.get("image_std", (0.26862954, 0.26130258, 0.27577711))),  # type: ignore[arg-type]
+        image_mean=_three(raw.get("image_mean", CLIP_MEAN)),
+        image_std=_three(raw.get("image_std", CLIP_STD)),
         rescale_factor=float(raw.get("rescale_factor", 1 / 255)),
         do_rescale=bool(raw.get("do_rescale", True)),
         do_normalize=bool(raw.get("do_normalize", True)),
     )
+
+
+def _three(values: Sequence[float]) -> tuple[float, float, float]:
+    red, green, blue = (float(v) for v in values)
+    return red, green, blue
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -151,3 +159,19 @@ def image_token_count(grid_thw: np.ndarray | Sequence[Sequence[int]], merge_size
     (the merger folds each merge_size x merge_size window into one token)."""
     grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
     return [int(n) // (merge_size * merge_size) for n in grid.prod(axis=1)]
+
+
+def expand_image_pads(token_ids: Sequence[int], counts: Sequence[int], image_token_id: int) -> list[int]:
+    """A prompt's ids as the chat template wrote them (one <|image_pad|> per image) with the k-th pad repeated
+    counts[k] times (image_token_count), as transformers' Qwen2.5-VL processor expands them. Raises
+    ValueError when the prompt's pads and the images disagree in number."""
+    pads = sum(1 for token in token_ids if token == image_token_id)
+    if pads != len(counts):
+        raise ValueError(
+            f"the prompt has {pads} image-pad tokens for {len(counts)} images; use one per image"
+        )
+    out: list[int] = []
+    remaining = iter(counts)
+    for token in token_ids:
+        out += [token] * next(remaining) if token == image_token_id else [token]
+    return out
