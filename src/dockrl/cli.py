@@ -165,6 +165,21 @@ def _cmd_data(args: argparse.Namespace) -> int:
         system = DEFAULT_SYSTEM_PROMPT if args.system_prompt is None else args.system_prompt
         print(json.dumps(convert(args.task, args.src, args.out, system_prompt=system), indent=2))
         return 0
+    if args.task == "vision":
+        from dockrl.data.synthetic_vision import write_vision_task
+
+        paths = write_vision_task(
+            args.out,
+            num_train=args.num_train,
+            num_test=args.num_test,
+            seed=args.seed,
+            size=args.size,
+            kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
+            teacher_error=args.teacher_error,
+            teacher_samples=args.teacher_samples,
+        )
+        print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
+        return 0
     from dockrl.data.synthetic import write_task
 
     paths = write_task(
@@ -399,6 +414,26 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         help="also write sft.jsonl from a hedging teacher (e.g. 0.7)",
     )
     p.add_argument("--teacher-samples", type=int, default=4, help="teacher answers per training prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p = tasks.add_parser(
+        "vision",
+        help="write the synthetic vision task (count dots, name a colour, compare bars): train.jsonl, "
+        "test.jsonl and their PNG images (docs/vision.md)",
+    )
+    p.add_argument("out")
+    p.add_argument("--num-train", type=int, default=3000)
+    p.add_argument("--num-test", type=int, default=150)
+    p.add_argument("--size", type=int, default=56, help="image side in pixels")
+    p.add_argument(
+        "--kinds", default="count,colour,bars", help="comma-separated subset of count, colour, bars"
+    )
+    p.add_argument(
+        "--teacher-error",
+        type=float,
+        default=None,
+        help="also write sft.jsonl from a noisy teacher that gives a wrong answer this often (e.g. 0.3)",
+    )
+    p.add_argument("--teacher-samples", type=int, default=2, help="teacher answers per training image")
     p.add_argument("--seed", type=int, default=0)
 
     p = add("demo", _cmd_demo, "make-tiny -> SFT warm start -> eval -> GRPO -> eval, prints both accuracies")

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dockrl.data.images import ImageError, ImageSource, place_images
 
 JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
@@ -31,6 +33,8 @@ class PromptRecord:
         index: 0-based position of the row in its file.
         source: the file it came from.
         where: where in that file ("line 7" of JSON lines, "item 3" of a JSON array, "row 5" of Parquet).
+        images: the row's images in prompt order, not yet read (data/images.py); the prompt then holds one
+            IMAGE_PLACEHOLDER per image, its message content lists flattened to text.
     """
 
     prompt: str | list[dict]
@@ -38,6 +42,7 @@ class PromptRecord:
     index: int
     source: str
     where: str = ""
+    images: list[ImageSource] = field(default_factory=list)
 
 
 def load_prompts(
@@ -46,6 +51,7 @@ def load_prompts(
     prompt_field: str = "prompt",
     label_field: str | None = "answer",
     limit: int | None = None,
+    images_field: str = "images",
 ) -> list[PromptRecord]:
     """Read prompt records from a ``.jsonl``/``.json`` (JSON lines) or ``.parquet`` file.
 
@@ -57,11 +63,14 @@ def load_prompts(
         prompt_field: column holding the prompt (text or message list).
         label_field: column holding the label; None for unlabelled data (labels are then None).
         limit: read at most this many rows.
+        images_field: the optional column listing a row's images for <image> markers or value-less image
+            parts (data/images.py); image parts of message content lists need no field.
 
     Raises:
         DatasetError: unknown suffix, missing file, invalid JSON (names file and line), a row without
             ``prompt_field`` / ``label_field`` (names file, line or row, the field and the fields present),
-            a prompt that is neither text nor a message list, or no rows at all.
+            a prompt that is neither text nor a message list, images that do not match their places (names
+            the image), or no rows at all. Images are not read here: `data.images.open_images` does.
     """
     path = Path(path)
     if not path.is_file():
@@ -70,7 +79,8 @@ def load_prompts(
     if suffix in JSON_SUFFIXES:
         rows = iter_json_rows(path)
     elif suffix in PARQUET_SUFFIXES:
-        rows = _iter_parquet_rows(path, [f for f in (prompt_field, label_field) if f is not None])
+        fields = [f for f in (prompt_field, label_field) if f is not None]
+        rows = _iter_parquet_rows(path, fields, optional=(images_field,))
     else:
         raise DatasetError(
             f"prompt file {str(path)!r} has suffix {suffix!r}; supported: {JSON_SUFFIXES + PARQUET_SUFFIXES}"
@@ -79,7 +89,7 @@ def load_prompts(
     for index, (where, row) in enumerate(rows):
         if limit is not None and index >= limit:
             break
-        records.append(_to_record(row, where, index, path, prompt_field, label_field))
+        records.append(_to_record(row, where, index, path, prompt_field, label_field, images_field))
     if not records:
         raise DatasetError(f"prompt file {str(path)!r} has no rows")
     return records
@@ -118,11 +128,14 @@ def _expect_object(row: Any, path: Path, where: str) -> dict:
     return row
 
 
-def _iter_parquet_rows(path: Path, columns: list[str]) -> Iterator[tuple[str, dict]]:
+def _iter_parquet_rows(
+    path: Path, columns: list[str], optional: tuple[str, ...] = ()
+) -> Iterator[tuple[str, dict]]:
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(path)
     present = parquet.schema_arrow.names
+    columns = columns + [c for c in optional if c in present and c not in columns]
     for column in columns:
         if column not in present:
             raise DatasetError(
@@ -136,7 +149,13 @@ def _iter_parquet_rows(path: Path, columns: list[str]) -> Iterator[tuple[str, di
 
 
 def _to_record(
-    row: dict, where: str, index: int, path: Path, prompt_field: str, label_field: str | None
+    row: dict,
+    where: str,
+    index: int,
+    path: Path,
+    prompt_field: str,
+    label_field: str | None,
+    images_field: str,
 ) -> PromptRecord:
     for name in (prompt_field, label_field):
         if name is not None and row.get(name) is None:
@@ -149,7 +168,11 @@ def _to_record(
             f"{{'role', 'content'}} messages; got {type(prompt).__name__}"
         )
     label = row[label_field] if label_field is not None else None
-    return PromptRecord(prompt=prompt, label=label, index=index, source=str(path), where=where)
+    try:
+        prompt, images = place_images(prompt, row.get(images_field), path.parent)
+    except ImageError as exc:
+        raise DatasetError(f"{path}: {where}: {exc}") from exc
+    return PromptRecord(prompt=prompt, label=label, index=index, source=str(path), where=where, images=images)
 
 
 def _is_messages(value: Any) -> bool:
@@ -203,3 +226,46 @@ def _messages(record: PromptRecord, system_prompt: str | None) -> list[dict]:
         )
         return messages
     return [{"role": "system", "content": system_prompt}, *messages]
+
+
+@dataclass
+class RowImages:
+    """A row's images as the model reads them (models/vision_processing.py), and how to name them.
+
+    Attributes:
+        patches: uint8 [n_patches, 3 * temporal_patch * patch * patch], every image's patches in prompt order,
+            before rescale and normalize.
+        grid_thw: int64 [n_images, 3], each image's (frames, patch rows, patch columns).
+        token_counts: the <|image_pad|> tokens each image takes in the prompt (patches / merge_size**2).
+        refs: each image for logs, never its pixels: {"ref": ImageSource.ref (data/images.py), "width",
+            "height"} (the image's own size, before the processor resizes it).
+    """
+
+    patches: Any
+    grid_thw: Any
+    token_counts: list[int]
+    refs: list[dict[str, Any]]
+
+
+def read_row_images(record: PromptRecord, processor: Any) -> RowImages:
+    """Decode a record's images and run the image processor on them (`processor`: a ProcessorConfig, from
+    data/images.vision_processor); a record without images gets zero patches and an empty grid.
+
+    Raises:
+        DatasetError: an image is missing or cannot be decoded (names the file, the line or row, the image
+            by number and reference).
+    """
+    from dockrl.data.images import open_images
+    from dockrl.models.vision_processing import image_token_count, process_images
+
+    try:
+        images = open_images(record.images)
+    except ImageError as exc:
+        raise DatasetError(f"{record.source}: {record.where}: {exc}") from exc
+    patches, grid_thw = process_images(processor, images)
+    counts = image_token_count(grid_thw, processor.merge_size)
+    refs = [
+        {"ref": s.ref, "width": image.width, "height": image.height}
+        for s, image in zip(record.images, images)
+    ]
+    return RowImages(patches, grid_thw, counts, refs)

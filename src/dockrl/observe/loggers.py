@@ -208,10 +208,23 @@ class MlflowLogger:
 
 
 def markdown_table(samples: list[dict[str, Any]]) -> str:
-    """Samples as a Markdown table (TensorBoard's text plugin renders it); cells on one line, pipes escaped."""
-    lines = ["| " + " | ".join(SAMPLE_COLUMNS) + " |", "|" + "---|" * len(SAMPLE_COLUMNS)]
-    lines += ["| " + " | ".join(_cell(s.get(c, "")) for c in SAMPLE_COLUMNS) + " |" for s in samples]
+    """Samples as a Markdown table (TensorBoard's text plugin renders it); cells on one line, pipes escaped.
+    Samples of a vision-language run get an images column: each image's path (or reference) and size."""
+    columns = SAMPLE_COLUMNS + (["images"] if any(s.get("images") for s in samples) else [])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(_value(s, c)) for c in columns) + " |" for s in samples]
     return "\n".join(lines)
+
+
+def image_text(image: dict[str, Any]) -> str:
+    """One image of a sample (data/datasets.py RowImages.refs) as text: "path (WxH)"."""
+    return f"{image.get('ref', '?')} ({image.get('width', '?')}x{image.get('height', '?')})"
+
+
+def _value(sample: dict[str, Any], column: str) -> Any:
+    if column == "images":
+        return "; ".join(image_text(image) for image in sample.get("images") or [])
+    return sample.get(column, "")
 
 
 def _cell(value: Any) -> str:

@@ -11,6 +11,7 @@ matplotlib draws headless (the Agg backend): no display is needed.
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dockrl.observe import metric_names as names
+from dockrl.observe.loggers import image_text
 
 # (file, title, [(metric, label)], y-axis label); a figure is drawn when any run has any of its metrics.
 LINE_PLOTS = [
@@ -252,11 +254,20 @@ def _html(runs: list[Run], plots: list[str]) -> str:
         shown = run.samples[-SAMPLES_SHOWN:]
         if not shown:
             continue
+        with_images = any(
+            s.get("images") for s in shown
+        )  # a vision-language run: the image beside the answer
         parts.append(f"<h2>Samples of {esc(run.name)} (the last {len(shown)})</h2><table>")
-        parts.append("<tr><th>step</th><th>prompt</th><th>response</th><th>label</th><th>reward</th></tr>")
+        parts.append(
+            "<tr><th>step</th>"
+            + ("<th>image</th>" if with_images else "")
+            + "<th>prompt</th><th>response</th><th>label</th><th>reward</th></tr>"
+        )
         for s in shown:
             parts.append(
-                f"<tr><td>{s.get('step')}</td><td><pre>{esc(str(s.get('prompt', '')))}</pre></td>"
+                f"<tr><td>{s.get('step')}</td>"
+                + (f"<td>{_images_cell(s.get('images') or [])}</td>" if with_images else "")
+                + f"<td><pre>{esc(str(s.get('prompt', '')))}</pre></td>"
                 f"<td>{_response_cell(s)}</td><td>{esc(str(s.get('label', '')))}</td>"
                 f"<td>{_fmt(s.get('reward'))}{_components(s)}</td></tr>"
             )
@@ -276,6 +287,33 @@ def _response_cell(sample: dict[str, Any]) -> str:
         f"<pre>{esc(str(t.get('text', '')))}</pre></div>"
         for t in turns
     )
+
+
+def _images_cell(images: list[dict[str, Any]]) -> str:
+    """A sample's images embedded as data URIs (the page stays one file), each with its reference and size;
+    an image whose file is gone, or given inline (base64:, bytes: refs: samples.jsonl never holds pixels),
+    shows its reference alone."""
+    cells = []
+    for image in images:
+        ref = str(image.get("ref", ""))
+        uri = _data_uri(Path(ref)) if Path(ref).is_absolute() else None
+        picture = (
+            f"<img src='{uri}' alt='{html.escape(ref)}' style='width:112px;image-rendering:pixelated'><br>"
+            if uri
+            else ""
+        )
+        cells.append(f"<div>{picture}<small>{html.escape(image_text(image))}</small></div>")
+    return "".join(cells)
+
+
+def _data_uri(path: Path) -> str | None:
+    """The file as a data: URI (its type from its first bytes), or None when it is not a readable image."""
+    if not path.is_file():
+        return None
+    data = path.read_bytes()
+    kinds = {b"\x89PNG": "png", b"\xff\xd8\xff": "jpeg", b"GIF8": "gif", b"RIFF": "webp", b"BM": "bmp"}
+    kind = next((k for magic, k in kinds.items() if data.startswith(magic)), None)
+    return None if kind is None else f"data:image/{kind};base64,{base64.b64encode(data).decode()}"
 
 
 def _components(sample: dict[str, Any]) -> str:

@@ -12,7 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dockrl.data.datasets import PromptRecord, load_prompts, render_prompt
+from dockrl.data.datasets import (
+    DatasetError,
+    PromptRecord,
+    RowImages,
+    load_prompts,
+    read_row_images,
+    render_prompt,
+)
+from dockrl.data.images import IMAGE_PAD, ImageError, expand_image_tokens
 from dockrl.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -89,19 +97,37 @@ class EncodedPrompt:
     index: int
     env_row: dict[str, Any] | None = None  # multi-turn: what the rollout resets its environment with
     where: str = ""  # in its file: "line 7" (data/datasets.py PromptRecord.where)
+    # A vision-language model's rows (every row of its run, zero images for a text row; None: a text model's):
+    image_patches: Any = (
+        None  # torch uint8 [n_patches, 3*t*p*p], before rescale/normalize (dock image_patches)
+    )
+    image_grid_thw: Any = None  # torch int64 [n_images, 3] (dock image_grid_thw)
+    images: list[dict[str, Any]] | None = (
+        None  # each image's {ref, width, height} for samples.jsonl (image_refs)
+    )
 
 
 def add_prompts(client: Any, prompts: list[EncodedPrompt], group_size: int) -> list[int]:
-    """Add one group of `group_size` rows per prompt to the dock (client: a DockAPI): prompt_ids, label, and
-    for multi-turn runs env_row; returns the row ids."""
+    """Add one group of `group_size` rows per prompt to the dock (client: a DockAPI): prompt_ids, label, for
+    multi-turn runs env_row, and for a vision-language model's runs image_patches, image_grid_thw and
+    image_refs; returns the row ids."""
     import torch
 
-    from dockrl.dock.columns import ENV_ROW
+    from dockrl.dock.columns import ENV_ROW, IMAGE_GRID_THW, IMAGE_PATCHES, IMAGE_REFS
 
     ids, labels = [torch.tensor(p.ids) for p in prompts], [p.label for p in prompts]
-    if not prompts or prompts[0].env_row is None:
-        return client.add_groups(ids, labels, group_size)
-    return client.add_groups(ids, labels, group_size, extra={ENV_ROW: [p.env_row for p in prompts]})
+    extra: dict[str, list] = {}
+    if prompts and prompts[0].env_row is not None:
+        extra[ENV_ROW] = [p.env_row for p in prompts]
+    if prompts and prompts[0].image_patches is not None:
+        extra[IMAGE_PATCHES] = [p.image_patches for p in prompts]
+        extra[IMAGE_GRID_THW] = [p.image_grid_thw for p in prompts]
+        extra[IMAGE_REFS] = [list(p.images or []) for p in prompts]
+    return (
+        client.add_groups(ids, labels, group_size, extra=extra)
+        if extra
+        else client.add_groups(ids, labels, group_size)
+    )
 
 
 def encode_prompts(
@@ -116,15 +142,23 @@ def encode_prompts(
     limit: int | None = None,
     make_env: Callable[[], Any] | None = None,
     agent: bool = False,
+    processor: Any = None,
+    model_path: str = "",
 ) -> tuple[list[EncodedPrompt], int]:
     """Load, render and tokenize a prompt file; returns the prompts and the number skipped as too long.
     With `make_env` (multi-turn) the first turn is the environment's reset of the row, rendered with its
     tools (what the rollout's environment starts from too). With `agent` (an agent function's run) the prompt
     renders as a single-turn one and every prompt carries its row for the agent (whose first request the
-    rollout puts as the row's prompt)."""
+    rollout puts as the row's prompt).
+
+    `processor`: a vision-language model's image processor settings (data/images.vision_processor of
+    `model_path`; None for a text model). Each row's images are read and processed here, once, and its prompt
+    holds each image's expanded <|image_pad|> tokens; a text model given rows with images, or a multi-turn or
+    agent run given them, is a DatasetError naming the row and the fix."""
     records: list[PromptRecord] = load_prompts(
         path, prompt_field=prompt_field, label_field=label_field, limit=limit
     )
+    check_images_supported(path, records, processor, model_path, make_env is not None or agent)
     out, skipped = [], 0
     for rec in records:
         env_row = {"prompt": rec.prompt, "label": rec.label} if agent else None
@@ -135,11 +169,15 @@ def encode_prompts(
         else:
             env_row = {"prompt": rec.prompt, "label": rec.label}
             text = _render_env_prompt(make_env(), env_row, tokenizer, system_prompt)
-        ids = tokenizer.encode(text)
+        text, ids, images = encode_with_images(rec, text, tokenizer, processor)
         if len(ids) > max_prompt_len:
             skipped += 1
             continue
-        out.append(EncodedPrompt(ids, text, rec.label, rec.index, env_row=env_row, where=rec.where))
+        prompt = EncodedPrompt(ids, text, rec.label, rec.index, env_row=env_row, where=rec.where)
+        if images is not None:
+            prompt.image_patches, prompt.image_grid_thw = image_tensors(images)
+            prompt.images = images.refs
+        out.append(prompt)
     if not out:
         raise ValueError(
             f"{path}: every prompt is longer than data.max_prompt_len={max_prompt_len}; raise it"
@@ -149,6 +187,63 @@ def encode_prompts(
             "%s: skipped %d prompts longer than data.max_prompt_len=%d", path, skipped, max_prompt_len
         )
     return out, skipped
+
+
+def check_images_supported(
+    path: str, records: list[PromptRecord], processor: Any, model_path: str, multi_turn: bool
+) -> None:
+    """Rows with images need a vision-language model (`processor` not None) and a single-turn run: else a
+    DatasetError naming the file, the first such row and the fix."""
+    first = next((r for r in records if r.images), None)
+    if first is None:
+        return
+    many = sum(1 for r in records if r.images)
+    if processor is None:
+        raise DatasetError(
+            f"{path}: {many} rows have images (first at {first.where}) but model.path={model_path or '?'} is a "
+            "text model (its config.json has no vision_config); set model.path to a vision-language model "
+            "(a Qwen2.5-VL checkpoint, or one from `dockrl make-tiny --family qwen2_5_vl`) or drop the images"
+        )
+    if multi_turn:
+        raise DatasetError(
+            f"{path}: {many} rows have images (first at {first.where}); multi-turn and agent runs (env.name) "
+            "and tool conversations take text prompts only: use single-turn rows or drop the images"
+        )
+
+
+def encode_with_images(
+    rec: PromptRecord, text: str, tokenizer: Tokenizer, processor: Any
+) -> tuple[str, list[int], RowImages | None]:
+    """Tokenize a record's rendered prompt `text`: (text, ids, None) for a text model (`processor` None); for a
+    vision-language model its images are read and processed once, each image's <|image_pad|> repeated to its
+    token count, and the ids checked to hold one <|image_pad|> token per merged patch (a tokenizer without the
+    vision tokens splits them into pieces). Raises DatasetError naming the file and the row."""
+    if processor is None:
+        return text, tokenizer.encode(text), None
+    images = read_row_images(rec, processor)
+    try:
+        text = expand_image_tokens(text, images.token_counts)
+    except ImageError as exc:
+        raise DatasetError(f"{rec.source}: {rec.where}: {exc}") from exc
+    ids = tokenizer.encode(text)
+    pad = tokenizer.encode(IMAGE_PAD)
+    wanted = sum(images.token_counts)
+    found = sum(1 for i in ids if len(pad) == 1 and i == pad[0])
+    if found != wanted:
+        raise DatasetError(
+            f"{rec.source}: {rec.where}: the prompt holds {found} {IMAGE_PAD} tokens for its images' {wanted}: "
+            f"the tokenizer encodes {IMAGE_PAD} as {pad}, not one special token; use the vision-language "
+            "model's own tokenizer"
+        )
+    return text, ids, images
+
+
+def image_tensors(images: RowImages) -> tuple[Any, Any]:
+    """A row's (patches uint8 [N, 3*t*p*p], grid_thw int64 [n_images, 3]) as torch tensors, as the dock and
+    the train engine hold them."""
+    import torch
+
+    return torch.from_numpy(images.patches), torch.from_numpy(images.grid_thw)
 
 
 def check_prompt_room(

@@ -314,6 +314,7 @@ def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None
     make_env = None
     env = env_spec(cfg.env, d.system_prompt, cfg.rollout.max_new_tokens)
     # multi-turn: the first turn is the environment's, rendered with its tools (an agent's rollout puts its own)
+    from dockrl.data.images import vision_processor
     from dockrl.envs.loader import is_agent
     from dockrl.models.config import read_config
 
@@ -334,6 +335,8 @@ def _encode(cfg: TrainConfig, path: str, tokenizer: Tokenizer, limit: int | None
         limit=limit,
         make_env=make_env,
         agent=agent,
+        processor=vision_processor(cfg.model.path),
+        model_path=cfg.model.path,
     )
     check_prompt_room(
         path,

@@ -31,6 +31,9 @@ from dockrl.algos.distill import DistillSums
 from dockrl.dock.choice import DockChoice
 from dockrl.dock.columns import (
     ENV_ROW,
+    IMAGE_GRID_THW,
+    IMAGE_PATCHES,
+    IMAGE_REFS,
     LABEL,
     PARTIAL_IDS,
     PARTIAL_LOGPROBS,
@@ -45,6 +48,7 @@ from dockrl.recipes.common import EncodedPrompt, add_prompts
 from dockrl.workers.results import GenerateResult, ScoreResult, TeacherResult
 
 INFLIGHT = "inflight.pt"
+IMAGE_COLUMNS = (IMAGE_PATCHES, IMAGE_GRID_THW, IMAGE_REFS)  # put by add_prompts from the saved prompts
 DUMP_CONSUMER = Stage.CHECKPOINT  # the stage of load_inflight's puts (a save peeks: it consumes nothing)
 FORMAT = 1
 
@@ -113,12 +117,10 @@ def save_inflight(
                 "dock": generation.dock,
                 "weight_sync_s": generation.weight_sync_s,
                 "rollout_s": rollout_s,
-                "prompts": [
-                    {"ids": p.ids, "text": p.text, "label": p.label, "index": p.index, "env_row": p.env_row}
-                    for p in generation.batch
-                ],
+                "prompts": [_prompt_record(p) for p in generation.batch],
                 "rows": rows,
-                "columns": columns,
+                # the driver's image columns go back from the prompts (add_prompts), stored once per prompt
+                "columns": {c: v for c, v in columns.items() if c not in IMAGE_COLUMNS},
                 "generate": [dataclasses.asdict(g) for g in gen],
                 "score": [dataclasses.asdict(s) for s in scored],
                 "teacher": [dataclasses.asdict(t) for t in generation.teacher],
@@ -127,6 +129,22 @@ def save_inflight(
     kept = _read_carried(client) if carried else None
     torch.save({"format": FORMAT, "generations": records, "carried": kept}, root / INFLIGHT)
     return sum(len(r["rows"]) for r in records) + (len(kept["ages"]) if kept else 0)
+
+
+def _prompt_record(prompt: EncodedPrompt) -> dict[str, Any]:
+    """A prompt as inflight.pt holds it (tensors and plain values: torch.load(weights_only=True) reads it)."""
+    record = {
+        "ids": prompt.ids,
+        "text": prompt.text,
+        "label": prompt.label,
+        "index": prompt.index,
+        "env_row": prompt.env_row,
+    }
+    if prompt.image_patches is not None:  # a vision-language model's row: its images, as the dock holds them
+        record.update(
+            image_patches=prompt.image_patches, image_grid_thw=prompt.image_grid_thw, images=prompt.images
+        )
+    return record
 
 
 _FINISHED = [PROMPT_IDS, LABEL, RESPONSE_IDS, ROLLOUT_LOGPROBS, POLICY_VERSION]
@@ -139,9 +157,10 @@ def _read_carried(client: DockChoice) -> dict[str, Any] | None:
     if not ages:
         return None
     ready = client.stats()["ready"]
+    images = [c for c in IMAGE_COLUMNS if ready.get(c, 0)]  # a vision-language model's rows
     parts: dict[str, dict[str, Any]] = {}
     for part, columns, marker in (("finished", _FINISHED, RESPONSE_IDS), ("cut", _CUT, PARTIAL_IDS)):
-        rows, values = client.peek(columns) if ready.get(marker, 0) else ([], {})
+        rows, values = client.peek(columns + images) if ready.get(marker, 0) else ([], {})
         parts[part] = {"rows": rows, "columns": values if rows else {}}
     # A row continued and finished still holds its old partial columns: cut rows are those without a response.
     finished = set(parts["finished"]["rows"])
@@ -169,9 +188,12 @@ def _restore_carried(kept: dict[str, Any], client: DockChoice, group_size: int) 
         groups = [g for g, a in enumerate(group_age) if a == age]
         if groups:
             first = [cells[g * n] for g in groups]
-            rows = client.add_groups(
-                [torch.as_tensor(c[PROMPT_IDS]) for c in first], [c[LABEL] for c in first], n
-            )
+            extra = {c: [cell[c] for cell in first] for c in IMAGE_COLUMNS if c in first[0]}
+            prompts, labels = [torch.as_tensor(c[PROMPT_IDS]) for c in first], [c[LABEL] for c in first]
+            if extra:
+                rows = client.add_groups(prompts, labels, n, extra=extra)
+            else:
+                rows = client.add_groups(prompts, labels, n)
             for part_columns in (_FINISHED, _CUT):
                 old = [g * n + i for g in groups for i in range(n) if part_columns[2] in cells[g * n + i]]
                 new = [rows[groups.index(r // n) * n + r % n] for r in old]
@@ -205,7 +227,7 @@ def load_inflight(root: Path, client: DockChoice, group_size: int) -> dict[int, 
                 f"from the {len(record['rows'])} saved (is the dock empty on resume?)"
             )
         # prompt_ids too: an agent run's rollout replaced each row's prompt with its agent's first request
-        rest = {c: v for c, v in record["columns"].items() if c not in (LABEL, ENV_ROW)}
+        rest = {c: v for c, v in record["columns"].items() if c not in (LABEL, ENV_ROW, *IMAGE_COLUMNS)}
         if rows and rest:
             client.put(DUMP_CONSUMER, rows, rest)
         results = (

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,6 +19,7 @@ from dockrl.algos.logprobs import token_logprobs
 from dockrl.config.loader import to_dict
 from dockrl.config.schema import ActorConfig, SFTConfig
 from dockrl.data.datasets import load_prompts, render_prompt
+from dockrl.data.images import vision_processor
 from dockrl.engines.rollout.multi_turn import ChatDelta
 from dockrl.engines.train.batch import MicroBatch, make_micro_batch, micro_batch_rows
 from dockrl.engines.train.train_engine import TrainEngine
@@ -26,43 +27,63 @@ from dockrl.envs.tools import tool_schemas
 from dockrl.models.hf import save_model
 from dockrl.models.tokenizer import Tokenizer
 from dockrl.observe.run_dir import RunDir
+from dockrl.recipes.common import check_images_supported, encode_with_images, image_tensors
 
 log = logging.getLogger(__name__)
 
 
-Example = tuple[list[int], list[int], list[float] | None]  # prompt ids, response ids, loss mask (None: all)
+class Example(NamedTuple):
+    """One SFT example: prompt ids, answer ids (+ eos), the answer's loss mask (None: every token trains), and a
+    vision-language model's images, (patches uint8 [N, 3*t*p*p], grid_thw int64 [n_images, 3]), else None."""
+
+    prompt: list[int]
+    answer: list[int]
+    mask: list[float] | None
+    images: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def build_examples(
     cfg: SFTConfig, tokenizer: Tokenizer, path: str, *, limit: int | None = None
 ) -> tuple[list[Example], dict[str, int]]:
-    """(prompt ids, answer ids + eos, mask) per row of `path` (at most `limit` rows); rows whose prompt is
-    longer than data.max_prompt_len or whose prompt + answer is longer than run.max_len are skipped and
-    counted. A row whose prompt is a conversation with assistant turns (tool use) is a multi-turn example:
-    every assistant turn is trained on, tool and user turns are not (`conversation_example`)."""
+    """An Example per row of `path` (at most `limit` rows); rows whose prompt is longer than
+    data.max_prompt_len or whose prompt + answer is longer than run.max_len are skipped and counted. A row
+    whose prompt is a conversation with assistant turns (tool use) is a multi-turn example: every assistant turn
+    is trained on, tool and user turns are not (`conversation_example`). For a vision-language model
+    (model.path) each single-turn row's images are read and processed as in the RL data pass
+    (recipes/common.py encode_with_images); rows with images and a text model are a DatasetError."""
     d = cfg.data
     records = load_prompts(path, prompt_field=d.prompt_field, label_field=d.label_field, limit=limit)
+    conversation = [
+        isinstance(rec.prompt, list) and any(m.get("role") == "assistant" for m in rec.prompt)
+        for rec in records
+    ]
+    processor = vision_processor(cfg.model.path)  # a vision-language model's rows carry their images
+    check_images_supported(path, records, processor, cfg.model.path, multi_turn=False)
+    check_images_supported(
+        path, [r for r, c in zip(records, conversation) if c], processor, cfg.model.path, multi_turn=True
+    )
     eos = tokenizer.eos_token_id
     tools = tool_schemas(d.tools) if d.tools else None
     examples: list[Example] = []
     skipped = {"prompt_len": 0, "max_len": 0}
-    for rec in records:
+    for rec, is_conversation in zip(records, conversation):
         mask: list[float] | None = None
-        if isinstance(rec.prompt, list) and any(m.get("role") == "assistant" for m in rec.prompt):
-            prompt, answer, mask = conversation_example(tokenizer, rec.prompt, tools, d.system_prompt)
+        images = None
+        if is_conversation:
+            prompt, answer, mask = conversation_example(tokenizer, rec.prompt, tools, d.system_prompt)  # type: ignore[arg-type]
         else:
-            prompt = tokenizer.encode(
-                render_prompt(
-                    rec, tokenizer, system_prompt=d.system_prompt, use_chat_template=d.use_chat_template
-                )
+            text = render_prompt(
+                rec, tokenizer, system_prompt=d.system_prompt, use_chat_template=d.use_chat_template
             )
+            _, prompt, row_images = encode_with_images(rec, text, tokenizer, processor)
+            images = None if row_images is None else image_tensors(row_images)
             answer = tokenizer.encode(str(rec.label)) + ([eos] if eos is not None else [])
         if len(prompt) > d.max_prompt_len:
             skipped["prompt_len"] += 1
         elif len(prompt) + len(answer) > cfg.run.max_len:
             skipped["max_len"] += 1
         else:
-            examples.append((prompt, answer, mask))
+            examples.append(Example(prompt, answer, mask, images))
     if not examples:
         raise ValueError(
             f"{path}: no example fits data.max_prompt_len={d.max_prompt_len} and run.max_len={cfg.run.max_len}"
@@ -179,7 +200,13 @@ def sft(cfg: SFTConfig) -> dict[str, Any]:
 
 def _micro_batches(engine: TrainEngine, batch, pad: int, actor: ActorConfig) -> list[MicroBatch]:
     """Micro-batches by actor.max_tokens_per_micro_batch (or actor.micro_batch_size rows with a budget of 0)."""
-    lengths = [len(prompt) + len(answer) for prompt, answer, _ in batch]
+    lengths = [len(example.prompt) + len(example.answer) for example in batch]
+    if any(example.images is not None and len(example.images[1]) for example in batch):
+        # The train engine's image inputs (a vision-language model's forward) come with its engine change
+        # (issue 48); training these rows on their text alone would be silently wrong.
+        raise NotImplementedError(
+            "SFT micro-batches do not carry images yet (issue 48: the train engine's side)"
+        )
     return [
         make_micro_batch(
             [torch.tensor(batch[i][0]) for i in idx],
@@ -207,7 +234,7 @@ def _answer_nll_and_hits(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Te
 
 
 def _train_batch(engine: TrainEngine, batch, pad: int, actor: ActorConfig) -> dict[str, float]:
-    num_tokens = float(sum(_trained(a, m) for _, a, m in batch))
+    num_tokens = float(sum(_trained(e.answer, e.mask) for e in batch))
 
     def loss_fn(logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         nll, hits = _answer_nll_and_hits(logits, mb)
@@ -222,7 +249,7 @@ def _train_batch(engine: TrainEngine, batch, pad: int, actor: ActorConfig) -> di
 def _evaluate(engine: TrainEngine, examples, pad: int, actor: ActorConfig) -> dict[str, float]:
     """Mean answer-token NLL and token accuracy (teacher forcing) over the held-out examples."""
     engine.model.eval()
-    num_tokens = float(sum(_trained(a, m) for _, a, m in examples))
+    num_tokens = float(sum(_trained(e.answer, e.mask) for e in examples))
     nll = hits = 0.0
     for mb in _micro_batches(engine, examples, pad, actor):
         mb_nll, mb_hits = _answer_nll_and_hits(engine.logits(mb).float(), mb)

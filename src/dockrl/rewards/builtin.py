@@ -23,6 +23,7 @@ _NUMBER = r"[-+]?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)"
 _NUMBER_IN_TEXT = re.compile(r"(?<![\d.])" + _NUMBER)
 _NUMBER_EXACT = re.compile(_NUMBER)
 _BOXED = "\\boxed{"
+_WORD = re.compile(r"[^\W_]+")  # letters and digits: the final word of "The shape is red."
 
 
 def last_boxed(text: str) -> str | None:
@@ -42,13 +43,14 @@ def last_boxed(text: str) -> str | None:
     return None  # unbalanced: the response was cut off inside the box
 
 
-def extract_answer(response: str) -> str | None:
-    """The answer a response gives: the last ``\\boxed{}`` content, else the last number, else None."""
+def extract_answer(response: str, *, word: bool = False) -> str | None:
+    """The answer a response gives: the last ``\\boxed{}`` content, else the last number (with `word`: the
+    last word of letters and digits), else None."""
     boxed = last_boxed(response)
     if boxed is not None:
         return boxed.strip().strip("$").strip()
-    numbers = _NUMBER_IN_TEXT.findall(response)
-    return numbers[-1] if numbers else None
+    found = (_WORD if word else _NUMBER_IN_TEXT).findall(response)
+    return found[-1] if found else None
 
 
 def _as_number(text: str) -> Decimal | None:
@@ -65,11 +67,12 @@ def exact_answer(prompt: str, response: str, label: Any) -> RewardResult:
     """1.0 when the response's answer equals ``label``, else 0.0 (for the synthetic tasks).
 
     The answer is the last ``\\boxed{...}`` content if there is one, otherwise the last number in the
-    response. It is compared with ``str(label)`` numerically when both parse as decimal numbers
-    ("4.50" == "4.5", "1,000" == "1000"), otherwise as strings after stripping whitespace.
+    response, or for a label that is not a number ("red", "left") its last word. It is compared with
+    ``str(label)`` numerically when both parse as decimal numbers ("4.50" == "4.5", "1,000" == "1000"),
+    otherwise as strings after stripping whitespace.
     """
-    answer = extract_answer(response)
     expected = str(label).strip()
+    answer = extract_answer(response, word=_as_number(expected) is None)
     correct = False
     if answer is not None:
         answer_num, expected_num = _as_number(answer), _as_number(expected)

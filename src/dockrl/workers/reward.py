@@ -20,8 +20,9 @@ from typing import Any
 from dockrl.algos.registry import AdvantageSettings
 from dockrl.config.schema import RewardConfig
 from dockrl.config.specs import RewardStageSpec
+from dockrl.data.images import is_vision_model
 from dockrl.dock.choice import DockChoice
-from dockrl.dock.columns import LABEL, LOSS_MASK, POLICY_VERSION, PROMPT_IDS, RESPONSE_IDS
+from dockrl.dock.columns import IMAGE_REFS, LABEL, LOSS_MASK, POLICY_VERSION, PROMPT_IDS, RESPONSE_IDS
 from dockrl.dock.stages import Stage
 from dockrl.engines.rollout.multi_turn import final_turn, turn_runs
 from dockrl.models.tokenizer import Tokenizer
@@ -94,6 +95,8 @@ class RewardWorker(Worker):
         self.log_samples = spec.log_samples
         self.env_weight = spec.env_weight
         self.tokenizer = Tokenizer.from_dir(spec.tokenizer_path)
+        # A vision-language model's rows carry image_refs (the driver's data pass, recipes/common.add_prompts)
+        self.images = is_vision_model(spec.tokenizer_path)
         functions = reward_specs(reward)
         self.runner = (
             RewardRunner(
@@ -114,6 +117,7 @@ class RewardWorker(Worker):
             LABEL,
             POLICY_VERSION,
             *([LOSS_MASK] if spec.env_weight is not None else []),
+            *([IMAGE_REFS] if self.images else []),
         ]
         self.columns = list(dict.fromkeys(own + [c for term in self.terms for c in term.columns]))
 
@@ -170,6 +174,8 @@ class RewardWorker(Worker):
                 "label": _jsonable(group.batch[LABEL][i]),
                 "reward": group.scores[i],
             }
+            if self.images:  # which images the row had, as references (never pixels)
+                sample["images"] = list(group.batch[IMAGE_REFS][i])
             if self.env_weight is not None:  # multi-turn: the whole trajectory, turn by turn
                 sample.update(self._trajectory(group, i))
             result.samples.append(sample)
