@@ -541,3 +541,41 @@ def test_sft_examples_of_the_noisy_teacher_carry_their_images(tmp_path, tokenize
         DatasetError, match=r"12 rows have images \(first at line 1\) but model.path=.* is a text model"
     ):
         build_examples(cfg, tokenizer, str(paths["sft"]))
+
+
+def test_sft_micro_batches_feed_each_row_its_own_images(tmp_path):
+    """dockrl sft trains a vision model on its rows' images: the answer loss of a micro-batch is the model's
+    forward on those images (equal to a micro-batch built by hand from the same rows), and swapping the rows'
+    images changes it by far more than fp32 rounding (so the images reach the model)."""
+    from dockrl.config import SFTConfig, load_config
+    from dockrl.engines.train.train_engine import TrainEngine
+    from dockrl.models.tiny import make_tiny
+    from dockrl.recipes.sft import _answer_nll_and_hits, _micro_batches, build_examples
+
+    paths = write_vision_task(
+        tmp_path / "task", num_train=4, num_test=0, teacher_error=0.0, teacher_samples=1
+    )
+    model = make_tiny(tmp_path / "vl", family="qwen2_5_vl", seed=0)
+    cfg = load_config(
+        SFTConfig, None, [f"model.path={model}", f"data.train_path={paths['sft']}", "data.label_field=answer"]
+    )
+    tokenizer = Tokenizer.from_dir(model)
+    examples, _ = build_examples(cfg, tokenizer, str(paths["sft"]))
+    assert all(e.images is not None and len(e.images[1]) == 1 for e in examples)
+    assert not torch.equal(examples[0].images[0], examples[1].images[0])
+    engine = TrainEngine(str(model), device="cpu", precision="fp32", optim=cfg.actor, packing=False)
+    pad = tokenizer.pad_token_id or 0
+
+    def answer_nll(batch) -> float:
+        (mb,) = _micro_batches(engine, batch, pad, cfg.actor)
+        with torch.no_grad():
+            return float(_answer_nll_and_hits(engine.logits(mb), mb)[0])
+
+    swapped = [
+        examples[0]._replace(images=examples[1].images),
+        examples[1]._replace(images=examples[0].images),
+    ]
+    own, other = answer_nll(examples[:2]), answer_nll(swapped)
+    # fp32: each logit is a sum over a few thousand products; a relative 1e-4 is far above its rounding
+    assert abs(own - other) > 1e-4 * abs(own), (own, other)
+    assert answer_nll(examples[:2]) == own  # deterministic

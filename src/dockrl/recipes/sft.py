@@ -155,7 +155,7 @@ def sft(cfg: SFTConfig) -> dict[str, Any]:
         optim=cfg.actor,
         total_optimizer_steps=total_steps,
         packing=cfg.actor.packing,
-        freeze_vision=cfg.actor.vision.freeze,  # a vision model's tower (its SFT rows are text: docs/vision.md)
+        freeze_vision=cfg.actor.vision.freeze,  # a vision model's tower (docs/vision.md)
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rng = random.Random(cfg.run.seed)
@@ -201,12 +201,9 @@ def sft(cfg: SFTConfig) -> dict[str, Any]:
 def _micro_batches(engine: TrainEngine, batch, pad: int, actor: ActorConfig) -> list[MicroBatch]:
     """Micro-batches by actor.max_tokens_per_micro_batch (or actor.micro_batch_size rows with a budget of 0)."""
     lengths = [len(example.prompt) + len(example.answer) for example in batch]
-    if any(example.images is not None and len(example.images[1]) for example in batch):
-        # The train engine's image inputs (a vision-language model's forward) come with its engine change
-        # (issue 48); training these rows on their text alone would be silently wrong.
-        raise NotImplementedError(
-            "SFT micro-batches do not carry images yet (issue 48: the train engine's side)"
-        )
+    if engine.vision is None and any(e.images is not None and len(e.images[1]) for e in batch):
+        raise ValueError("SFT rows carry images but model.path is not a vision-language model")
+    no_images = (torch.zeros((0, 0), dtype=torch.uint8), torch.zeros((0, 3), dtype=torch.long))
     return [
         make_micro_batch(
             [torch.tensor(batch[i][0]) for i in idx],
@@ -218,6 +215,10 @@ def _micro_batches(engine: TrainEngine, batch, pad: int, actor: ActorConfig) -> 
                 for i in idx
             ],
             packed=engine.packing,
+            images=None
+            if engine.vision is None
+            else [no_images if batch[i].images is None else batch[i].images for i in idx],
+            vision=engine.vision,
         )
         for idx in micro_batch_rows(
             lengths, actor.micro_batch_size, actor.max_tokens_per_micro_batch, engine.packing
