@@ -11,6 +11,11 @@ number, so greedy answers that hedge are wrong. GRPO with the exact-answer rewar
 teaches the model to stop after its answer, which held-out accuracy shows.
 
 Configs: `dockrl/configs/demo_sft.yaml` and `demo_grpo.yaml`; paths inside them are set from `out_dir`.
+
+`--task vision` (docs/vision.md, "Demo"): the same story on images. The synthetic vision task's colour and bars
+questions (data/synthetic_vision.py), a tiny Qwen2.5-VL whose vision tower trains, SFT on a teacher that
+hedges 70% of the time ("red or blue"), then GRPO with `exact_answer` (which reads the last word); held-out
+accuracy is of greedy answers to the test images (`demo_vision_sft.yaml`, `demo_vision_grpo.yaml`).
 """
 
 from __future__ import annotations
