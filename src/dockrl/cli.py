@@ -177,6 +177,7 @@ def _cmd_data(args: argparse.Namespace) -> int:
             kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
             teacher_error=args.teacher_error,
             teacher_samples=args.teacher_samples,
+            teacher_hedge=args.teacher_hedge,
         )
         print(json.dumps({k: str(v) for k, v in paths.items()}, indent=2))
         return 0
@@ -434,16 +435,22 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         help="also write sft.jsonl from a noisy teacher that gives a wrong answer this often (e.g. 0.3)",
     )
     p.add_argument("--teacher-samples", type=int, default=2, help="teacher answers per training image")
+    p.add_argument(
+        "--teacher-hedge",
+        action="store_true",
+        help="the teacher's errors are second guesses after the right answer ('red or blue'), not other answers",
+    )
     p.add_argument("--seed", type=int, default=0)
 
     p = add("demo", _cmd_demo, "make-tiny -> SFT warm start -> eval -> GRPO -> eval, prints both accuracies")
     p.add_argument("--out", default="runs/demo")
     p.add_argument(
         "--task",
-        choices=["arithmetic", "tools", "agent"],
+        choices=["arithmetic", "tools", "agent", "vision"],
         default="arithmetic",
-        help="arithmetic (single-turn), tools: three-digit multiplication with a calculator (multi-turn), or "
-        "agent: the same with an agent function calling the calculator over the OpenAI API (docs/agents.md)",
+        help="arithmetic (single-turn), tools: three-digit multiplication with a calculator (multi-turn), "
+        "agent: the same with an agent function calling the calculator over the OpenAI API (docs/agents.md), "
+        "or vision: questions about synthetic images on a tiny Qwen2.5-VL (docs/vision.md)",
     )
     p.add_argument(
         "--seed", type=int, default=0, help="seeds the model's initialisation, the SFT order and the GRPO run"

@@ -427,6 +427,16 @@ def test_the_reward_reads_numbers_and_words_and_the_teacher_is_noisy_as_asked(tm
     assert all(t["answer"] in ANSWERS[t["task"]] for t in taught)
     # 2400 draws at p = 0.25: the count's std is sqrt(2400 * 0.25 * 0.75) = 21.2; 5 std either side
     assert abs(len(wrong) - 600) < 5 * 21.2
+    # The hedging teacher (the vision demo's): its errors are the right answer then another one, which
+    # exact_answer marks wrong; the same draws as the plain teacher's.
+    hedged = noisy_teacher_rows(rows, error=0.25, samples=2, seed=5, hedge=True)
+    right = [r["answer"] for r in rows for _ in range(2)]
+    for h, t, r in zip(hedged, taught, right):
+        if t["answer"] == r:
+            assert h["answer"] == r
+        else:
+            assert h["answer"] == f"{r} or {t['answer']}"
+            assert exact_answer("", h["answer"], r).score == 0.0
 
 
 # ------------------------------------------------------------------------------------------- the report

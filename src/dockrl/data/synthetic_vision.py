@@ -152,9 +152,14 @@ def vision_row(item: VisionItem, image_path: str) -> dict:
     return {"prompt": [{"role": "user", "content": content}], "answer": item.answer, "task": item.kind}
 
 
-def noisy_teacher_rows(rows: list[dict], *, error: float, samples: int, seed: int = 0) -> list[dict]:
+def noisy_teacher_rows(
+    rows: list[dict], *, error: float, samples: int, seed: int = 0, hedge: bool = False
+) -> list[dict]:
     """SFT rows of a noisy teacher: `samples` answers per row, each the right one or, with probability
-    `error`, another answer of the same question (label noise the RL stage then corrects)."""
+    `error`, another answer of the same question (label noise the RL stage then corrects). With `hedge` the
+    teacher's error is a habit instead: the right answer followed by a second guess of the same question
+    ("red or blue"); `exact_answer` reads the last word (or number), so a student that copies the habit is
+    wrong even where it sees the image right (data/synthetic.hedging_teacher_rows does this for arithmetic)."""
     if not 0 <= error <= 1 or samples < 1:
         raise ValueError(f"error={error} must be in [0, 1] and samples={samples} >= 1")
     rng = random.Random(seed)
@@ -163,7 +168,8 @@ def noisy_teacher_rows(rows: list[dict], *, error: float, samples: int, seed: in
         for _ in range(samples):
             answer = row["answer"]
             if rng.random() < error:
-                answer = rng.choice([a for a in ANSWERS[row["task"]] if a != row["answer"]])
+                other = rng.choice([a for a in ANSWERS[row["task"]] if a != row["answer"]])
+                answer = f"{answer} or {other}" if hedge else other
             out.append({**row, "answer": answer})
     return out
 
@@ -178,8 +184,10 @@ def write_vision_task(
     kinds: tuple[str, ...] = VISION_KINDS,
     teacher_error: float | None = None,
     teacher_samples: int = 2,
+    teacher_hedge: bool = False,
 ) -> dict[str, Path]:
-    """Write train.jsonl, test.jsonl and images/{train,test}_NNNNN.png (and sft.jsonl with `teacher_error`);
+    """Write train.jsonl, test.jsonl and images/{train,test}_NNNNN.png (and sft.jsonl with `teacher_error`,
+    its errors second guesses with `teacher_hedge`: noisy_teacher_rows);
     image paths in the rows are relative to out_dir, where the files lie. Returns {"train", "test"[, "sft"]}."""
     if num_train < 0 or num_test < 0:
         raise ValueError(f"num_train={num_train} and num_test={num_test} must be >= 0")
@@ -194,6 +202,8 @@ def write_vision_task(
         splits[split].append(vision_row(item, relative))
     paths = {split: write_jsonl(rows, out_dir / f"{split}.jsonl") for split, rows in splits.items()}
     if teacher_error is not None:
-        sft = noisy_teacher_rows(splits["train"], error=teacher_error, samples=teacher_samples, seed=seed + 1)
+        sft = noisy_teacher_rows(
+            splits["train"], error=teacher_error, samples=teacher_samples, seed=seed + 1, hedge=teacher_hedge
+        )
         paths["sft"] = write_jsonl(sft, out_dir / "sft.jsonl")
     return paths

@@ -11,6 +11,11 @@ number, so greedy answers that hedge are wrong. GRPO with the exact-answer rewar
 teaches the model to stop after its answer, which held-out accuracy shows.
 
 Configs: `dockrl/configs/demo_sft.yaml` and `demo_grpo.yaml`; paths inside them are set from `out_dir`.
+
+`--task vision` (docs/vision.md, "Demo"): the same story on images. The synthetic vision task's colour and bars
+questions (data/synthetic_vision.py), a tiny Qwen2.5-VL whose vision tower trains, SFT on a teacher that
+hedges 70% of the time ("red or blue"), then GRPO with `exact_answer` (which reads the last word); held-out
+accuracy is of greedy answers to the test images (`demo_vision_sft.yaml`, `demo_vision_grpo.yaml`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 
 from dockrl.config import SFTConfig, TrainConfig, load_config
 from dockrl.data.synthetic import write_task
+from dockrl.data.synthetic_vision import write_vision_task
 from dockrl.models.tiny import make_tiny
 from dockrl.observe.run_dir import RunDir
 from dockrl.recipes.eval import evaluate_model_dir
@@ -63,10 +69,23 @@ TOOL_TASK: dict[str, Any] = dict(
 )
 # `--task agent`: the tool task and its SFT stages, with GRPO through an agent function that calls the
 # calculator through the OpenAI tools API (configs/calculator_agent.py; docs/agents.md), held out the same way.
+# `--task vision`: the synthetic vision task (data/synthetic_vision.py: count the dots, name the colour, the
+# taller bar) on a tiny Qwen2.5-VL (its vision tower trained), SFT on a noisy teacher (VISION_TASK's
+# teacher_error of its answers another answer of the same question), then GRPO with the exact answer.
+VISION_TASK: dict[str, Any] = dict(
+    num_train=1000,
+    num_test=90,
+    kinds=("colour", "bars"),
+    teacher_error=0.7,
+    teacher_samples=2,
+    teacher_hedge=True,
+)
+VISION_MODEL: dict[str, Any] = dict(family="qwen2_5_vl", hidden_size=64, num_layers=2, vocab_size=512)
 TASK_CONFIGS = {
     "arithmetic": ("demo_sft.yaml", "demo_grpo.yaml"),
     "tools": ("demo_tools_sft.yaml", "demo_tools_grpo.yaml"),
     "agent": ("demo_tools_sft.yaml", "demo_agent_grpo.yaml"),
+    "vision": ("demo_vision_sft.yaml", "demo_vision_grpo.yaml"),
 }
 TOOLS_PRETRAIN_CONFIG = "demo_tools_pretrain.yaml"
 
@@ -89,13 +108,15 @@ def run_demo(
     """Run the whole demo; returns (and writes to out_dir/summary.json) accuracies and wall time. `seed` seeds
     the tiny model's initialisation, the SFT order and the GRPO run (sampling, data order); the task and its
     held-out split stay the same, so runs with different seeds score the same 40 problems. `task`:
-    arithmetic (single-turn), tools (multi-turn with the calculator; accuracies are of whole trajectories) or
+    arithmetic (single-turn), vision (single-turn, an image each), tools (multi-turn with the calculator; accuracies are of whole trajectories) or
     agent (the same with an agent function calling the calculator over the OpenAI API).
     `family`: qwen2 (dense) or qwen3_moe (MOE_MODEL)."""
     if task not in TASK_CONFIGS:
         raise ValueError(f"--task {task!r}: use one of {sorted(TASK_CONFIGS)}")
     if family not in ("qwen2", "qwen3_moe"):
         raise ValueError(f"--family {family!r}: use qwen2 or qwen3_moe")
+    if task == "vision" and family != "qwen2":
+        raise ValueError(f"--family {family!r} with --task vision: the vision demo's model is a qwen2_5_vl")
     sft_config, grpo_config = TASK_CONFIGS[task]
     start = time.perf_counter()
     out = Path(out_dir)
@@ -106,8 +127,12 @@ def run_demo(
         elif target.exists():
             target.unlink()
     tools = task in ("tools", "agent")
-    data = write_task("arithmetic", out / "data", seed=0, **(TOOL_TASK if tools else TASK))
-    shape = MOE_MODEL if family == "qwen3_moe" else MODEL
+    if task == "vision":
+        data = write_vision_task(out / "data", seed=0, **VISION_TASK)
+        shape = VISION_MODEL
+    else:
+        data = write_task("arithmetic", out / "data", seed=0, **(TOOL_TASK if tools else TASK))
+        shape = MOE_MODEL if family == "qwen3_moe" else MODEL
     model_dir = make_tiny(out / "tiny-model", seed=seed, tools=tools, **shape)
     log.info("demo: data in %s, tiny model in %s", out / "data", model_dir)
 
@@ -158,7 +183,7 @@ def run_demo(
             model,
             str(data["test"]),
             [RewardSpec(name="exact_answer")],
-            max_new_tokens=grpo_cfg.rollout.max_new_tokens if env is not None else 8,
+            max_new_tokens=grpo_cfg.rollout.max_new_tokens,  # what GRPO trains (and its eval scores) at
             max_prompt_len=grpo_cfg.data.max_prompt_len,
             env=env,
         )

@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 
+from dockrl.checkpoint.directory import resolve_lora
 from dockrl.checkpoint.inference import load_for_inference, vision_inputs
+from dockrl.data.images import vision_processor
 from dockrl.dock.columns import ENV_FAILED, ENV_REWARD, LOSS_MASK, RESPONSE_IDS
 from dockrl.engines.rollout.sampler import SamplingParams, generate
 from dockrl.models.tokenizer import Tokenizer
@@ -39,6 +41,14 @@ def score_answers(
             for p, r, c in zip(prompts, responses, correct)
         ],
     }
+
+
+def prompt_images(prompts: list[EncodedPrompt]) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
+    """A vision model's prompts' images as the rollout takes them (uint8 patches, grid; zero images for a
+    text row), None for a text model's prompts."""
+    if not prompts or prompts[0].image_patches is None:
+        return None
+    return [(p.image_patches, p.image_grid_thw) for p in prompts]
 
 
 def _evaluate_trajectories(
@@ -105,6 +115,7 @@ def evaluate_model_dir(
     whose name is set) each answer is a greedy multi-turn trajectory's final turn, and the result carries the
     share of trajectories that called a tool (`tool_call_rate`) and the mean turns."""
     model, tokenizer = load_for_inference(model_path, device=device)
+    resolved_dir = resolve_lora(model_path)[0]
     make_env = settings = None
     if env is not None:
         from dockrl.config.specs import env_spec
@@ -126,6 +137,8 @@ def evaluate_model_dir(
         max_prompt_len=max_prompt_len,
         limit=limit,
         make_env=make_env,
+        processor=vision_processor(resolved_dir),  # a vision-language model's rows carry their images
+        model_path=resolved_dir,
     )
     eos = tokenizer.eos_token_id
     params = SamplingParams(
@@ -141,9 +154,8 @@ def evaluate_model_dir(
         [0] * len(prompts),
         pad_token_id=pad,
         max_batch_size=batch_size,
-        vision=vision_inputs(
-            model_path, model.args
-        ),  # a vision model's prompts are text here (docs/vision.md)
+        vision=vision_inputs(model_path, model.args),
+        images=prompt_images(prompts),
     )
     responses = [tokenizer.decode(o.token_ids.tolist()) for o in outs]
     return score_answers(prompts, responses, specs)

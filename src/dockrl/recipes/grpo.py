@@ -352,15 +352,18 @@ def _evaluate(
     cfg: TrainConfig, actors: ActorGroup, prompts: list[EncodedPrompt], tokenizer: Tokenizer
 ) -> dict:
     """Greedy answers from the current policy (prompts split over the actor ranks), scored in the driver."""
-    from dockrl.recipes.eval import score_answers
+    from dockrl.recipes.eval import prompt_images, score_answers
     from dockrl.workers.reward import reward_specs
 
     # One shard per rollout replica, given to its head rank (tp peers get theirs by broadcast, answer []).
     tp, replicas = cfg.rollout.tp, len(actors) // cfg.rollout.tp
     shards = [prompts[r // tp :: replicas] if r % tp == 0 else [] for r in range(len(actors))]
     env_shards = [[p.env_row or {} for p in s] for s in shards] if cfg.env.name is not None else None
+    # A vision model's prompts carry their images (uint8 patches, grid), as the rollout's dock rows do.
+    vision = bool(prompts) and prompts[0].image_patches is not None
+    image_shards = [prompt_images(s) or [] for s in shards] if vision else None
     outs = actors.evaluate(
-        [[p.ids for p in s] for s in shards], cfg.rollout.max_new_tokens, env_shards
+        [[p.ids for p in s] for s in shards], cfg.rollout.max_new_tokens, env_shards, image_shards
     ).wait()
     ordered_prompts = [p for s in shards for p in s]
     responses = [tokenizer.decode(ids) for o in outs for ids in o]

@@ -542,12 +542,17 @@ class ActorGroup(WorkerGroup):
         shards: list[list[list[int]]],
         max_new_tokens: int,
         env_shards: list[list[dict]] | None = None,
+        image_shards: list[list] | None = None,
     ) -> Pending[list[list[int]]]:
         """Greedy answers, rank r answering the prompts of `shards[r]` (multi-turn: with the environment rows
-        of `env_shards[r]`)."""
-        if env_shards is None:
-            return self.start_ranks(ActorWorker.evaluate, [(shard, max_new_tokens) for shard in shards])
-        args = [(shard, max_new_tokens, rows) for shard, rows in zip(shards, env_shards)]
+        of `env_shards[r]`; a vision model: with each prompt's images, `image_shards[r]`)."""
+        args: list[tuple]
+        if image_shards is not None:
+            args = [(shard, max_new_tokens, None, images) for shard, images in zip(shards, image_shards)]
+        elif env_shards is not None:
+            args = [(shard, max_new_tokens, rows) for shard, rows in zip(shards, env_shards)]
+        else:
+            args = [(shard, max_new_tokens) for shard in shards]
         return self.start_ranks(ActorWorker.evaluate, args)
 
 
