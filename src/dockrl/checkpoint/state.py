@@ -89,11 +89,14 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any], *, layout: bo
     return changes
 
 
-def data_fingerprint(items: list[tuple[list[int], Any]]) -> str:
-    """A fingerprint of the encoded training prompts and labels, in file order."""
+def data_fingerprint(items: list[tuple[list[int], Any]], images: list[bytes] | None = None) -> str:
+    """A fingerprint of the encoded training prompts and labels, in file order; `images` (a vision-language
+    model's run): each row's image patches and grid as bytes, so other pixels under the same text differ too."""
     digest = hashlib.sha256()
     for ids, label in items:
         digest.update(json.dumps([ids, str(label)]).encode())
+    for pixels in images or ():
+        digest.update(hashlib.sha256(pixels).digest())
     return digest.hexdigest()[:16]
 
 

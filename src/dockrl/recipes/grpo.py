@@ -101,7 +101,12 @@ def train(resolved: Resolved) -> dict[str, Any]:
     eval_prompts = (
         _encode(cfg, cfg.data.eval_path, tokenizer, cfg.data.eval_limit)[0] if cfg.data.eval_path else []
     )
-    data = data_fingerprint([(p.ids, p.label) for p in train_prompts])
+    pixels = (
+        None
+        if not train_prompts or train_prompts[0].image_patches is None
+        else [p.image_patches.numpy().tobytes() + p.image_grid_thw.numpy().tobytes() for p in train_prompts]
+    )
+    data = data_fingerprint([(p.ids, p.label) for p in train_prompts], pixels)
     point = plan_resume(cfg, run, data)  # before Ray starts: a changed config is refused here
     origin = point  # where this timeline starts; restarts continue from its newest checkpoint (timeline_head)
     reference = reference_path(cfg, point)  # the run's config stays the user's: the next resume compares it
