@@ -3,6 +3,7 @@
 import torch
 
 from dockrl.dock.columns import check_get, check_put
+from dockrl.models import ModelArgs, Transformer
 
 
 def close(actual, expected, atol=1e-5):
@@ -89,3 +90,23 @@ class FakeDock:
             for row, value in zip(rows, values):
                 assert column not in self.table[row], f"{column} of row {row} written twice"
                 self.table[row][column] = value
+
+
+def tiny_decoder(max_position_embeddings: int) -> Transformer:
+    """The rollout engine tests' decoder: a 2-layer Qwen2-shaped model (vocabulary 96, hidden 32, GQA 4/2 heads),
+    random weights of seed 0 at std 0.1, in eval mode."""
+    args = ModelArgs(
+        family="qwen2",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        attention_bias=True,
+        max_position_embeddings=max_position_embeddings,
+    )
+    model = Transformer(args)
+    model.init_weights(seed=0, std=0.1)
+    return model.eval()

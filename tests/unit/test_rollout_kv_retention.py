@@ -17,7 +17,8 @@ import torch
 from dockrl.engines.rollout import rollout_engine
 from dockrl.engines.rollout.rollout_engine import BLOCK_SIZE, Request, RolloutEngine
 from dockrl.engines.rollout.sampling import SamplingParams
-from dockrl.models import ModelArgs, Transformer
+from dockrl.models import Transformer
+from helpers import tiny_decoder
 
 MAX_SEQ_LEN = 160
 TURNS, OBSERVATION = 3, 5
@@ -44,21 +45,7 @@ def single_torch_thread():
 
 @pytest.fixture(scope="module")
 def model() -> Transformer:
-    args = ModelArgs(
-        family="qwen2",
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        attention_bias=True,
-        max_position_embeddings=MAX_SEQ_LEN,
-    )
-    model = Transformer(args)
-    model.init_weights(seed=0, std=0.1)
-    return model.eval()
+    return tiny_decoder(MAX_SEQ_LEN)
 
 
 def trajectories(engine, num: int, temperature: float, keep: bool, rewrite: int | None = None):
