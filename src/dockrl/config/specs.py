@@ -91,6 +91,7 @@ class RolloutSpec:
     kv_cache: str  # auto | slots | paged
     kv_cache_tokens: int  # 0: max_batch_size x max_seq_len
     keep_kv_across_turns: bool
+    pack_weights: bool
     max_prompt_len: int
     tp: int
     seed: int
@@ -295,6 +296,7 @@ def rollout_spec(cfg: TrainConfig) -> RolloutSpec:
         kv_cache=roll.kv_cache,
         kv_cache_tokens=roll.kv_cache_tokens,
         keep_kv_across_turns=roll.keep_kv_across_turns,
+        pack_weights=roll.pack_weights,
         max_prompt_len=cfg.data.max_prompt_len,
         tp=roll.tp,
         seed=cfg.run.seed,

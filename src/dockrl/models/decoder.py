@@ -39,6 +39,7 @@ from torch import nn
 from dockrl.models.attention import causal_attention, packed_causal_attention, sdpa
 from dockrl.models.config import ModelArgs
 from dockrl.models.moe import MoEBlock
+from dockrl.models.packed_linear import PackedLinear
 from dockrl.models.paged_cache import PagedKVCache, paged_attention, write_blocks
 from dockrl.models.rms_norm import RMSNorm
 
@@ -166,6 +167,9 @@ class Attention(nn.Module):
         self.context_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = (
             None
         )
+        # The rollout engine's packed projections (q|k|v fused, o) while it decodes on a CPU
+        # (models/packed_linear.py); None: the modules above.
+        self.packed: tuple[PackedLinear, PackedLinear] | None = None
 
     def forward(
         self,
@@ -179,10 +183,14 @@ class Attention(nn.Module):
         """x [B, T, H] -> [B, T, H]. mask bool [B, 1, T, S] or None for plain causal without cache; `cache`
         this layer's (keys, values) of `write.cache`; `segments` the cumulative lengths of packed rows (B = 1)."""
         batch, seq = x.shape[:2]
+        if self.packed is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.packed[0].split(x)
         # -1 heads: under tensor parallelism the projections hold only this rank's heads.
-        q = self.q_proj(x).view(batch, seq, -1, self.head_dim)  # [B, T, N, D]
-        k = self.k_proj(x).view(batch, seq, -1, self.head_dim)  # [B, T, K, D]
-        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # [B, K, T, D]
+        q = q.reshape(batch, seq, -1, self.head_dim)  # [B, T, N, D]
+        k = k.reshape(batch, seq, -1, self.head_dim)  # [B, T, K, D]
+        v = v.reshape(batch, seq, -1, self.head_dim).transpose(1, 2)  # [B, K, T, D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), *rope)  # [B, N, T, D]
@@ -197,7 +205,8 @@ class Attention(nn.Module):
             out = causal_attention(q, k, v)
         else:  # padded rows without a cache
             out = sdpa(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        out = out.transpose(1, 2).reshape(batch, seq, -1)
+        return self.o_proj(out) if self.packed is None else self.packed[1](out)
 
 
 class MLP(nn.Module):
@@ -208,10 +217,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        # The rollout engine's packed projections (gate|up fused, down) while it decodes on a CPU; None: the
+        # modules above.
+        self.packed: tuple[PackedLinear, PackedLinear] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, H] -> [B, T, H]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.packed is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.packed[0].split(x)
+        return self.packed[1](F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -336,6 +351,8 @@ class Transformer(nn.Module):
         # An inference model under tensor parallelism all-gathers its vocab slice of the logits (set by
         # dockrl.parallel.tensor_parallel.parallelize(gather_logits=True)); None: logits as computed.
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # The rollout engine's packed LM head while it decodes on a CPU (models/packed_linear.py).
+        self.packed_head: PackedLinear | None = None
 
     def decoder_layers(self) -> list[DecoderLayer]:
         """The decoder layers, in order (typed: `model.layers` is an nn.ModuleList)."""
@@ -376,7 +393,10 @@ class Transformer(nn.Module):
         [..., V/tp]; an inference model's `gather_logits` all-gathers the slices so samplers see the full
         vocabulary.
         """
-        logits = F.linear(hidden, self.output_weight())
+        if self.packed_head is None:
+            logits = F.linear(hidden, self.output_weight())
+        else:
+            logits = self.packed_head(hidden)
         return logits if self.gather_logits is None else self.gather_logits(logits)
 
     def hidden_states(

@@ -84,6 +84,7 @@ def step_engine(
         detokenize=detokenize,
         record_routes=spec.env is None,  # MoE single-turn: each row's experts go to routed_experts
         vision=vision,
+        pack_weights=spec.pack_weights,
     )
 
 

@@ -21,8 +21,11 @@ class DockrlRollout:
         self._engine: Any = None
 
     def sync(self, source: WeightSource) -> dict[str, float]:
-        """The weights go into the model in place: nothing is loaded into the engine, so nothing to report."""
+        """The weights go into the model in place: nothing is loaded into the engine, so nothing to report; an
+        engine that lives on is told (its packed weights and kept KV are of the old ones)."""
         source.in_place()
+        if self._engine is not None:
+            self._engine.weights_changed()
         return {}
 
     def engine(self) -> Any:

@@ -83,6 +83,8 @@ import torch
 from dockrl.engines.rollout.sampling import RowSettings, SamplingParams, sample_rows
 from dockrl.models.decoder import KVCache, Transformer
 from dockrl.models.moe import Routing, routing
+from dockrl.models.packed_linear import PackedWeights
+from dockrl.models.packed_linear import supported as packing_supported
 from dockrl.models.paged_cache import PagedKVCache
 from dockrl.models.vision import Images, VisionInputs
 
@@ -230,7 +232,7 @@ class RolloutEngine:
     Lifecycle: build once per model and cache size; `add` requests at any time; call `step` (or iterate
     `run`) until `has_work()` is False. The cache persists across requests; weights may change between
     steps only when no request is running (e.g. after a rollout phase), and KV kept for later turns must be
-    dropped then (`load_weights` does; a caller swapping the weights itself calls `forget_all`).
+    dropped then (`load_weights` does; a caller swapping the weights itself calls `weights_changed`).
 
     Args:
         model: the rollout model (eval mode; its parameter dtype/device set the cache's).
@@ -257,6 +259,7 @@ class RolloutEngine:
         kv_cache: str = "auto",
         kv_cache_tokens: int = 0,
         vision: VisionInputs | None = None,
+        pack_weights: bool = True,
     ) -> None:
         limit = model.args.max_position_embeddings
         if num_slots < 1:
@@ -279,6 +282,9 @@ class RolloutEngine:
         weight = model.output_weight()
         self.device, self.dtype = weight.device, weight.dtype
         self.cache_dtype = cache_dtype(self.dtype, self.device)
+        # CPU: the projections packed and fused for the model calls (models/packed_linear.py), rebuilt after
+        # each weight update (`weights_changed`).
+        self.packed = PackedWeights(model, num_slots) if pack_weights and packing_supported(model) else None
         self.layout = kv_layout(kv_cache, num_slots, max_seq_len, kv_cache_tokens)
         self.paged = self.layout == "paged"
         self.cache: KVCache | PagedKVCache
@@ -400,6 +406,13 @@ class RolloutEngine:
         for key in list(self.kept):
             self._drop_kept(key)
 
+    def weights_changed(self) -> None:
+        """The model's weights were replaced or rewritten in place: kept KV is dropped and the packed weights
+        are rebuilt at the next model call. Only while nothing runs."""
+        self.forget_all()
+        if self.packed is not None:
+            self.packed.invalidate()
+
     def kv_cache_bytes(self) -> dict[str, int]:
         """The KV cache's bytes: allocated now, held by sequences at the peak so far, and what max-length slots
         (num_slots x max_seq_len positions) take."""
@@ -426,7 +439,7 @@ class RolloutEngine:
         copy)."""
         if self.has_work():
             raise RuntimeError("rollout engine: load_weights while requests run; finish them first")
-        self.forget_all()
+        self.weights_changed()
         params = dict(self.model.named_parameters())
         for name, tensor in weights:
             if name not in params:
@@ -729,6 +742,26 @@ class RolloutEngine:
         last=None takes the final token. Only these rows go through the LM head (the prefill's other
         positions never need logits). A tensor-parallel model plugs in here.
         """
+        if self.packed is None:
+            return self._model_call(
+                input_ids, position_ids, key_mask, cache, cache_offset, last, block_table, images
+            )
+        with self.packed.applied():
+            return self._model_call(
+                input_ids, position_ids, key_mask, cache, cache_offset, last, block_table, images
+            )
+
+    def _model_call(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        key_mask: torch.Tensor | None,
+        cache: KVCache | PagedKVCache,
+        cache_offset: int | torch.Tensor,
+        last: torch.Tensor | None,
+        block_table: torch.Tensor | None,
+        images: Images | None,
+    ) -> torch.Tensor:
         if isinstance(cache_offset, torch.Tensor):  # each row at its own length (continuous batching)
             assert key_mask is not None, "per-row offsets mask the keys of each row"
             hidden = self.model.hidden_states_per_row(
