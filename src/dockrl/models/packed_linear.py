@@ -89,43 +89,53 @@ class PackedWeights:
     def __init__(self, model: nn.Module, rows: int) -> None:
         self.model, self.rows = model, max(1, rows)
         self._packs: list[tuple[nn.Module, str, object]] = []  # (module, attribute, its packed projections)
-        self._built: tuple[int, ...] | None = None  # the sources' storage addresses the packs were built from
+        self._sources: list[tuple[nn.Module, str]] = []  # (module, parameter name) of every packed weight
+        self._built: tuple[int, ...] | None = None  # their storage addresses when the packs were built
 
     def invalidate(self) -> None:
         """The weights changed in place: the packs are rebuilt at the next `applied()`."""
-        self._packs, self._built = [], None
+        self._packs, self._sources, self._built = [], [], None
 
     @contextmanager
     def applied(self) -> Iterator[None]:
         """Inside the block the model's projections run packed (built first, or rebuilt when a weight's storage
         moved); outside it, as they are (the packs are never left on the model: a training forward of the same
         model must not see them)."""
-        if self._built != self._addresses():
+        if self._built is None or self._built != self._addresses():
             self._build()
+        # object.__setattr__: the attribute is a plain one (set in the modules' __init__), and nn.Module's own
+        # __setattr__ costs microseconds per call on every decode step
         for module, name, packed in self._packs:
-            setattr(module, name, packed)
+            object.__setattr__(module, name, packed)
         try:
             yield
         finally:
             for module, name, _ in self._packs:
-                setattr(module, name, None)
+                object.__setattr__(module, name, None)
 
     def _addresses(self) -> tuple[int, ...]:
-        return tuple(p.data_ptr() for p in self.model.parameters())
+        """The storage address of every weight the packs were built from, as the modules hold them now."""
+        return tuple(getattr(module, name).data_ptr() for module, name in self._sources)
 
     @torch.no_grad()
     def _build(self) -> None:
         model, rows = self.model, self.rows
         packs: list[tuple[nn.Module, str, object]] = []
+        sources: list[nn.Module] = []
         for layer in model.decoder_layers():  # type: ignore[operator]
             attn, mlp = layer.self_attn, layer.mlp
             if _plain(attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
                 qkv = PackedLinear([attn.q_proj, attn.k_proj, attn.v_proj], rows)
                 packs.append((attn, "packed", (qkv, PackedLinear([attn.o_proj], rows))))
+                sources += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
             if hasattr(mlp, "gate_proj") and _plain(mlp.gate_proj, mlp.up_proj, mlp.down_proj):
                 gate_up = PackedLinear([mlp.gate_proj, mlp.up_proj], rows)
                 packs.append((mlp, "packed", (gate_up, PackedLinear([mlp.down_proj], rows))))
+                sources += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        self._sources = [(linear, "weight") for linear in sources]
         head = model.output_weight()  # type: ignore[operator]
         if type(head) is nn.Parameter and model.gather_logits is None:
             packs.append((model, "packed_head", PackedLinear.of_weight(head, rows)))
+            owner = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head  # type: ignore
+            self._sources.append((owner, "weight"))
         self._packs, self._built = packs, self._addresses()
