@@ -9,6 +9,11 @@ from dockrl.workers.group import Worker
 class EchoWorker(Worker):
     """A worker whose methods answer, sleep, die, raise or all-reduce on command (rank 1 misbehaves)."""
 
+    def torch_threads(self) -> int:
+        import torch
+
+        return torch.get_num_threads()
+
     def rank_times(self, x: int) -> int:
         return self.rank * x
 

@@ -42,6 +42,33 @@ def test_hung_worker_times_out_with_names(group):
         group.call("sleep", 60)
 
 
+@pytest.mark.parametrize("setting", [1, 2])
+def test_a_rank_runs_run_threads_per_rank_torch_threads(ray_session, tiny_model, arithmetic_data, setting):
+    """run.threads_per_rank=N: the count recipes/cluster.py gives a trainer group reaches its worker process."""
+    from dockrl.config import TrainConfig, load_config
+    from dockrl.recipes.cluster import threads_per_rank
+
+    base = [
+        *tiny_paths(tiny_model, arithmetic_data),
+        "run.steps=1",
+        "run.prompts_per_step=2",
+        "run.device=cpu",
+    ]
+    cfg = load_config(TrainConfig, None, [*base, f"run.threads_per_rank={setting}"])
+    # Auto would give each of 2 ranks cores // 2 threads: on any machine 1 or 2 differs from it.
+    g = WorkerGroup(
+        EchoWorker,
+        2,
+        name=f"threads{time.monotonic_ns()}",
+        timeout_s=30.0,
+        init_kwargs={"num_threads": threads_per_rank(cfg, 2)},
+    )
+    try:
+        assert g.call("torch_threads") == [setting, setting]
+    finally:
+        g.shutdown()
+
+
 def test_ranks_take_a_share_of_the_named_node_resource(ray_session):
     """placement.*: each rank asks for PLACEMENT_SHARE of its node resource, so it runs only on a node offering
     it, and any number of ranks fit there."""

@@ -75,11 +75,45 @@ def test_missing_required_names_the_key():
         ("actor.tp=3", "actor.tp=3"),
         ("rollout.kv_cache_tokens=-1", "rollout.kv_cache_tokens=-1: must be >= 0"),
         ("rollout.kv_cache_tokens=100", "rollout.kv_cache_tokens=100: cannot hold one sequence"),
+        ("run.threads_per_rank=-1", r"run.threads_per_rank=-1: must be >= 0.*use 0 \(auto"),
     ],
 )
 def test_validation_errors(tiny_model, arithmetic_data, override, expected):
     with pytest.raises(ConfigError, match=expected):  # closed choices fail at load, the rest in validation
         preflight_train(load_config(TrainConfig, None, _base(tiny_model, arithmetic_data) + [override]))
+
+
+def test_threads_per_rank_set_or_auto(tiny_model, arithmetic_data):
+    """run.threads_per_rank=N gives each trainer rank N threads (on cuda too); 0 splits the cores over the ranks
+    on cpu and leaves torch's default on cuda."""
+    import os
+
+    from dockrl.recipes.cluster import threads_per_rank
+
+    def cfg(*overrides: str) -> TrainConfig:
+        return load_config(TrainConfig, None, [*_base(tiny_model, arithmetic_data), *overrides])
+
+    cores = os.cpu_count() or 1
+    above = cores + 1  # never the auto value, which is at most the cores
+    assert threads_per_rank(cfg("run.device=cpu"), 1) == cores
+    assert threads_per_rank(cfg("run.device=cpu"), 2) == max(1, cores // 2)
+    assert threads_per_rank(cfg("run.device=cuda"), 2) is None
+    assert threads_per_rank(cfg("run.device=cpu", f"run.threads_per_rank={above}"), 1) == above
+    assert threads_per_rank(cfg("run.device=cuda", "run.threads_per_rank=3"), 2) == 3
+
+
+def test_threads_per_rank_oversubscribing_the_cores_warns(tiny_model, arithmetic_data):
+    import os
+    import warnings
+
+    cores = os.cpu_count() or 1
+    base = [*_base(tiny_model, arithmetic_data), "run.device=cpu", "actor.dp=2"]
+    with pytest.warns(UserWarning, match=rf"run.threads_per_rank={cores} x 2 trainer ranks .* oversubscribe"):
+        resolved = preflight_train(load_config(TrainConfig, None, [*base, f"run.threads_per_rank={cores}"]))
+    assert resolved.cfg.run.threads_per_rank == cores  # allowed, not refused
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*oversubscribe")
+        preflight_train(load_config(TrainConfig, None, [*base, f"run.threads_per_rank={max(1, cores // 2)}"]))
 
 
 def test_missing_model_dir_and_prompt_field(tmp_path, tiny_model, arithmetic_data):

@@ -47,6 +47,25 @@ def test_known_shape_by_hand():
     )
 
 
+def test_rollout_seconds_by_hand_below_and_above_the_machine_balance():
+    """Each decode step takes max(bytes / bandwidth, FLOPs / peak), the prefill its FLOPs / peak. Peak 1000
+    FLOP/s and 500 B/s (a balance of 2 FLOP/byte): one row is bandwidth-bound, eight are compute-bound."""
+    args = _args(tie=True)  # 280 matmul params; 2 layers x 2 heads x 2 dims; K and V: 8 values per token
+    rates = {"weight_bytes": 2, "kv_bytes": 4, "flops_per_s": 1000.0, "bytes_per_s": 500.0}
+    # prefill of one 3-token prompt: 2 x 280 x 3 + 2 layers x 4 x 4 x 3^2 = 1968 FLOPs
+    # a decode step's row at context 3: 2 x 280 + 4 x 2 x 2 x 2 x (3 + 1) = 688 FLOPs; bytes 2 x 280 + 4 x 8 x 3
+    one = roofline.rollout_seconds(args, 3, [1], **rates)
+    assert one == pytest.approx(1968 / 1000 + max((560 + 96) / 500, 688 / 1000), rel=1e-12)
+    # 8 rows, one running a second step (context 4: 2 x 280 + 32 x 5 = 720 FLOPs, 560 + 4 x 8 x 4 bytes)
+    eight = roofline.rollout_seconds(args, 3, [2] + [1] * 7, **rates)
+    step_0 = max((560 + 8 * 96) / 500, 8 * 688 / 1000)  # 5.504 s of compute against 2.656 s of traffic
+    step_1 = max((560 + 128) / 500, 720 / 1000)
+    assert eight == pytest.approx(8 * 1968 / 1000 + step_0 + step_1, rel=1e-12)
+    # the bandwidth term alone is decode_bytes over the bandwidth, which the compute-bound step exceeds
+    traffic = roofline.decode_bytes(args, 3, [2] + [1] * 7, weight_bytes=2, kv_bytes=4)
+    assert eight - (8 * 1968 / 1000 + traffic / 500) == pytest.approx(8 * 688 / 1000 - 1328 / 500, rel=1e-12)
+
+
 def test_moe_counts_the_routed_experts_and_the_router():
     args = ModelArgs(
         family="qwen3_moe",

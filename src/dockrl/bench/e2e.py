@@ -31,7 +31,9 @@ host's fp32 (and, where native, bf16) matmul peak and memory bandwidth at the co
 load average. `peak_share` per pass: its matmul FLOPs (2 x matmul params per token, x3 for forward and backward,
 plus attention's 4 L^2 d per layer and sequence) over its seconds x the peak of its precision (dockrl: rollout,
 reference, old log-probs, update; TRL: train, its forward and backward). `decode_bw_share`: dockrl's decode
-steps against the bandwidth bound (roofline_shares says how it is counted).
+steps against the bandwidth bound; `decode_roofline_share`: the rollout's attainable seconds (each decode step
+bandwidth- or compute-bound, whichever is slower, and the prefill) over its measured seconds (roofline_shares
+says how both are counted).
 """
 
 from __future__ import annotations
@@ -267,7 +269,10 @@ def roofline_shares(
     seconds x the measured peak of the run's precision), and `decode_bw_share`, the rollout's decode steps
     against the bandwidth bound (each step reads the weights once per rollout rank, --dp of them, and every
     sequence's KV cache; the steps taken as the mean response length, the stage's seconds including its
-    prefill and switch: a lower bound of the decode steps' own share)."""
+    prefill and switch: a lower bound of the decode steps' own share), and `decode_roofline_share`, the
+    attainable seconds of the rollout (roofline.rollout_seconds: the prefill at the peak, each decode step
+    at the slower of its traffic and its FLOPs; every sequence taken at the mean prompt and response lengths,
+    rounded) over the stage's seconds."""
     from dockrl.bench import roofline
     from dockrl.models.hf import read_config
 
@@ -293,6 +298,17 @@ def roofline_shares(
         out["decode_bw_share"] = roofline.share(
             step_bytes, rollout_s / response_length, peak["bandwidth_gbs"] * 1e9
         )
+        attainable = roofline.rollout_seconds(
+            margs,
+            round(prompt),
+            [max(1, round(response_length))] * sequences,
+            weight_bytes=2 if precision == "bf16" else 4,
+            kv_bytes=4,
+            flops_per_s=rate,
+            bytes_per_s=peak["bandwidth_gbs"] * 1e9,
+            ranks=args.dp,
+        )
+        out["decode_roofline_share"] = roofline.share(attainable, rollout_s, 1.0)
     return out
 
 

@@ -9,7 +9,10 @@ best run counts (the machine may be shared). Prints model_params, num_sequences,
 tokens_per_s_dockrl, tokens_per_s_hf, ratio, and the roofline (bench/roofline.py, measured at --threads before
 the engines run): decode_bw_share_<engine>, the bytes the decode steps must read (the weights once per step,
 every sequence's KV cache up to its position: roofline.decode_bytes, prefill included in the seconds) over the
-run's best seconds x the measured bandwidth (bandwidth_gbs), beside the fp32 / bf16 matmul peaks.
+run's best seconds x the measured bandwidth (bandwidth_gbs), beside the fp32 / bf16 matmul peaks; and
+decode_roofline_share_<engine>, the attainable seconds (roofline.rollout_seconds: the prefill at the matmul peak
+of --precision, each decode step at the slower of its traffic and its FLOPs, so a step of more rows than the
+machine balance counts as compute-bound) over the run's best seconds.
 
 `--lengths longtail` gives each sequence its own length, drawn from a lognormal (sigma 1) with mean
 new_tokens / 4, clipped to [1, new_tokens], as RL responses are: dockrl stops each sequence at its length
@@ -131,6 +134,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         traffic = roofline.decode_bytes(dockrl_model.args, args.prompt_len, lengths, **sizes)
         out["decode_bw_share_dockrl"] = roofline.share(traffic, dockrl_s, 1e9 * peak["bandwidth_gbs"])
+        rates = {
+            "flops_per_s": roofline.peak_flops(peak, args.precision),
+            "bytes_per_s": 1e9 * peak["bandwidth_gbs"],
+        }
+        attainable = roofline.rollout_seconds(dockrl_model.args, args.prompt_len, lengths, **sizes, **rates)
+        out["decode_roofline_share_dockrl"] = roofline.share(attainable, dockrl_s, 1.0)
         if "transformers" in engines:
             hf_model = _load_hf(model_dir, args)
             hf_s = _best_time(lambda n: _run_hf(hf_model, prompts, max(_cap(lengths, n)), args), args)
@@ -140,6 +149,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sizes["kv_bytes"] = weight_dtype.itemsize
             hf_traffic = roofline.decode_bytes(dockrl_model.args, args.prompt_len, lengths, **sizes)
             out["decode_bw_share_hf"] = roofline.share(hf_traffic, hf_s, 1e9 * peak["bandwidth_gbs"])
+            hf_attainable = roofline.rollout_seconds(
+                dockrl_model.args, args.prompt_len, lengths, **sizes, **rates
+            )
+            out["decode_roofline_share_hf"] = roofline.share(hf_attainable, hf_s, 1.0)
             out["ratio"] = hf_s / dockrl_s
         if "vllm" in engines:
             out.update(_vllm_figures(model_dir, dockrl_model, prompts, lengths, args))

@@ -19,6 +19,17 @@ per rank (the embedding's rows of the batch only, left out) plus each sequence's
 position, in their dtypes. A decode step cannot run faster than that traffic over the measured bandwidth, so its
 bytes / seconds / bandwidth (`share`) is its share of the bandwidth bound.
 
+Attainable time of a whole rollout (`rollout_seconds`; a measured rollout's `decode_roofline_share` is it over
+the measured seconds). A decode step of M rows reads the weights once but multiplies them by M rows: its work is
+2 x matmul_params x M plus attention's 4 x layers x heads x head_dim x (context + 1) per row (the positions its
+new token attends to). Above the machine balance (peak FLOP/s over bandwidth, ~11 rows in bf16 at 392 GFLOP/s
+and 35 GB/s) a step is compute-bound and the bandwidth share understates how near it is to what the machine can
+do; so each step takes max(its bytes / bandwidth, its FLOPs / the peak of its dtype), over the steps of
+`decode_bytes`'s continuous-batching model (max(lengths) steps, one per new token, the first included; a sequence
+that ended does nothing), plus the prefill: a forward over the prompts at the matmul peak. Both terms are lower
+bounds of their own, so the sum is what no schedule of these steps can beat (up to the first token, which the
+prefill's logits give and the model also counts as a decode step: one step per sequence too many).
+
 Peak (`measure_peak`): the best of `repeats` timed n x n matmuls per dtype (fp32; bf16 only where the CPU
 computes it natively, `cpu_has_native_bf16`), and a stream of large copies and adds (bytes read + written per
 second), at the thread count the run uses. Shares are a pass's FLOPs over its seconds x the peak: 1.0 is the
@@ -79,6 +90,35 @@ def decode_bytes(
     kv_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim
     contexts = sum(n * prompt_len + n * (n - 1) / 2 for n in lengths)
     return float(weight_bytes * max(lengths) * matmul_params(args) + kv_bytes * kv_per_token * contexts)
+
+
+def rollout_seconds(
+    args: Any,
+    prompt_len: int,
+    lengths: Sequence[int],
+    *,
+    weight_bytes: int,
+    kv_bytes: int,
+    flops_per_s: float,
+    bytes_per_s: float,
+    ranks: int = 1,
+) -> float:
+    """The attainable seconds of a whole rollout (see the module docstring): the prefill, a forward over the
+    `len(lengths)` prompts of `prompt_len` tokens at `flops_per_s`, plus max(lengths) decode steps, each
+    max(bytes / `bytes_per_s`, FLOPs / `flops_per_s`) over the sequences still running (`lengths` new tokens
+    each); `ranks` read the weights once each per step (their rows split over them), as in decode_step_bytes."""
+    weights = weight_bytes * ranks * matmul_params(args)
+    kv_per_token = kv_bytes * 2 * args.num_layers * args.num_kv_heads * args.head_dim
+    row_flops = 2 * matmul_params(args)
+    attention_per_position = 4 * args.num_layers * args.num_heads * args.head_dim
+    seconds = forward_flops(args, [prompt_len] * len(lengths)) / flops_per_s
+    for step in range(max(lengths)):
+        rows = sum(1 for n in lengths if n > step)
+        context = prompt_len + step  # tokens before each running row's new one
+        step_bytes = weights + kv_per_token * rows * context
+        step_flops = rows * (row_flops + attention_per_position * (context + 1))
+        seconds += max(step_bytes / bytes_per_s, step_flops / flops_per_s)
+    return float(seconds)
 
 
 def share(work: float, seconds: float, rate: float) -> float | None:

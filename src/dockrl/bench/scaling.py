@@ -8,7 +8,8 @@ actor.dp=--dp) run for --steps steps, the first untimed. A random model ends a r
 end-of-sequence probability (about 1 / vocab per token), so lengths are close to the maximum.
 
 Per point and system: step seconds, response tokens/s, where the time went (bench e2e's stage figures, and its
-`peak_share` per pass against the roofline measured once at the start of the run, in the `roofline` row), and
+`peak_share` per pass against the roofline measured once at the start of the run, in the `roofline` row, and
+its rollout's `decode_bw_share` and `decode_roofline_share`), and
 `work`, the matmul work of the step in TFLOP from bench/roofline.py: five forward-equivalents (a forward of the
 rollout, one of the reference, forward and backward of the update) of 2 x matmul params per token plus
 attention's 4 x layers x heads x head_dim x length^2 per sequence. `s_per_tflop` is step
@@ -129,7 +130,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             # where the time went: dockrl's stages, TRL's generate / train (bench e2e's)
                             **{k: v for k, v in got.items() if k.endswith("_s") and k != "step_s" and v},
                             **{
-                                k: got[k] for k in ("peak_share", "decode_bw_share", "trl_config") if k in got
+                                k: got[k]
+                                for k in (
+                                    "peak_share",
+                                    "decode_bw_share",
+                                    "decode_roofline_share",
+                                    "trl_config",
+                                )
+                                if k in got
                             },
                         }
                     )

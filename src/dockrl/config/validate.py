@@ -54,6 +54,13 @@ def check_train(cfg: TrainConfig) -> None:
     positive("reward.num_processes", cfg.reward.num_processes, allow_zero=True)
     positive("run.save_every", run.save_every, allow_zero=True)
     positive("run.eval_every", run.eval_every, allow_zero=True)
+    if run.threads_per_rank < 0:
+        raise config_error(
+            "run.threads_per_rank",
+            run.threads_per_rank,
+            "must be >= 0",
+            "use 0 (auto: on cpu each group's ranks split the cores) or N >= 1 torch threads per trainer rank",
+        )
     _check_resume(cfg)
     check_algorithm(cfg)
     if roll.temperature < 0:

@@ -259,7 +259,7 @@ def _start_workers(
         plan=plan,
         client=dock.client(),
         env_workers=envs,
-        num_threads=_threads_per_rank(cfg, num_actor_ranks),
+        num_threads=threads_per_rank(cfg, num_actor_ranks),
     )
     rewards = _group(
         cfg.run,
@@ -315,7 +315,7 @@ def _start_critic(
         spec=parts.critic,
         plan=plan,
         client=dock.client(),
-        num_threads=_threads_per_rank(cfg, ranks),
+        num_threads=threads_per_rank(cfg, ranks),
     )
 
 
@@ -336,7 +336,7 @@ def _start_teacher(cfg: TrainConfig, parts: Specs, dock, supervisor: Supervisor)
         distributed=True,
         spec=parts.teacher,
         client=dock.client(),
-        num_threads=_threads_per_rank(cfg, ranks),
+        num_threads=threads_per_rank(cfg, ranks),
     )
 
 
@@ -428,6 +428,10 @@ def _group(
     )
 
 
-def _threads_per_rank(cfg: TrainConfig, ranks: int) -> int | None:
-    """CPU runs split the machine's cores over the ranks; on cuda torch keeps its default."""
+def threads_per_rank(cfg: TrainConfig, ranks: int) -> int | None:
+    """Torch threads of each of a trainer group's `ranks` ranks (None: torch's default): run.threads_per_rank
+    when set (on cuda too, the CPU side's), else on cpu the machine's cores split over the ranks, on cuda
+    torch's default."""
+    if cfg.run.threads_per_rank > 0:
+        return cfg.run.threads_per_rank
     return None if cfg.run.device == "cuda" else max(1, (os.cpu_count() or 1) // ranks)

@@ -14,6 +14,7 @@ in the driver before Ray or any worker process starts, so every user error is a 
 from __future__ import annotations
 
 import importlib
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,9 @@ def preflight_train(cfg: TrainConfig) -> Resolved:
     actor = run_cfg.actor
     teacher_ranks = run_cfg.distill.num_workers if run_cfg.distill.teacher_path is not None else 0
     critic_ranks = run_cfg.critic.dp * run_cfg.critic.cp if plan.critic else 0
-    _check_devices(run_cfg.run.device, actor.dp * actor.cp * actor.tp + critic_ranks + teacher_ranks)
+    trainer_ranks = actor.dp * actor.cp * actor.tp + critic_ranks + teacher_ranks
+    _check_devices(run_cfg.run.device, trainer_ranks)
+    _check_threads(run_cfg.run.device, run_cfg.run.threads_per_rank, trainer_ranks)
     _check_reward_model_files(run_cfg)
     _check_teacher(run_cfg)
     _check_model_layouts(run_cfg)
@@ -365,6 +368,22 @@ def _check_devices(device: str, ranks: int) -> None:
             "visible to the driver; Ray must find the rest",
             stacklevel=2,
         )
+
+
+def _check_threads(device: str, threads_per_rank: int, ranks: int) -> None:
+    """run.threads_per_rank on cpu: warn (never refuse) when the trainer ranks' threads, all running at once,
+    exceed this machine's cores."""
+    cores = os.cpu_count() or 1
+    if device != "cpu" or threads_per_rank * ranks <= cores:
+        return
+    # The driver sees only its own node; ranks that placement.* puts on other nodes do not share its cores.
+    warnings.warn(
+        f"run.threads_per_rank={threads_per_rank} x {ranks} trainer ranks (actor.dp x actor.cp x actor.tp, plus "
+        f"critic.dp x critic.cp with ppo and distill.num_workers with a teacher) = {threads_per_rank * ranks} "
+        f"torch threads oversubscribe the {cores} cores of this machine: threads wait on each other at every "
+        f"op; use run.threads_per_rank={max(1, cores // ranks)} or 0 (auto) unless you measured it faster",
+        stacklevel=2,
+    )
 
 
 def _check_teacher(cfg: TrainConfig) -> None:
