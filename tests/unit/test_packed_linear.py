@@ -76,7 +76,9 @@ def test_every_layer_and_the_head_are_packed_and_none_is_left_on_the_model(model
         assert all(layer.mlp.packed is not None for layer in model.decoder_layers())
         assert model.packed_head is not None
     # outside the engine's model calls the model is its own: a training forward never sees the packs
-    assert all(layer.self_attn.packed is None and layer.mlp.packed is None for layer in model.decoder_layers())
+    assert all(
+        layer.self_attn.packed is None and layer.mlp.packed is None for layer in model.decoder_layers()
+    )
     assert model.packed_head is None
     assert RolloutEngine(model.float(), num_slots=2, max_seq_len=40).packed is None  # fp32: not packed
 
