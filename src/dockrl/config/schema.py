@@ -139,7 +139,7 @@ class RolloutConfig:
         "dockrl engine on a CPU: its linear weights are laid out once per weight update in oneDNN's blocked "
         "format (bf16) and q/k/v and gate/up run as one matmul each, so a decode step makes 4 matmul calls per "
         "layer instead of 7 (models/packed_linear.py; same tokens and log-probs, one more copy of the weights "
-        "while it decodes; 1.19x decode at 8 rows per rank). false: the model's own modules.",
+        "while it decodes; 1.25x decode at 8 rows per rank). false: the model's own modules.",
     )
     groups_per_pull: int = setting(4, "Prompt groups a rollout rank pulls from the dock at a time.")
     tp: int = setting(

@@ -93,7 +93,7 @@ ENV_METRICS = (
 )
 
 # The engine's prefill counters, reported per call in "env" (rollout/prefill_tokens, rollout/kv_reused_tokens).
-KV_STATS = ("prefill_tokens", "kv_reused_tokens")
+KV_STATS = ("prefill_tokens", "kv_reused_tokens", "shared_prompt_tokens")
 
 
 @dataclass(frozen=True)

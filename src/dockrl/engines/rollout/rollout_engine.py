@@ -330,6 +330,9 @@ class RolloutEngine:
             "prefill_prompts": 0,
             "prefill_tokens": 0,  # positions run through a prefill (a shared prompt once)
             "kv_reused_tokens": 0,  # positions a returning request found kept instead of prefilling them
+            # positions a request found prefilled for another one admitted with the same prompt: prefill_tokens
+            # + kv_reused_tokens + shared_prompt_tokens = the admitted requests' prompt positions
+            "shared_prompt_tokens": 0,
             "kv_evicted": 0,  # kept KV dropped because its room was needed
             "decode_steps": 0,
             "decode_rows": 0,
@@ -505,6 +508,9 @@ class RolloutEngine:
         if admitted:
             with self._routes() as seen:
                 logits, prompt_deltas = self._prefill(unique, row_slots, row_prompt)
+            self.stats["shared_prompt_tokens"] += sum(len(r.prompt_ids) for r, _ in admitted) - sum(
+                len(r.prompt_ids) for r in unique
+            )
             deltas = [prompt_deltas[g] for g in row_prompt]
             pieces.append(logits[torch.tensor(row_prompt, device=self.device)])  # [R, V]
             for g, (request, slots) in enumerate(admitted):
