@@ -19,6 +19,9 @@ new_tokens / 4, clipped to [1, new_tokens], as RL responses are: dockrl stops ea
 (continuous batching); transformers' static batch runs until the longest is done, as `generate` does when
 sequences end at different points. Throughput counts the requested tokens only, on both sides.
 
+`--pack-weights off` runs dockrl's engine without its packed, fused projections (rollout.pack_weights; on a CPU in
+bf16 they are on by default: models/packed_linear.py), for a before/after on the same host.
+
 KV cache (dockrl's engine: engines/rollout/rollout_engine.py): `--kv-cache` picks its layout (rollout.kv_cache:
 auto, slots, paged) and `--kv-cache-tokens` its bound (rollout.kv_cache_tokens; 0: none). kv_layout is the one
 the engine took, kv_bytes_max_length_slots what num_sequences max-length slots take (prompt_len + the longest
@@ -81,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="dockrl engine: positions its KV cache may hold (rollout.kv_cache_tokens; 0: no bound)",
+    )
+    parser.add_argument(
+        "--pack-weights",
+        choices=("on", "off"),
+        default="on",
+        help="dockrl engine: rollout.pack_weights (bf16 on a CPU: projections packed and fused; off: the "
+        "model's own modules, for a before/after)",
     )
     parser.add_argument(
         "--engines",
@@ -312,6 +322,7 @@ def _run_dockrl(model, prompts, lengths: list[int], args: argparse.Namespace) ->
         max_seq_len=prompts.shape[1] + max(lengths),
         kv_cache=args.kv_cache,
         kv_cache_tokens=args.kv_cache_tokens,
+        pack_weights=args.pack_weights == "on",
     )
     for index, (prompt, length) in enumerate(zip(prompts.tolist(), lengths)):
         params = SamplingParams(
