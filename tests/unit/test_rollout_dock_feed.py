@@ -187,3 +187,52 @@ def test_partial_rollout_continues_cut_rows_under_each_passes_weights():
         assert torch.equal(torch.as_tensor(ids), torch.cat(expected_ids)), first_row
         assert (torch.as_tensor(logprobs) - torch.cat(expected_lp)).abs().max() < 1e-5
     hub.close()
+
+
+@pytest.mark.parametrize("max_rows", [None, 2 * GROUP])
+def test_a_replica_holds_at_most_its_share_of_the_step(max_rows):
+    """A small step on several replicas: with its share (RolloutSpec.share_rows) a replica pulls at most that
+    many rows at once, and more only as its rows finish, so the others find groups to serve; without it, the
+    first to pull takes the whole step (the check sees the difference). Tokens are the same either way: each
+    row's seed is its own."""
+    model = tiny_model()
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    dock = FakeDock(GROUP_PROMPTS)
+    engine = RolloutEngine(model, num_slots=8 * GROUP, max_seq_len=32)
+    serve_from_dock(
+        engine,
+        dock,
+        consumer="rollout",
+        params=params,
+        group_size=GROUP,
+        groups_per_pull=4,
+        row_seed=lambda row: 1000 + row,
+        max_rows=max_rows,
+    )
+    held, most = 0, 0
+    for kind, rows in dock.log:
+        held += len(rows) if kind == "get" else -len(rows)
+        most = max(most, held)
+    # no share: every group of the step at once, none left for another replica
+    assert most == (len(GROUP_PROMPTS) * GROUP if max_rows is None else 2 * GROUP)
+    assert sorted(dock.responses) == list(range(GROUP * len(GROUP_PROMPTS)))
+    prompts = [p for p in GROUP_PROMPTS for _ in range(GROUP)]
+    expected = generate(model, prompts, params, [1000 + row for row in range(len(prompts))])
+    assert all(torch.equal(dock.responses[row][0], g.token_ids) for row, g in enumerate(expected))
+
+
+def test_each_replica_s_share_is_an_even_split_of_the_step_s_groups():
+    from dockrl.config import TrainConfig, load_config, resolve
+    from dockrl.config.specs import specs
+
+    base = ["model.path=/m", "data.train_path=/d.jsonl", "run.steps=1", "rollout.samples_per_prompt=4"]
+
+    def share(*overrides: str) -> int:
+        cfg = load_config(TrainConfig, None, [*base, *overrides])
+        return specs(cfg, resolve(cfg).plan).rollout.share_rows
+
+    assert share("run.prompts_per_step=4", "actor.dp=2") == 2 * 4  # 16 rows: 8 per rank
+    assert share("run.prompts_per_step=5", "actor.dp=2") == 3 * 4  # rounded up: every group has a taker
+    assert share("run.prompts_per_step=4", "actor.dp=2", "actor.tp=2", "rollout.tp=2") == 2 * 4
+    assert share("run.prompts_per_step=4", "actor.dp=2", "rollout.tp=2") == 4 * 4  # one replica
+    assert share("run.prompts_per_step=6", "rollout.placement=separate", "rollout.replicas=3") == 2 * 4

@@ -87,6 +87,10 @@ class RolloutSpec:
     stop_strings: tuple[str, ...]
     samples_per_prompt: int
     groups_per_pull: int
+    # Rows a replica holds at once: its even share of a step's groups (ceil(prompts_per_step / replicas) x
+    # samples_per_prompt), so on a small step the first replica to pull does not take every group while the
+    # others idle (16 rows on 2 ranks: one rank decoded all 16, the other none).
+    share_rows: int
     max_batch_size: int
     kv_cache: str  # auto | slots | paged
     kv_cache_tokens: int  # 0: max_batch_size x max_seq_len
@@ -272,6 +276,14 @@ def specs(cfg: TrainConfig, plan: StepPlan) -> Specs:
     )
 
 
+def rollout_replicas(cfg: TrainConfig) -> int:
+    """Engines that pull a step's rows from the dock: the actor's ranks in groups of rollout.tp (colocated), or
+    rollout.replicas (separate)."""
+    if cfg.rollout.placement == "separate":
+        return cfg.rollout.replicas
+    return max(1, cfg.actor.dp * cfg.actor.cp * cfg.actor.tp // cfg.rollout.tp)
+
+
 def rollout_spec(cfg: TrainConfig) -> RolloutSpec:
     """The RolloutSpec of a resolved config."""
     roll, reshard = cfg.rollout, cfg.reshard
@@ -292,6 +304,7 @@ def rollout_spec(cfg: TrainConfig) -> RolloutSpec:
         stop_strings=tuple(roll.stop_strings),
         samples_per_prompt=roll.samples_per_prompt,
         groups_per_pull=roll.groups_per_pull,
+        share_rows=-(-cfg.run.prompts_per_step // rollout_replicas(cfg)) * roll.samples_per_prompt,
         max_batch_size=roll.max_batch_size,
         kv_cache=roll.kv_cache,
         kv_cache_tokens=roll.kv_cache_tokens,

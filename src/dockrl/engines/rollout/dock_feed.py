@@ -125,6 +125,7 @@ def serve_step(
         row_seed=lambda row: row_seed(spec.seed, step, row),
         version=version,
         partial=spec.partial,
+        max_rows=spec.share_rows,
     )
 
 
@@ -158,6 +159,7 @@ def _serve_env(
             groups_per_pull=spec.groups_per_pull,
             row_seed=lambda row: row_seed(spec.seed, step, row),
             version=version,
+            max_rows=spec.share_rows,
             envs=envs,
             keep_kv=spec.keep_kv_across_turns,
             **settings,
@@ -205,6 +207,7 @@ def serve_from_dock(
     row_seed: Callable[[int], int],
     version: int | None = None,
     partial: Partial | None = None,
+    max_rows: int | None = None,
 ) -> dict[str, Any]:
     """Generate a response for every row `consumer` gets from the dock (and puts as); returns lengths and
     counts.
@@ -212,7 +215,9 @@ def serve_from_dock(
     row_seed(row) gives each row's sampling seed, so a row's response does not depend on which rank or
     batch serves it. With `version`, each response token's policy_version is put beside it. With `partial`
     (and a version), responses get a token budget per pass and carried rows are continued (module docstring);
-    "interrupted" lists the rows cut this pass.
+    "interrupted" lists the rows cut this pass. `max_rows`: the most rows this engine holds at once (its
+    share of the step, RolloutSpec.share_rows), so the first replica to pull cannot take every group of a
+    small step while the others idle; rows it finishes make room for more (None: no cap).
     """
     exhausted = False
     lengths: list[int] = []
@@ -221,12 +226,19 @@ def serve_from_dock(
     carried = partial is not None  # carried rows may be waiting: served before new groups
     prefixes: dict[int, _Sample] = {}  # carried row -> what it had generated before this pass
     interrupted: list[int] = []
+    held = 0  # rows pulled and not yet put back
     if partial is not None:
         assert version is not None, "partial rollout needs the pass's policy version"
         params = dataclasses.replace(params, max_new_tokens=partial.budget(0, 0))
+
+    def room() -> int:
+        """Rows this engine may pull now: its free slots, within its share."""
+        free = engine.num_free_slots()
+        return free if max_rows is None else min(free, max_rows - held)
+
     while True:
-        while carried and not exhausted and engine.num_free_slots() >= 1:
-            status, got = _pull_carried(client, consumer, engine.num_free_slots())
+        while carried and not exhausted and room() >= 1:
+            status, got = _pull_carried(client, consumer, room())
             if status == "done":
                 exhausted = True
             if got is None:
@@ -235,8 +247,9 @@ def serve_from_dock(
             for request, prefix in _continuations(*got, params, partial, row_seed):
                 prefixes[request.tag[0]] = prefix
                 engine.add(request)
-        while not carried and not exhausted and engine.num_free_slots() >= group_size:
-            num_groups = min(groups_per_pull, engine.num_free_slots() // group_size)
+                held += len(request.seeds)
+        while not carried and not exhausted and room() >= group_size:
+            num_groups = min(groups_per_pull, room() // group_size)
             status, got = _pull(
                 client, consumer, num_groups * group_size, group_size, engine.has_work(), _has_vision(engine)
             )
@@ -246,11 +259,13 @@ def serve_from_dock(
                 break
             for request in _requests(*got, params, group_size, row_seed):
                 engine.add(request)
+                held += len(request.seeds)
         if not engine.has_work():
             break
         completions = engine.step()
         if completions:
             finished, cut = _split(completions, prefixes, version, partial)
+            held -= len(finished) + len(cut)
             _put(client, consumer, finished, RESPONSE_IDS, ROLLOUT_LOGPROBS, POLICY_VERSION)
             _put(client, consumer, cut, PARTIAL_IDS, PARTIAL_LOGPROBS, PARTIAL_VERSIONS)
             num_puts += 1

@@ -129,6 +129,12 @@ class _Trajectory:
     request: ModelRequest | None = None  # an agent's: its open request (it brings its prompt)
 
 
+def _room(engine: RolloutBackend, live: dict, max_rows: int | None) -> int:
+    """Trajectories this replica may start now: its free slots, within its share of the step."""
+    free = engine.num_free_slots()
+    return free if max_rows is None else min(free, max_rows - len(live))
+
+
 def serve_multi_turn(
     engine: RolloutBackend,
     client: RowSource,
@@ -145,6 +151,7 @@ def serve_multi_turn(
     version: int | None = None,
     peers: Any = None,
     keep_kv: bool = True,
+    max_rows: int | None = None,
 ) -> dict[str, Any]:
     """Generate a trajectory for every row `consumer` gets from the dock (module docstring); returns lengths,
     the summed env counters (ENV_METRICS), env_s (seconds environment calls ran, summed over calls that run
@@ -152,7 +159,8 @@ def serve_multi_turn(
     environments cost the rollout) and the engine's stats. `envs` runs the environment calls, on the head rank
     only of the tensor-parallel group `peers` talks for (a ReplicaClient; default: `client`): see Lockstep.
     keep_kv: a waiting trajectory's KV stays in the engine for its next turn (see "KV across turns"; an engine
-    without `forget`, vLLM's, caches prefixes its own way)."""
+    without `forget`, vLLM's, caches prefixes its own way). max_rows: the most trajectories held at once (this
+    replica's share of the step: dock_feed.serve_from_dock)."""
     calls = Lockstep(envs, client if peers is None else peers)
     keep = keep_kv and hasattr(engine, "forget")
     if keep:
@@ -307,8 +315,8 @@ def serve_multi_turn(
 
     try:
         while True:
-            while not exhausted and engine.num_free_slots() >= group_size:
-                num_groups = min(groups_per_pull, engine.num_free_slots() // group_size)
+            while not exhausted and _room(engine, live, max_rows) >= group_size:
+                num_groups = min(groups_per_pull, _room(engine, live, max_rows) // group_size)
                 status, got = _pull(client, consumer, num_groups * group_size, group_size, busy=bool(live))
                 if status == "done":
                     exhausted = True
