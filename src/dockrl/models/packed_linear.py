@@ -90,7 +90,7 @@ class PackedWeights:
     def __init__(self, model: nn.Module, rows: int) -> None:
         self.model, self.rows = model, max(1, rows)
         self._packs: list[tuple[nn.Module, str, object]] = []  # (module, attribute, its packed projections)
-        self._sources: list[tuple[nn.Module, str]] = []  # (module, parameter name) of every packed weight
+        self._sources: list[tuple[nn.Module, str]] = []  # (module, parameter name) of every packed tensor
         self._built: tuple[int, ...] | None = None  # their storage addresses when the packs were built
 
     def invalidate(self) -> None:
@@ -115,7 +115,7 @@ class PackedWeights:
                 object.__setattr__(module, name, None)
 
     def _addresses(self) -> tuple[int, ...]:
-        """The storage address of every weight the packs were built from, as the modules hold them now."""
+        """The storage address of every weight and bias the packs were built from, as the modules hold them now."""
         return tuple(getattr(module, name).data_ptr() for module, name in self._sources)
 
     @torch.no_grad()
@@ -134,6 +134,7 @@ class PackedWeights:
                 packs.append((mlp, "packed", (gate_up, PackedLinear([mlp.down_proj], rows))))
                 sources += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         self._sources = [(linear, "weight") for linear in sources]
+        self._sources += [(linear, "bias") for linear in sources if linear.bias is not None]
         head = model.output_weight()  # type: ignore[operator]
         if type(head) is nn.Parameter and model.gather_logits is None:
             packs.append((model, "packed_head", PackedLinear.of_weight(head, rows)))
