@@ -138,6 +138,6 @@ class PackedWeights:
         head = model.output_weight()  # type: ignore[operator]
         if type(head) is nn.Parameter and model.gather_logits is None:
             packs.append((model, "packed_head", PackedLinear.of_weight(head, rows)))
-            owner = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head  # type: ignore
+            owner = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
             self._sources.append((owner, "weight"))
         self._packs, self._built = packs, self._addresses()
