@@ -57,7 +57,7 @@ def generate(model: Transformer, pack: bool, num_prompts: int = 6) -> dict:
 def test_a_fused_packed_projection_equals_the_separate_linears_bit_for_bit(model, rows):
     attn = model.decoder_layers()[0].self_attn
     x = torch.randn(rows, 3, 32).to(torch.bfloat16)  # [B, T, H]
-    packed = PackedLinear([attn.q_proj, attn.k_proj, attn.v_proj], rows=8)
+    packed = PackedLinear.of([attn.q_proj, attn.k_proj, attn.v_proj], rows=8)
     for got, linear in zip(packed.split(x), (attn.q_proj, attn.k_proj, attn.v_proj)):
         assert torch.equal(got, F.linear(x, linear.weight, linear.bias))
 

@@ -107,15 +107,15 @@ def rollout_seconds(
     `len(lengths)` prompts of `prompt_len` tokens at `flops_per_s`, plus max(lengths) decode steps, each
     max(bytes / `bytes_per_s`, FLOPs / `flops_per_s`) over the sequences still running (`lengths` new tokens
     each); `ranks` read the weights once each per step (their rows split over them), as in decode_step_bytes."""
-    weights = weight_bytes * ranks * matmul_params(args)
-    kv_per_token = kv_bytes * 2 * args.num_layers * args.num_kv_heads * args.head_dim
     row_flops = 2 * matmul_params(args)
     attention_per_position = 4 * args.num_layers * args.num_heads * args.head_dim
     seconds = forward_flops(args, [prompt_len] * len(lengths)) / flops_per_s
     for step in range(max(lengths)):
         rows = sum(1 for n in lengths if n > step)
         context = prompt_len + step  # tokens before each running row's new one
-        step_bytes = weights + kv_per_token * rows * context
+        step_bytes = decode_step_bytes(
+            args, [context] * rows, weight_bytes=weight_bytes, kv_bytes=kv_bytes, ranks=ranks
+        )
         step_flops = rows * (row_flops + attention_per_position * (context + 1))
         seconds += max(step_bytes / bytes_per_s, step_flops / flops_per_s)
     return float(seconds)

@@ -40,20 +40,18 @@ class PackedLinear:
     """y = x @ cat(weights).T + cat(biases), split back into the sources' outputs; bf16: the fused weight in
     oneDNN's blocked layout (`rows`: the batch it is laid out for; any batch gives the same result)."""
 
-    def __init__(self, linears: list[nn.Linear], rows: int) -> None:
-        weight = torch.cat([linear.weight.detach() for linear in linears])
-        biases = [linear.bias.detach() for linear in linears if linear.bias is not None]
-        self.bias = torch.cat(biases) if biases else None
-        self.widths = [linear.out_features for linear in linears]
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], rows: int) -> None:
+        weight = torch.cat([w.detach() for w in weights])
+        present = [b.detach() for b in biases if b is not None]
+        self.bias = torch.cat(present) if present else None
+        self.widths = [w.shape[0] for w in weights]
         self.onednn = weight.dtype == torch.bfloat16
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if self.onednn else weight
 
     @classmethod
-    def of_weight(cls, weight: torch.Tensor, rows: int) -> PackedLinear:
-        """A bias-free projection by `weight` [out, in] (the LM head: its own or the tied embedding's)."""
-        carrier = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        carrier.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        return cls([carrier], rows)
+    def of(cls, linears: list[nn.Linear], rows: int) -> PackedLinear:
+        """The linears fused in order."""
+        return cls([linear.weight for linear in linears], [linear.bias for linear in linears], rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., sum of the sources' out_features]."""
@@ -102,7 +100,7 @@ class PackedWeights:
         """Inside the block the model's projections run packed (built first, or rebuilt when a weight's storage
         moved); outside it, as they are (the packs are never left on the model: a training forward of the same
         model must not see them)."""
-        if self._built is None or self._built != self._addresses():
+        if self._built != self._addresses():
             self._build()
         # object.__setattr__: the attribute is a plain one (set in the modules' __init__), and nn.Module's own
         # __setattr__ costs microseconds per call on every decode step
@@ -126,18 +124,18 @@ class PackedWeights:
         for layer in model.decoder_layers():  # type: ignore[operator]
             attn, mlp = layer.self_attn, layer.mlp
             if _plain(attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
-                qkv = PackedLinear([attn.q_proj, attn.k_proj, attn.v_proj], rows)
-                packs.append((attn, "packed", (qkv, PackedLinear([attn.o_proj], rows))))
+                qkv = PackedLinear.of([attn.q_proj, attn.k_proj, attn.v_proj], rows)
+                packs.append((attn, "packed", (qkv, PackedLinear.of([attn.o_proj], rows))))
                 sources += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
             if hasattr(mlp, "gate_proj") and _plain(mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-                gate_up = PackedLinear([mlp.gate_proj, mlp.up_proj], rows)
-                packs.append((mlp, "packed", (gate_up, PackedLinear([mlp.down_proj], rows))))
+                gate_up = PackedLinear.of([mlp.gate_proj, mlp.up_proj], rows)
+                packs.append((mlp, "packed", (gate_up, PackedLinear.of([mlp.down_proj], rows))))
                 sources += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         self._sources = [(linear, "weight") for linear in sources]
         self._sources += [(linear, "bias") for linear in sources if linear.bias is not None]
         head = model.output_weight()  # type: ignore[operator]
         if type(head) is nn.Parameter and model.gather_logits is None:
-            packs.append((model, "packed_head", PackedLinear.of_weight(head, rows)))
+            packs.append((model, "packed_head", PackedLinear([head], [None], rows)))
             owner = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
             self._sources.append((owner, "weight"))
         self._packs, self._built = packs, self._addresses()

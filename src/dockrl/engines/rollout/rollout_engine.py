@@ -74,7 +74,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -748,41 +748,23 @@ class RolloutEngine:
         last=None takes the final token. Only these rows go through the LM head (the prefill's other
         positions never need logits). A tensor-parallel model plugs in here.
         """
-        if self.packed is None:
-            return self._model_call(
-                input_ids, position_ids, key_mask, cache, cache_offset, last, block_table, images
-            )
-        with self.packed.applied():
-            return self._model_call(
-                input_ids, position_ids, key_mask, cache, cache_offset, last, block_table, images
-            )
-
-    def _model_call(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None,
-        key_mask: torch.Tensor | None,
-        cache: KVCache | PagedKVCache,
-        cache_offset: int | torch.Tensor,
-        last: torch.Tensor | None,
-        block_table: torch.Tensor | None,
-        images: Images | None,
-    ) -> torch.Tensor:
-        if isinstance(cache_offset, torch.Tensor):  # each row at its own length (continuous batching)
-            assert key_mask is not None, "per-row offsets mask the keys of each row"
-            hidden = self.model.hidden_states_per_row(
-                input_ids, cache, cache_offset, block_table, key_mask, position_ids
-            )
-        else:  # prefill: the rows of one prompt's samples at the same offset
-            assert isinstance(cache, KVCache), "prefill fills a contiguous scratch cache"
-            hidden = self.model.hidden_states(
-                input_ids, position_ids, key_mask, cache, cache_offset, images=images
-            )  # [B, T, H]
-        if last is None:
-            picked = hidden[:, -1]
-        else:
-            picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
-        return self.model.lm_logits(picked)  # full vocabulary, also for a tensor-parallel model
+        # CPU bf16: the projections run packed for this call (models/packed_linear.py)
+        with nullcontext() if self.packed is None else self.packed.applied():
+            if isinstance(cache_offset, torch.Tensor):  # each row at its own length (continuous batching)
+                assert key_mask is not None, "per-row offsets mask the keys of each row"
+                hidden = self.model.hidden_states_per_row(
+                    input_ids, cache, cache_offset, block_table, key_mask, position_ids
+                )
+            else:  # prefill: the rows of one prompt's samples at the same offset
+                assert isinstance(cache, KVCache), "prefill fills a contiguous scratch cache"
+                hidden = self.model.hidden_states(
+                    input_ids, position_ids, key_mask, cache, cache_offset, images=images
+                )  # [B, T, H]
+            if last is None:
+                picked = hidden[:, -1]
+            else:
+                picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
+            return self.model.lm_logits(picked)  # full vocabulary, also for a tensor-parallel model
 
     # ---- decode ----------------------------------------------------------------------------------
 
