@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dockrl.models import KVCache, ModelArgs, Transformer
-from dockrl.models.decoder import attention_mask, rope_inv_freq
+from dockrl.models.decoder import attention_mask, grouped_attention, rope_inv_freq, row_offset_bias
 
 VOCAB = 300
 
@@ -134,6 +134,42 @@ def test_attention_mask_is_causal_padded_and_never_empty():
     prefill = attention_mask(key_mask[:, :3], batch=2, seq=3, cache_offset=0, has_cache=False, device="cpu")
     assert prefill[0, 0].tolist() == [[True, False, False], [False, True, False], [False, False, True]]
     assert attention_mask(None, 2, 3, 0, has_cache=False, device="cpu") is None
+
+
+def test_row_offset_bias_is_causal_from_each_rows_offset_and_padded():
+    key_mask = torch.tensor([[True, False, True, True, True], [True, True, True, True, True]])
+    bias = row_offset_bias(key_mask, torch.tensor([2, 3]), seq=2, dtype=torch.float32)[:, 0]
+    inf = float("-inf")
+    assert bias.tolist() == [
+        [[0.0, inf, 0.0, inf, inf], [0.0, inf, 0.0, 0.0, inf]],  # row 0 from slot 2; slot 1 is padding
+        [[0.0, 0.0, 0.0, 0.0, inf], [0.0, 0.0, 0.0, 0.0, 0.0]],  # row 1 from slot 3
+    ]
+
+
+def test_grouped_attention_equals_the_masked_scaled_softmax():
+    """The rollout's decode attention adds the bias and the scale in one pass over the scores; the same numbers
+    as scaling, then filling the masked scores, then softmax, per query head over its kv head's keys."""
+    torch.manual_seed(0)
+    batch, heads, kv_heads, seq, keys, dim = 3, 4, 2, 2, 7, 16
+    q = torch.randn(batch, heads, seq, dim)
+    k, v = torch.randn(batch, kv_heads, keys, dim), torch.randn(batch, kv_heads, keys, dim)
+    key_mask = torch.ones(batch, keys, dtype=torch.bool)
+    key_mask[0, :2] = False
+    k[0, :, :2] = 50.0  # padded keys that would dominate the softmax if the bias let them through
+    offsets = torch.tensor([5, 3, 4])
+    bias = row_offset_bias(key_mask, offsets, seq, torch.float32)  # [B, 1, T, S]
+    out = grouped_attention(q, k, v, bias)
+    group = heads // kv_heads
+    k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    for b in range(batch):
+        for n in range(heads):
+            scores = (q[b, n] @ k_rep[b, n].T) * dim**-0.5  # [T, S]
+            scores = scores.masked_fill(bias[b, 0] != 0, float("-inf"))
+            expected = torch.softmax(scores, dim=-1) @ v_rep[b, n]
+            # the same products, reduced in a batched matmul's order: within fp32 reassociation of D and S terms
+            torch.testing.assert_close(out[b, n], expected, rtol=0, atol=keys * 2**-20)
+    # padding, future slots: row 0's queries never see slots 0-1, row 1's first query not slot 4
+    assert out[0].abs().max() < 10 and torch.isfinite(out).all()
 
 
 @torch.no_grad()

@@ -152,22 +152,22 @@ def write_blocks(
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, batch: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, batch: int
 ) -> torch.Tensor:
-    """Softmax attention of q [B, N, T, D] over gathered k, v [K B, S, D] (`PagedKVCache.gather`), mask [B, 1, T, S].
+    """Softmax attention of q [B, N, T, D] over gathered k, v [K B, S, D] (`PagedKVCache.gather`) under the
+    additive `bias` [B, 1, T, S] (decoder.row_offset_bias).
 
     The N / K query heads of one key/value head are stacked into one batched matmul (keys are not repeated per
     head), with the batch K-major as the gather leaves it; each (row, head) product is the same as over a
-    contiguous cache.
+    contiguous cache (decoder.grouped_attention), scale and bias applied the same way.
     """
     _, num_heads, seq, head_dim = q.shape
     num_kv_heads, num_keys = k.shape[0] // batch, k.shape[1]
     group_rows = num_heads // num_kv_heads * seq
     q = q.reshape(batch, num_kv_heads, group_rows, head_dim).transpose(0, 1)  # head n -> kv head n // G
     q = q.reshape(num_kv_heads * batch, group_rows, head_dim)  # [K B, G T, D]
-    scores = torch.bmm(q, k.transpose(1, 2))  # [K B, G T, S]
-    scores = scores.view(num_kv_heads, batch, -1, seq, num_keys) * head_dim**-0.5
-    scores = scores.masked_fill_(~mask[None], float("-inf"))  # [K, B, G, T, S] (a fresh tensor)
+    scores = torch.bmm(q, k.transpose(1, 2)).view(num_kv_heads, batch, -1, seq, num_keys)  # [K, B, G, T, S]
+    torch.add(bias[None], scores, alpha=head_dim**-0.5, out=scores)
     probs = torch.softmax(scores, dim=-1).view(num_kv_heads * batch, group_rows, num_keys)
     out = torch.bmm(probs, v)  # [K B, G T, D]
     out = out.view(num_kv_heads, batch, group_rows, head_dim).transpose(0, 1)
