@@ -16,6 +16,17 @@ _tests_dir = os.path.dirname(os.path.abspath(__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_tests_dir, os.environ.get("PYTHONPATH")) if p)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def single_torch_thread():
+    """Every test module starts on one torch thread, whatever a module before it set (tiny ops on 2 shared
+    cores: OpenMP threads spin against each other, one thread is up to 40x faster); a test that needs more
+    sets them itself, and the count in force before the module comes back after it."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """Start one local Ray runtime for the whole test session (ray.init costs ~2.5 s)."""

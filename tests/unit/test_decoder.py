@@ -12,15 +12,6 @@ from dockrl.models.decoder import attention_mask, grouped_attention, rope_inv_fr
 VOCAB = 300
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread():
-    """Tiny ops on a shared 2-core machine: OpenMP threads spin against each other, 1 thread is 40x faster."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 LLAMA3_SCALING = {
     "rope_type": "llama3",
     "factor": 8.0,

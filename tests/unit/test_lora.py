@@ -31,14 +31,6 @@ from helpers import PARITY_BOUND
 VOCAB = 128
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread():
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 def tiny_args(family: str = "qwen2") -> ModelArgs:
     return ModelArgs(
         family=family,

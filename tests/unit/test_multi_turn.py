@@ -31,14 +31,6 @@ from dockrl.models.tokenizer import Tokenizer
 GROUP = 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread():
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 # ---- tool calls and tools ------------------------------------------------------------------------------------
 
 

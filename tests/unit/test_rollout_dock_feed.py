@@ -14,15 +14,6 @@ GROUP = 3
 GROUP_PROMPTS = [[5, 17, 42], [11, 50, 2, 9], [8, 8], [23, 45, 6, 1, 1], [60, 61]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread():
-    """Tiny ops on a shared 2-core machine: OpenMP threads spin against each other, 1 thread is 40x faster."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 class FakeDock:
     """DockClient's get/put for one consumer over whole groups of GROUP rows; logs every call."""
 

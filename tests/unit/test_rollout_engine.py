@@ -19,15 +19,6 @@ PROMPTS = [[5, 17, 42, 9, 7, 3], [11, 50], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7], [23, 
 CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322, 8: 26.124}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread():
-    """Tiny ops on a shared 2-core machine: OpenMP threads spin against each other, 1 thread is 40x faster."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 def tiny_model(vocab_size: int = VOCAB, std: float = 0.1, seed: int = 0) -> Transformer:
     args = ModelArgs(
         family="qwen2",

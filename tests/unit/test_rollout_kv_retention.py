@@ -35,14 +35,6 @@ def logprob_bound(logprobs: torch.Tensor) -> torch.Tensor:
     return 4 * MAX_SEQ_LEN * 2.0**-24 * logprobs.abs().clamp(min=1.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread():
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 @pytest.fixture(scope="module")
 def model() -> Transformer:
     return tiny_decoder(MAX_SEQ_LEN)

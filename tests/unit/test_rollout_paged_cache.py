@@ -18,14 +18,6 @@ from helpers import tiny_decoder
 FP32_BOUND = 1e-5  # see the module docstring
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread():
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 @pytest.fixture(scope="module")
 def model() -> Transformer:
     return tiny_decoder(640)

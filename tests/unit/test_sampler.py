@@ -16,15 +16,6 @@ VOCAB = 300
 PROMPTS = [[5, 17, 42, 99, 7, 3], [11, 250], [8, 8, 8, 1, 2, 3, 4, 5, 6, 7], [123, 45, 6]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread():
-    """Tiny ops on a shared 2-core machine: OpenMP threads spin against each other, 1 thread is 40x faster."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 @pytest.fixture(scope="module")
 def model() -> Transformer:
     args = ModelArgs(
