@@ -464,7 +464,7 @@ def trl_child(spec_json: str) -> None:
         per_device_train_batch_size=trl["per_device_train_batch_size"],
         gradient_accumulation_steps=trl["gradient_accumulation_steps"],
         model_init_kwargs={"attn_implementation": trl["attn_implementation"]},
-        gradient_checkpointing=trl.get("gradient_checkpointing", True),
+        gradient_checkpointing=trl["gradient_checkpointing"],
         num_generations=spec["samples"],
         max_completion_length=spec["max_new_tokens"],
         beta=spec["kl_coef"],

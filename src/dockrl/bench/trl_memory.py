@@ -13,17 +13,18 @@ vocabulary, P parameters, L the padded sequence length (prompt + response), b by
     saved        per token, what the backward finds saved: each layer's fp32 input (4h per layer) with
                  checkpointing, every layer's saved tensors (`layer_bytes_per_token`) without; and the final
                  norm's and the head's input (12h)
-    head         the head's backward: tiles of min(tokens, 4096) x V (`HEAD_BYTES_PER_ELEMENT`) and its fp32
+    head         the head's backward: tiles of min(tokens, 4096) x V (`head_bytes_per_element`) and its fp32
                  gradient of the hidden states (4h per token)
     layers       the backward through the layers: one layer's saved tensors recomputed (checkpointing) and
                  their gradients, each at most the layer's saved bytes, and two fp32 residual gradients (8h)
     generation   the generation phase: the KV cache of the step's prompts x samples (TRL generates them in one
                  batch whatever the micro-batches; fp32, twice as transformers' cache grows by concatenation)
-                 and the reference model's forward through the head (`HEAD_FORWARD_BYTES_PER_ELEMENT`)
+                 and the reference model's forward through the head (`head_forward_bytes_per_element`)
 
 The bound is the sum of every term, not the largest phase: the phases (generation, the head's backward, the
-layers' backward) do not overlap in time, but CPU torch allocates tensors under 32 MiB from glibc's heap, which
-keeps what a phase freed resident, so a later phase's peak can sit on an earlier one's. MARGIN covers what is
+layers' backward) do not overlap in time, but CPU torch allocates from glibc's malloc, whose heap serves
+tensors up to 32 MiB once its dynamic mmap threshold has risen and keeps what a phase freed resident, so a later
+phase's peak can sit on an earlier one's. MARGIN covers what is
 not counted (biases, RoPE tables, the padding mask, per-token vectors). docs/benchmarks.md ("Where TRL fell
 back") has TRL's measured peaks against the bound.
 """
