@@ -159,9 +159,11 @@ def test_bench_multiturn_counts_the_same_trajectories_three_ways():
 
 
 def test_trl_config_best_is_one_micro_batch_unless_memory_says_otherwise(tmp_path):
-    """--trl-config best puts the whole step in one micro-batch when the estimate fits in half the memory, else
-    the fewest micro-batches of whole prompt groups that fit, saying so; micro is the old configuration."""
-    from dockrl.bench.e2e import _MAX_PROMPT_LEN, training_bytes, trl_config
+    """--trl-config best puts the whole step in one micro-batch when TRL's memory estimate fits in the memory
+    available, else the fewest micro-batches of whole prompt groups that fit, saying so; micro is the old
+    configuration."""
+    from dockrl.bench.e2e import _MAX_PROMPT_LEN, trl_config
+    from dockrl.bench.trl_memory import trl_step_bytes
     from dockrl.models.hf import read_config
     from dockrl.models.tiny import make_tiny
 
@@ -171,10 +173,10 @@ def test_trl_config_best_is_one_micro_batch_unless_memory_says_otherwise(tmp_pat
     assert (best["per_device_train_batch_size"], best["gradient_accumulation_steps"]) == (128, 1)
     assert best["fell_back"] is None and best["attn_implementation"] == "sdpa"
     # memory for a quarter of the step (32 rows) and no more: 4 micro-batches of 32, and the reason
-    quarter = training_bytes(read_config(model), 32, _MAX_PROMPT_LEN + 32)
-    tight = trl_config(args, model, available_bytes=int(2 * quarter))
+    quarter = trl_step_bytes(read_config(model), 32, _MAX_PROMPT_LEN + 32, best["precision"], 128)["total"]
+    tight = trl_config(args, model, available_bytes=int(quarter) + 1)  # the float estimate rounded up
     assert (tight["per_device_train_batch_size"], tight["gradient_accumulation_steps"]) == (32, 4)
     assert "4 micro-batches of 32" in tight["fell_back"]
     args.trl_config = "micro"
-    micro = trl_config(args, model)
+    micro = trl_config(args, model, available_bytes=2**40)
     assert (micro["per_device_train_batch_size"], micro["gradient_accumulation_steps"]) == (8, 16)

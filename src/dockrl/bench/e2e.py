@@ -11,8 +11,9 @@
 dockrl runs `dockrl train` (actor.dp=--dp, its CPU default precision) in its own local Ray; TRL (when
 importable: `pip install -e .[bench]`) runs GRPOTrainer in this process's child, one process, at its fastest
 configuration for this machine (--trl-config best, the default): the whole step's prompts x samples completions
-in one micro-batch (gradient_accumulation_steps=1) unless a memory estimate says it does not fit in half the
-available memory (then the fewest micro-batches that do, and the output says so), sdpa attention, and dockrl's
+in one micro-batch (gradient_accumulation_steps=1) unless its peak memory (bench/trl_memory.py, an upper bound)
+exceeds the memory available when the bench started (then the fewest micro-batches that fit, and the output
+says so; the row's `peak_rss_gib` is what TRL's process then held at its peak), sdpa attention, and dockrl's
 precision rule (bf16 only on a CPU that computes it natively; TRL's own default is bf16, which a CPU without
 AVX512-BF16 or AMX emulates ~100x slower than fp32). --trl-config micro gives TRL the configuration this bench
 used before (micro-batches of --samples completions, gradient accumulation over the prompts), which is slower.
@@ -96,9 +97,10 @@ def add_trl_config_argument(parser: argparse.ArgumentParser) -> None:
         "--trl-config",
         choices=TRL_CONFIGS,
         default="best",
-        help="best: the whole step in one micro-batch where the memory estimate allows (else the fewest "
-        "micro-batches that fit), sdpa attention; micro: micro-batches of --samples completions with gradient "
-        "accumulation over the prompts (the configuration before issue 47, slower)",
+        help="best: the whole step in one micro-batch where TRL's memory estimate fits in the memory available "
+        "at the start (else the fewest micro-batches that fit), sdpa attention; micro: micro-batches of "
+        "--samples completions with gradient accumulation over the prompts (the configuration before issue 47, "
+        "slower)",
     )
     parser.add_argument(
         "--trl-threads",
@@ -121,6 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.prompts = args.prompts or (32 if args.small else 16)
     args.max_new_tokens = args.max_new_tokens or (10 if args.small else 128)
     out: dict[str, Any] = {}
+    available = available_memory_bytes()  # before either system runs (see available_memory_bytes)
     with tempfile.TemporaryDirectory(prefix="dockrl-bench-e2e-") as tmp:
         root = Path(tmp)
         shape = dict(_SMALL if args.small else _LARGE)
@@ -155,7 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "dockrl" in systems:
             out["dockrl"] = _dockrl(args, root, model, data["train"], peak)
         if "trl" in systems:
-            out["trl"] = _trl(args, root, model, data["train"], peak)
+            out["trl"] = _trl(args, root, model, data["train"], available, peak)
     if isinstance(out.get("dockrl"), dict) and isinstance(out.get("trl"), dict) and "step_s" in out["trl"]:
         out["speedup"] = out["dockrl"]["response_tokens_per_s"] / out["trl"]["response_tokens_per_s"]
     return out
@@ -312,15 +315,17 @@ def roofline_shares(
     return out
 
 
-def trl_config(args: argparse.Namespace, model: Path, available_bytes: int | None = None) -> dict[str, Any]:
+def trl_config(args: argparse.Namespace, model: Path, available_bytes: int) -> dict[str, Any]:
     """TRL's configuration for the workload (--trl-config): best, the whole step of prompts x samples
-    completions in one micro-batch (gradient_accumulation_steps=1) unless `training_bytes` of that batch exceeds
-    half the memory available (then the fewest micro-batches of whole prompt groups that fit, `fell_back`
-    saying so), sdpa attention; micro, micro-batches of --samples with accumulation over the prompts. The
-    precision is dockrl's rule (run.precision=auto on this CPU) in both, the threads --trl-threads (default: one
-    per core this process may use)."""
+    completions in one micro-batch (gradient_accumulation_steps=1) unless TRL's peak memory for it
+    (bench/trl_memory.py, an upper bound) exceeds `available_bytes`, the memory available when the bench
+    started (then the fewest micro-batches of whole prompt groups that fit, `fell_back` saying so), sdpa
+    attention; micro, micro-batches of --samples with accumulation over the prompts. The precision is dockrl's
+    rule (run.precision=auto on this CPU) in both, the threads --trl-threads (default: one per core this
+    process may use)."""
     import os
 
+    from dockrl.bench.trl_memory import trl_step_bytes
     from dockrl.models.hf import read_config
     from dockrl.recipes.preflight import resolve_precision
 
@@ -330,54 +335,63 @@ def trl_config(args: argparse.Namespace, model: Path, available_bytes: int | Non
         "name": args.trl_config,
         "precision": precision,
         "attn_implementation": "sdpa",
+        # GRPOConfig's default, made explicit: the memory estimate counts what checkpointing keeps
+        "gradient_checkpointing": True,
         "threads": threads,
+        "available_gib": available_bytes / 2**30,
     }
     if args.trl_config == "micro":
         return config | {
             "per_device_train_batch_size": args.samples,
             "gradient_accumulation_steps": args.prompts,
         }
-    if available_bytes is None:
-        available_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     length = _MAX_PROMPT_LEN + args.max_new_tokens
     margs = read_config(model)
+    step_rows = args.prompts * args.samples
+
+    def estimate(rows: int) -> float:
+        return trl_step_bytes(
+            margs, rows, length, precision, step_rows, args.kl_coef > 0, config["gradient_checkpointing"]
+        )["total"]
+
     for accumulation in [n for n in range(1, args.prompts + 1) if args.prompts % n == 0]:
-        rows = args.prompts * args.samples // accumulation
-        estimate = training_bytes(margs, rows, length)
-        if estimate <= available_bytes / 2 or accumulation == args.prompts:
+        rows = step_rows // accumulation
+        if estimate(rows) <= available_bytes or accumulation == args.prompts:
             break
     fell_back = (
         None
         if accumulation == 1
-        else f"one micro-batch of {args.prompts * args.samples} rows needs about "
-        f"{training_bytes(margs, args.prompts * args.samples, length) / 2**30:.1f} GiB, over half the "
+        else f"one micro-batch of {step_rows} rows needs about {estimate(step_rows) / 2**30:.1f} GiB, over the "
         f"{available_bytes / 2**30:.1f} GiB available: {accumulation} micro-batches of {rows}"
     )
     return config | {
         "per_device_train_batch_size": rows,
         "gradient_accumulation_steps": accumulation,
-        "memory_estimate_gib": estimate / 2**30,
+        "memory_estimate_gib": estimate(rows) / 2**30,
         "fell_back": fell_back,
     }
 
 
-def training_bytes(margs: Any, rows: int, length: int) -> float:
-    """An upper estimate of the activation memory of TRL's forward and backward over `rows` sequences of `length`
-    tokens, in fp32 (4 bytes; autocast keeps fp32 copies beside bf16 ones): per layer and token the tensors saved
-    for backward (12 x hidden around attention and the norms, 4 x the MLP width, 2 x heads x length for the
-    attention probabilities of a kernel that keeps them), and per token 3 x vocabulary for the logits, their
-    log-softmax and its gradient; plus the weights, their gradients and Adam's two moments (4 x params)."""
-    per_token = margs.num_layers * (
-        12 * margs.hidden_size + 4 * margs.intermediate_size + 2 * margs.num_heads * length
-    )
-    per_token += 3 * margs.vocab_size
-    return 4.0 * (rows * length * per_token + 4 * margs.num_params())
+def available_memory_bytes() -> int:
+    """Memory the kernel reports available now (MemAvailable: free plus what it can reclaim), in bytes. The
+    benches read it once, before any system runs: memory a finished run has not yet returned would otherwise
+    count against TRL."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024  # the kernel reports kB
+    raise RuntimeError("/proc/meminfo has no MemAvailable line (not Linux?)")
 
 
 def _trl(
-    args: argparse.Namespace, root: Path, model: Path, train: Path, peak: dict[str, Any] | None = None
+    args: argparse.Namespace,
+    root: Path,
+    model: Path,
+    train: Path,
+    available_bytes: int,
+    peak: dict[str, Any] | None = None,
 ) -> dict[str, Any] | str:
-    """TRL's GRPOTrainer on the same work, in a child process; a reason string when TRL is missing."""
+    """TRL's GRPOTrainer on the same work, in a child process; a reason string when TRL is missing.
+    `available_bytes`: the memory available when the bench started (`available_memory_bytes`)."""
     try:
         import trl  # noqa: F401
     except ImportError:
@@ -385,7 +399,7 @@ def _trl(
 
     # TRL's GRPOConfig defaults to bf16 even on a CPU, where a CPU without native bf16 (AVX2 only) emulates it
     # at ~1 GFLOP/s; TRL then gets dockrl's rule (run.precision=auto): bf16 only where the CPU computes it.
-    config = trl_config(args, model)
+    config = trl_config(args, model, available_bytes)
     spec = {
         "config": config,
         "model": str(model),
@@ -450,6 +464,7 @@ def trl_child(spec_json: str) -> None:
         per_device_train_batch_size=trl["per_device_train_batch_size"],
         gradient_accumulation_steps=trl["gradient_accumulation_steps"],
         model_init_kwargs={"attn_implementation": trl["attn_implementation"]},
+        gradient_checkpointing=trl["gradient_checkpointing"],
         num_generations=spec["samples"],
         max_completion_length=spec["max_new_tokens"],
         beta=spec["kl_coef"],
@@ -472,6 +487,7 @@ def trl_child(spec_json: str) -> None:
     )
     generate_s: list[float] = []
     sequence_tokens: list[float] = []  # real (unpadded) prompt + completion tokens per sequence, per call
+    padded_lengths: list[int] = []  # the padded prompt + completion length the step's forwards run at
     inner = trainer._generate_and_score_completions
 
     def timed_generate(*a, **k):
@@ -482,6 +498,7 @@ def trl_child(spec_json: str) -> None:
             generate_s.append(time.perf_counter() - start)
         masks = out["prompt_mask"], out["completion_mask"]
         sequence_tokens.append(float(sum(m.sum() for m in masks)) / len(masks[0]))
+        padded_lengths.append(sum(m.shape[1] for m in masks))
         return out
 
     trainer._generate_and_score_completions = timed_generate  # type: ignore[method-assign]
@@ -516,6 +533,7 @@ def trl_child(spec_json: str) -> None:
                 lengths.append(float(logs["completions/mean_length"]))
 
     trainer.add_callback(Clock())
+    start_rss = _rss_bytes("VmRSS")  # the process, the policy and the reference model, before any step
     trainer.train()
     steps = [b - a for a, b in zip(step_ends, step_ends[1:])][1:]  # after the first
     generate = generate_s[1 : 1 + len(steps)] if len(generate_s) > len(steps) else generate_s[-len(steps) :]
@@ -534,6 +552,18 @@ def trl_child(spec_json: str) -> None:
                 "overhead_s": step - in_steps,
                 "response_length_mean": statistics.median(lengths[1:]) if len(lengths) > 1 else None,
                 "tokens_per_sequence": statistics.median(sequence_tokens),
+                # the child's high-water resident memory: what `trl_config`'s estimate bounds
+                "peak_rss_gib": _rss_bytes("VmHWM") / 2**30,
+                "start_rss_gib": start_rss / 2**30,
+                "padded_length": max(padded_lengths),
             }
         )
     )
+
+
+def _rss_bytes(field: str) -> int:
+    """This process's resident memory now (VmRSS) or at its peak (VmHWM), from /proc/self/status, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024  # the kernel reports kB
+    raise RuntimeError(f"/proc/self/status has no {field} line (not Linux?)")

@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if sorted(set(systems) - {"dockrl", "trl"}):
         raise SystemExit(f"--systems={args.systems}: use a comma list of dockrl, trl")
+    available = e2e.available_memory_bytes()  # once, before any point runs (e2e.available_memory_bytes)
     peak = e2e.measure_peak()
     rows: list[dict[str, Any]] = [{"size": "roofline", "system": "host", **peak}]
     with tempfile.TemporaryDirectory(prefix="dockrl-bench-scaling-") as tmp:
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if system == "dockrl":
                         got: dict[str, Any] | str = e2e._dockrl(point, work_dir, model, data["train"], peak)
                     else:
-                        got = e2e._trl(point, work_dir, model, data["train"], peak)
+                        got = e2e._trl(point, work_dir, model, data["train"], available, peak)
                     if isinstance(got, str):  # TRL not installed
                         rows.append({"size": size, "length": length, "system": system, "skipped": got})
                         continue
@@ -136,6 +137,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                                     "decode_bw_share",
                                     "decode_roofline_share",
                                     "trl_config",
+                                    "peak_rss_gib",
+                                    "start_rss_gib",
+                                    "padded_length",
                                 )
                                 if k in got
                             },
