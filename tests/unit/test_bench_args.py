@@ -172,11 +172,15 @@ def test_trl_config_best_is_one_micro_batch_unless_memory_says_otherwise(tmp_pat
     best = trl_config(args, model, available_bytes=2**40)
     assert (best["per_device_train_batch_size"], best["gradient_accumulation_steps"]) == (128, 1)
     assert best["fell_back"] is None and best["attn_implementation"] == "sdpa"
-    # memory for a quarter of the step (32 rows) and no more: 4 micro-batches of 32, and the reason
-    quarter = trl_step_bytes(read_config(model), 32, _MAX_PROMPT_LEN + 32, best["precision"], 128)["total"]
-    tight = trl_config(args, model, available_bytes=int(quarter) + 1)  # the float estimate rounded up
+    assert best["gradient_checkpointing"] is False  # GRPOConfig's default recomputes every forward
+    # memory for a quarter of the step (32 rows) without checkpointing and no more: 4 micro-batches of 32
+    margs = read_config(model)
+    quarter = trl_step_bytes(margs, 32, _MAX_PROMPT_LEN + 32, best["precision"], 128, checkpointing=False)
+    tight = trl_config(
+        args, model, available_bytes=int(quarter["total"]) + 1
+    )  # the float estimate rounded up
     assert (tight["per_device_train_batch_size"], tight["gradient_accumulation_steps"]) == (32, 4)
-    assert "4 micro-batches of 32" in tight["fell_back"]
+    assert "4 micro-batches of 32, gradient checkpointing off" in tight["fell_back"]
     args.trl_config = "micro"
     micro = trl_config(args, model, available_bytes=2**40)
     assert (micro["per_device_train_batch_size"], micro["gradient_accumulation_steps"]) == (8, 16)

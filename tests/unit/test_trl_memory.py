@@ -94,25 +94,42 @@ def _write_config(tmp_path, margs: ModelArgs):
     return model
 
 
-def test_fifty_m_at_2048_runs_in_one_micro_batch_at_20_gib(tmp_path, monkeypatch):
+def test_fifty_m_at_2048_runs_without_checkpointing_in_the_fewest_micro_batches_that_fit(
+    tmp_path, monkeypatch
+):
     """bench scaling's 50M x 2,048 point (4 x 4 rows of 64 + 2,048 tokens), which fell back to 4 micro-batches
-    under the old estimate (129 GiB for one batch, against half the memory), fits one batch in 20 GiB (8.25 GiB
-    by the bound); at 7 GiB it falls back to 2 micro-batches of 8 (6.10 GiB), and at 4 GiB, short even for 4
-    rows (5.03 GiB), it takes the most micro-batches there are and says so."""
+    under the old estimate (129 GiB for one batch, against half the memory). By the bound: one batch without
+    gradient checkpointing 20.27 GiB, 2 x 8 rows 12.11, 4 x 4 8.04; with it 8.25, 6.10, 5.03. At 24 GiB one
+    batch as it is; at 20 GiB two micro-batches without checkpointing (not one batch recomputing every
+    forward); at 7 GiB two micro-batches with checkpointing; at 4 GiB, short even for that, the most micro-batches there
+    are, checkpointing on, saying so."""
     from dockrl.bench import e2e
 
     monkeypatch.setattr("dockrl.recipes.preflight.cpu_has_native_bf16", lambda: True)
     model = _write_config(tmp_path, _scaling_shape("50m"))
     args = build_parser().parse_args(["bench", "e2e", "--prompts=4", "--samples=4", "--max-new-tokens=2048"])
-    roomy = e2e.trl_config(args, model, available_bytes=20 * GIB)
-    assert (roomy["per_device_train_batch_size"], roomy["gradient_accumulation_steps"]) == (16, 1)
-    assert roomy["fell_back"] is None and roomy["memory_estimate_gib"] == pytest.approx(8.25, abs=0.005)
-    short = e2e.trl_config(args, model, available_bytes=7 * GIB)
-    assert (short["per_device_train_batch_size"], short["gradient_accumulation_steps"]) == (8, 2)
-    assert "2 micro-batches of 8" in short["fell_back"] and short["memory_estimate_gib"] <= 7
+
+    def picked(gib: float) -> tuple[int, int, bool]:
+        config = e2e.trl_config(args, model, available_bytes=int(gib * GIB))
+        return (
+            config["per_device_train_batch_size"],
+            config["gradient_accumulation_steps"],
+            config["gradient_checkpointing"],
+        )
+
+    assert picked(24) == (16, 1, False)
+    assert e2e.trl_config(args, model, available_bytes=24 * GIB)["fell_back"] is None
+    assert picked(20) == (8, 2, False)
+    assert (
+        "2 micro-batches of 8, gradient checkpointing off"
+        in e2e.trl_config(args, model, 20 * GIB)["fell_back"]
+    )
+    assert picked(9) == (4, 4, False)
+    assert picked(7) == (8, 2, True)
     starved = e2e.trl_config(args, model, available_bytes=4 * GIB)
     assert (starved["per_device_train_batch_size"], starved["gradient_accumulation_steps"]) == (4, 4)
-    assert "4 micro-batches of 4" in starved["fell_back"] and starved["memory_estimate_gib"] > 4
+    assert "4 micro-batches of 4, gradient checkpointing on" in starved["fell_back"]
+    assert starved["memory_estimate_gib"] == pytest.approx(5.03, abs=0.005)
 
 
 def _fake_systems(monkeypatch, events: list):

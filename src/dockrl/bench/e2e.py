@@ -317,12 +317,14 @@ def roofline_shares(
 
 def trl_config(args: argparse.Namespace, model: Path, available_bytes: int) -> dict[str, Any]:
     """TRL's configuration for the workload (--trl-config): best, the whole step of prompts x samples
-    completions in one micro-batch (gradient_accumulation_steps=1) unless TRL's peak memory for it
-    (bench/trl_memory.py, an upper bound) exceeds `available_bytes`, the memory available when the bench
-    started (then the fewest micro-batches of whole prompt groups that fit, `fell_back` saying so), sdpa
-    attention; micro, micro-batches of --samples with accumulation over the prompts. The precision is dockrl's
-    rule (run.precision=auto on this CPU) in both, the threads --trl-threads (default: one per core this
-    process may use)."""
+    completions in one micro-batch (gradient_accumulation_steps=1) without gradient checkpointing (GRPOConfig
+    turns it on by default: one more forward per backward; dockrl's actor.activation_checkpointing is off), as
+    long as TRL's peak memory for it (bench/trl_memory.py, an upper bound) fits in `available_bytes`, the memory
+    available when the bench started; else the fewest micro-batches of whole prompt groups that fit without
+    checkpointing (a micro-batch of a few thousand tokens costs little more per token, a recomputed forward a
+    third more), then the same with it (`fell_back` saying which and why); sdpa attention. micro: micro-batches of --samples with accumulation over the
+    prompts (GRPOConfig's checkpointing). The precision is dockrl's rule (run.precision=auto on this CPU) in
+    both, the threads --trl-threads (default: one per core this process may use)."""
     import os
 
     from dockrl.bench.trl_memory import trl_step_bytes
@@ -335,8 +337,6 @@ def trl_config(args: argparse.Namespace, model: Path, available_bytes: int) -> d
         "name": args.trl_config,
         "precision": precision,
         "attn_implementation": "sdpa",
-        # GRPOConfig's default, made explicit: the memory estimate counts what checkpointing keeps
-        "gradient_checkpointing": True,
         "threads": threads,
         "available_gib": available_bytes / 2**30,
     }
@@ -344,30 +344,41 @@ def trl_config(args: argparse.Namespace, model: Path, available_bytes: int) -> d
         return config | {
             "per_device_train_batch_size": args.samples,
             "gradient_accumulation_steps": args.prompts,
+            "gradient_checkpointing": True,
         }
     length = _MAX_PROMPT_LEN + args.max_new_tokens
     margs = read_config(model)
     step_rows = args.prompts * args.samples
 
-    def estimate(rows: int) -> float:
-        return trl_step_bytes(
-            margs, rows, length, precision, step_rows, args.kl_coef > 0, config["gradient_checkpointing"]
-        )["total"]
+    def estimate(rows: int, checkpointing: bool) -> float:
+        return trl_step_bytes(margs, rows, length, precision, step_rows, args.kl_coef > 0, checkpointing)[
+            "total"
+        ]
 
-    for accumulation in [n for n in range(1, args.prompts + 1) if args.prompts % n == 0]:
-        rows = step_rows // accumulation
-        if estimate(rows) <= available_bytes or accumulation == args.prompts:
-            break
+    choices = [
+        (accumulation, checkpointing)
+        for checkpointing in (False, True)
+        for accumulation in range(1, args.prompts + 1)
+        if args.prompts % accumulation == 0
+    ]
+    accumulation, checkpointing = next(
+        (choice for choice in choices if estimate(step_rows // choice[0], choice[1]) <= available_bytes),
+        choices[-1],
+    )
+    rows = step_rows // accumulation
     fell_back = (
         None
-        if accumulation == 1
-        else f"one micro-batch of {step_rows} rows needs about {estimate(step_rows) / 2**30:.1f} GiB, over the "
-        f"{available_bytes / 2**30:.1f} GiB available: {accumulation} micro-batches of {rows}"
+        if (accumulation, checkpointing) == (1, False)
+        else f"one micro-batch of {step_rows} rows without gradient checkpointing needs about "
+        f"{estimate(step_rows, False) / 2**30:.1f} GiB, over the {available_bytes / 2**30:.1f} GiB available: "
+        f"{accumulation} micro-batch{'es' if accumulation > 1 else ''} of {rows}, gradient checkpointing "
+        f"{'on' if checkpointing else 'off'}"
     )
     return config | {
         "per_device_train_batch_size": rows,
         "gradient_accumulation_steps": accumulation,
-        "memory_estimate_gib": estimate(rows) / 2**30,
+        "gradient_checkpointing": checkpointing,
+        "memory_estimate_gib": estimate(rows, checkpointing) / 2**30,
         "fell_back": fell_back,
     }
 
