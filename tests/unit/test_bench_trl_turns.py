@@ -14,9 +14,10 @@ pytest.importorskip("trl")
 
 
 def test_trl_runs_its_tool_loop_for_every_forced_turn(tmp_path, monkeypatch):
-    from dockrl.bench.rollout_turns import response_budget, trajectory_rows
+    from dockrl.bench.rollout_turns import CalculatorTurns, response_budget, trajectory_rows
     from dockrl.bench.trl_turns import trl_arm
     from dockrl.models.tiny import make_tiny
+    from dockrl.models.tokenizer import Tokenizer
 
     # TRL's child without tests/ on its path: tests/vllm would pass for a vLLM install without a version
     monkeypatch.setenv("PYTHONPATH", str(Path(dockrl.__file__).parents[1]))
@@ -45,5 +46,18 @@ def test_trl_runs_its_tool_loop_for_every_forced_turn(tmp_path, monkeypatch):
         == sum(t["sampled_tokens"] for t in trajectories)
     )
     assert round_["completion_tokens"] == sum(t["completion_tokens"] for t in trajectories)
+    # TRL's prompts (its tool schema read from the calculator function) are dockrl's, token for token
+    tokenizer = Tokenizer.from_dir(model)
+    dockrl_prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": row["prompt"]}],
+                add_generation_prompt=True,
+                tools=CalculatorTurns.tools,
+            )
+        )
+        for row in trajectory_rows(args)
+    ]
+    assert round_["prompt_tokens"] == sum(map(len, dockrl_prompts))
     # every turn re-prefills: turn 1 the prompts, each later turn prompt + completion so far + tool suffix
     assert round_["prefill_tokens"] > round_["prompt_tokens"] * 3
