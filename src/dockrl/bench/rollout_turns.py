@@ -29,8 +29,9 @@ clock) and the median, sampled (policy) tokens and tokens/s at the best, the pro
 CPU second, positions_per_s (sampled tokens + positions prefilled, per wall second: the positions the model
 ran), positions prefilled and positions found kept, and prefill forward calls. `ratio_to_single` is the mode's
 sampled tokens/s over single-turn's, `cpu_ratio_to_single` the same per CPU second.
-`same_tokens` compares multi_kept's trajectories with multi_reprefill's token by token. Every arm's weights are
-in --precision (auto: dockrl's rule, bf16 on a CPU that computes it natively).
+`same_tokens` compares multi_kept's trajectories with multi_reprefill's token by token. dockrl's weights are in
+--precision (fp32; auto: dockrl's rule, bf16 on a CPU that computes it natively, where same_tokens is no longer
+all: bf16 rounds the kept and re-prefilled forwards differently).
 
 TRL's rows time its generation phase for the whole step (`_generate`: every policy turn and the tool loop; its
 rewards and advantages, `score_s`, apart; beta 0, so no reference forward; the loss and backward not timed),
@@ -97,8 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--precision",
         choices=("auto", "fp32", "bf16"),
-        default="auto",
-        help="the weights' precision in every arm; auto: dockrl's rule (bf16 on a CPU that computes it natively)",
+        default="fp32",
+        help="dockrl's weights (auto: dockrl's rule, bf16 on a CPU that computes it natively; faster, but "
+        "then multi_kept and multi_reprefill round differently and same_tokens is no longer all)",
     )
     parser.add_argument(
         "--trl",
@@ -210,7 +212,6 @@ def trl_rows(arms: list[dict[str, Any]], kept: dict[str, Any]) -> list[dict[str,
         "mode": "trl_config",
         "fastest": fastest[0]["mode"],
         "kept_over_trl": fastest[0]["kept_over_trl"],
-        "threads": config["threads"],
         "attn": config["attn_implementation"],
         "batch": config["generation_batch"],
         "max_completion": config["max_completion_length"],
@@ -228,6 +229,8 @@ def _trl_row(trl: dict[str, Any], kept: dict[str, Any]) -> dict[str, Any]:
     sampled, wall, cpu = row["sampled_tokens"], row["wall_s"], row["cpu_s"]
     return {
         "mode": f"trl_{trl['precision']}",
+        "precision": trl["precision"],
+        "threads": trl["config"]["threads"],
         "trajectories": len(trl["trajectories"]),
         "turns": row["policy_turns"],
         "wall_s": round(wall, 3),
@@ -321,5 +324,7 @@ def _one_pass(model, tokenizer, mode: str, args: argparse.Namespace) -> tuple[di
         "kv_reused_tokens": env["kv_reused_tokens"],
         "prefill_calls": stats["prefill_calls"],
         "layout": engine.layout,
+        "precision": args.precision,
+        "threads": args.threads,
     }
     return row, outs
