@@ -46,7 +46,6 @@ load average before and after (the host may be shared: compare rows of one run o
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import time
@@ -54,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from dockrl.bench.env_tier import cpu_row
-from dockrl.bench.trl_turns import trl_arm
+from dockrl.bench.trl_turns import TrlArm, trl_installed
 from dockrl.envs.base import Observation
 from dockrl.envs.tools import Calculator
 
@@ -140,7 +139,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
     args.precision = resolve_precision(args.precision, "cpu", key="--precision")
     if args.trl is None:
-        args.trl = importlib.util.find_spec("trl") is not None
+        args.trl = trl_installed()
+    elif args.trl and not trl_installed():
+        raise SystemExit("--trl: trl is not installed; pip install -e .[bench], or pass --no-trl")
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="dockrl-bench-multiturn-") as tmp:
         path = make_tiny(
@@ -156,19 +157,26 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         walls: dict[str, list[float]] = {mode: [] for mode in MODES}
         best: dict[str, dict[str, Any]] = {}
         outputs: dict[str, list] = {}
+        # a child process per TRL precision, built (import, model, trainer) before any clock; one step of each
+        # is a mode of the rotation, so TRL's rounds and dockrl's share the host's moments alike
+        arms = {
+            f"trl_{precision}": TrlArm(
+                args, Path(path), trajectory_rows(args), response_budget(args), precision
+            )
+            for precision in (trl_precisions(args) if args.trl else ())
+        }
+        modes = MODES + tuple(arms)
         for round_index in range(args.rounds):
-            order = MODES[round_index % len(MODES) :] + MODES[: round_index % len(MODES)]
+            order = modes[round_index % len(modes) :] + modes[: round_index % len(modes)]
             for mode in order:
+                if mode in arms:
+                    arms[mode].run_round()
+                    continue
                 row, outs = _one_pass(model, tokenizer, mode, args)
                 walls[mode].append(row["wall_s"])
                 if mode not in best or row["wall_s"] < best[mode]["wall_s"]:
                     best[mode], outputs[mode] = row, outs
-        # after dockrl's rounds, one child process per TRL precision for all its rounds (its import and model
-        # load not timed)
-        trl = [
-            trl_arm(args, Path(path), trajectory_rows(args), response_budget(args), precision)
-            for precision in (trl_precisions(args) if args.trl else ())
-        ]
+        trl = [arm.close() for arm in arms.values()]
     rows = []
     for mode in MODES:
         row = best[mode]
@@ -182,10 +190,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for a, b in zip(outputs["multi_kept"], outputs["multi_reprefill"])
     )
     rows[-1]["same_tokens"] = f"{same}/{len(outputs['multi_kept'])}"
-    if trl and isinstance(trl[0], str):
-        rows.append({"mode": "trl", "skipped": trl[0]})
-    elif trl:
-        rows += trl_rows([arm for arm in trl if isinstance(arm, dict)], best["multi_kept"])
+    if trl:
+        rows += trl_rows(trl, best["multi_kept"])
     load_after = os.getloadavg()
     rows.append({"mode": "load", "before": " ".join(f"{x:.2f}" for x in load_before)})
     rows[-1]["after"] = " ".join(f"{x:.2f}" for x in load_after)

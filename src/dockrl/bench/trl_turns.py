@@ -50,48 +50,117 @@ from typing import Any
 QUESTION = re.compile(r"What is (\d+) \* (\d+)\?")
 
 
+MARK = "dockrl-trl-turns "  # the child's lines for the parent start with it (Trainer prints its logs)
+
+
+def trl_installed() -> bool:
+    """Whether TRL's arm can run here."""
+    import importlib.util
+
+    return importlib.util.find_spec("trl") is not None
+
+
+class TrlArm:
+    """TRL's GRPOTrainer at one precision in a child process, one step (a round: the whole step's trajectories,
+    every turn) when `run_round` asks, so that its rounds interleave with dockrl's on a shared host.
+
+    Lifecycle: the constructor starts the child and returns once its trainer is built and waiting (its import
+    and model load not timed); `run_round` `rounds` times; `close` waits for the child's end and returns
+    {"precision", "config", "rounds": [each round's figures], "trajectories": [the last round's]}."""
+
+    def __init__(
+        self, args: argparse.Namespace, model: Path, rows: list[dict[str, Any]], budget: int, precision: str
+    ):
+        import tempfile
+
+        from dockrl.bench.e2e import trl_config
+
+        shape = argparse.Namespace(
+            trl_config="best",
+            prompts=args.prompts,
+            samples=args.samples,
+            max_new_tokens=budget,
+            trl_threads=args.trl_threads,
+        )
+        self.config = trl_config(shape, model) | {"precision": precision}
+        spec = {
+            "config": self.config,
+            "model": str(model),
+            "prompts": [row["prompt"] for row in rows[:: args.samples]],
+            "samples": args.samples,
+            "turns": args.turns,
+            "new_tokens": args.new_tokens,
+            "budget": budget,
+            "rounds": args.rounds,
+            "seed": args.seed,
+        }
+        self.config |= {
+            "max_completion_length": budget,
+            "max_new_tokens_per_turn": args.new_tokens,
+            "max_tool_calling_iterations": args.turns - 1,
+            "generation_batch": args.prompts * args.samples,
+        }
+        self.precision = precision
+        self.rounds: list[dict[str, Any]] = []
+        self.trajectories: list[dict[str, Any]] = []
+        code = f"from dockrl.bench.trl_turns import trl_child; trl_child({json.dumps(spec)!r})"
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.child = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+        )
+        self._read()  # ready
+
+    def _read(self) -> Any:
+        """The child's next line of its own: its JSON payload."""
+        assert self.child.stdout is not None
+        for line in self.child.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK) :])
+        self.child.wait()
+        self.stderr.seek(0)
+        raise RuntimeError(f"TRL run failed (exit {self.child.returncode}):\n{self.stderr.read()[-3000:]}")
+
+    def run_round(self) -> dict[str, Any]:
+        """One training step of the child; its generation phase's figures."""
+        assert self.child.stdin is not None
+        self.child.stdin.write("step\n")
+        self.child.stdin.flush()
+        out = self._read()
+        self.trajectories = out.pop("trajectories")
+        self.rounds.append(out)
+        return out
+
+    def close(self) -> dict[str, Any]:
+        """Wait for the child's end; its rounds."""
+        assert self.child.stdin is not None
+        self.child.stdin.close()
+        if self.child.wait() != 0:
+            self.stderr.seek(0)
+            raise RuntimeError(
+                f"TRL run failed (exit {self.child.returncode}):\n{self.stderr.read()[-3000:]}"
+            )
+        self.stderr.close()
+        return {
+            "precision": self.precision,
+            "config": self.config,
+            "rounds": self.rounds,
+            "trajectories": self.trajectories,
+        }
+
+
 def trl_arm(
     args: argparse.Namespace, model: Path, rows: list[dict[str, Any]], budget: int, precision: str
-) -> dict[str, Any] | str:
-    """TRL's rounds of the trajectories `rows` (prompts x samples, grouped by prompt) at `precision` in a child
-    process: the child's figures and its configuration, or a reason string when TRL is missing."""
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        return "trl is not installed (pip install -e .[bench]); skipped"
-    from dockrl.bench.e2e import trl_config
-
-    shape = argparse.Namespace(
-        trl_config="best",
-        prompts=args.prompts,
-        samples=args.samples,
-        max_new_tokens=budget,
-        trl_threads=args.trl_threads,
-    )
-    config = trl_config(shape, model) | {"precision": precision}
-    spec = {
-        "config": config,
-        "model": str(model),
-        "prompts": [row["prompt"] for row in rows[:: args.samples]],
-        "samples": args.samples,
-        "turns": args.turns,
-        "new_tokens": args.new_tokens,
-        "budget": budget,
-        "rounds": args.rounds,
-        "seed": args.seed,
-    }
-    code = f"from dockrl.bench.trl_turns import trl_child; trl_child({json.dumps(spec)!r})"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"TRL run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    out = json.loads(done.stdout.strip().splitlines()[-1])
-    out["config"] = config | {
-        "max_completion_length": budget,
-        "max_new_tokens_per_turn": args.new_tokens,
-        "max_tool_calling_iterations": args.turns - 1,
-        "generation_batch": args.prompts * args.samples,
-    }
-    return out
+) -> dict[str, Any]:
+    """TRL's --rounds rounds of the trajectories `rows` (prompts x samples, grouped by prompt) at `precision`,
+    back to back: TrlArm.close's figures."""
+    arm = TrlArm(args, model, rows, budget, precision)
+    for _ in range(args.rounds):
+        arm.run_round()
+    return arm.close()
 
 
 def calculator_tool() -> Any:
@@ -131,9 +200,9 @@ def force_calls(parse_response: Any, decode: Any) -> Any:
 
 
 def trl_child(spec_json: str) -> None:
-    """In a child process: GRPOTrainer with the calculator tool for `rounds` steps, turns forced; print one JSON
-    line: per round the generation phase's wall and CPU seconds, score_s, sampled tokens; the last round's
-    trajectories (policy turns, tool results, sampled tokens, the completion's text)."""
+    """In a child process: GRPOTrainer with the calculator tool for `rounds` steps, turns forced, each step when
+    the parent writes a line; after each step's generation phase one line (MARK + JSON): its wall and CPU
+    seconds, score_s, token counts, and its trajectories (policy turns, tool results, sampled tokens, text)."""
     import tempfile
     import time
 
@@ -193,8 +262,7 @@ def trl_child(spec_json: str) -> None:
         processing_class=tokenizer,
         tools=[calculator_tool()],
     )
-    rounds: list[dict[str, Any]] = []
-    last: list[dict[str, Any]] = []
+    figures: dict[str, Any] = {}  # this round's
     counts = {"generated": 0, "prefilled": 0}  # this round's generate calls: tokens returned, prompts fed
     inner_turn = trainer._generate_single_turn
 
@@ -213,7 +281,7 @@ def trl_child(spec_json: str) -> None:
         out = inner_generate(prompts)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         prompt_ids, completion_ids, tool_mask, completions = out[:4]
-        rounds.append(
+        figures.update(
             {
                 "wall_s": wall,
                 "cpu_s": cpu,
@@ -225,7 +293,7 @@ def trl_child(spec_json: str) -> None:
                 "completion_tokens": sum(map(len, completion_ids)),
             }
         )
-        last[:] = [
+        figures["trajectories"] = [
             {
                 "question": QUESTION.search(decode(p)).group(0),  # type: ignore[union-attr]
                 "policy_turns": sum(m["role"] == "assistant" for m in messages),
@@ -244,12 +312,23 @@ def trl_child(spec_json: str) -> None:
     def timed_score(*a: Any, **k: Any) -> Any:
         start = time.perf_counter()
         out = inner_score(*a, **k)
-        rounds[-1]["score_s"] = time.perf_counter() - start - rounds[-1]["wall_s"]
+        figures["score_s"] = time.perf_counter() - start - figures["wall_s"]
+        print(MARK + json.dumps(figures), flush=True)
+        figures.clear()
         return out
 
     trainer._generate_and_score_completions = timed_score  # type: ignore[method-assign]
+
+    class Rounds(transformers.TrainerCallback):
+        """Ready once built; each step only when the parent asks (a line on stdin; its end stops the run)."""
+
+        def on_train_begin(self, *_: Any, **__: Any) -> None:
+            print(MARK + json.dumps({"ready": True}), flush=True)
+
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            if not sys.stdin.readline():
+                raise SystemExit("the parent closed stdin before the last step")
+
+    trainer.add_callback(Rounds())
     trainer.train()
     out_dir.cleanup()
-    print(
-        json.dumps({"precision": "bf16" if config.bf16 else "fp32", "rounds": rounds, "trajectories": last})
-    )
