@@ -313,14 +313,13 @@ def trl_child(spec_json: str) -> None:
         start = time.perf_counter()
         out = inner_score(*a, **k)
         figures["score_s"] = time.perf_counter() - start - figures["wall_s"]
-        print(MARK + json.dumps(figures), flush=True)
-        figures.clear()
         return out
 
     trainer._generate_and_score_completions = timed_score  # type: ignore[method-assign]
 
     class Rounds(transformers.TrainerCallback):
-        """Ready once built; each step only when the parent asks (a line on stdin; its end stops the run)."""
+        """Ready once built; each step only when the parent asks (a line on stdin; its end stops the run), its
+        figures reported when it has ended."""
 
         def on_train_begin(self, *_: Any, **__: Any) -> None:
             print(MARK + json.dumps({"ready": True}), flush=True)
@@ -328,6 +327,12 @@ def trl_child(spec_json: str) -> None:
         def on_step_begin(self, *_: Any, **__: Any) -> None:
             if not sys.stdin.readline():
                 raise SystemExit("the parent closed stdin before the last step")
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            # after the whole step (its loss, backward and optimizer step too): nothing of it may run beside
+            # the parent's next timed pass
+            print(MARK + json.dumps(figures), flush=True)
+            figures.clear()
 
     trainer.add_callback(Rounds())
     trainer.train()
