@@ -7,8 +7,8 @@
    multi_reprefill  `turns` policy turns, a calculator answer after each but the last; every turn prefills
                     its whole prompt (rollout.keep_kv_across_turns=false)
    multi_kept       the same, each later turn prefilling only its new tokens on the KV kept (the default)
- then, with --trl (on when trl is importable), TRL's multi-turn tool loop on the same trajectories, in a child
- process per precision (bench/trl_turns.py):
+ and, with --trl (on when trl is importable), TRL's multi-turn tool loop on the same trajectories, a child
+ process per precision (bench/trl_turns.py) whose one training step per round is a mode of the rotation:
    trl_<precision>  GRPOTrainer(tools=[calculator]) at its best (threads = cores, sdpa, the whole step one
                     generation batch), its turns forced as CalculatorTurns forces dockrl's: every message it
                     generates is made a call of the calculator with the row's expression, and
