@@ -3,7 +3,7 @@ trajectories, in a child process, timed around its generation phase.
 
 ```
  child process, TRL at its best (bench/e2e.trl_config): one torch thread per core this process may use, sdpa,
- dockrl's precision rule, the whole step (prompts x samples) as one generation batch
+ the precision given (dockrl's rule or fp32), the whole step (prompts x samples) as one generation batch
    GRPOTrainer.train(), `rounds` steps, each when the parent asks (its rounds interleave with dockrl's);
    per step, reported to the parent when the whole step has ended:
      _generate_and_score_completions
