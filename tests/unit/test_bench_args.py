@@ -140,7 +140,7 @@ def test_bench_multiturn_counts_the_same_trajectories_three_ways():
 
     args = build_parser().parse_args(
         ["bench", "multiturn", "--prompts=2", "--samples=3", "--turns=2", "--new-tokens=4"]
-        + ["--hidden-size=32", "--num-layers=1", "--rounds=1"]
+        + ["--hidden-size=32", "--num-layers=1", "--rounds=1", "--no-trl"]
     )
     single, reprefill, kept, load, cpu = run(args)
     assert [single["mode"], reprefill["mode"], kept["mode"], load["mode"], cpu["mode"]] == [

@@ -7,6 +7,12 @@
    multi_reprefill  `turns` policy turns, a calculator answer after each but the last; every turn prefills
                     its whole prompt (rollout.keep_kv_across_turns=false)
    multi_kept       the same, each later turn prefilling only its new tokens on the KV kept (the default)
+ and, with --trl (on when trl is importable), TRL's multi-turn tool loop on the same trajectories, a child
+ process per precision (bench/trl_turns.py) whose one training step per round is a mode of the rotation:
+   trl_<precision>  GRPOTrainer(tools=[calculator]) at its best (threads = cores, sdpa, the whole step one
+                    generation batch), its turns forced as CalculatorTurns forces dockrl's: every message it
+                    generates is made a call of the calculator with the row's expression, and
+                    max_tool_calling_iterations = turns - 1; every turn re-prefills (TRL's loop)
 ```
 
 Shape (`--prompts` x `--samples` trajectories, `--new-tokens` per turn, `--turns`): the tool demo's
@@ -23,7 +29,17 @@ clock) and the median, sampled (policy) tokens and tokens/s at the best, the pro
 CPU second, positions_per_s (sampled tokens + positions prefilled, per wall second: the positions the model
 ran), positions prefilled and positions found kept, and prefill forward calls. `ratio_to_single` is the mode's
 sampled tokens/s over single-turn's, `cpu_ratio_to_single` the same per CPU second.
-`same_tokens` compares multi_kept's trajectories with multi_reprefill's token by token. The last rows: the
+`same_tokens` compares multi_kept's trajectories with multi_reprefill's token by token. dockrl's weights are in
+--precision (fp32; auto: dockrl's rule, bf16 on a CPU that computes it natively, where same_tokens is no longer
+all: bf16 rounds the kept and re-prefilled forwards differently).
+
+TRL's rows time its generation phase for the whole step (`_generate`: every policy turn and the tool loop; its
+rewards and advantages, `score_s`, apart; beta 0, so no reference forward; the loss and backward not timed),
+best of --rounds steps as dockrl's, with the same per-turn cap (generation_kwargs max_new_tokens = --new-tokens)
+and response budget (max_completion_length). --trl-precision best (the default) runs TRL at dockrl's rule and at
+fp32 where they differ (TRL's generate under bf16 autocast is the slower of the two at the demo's width);
+`kept_over_trl` is multi_kept's sampled tokens/s over the row's (`cpu_kept_over_trl` per CPU second) and the
+`trl_config` row names the faster precision, multi_kept's ratio to it, and TRL's settings. The last rows: the
 load average before and after (the host may be shared: compare rows of one run only) and the CPU.
 """
 
@@ -33,9 +49,11 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from dockrl.bench.env_tier import cpu_row
+from dockrl.bench.trl_turns import TrlArm, trl_installed
 from dockrl.envs.base import Observation
 from dockrl.envs.tools import Calculator
 
@@ -76,6 +94,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every mode, interleaved")
     parser.add_argument("--kv-cache", choices=("auto", "slots", "paged"), default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16"),
+        default="fp32",
+        help="dockrl's weights (auto: dockrl's rule, bf16 on a CPU that computes it natively; faster, but "
+        "then multi_kept and multi_reprefill round differently and same_tokens is no longer all)",
+    )
+    parser.add_argument(
+        "--trl",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the TRL arm (TRL's multi-turn tool loop on the same trajectories; bench/trl_turns.py): on by "
+        "default when trl is importable",
+    )
+    parser.add_argument(
+        "--trl-precision",
+        choices=("best", "auto", "fp32", "bf16"),
+        default="best",
+        help="TRL's precision; best: both dockrl's rule (--precision auto) and fp32 where they differ, the "
+        "faster one TRL's figure (at the demo's width TRL's generate under bf16 autocast runs slower than fp32)",
+    )
+    parser.add_argument(
+        "--trl-threads",
+        type=int,
+        default=None,
+        help="torch threads of TRL's process (default: one per core this process may use)",
+    )
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -87,10 +132,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from dockrl.models.hf import load_model
     from dockrl.models.tiny import make_tiny
     from dockrl.models.tokenizer import Tokenizer
+    from dockrl.recipes.preflight import resolve_precision
 
     if min(args.turns, args.prompts, args.samples, args.new_tokens, args.rounds) < 1:
         raise SystemExit("--turns, --prompts, --samples, --new-tokens and --rounds must be at least 1")
     torch.set_num_threads(args.threads)
+    args.precision = resolve_precision(args.precision, "cpu", key="--precision")
+    if args.trl is None:
+        args.trl = trl_installed()
+    elif args.trl and not trl_installed():
+        raise SystemExit("--trl: trl is not installed; pip install -e .[bench], or pass --no-trl")
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="dockrl-bench-multiturn-") as tmp:
         path = make_tiny(
@@ -101,17 +152,31 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             seed=args.seed,
             tools=True,
         )
-        tokenizer, model = Tokenizer.from_dir(path), load_model(path).eval()
+        dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+        tokenizer, model = Tokenizer.from_dir(path), load_model(path, dtype=dtype).eval()
         walls: dict[str, list[float]] = {mode: [] for mode in MODES}
         best: dict[str, dict[str, Any]] = {}
         outputs: dict[str, list] = {}
+        # a child process per TRL precision, built (import, model, trainer) before any clock; one step of each
+        # is a mode of the rotation, so TRL's rounds and dockrl's share the host's moments alike
+        arms = {
+            f"trl_{precision}": TrlArm(
+                args, Path(path), trajectory_rows(args), response_budget(args), precision
+            )
+            for precision in (trl_precisions(args) if args.trl else ())
+        }
+        modes = MODES + tuple(arms)
         for round_index in range(args.rounds):
-            order = MODES[round_index % len(MODES) :] + MODES[: round_index % len(MODES)]
+            order = modes[round_index % len(modes) :] + modes[: round_index % len(modes)]
             for mode in order:
+                if mode in arms:
+                    arms[mode].run_round()
+                    continue
                 row, outs = _one_pass(model, tokenizer, mode, args)
                 walls[mode].append(row["wall_s"])
                 if mode not in best or row["wall_s"] < best[mode]["wall_s"]:
                     best[mode], outputs[mode] = row, outs
+        trl = [arm.close() for arm in arms.values()]
     rows = []
     for mode in MODES:
         row = best[mode]
@@ -125,11 +190,82 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for a, b in zip(outputs["multi_kept"], outputs["multi_reprefill"])
     )
     rows[-1]["same_tokens"] = f"{same}/{len(outputs['multi_kept'])}"
+    if trl:
+        rows += trl_rows(trl, best["multi_kept"])
     load_after = os.getloadavg()
     rows.append({"mode": "load", "before": " ".join(f"{x:.2f}" for x in load_before)})
     rows[-1]["after"] = " ".join(f"{x:.2f}" for x in load_after)
     rows.append(cpu_row())
     return rows
+
+
+def trl_precisions(args: argparse.Namespace) -> list[str]:
+    """The precisions TRL runs at: --trl-precision's, or with best dockrl's rule and fp32 (one where equal)."""
+    from dockrl.recipes.preflight import resolve_precision
+
+    if args.trl_precision != "best":
+        return [resolve_precision(args.trl_precision, "cpu", key="--trl-precision")]
+    return sorted({resolve_precision("auto", "cpu"), "fp32"})
+
+
+def trl_rows(arms: list[dict[str, Any]], kept: dict[str, Any]) -> list[dict[str, Any]]:
+    """A row per TRL precision (`trl_<precision>`: its best round, as dockrl's rows; multi_kept's sampled
+    tokens/s over its) and the configuration's, naming the faster precision and multi_kept's ratio to it."""
+    rows = [_trl_row(arm, kept) for arm in arms]
+    fastest = max(zip(rows, arms), key=lambda pair: pair[0]["tokens_per_s"])
+    config = fastest[1]["config"]
+    setting = {
+        "mode": "trl_config",
+        "fastest": fastest[0]["mode"],
+        "kept_over_trl": fastest[0]["kept_over_trl"],
+        "attn": config["attn_implementation"],
+        "batch": config["generation_batch"],
+        "max_completion": config["max_completion_length"],
+        "turn_tokens": config["max_new_tokens_per_turn"],
+        "tool_iterations": config["max_tool_calling_iterations"],
+        "forcing": "every message calls calculator(row's expression)",
+    }
+    return rows + [setting]
+
+
+def _trl_row(trl: dict[str, Any], kept: dict[str, Any]) -> dict[str, Any]:
+    """One TRL run's row: its best round's figures, the median wall, multi_kept's ratios to it."""
+    rounds = trl["rounds"]
+    row = min(rounds, key=lambda r: r["wall_s"])
+    sampled, wall, cpu = row["sampled_tokens"], row["wall_s"], row["cpu_s"]
+    return {
+        "mode": f"trl_{trl['precision']}",
+        "precision": trl["precision"],
+        "threads": trl["config"]["threads"],
+        "trajectories": len(trl["trajectories"]),
+        "turns": row["policy_turns"],
+        "wall_s": round(wall, 3),
+        "sampled_tokens": sampled,
+        "tokens_per_s": round(sampled / wall, 1),
+        "cpu_s": round(cpu, 3),
+        "tokens_per_cpu_s": round(sampled / cpu, 1),
+        "positions_per_s": round((sampled + row["prefill_tokens"]) / wall, 1),
+        "prefill_tokens": row["prefill_tokens"],
+        "median_wall_s": round(statistics.median(r["wall_s"] for r in rounds), 3),
+        "score_s": round(row["score_s"], 3),
+        "kept_over_trl": round(kept["tokens_per_s"] / (sampled / wall), 3),
+        "cpu_kept_over_trl": round(kept["tokens_per_cpu_s"] / (sampled / cpu), 3),
+    }
+
+
+def response_budget(args: argparse.Namespace) -> int:
+    """Tokens a trajectory's response may hold, tool answers included: the demo's 160 at 3 x 32."""
+    return args.turns * args.new_tokens + (args.turns - 1) * 32
+
+
+def trajectory_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """prompts x samples rows, each prompt's samples together: a three-digit product to ask the calculator."""
+    operands = [(100 + 37 * i % 900, 100 + 53 * i % 900) for i in range(args.prompts)]
+    return [
+        {"prompt": f"What is {a} * {b}? Use the calculator.", "expression": f"{a}*{b}", "label": None}
+        for a, b in operands
+        for _ in range(args.samples)
+    ]
 
 
 def _one_pass(model, tokenizer, mode: str, args: argparse.Namespace) -> tuple[dict[str, Any], list]:
@@ -141,13 +277,8 @@ def _one_pass(model, tokenizer, mode: str, args: argparse.Namespace) -> tuple[di
     from dockrl.models.tokenizer import stop_token_ids
 
     turns = 1 if mode == "single" else args.turns
-    budget = args.turns * args.new_tokens + (args.turns - 1) * 32  # the demo's 160 at 3 x 32
-    operands = [(100 + 37 * i % 900, 100 + 53 * i % 900) for i in range(args.prompts)]
-    env_rows = [
-        {"prompt": f"What is {a} * {b}? Use the calculator.", "expression": f"{a}*{b}", "label": None}
-        for a, b in operands
-        for _ in range(args.samples)
-    ]
+    budget = response_budget(args)
+    env_rows = trajectory_rows(args)
     tools = CalculatorTurns.tools
     prompts = [
         tokenizer.encode(
@@ -199,5 +330,7 @@ def _one_pass(model, tokenizer, mode: str, args: argparse.Namespace) -> tuple[di
         "kv_reused_tokens": env["kv_reused_tokens"],
         "prefill_calls": stats["prefill_calls"],
         "layout": engine.layout,
+        "precision": args.precision,
+        "threads": args.threads,
     }
     return row, outs

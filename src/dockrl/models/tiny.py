@@ -93,6 +93,20 @@ _CONTENT_MACRO = (
     "{% endfor %}{% endif %}{% endmacro %}"
 )
 CHATML_TEMPLATE = _CHATML_SKELETON.replace("__CONTENT__", "message['content']")
+# The tool template for a consumer that renders the assistant's parsed calls from a `tool_calls` field (TRL's
+# GRPOTrainer requires it: trl.chat_template_utils.supports_tool_calling): each call after the content as
+# Qwen2.5 writes it, <tool_call>{"name": ..., "arguments": {...}}</tool_call>. Messages without `tool_calls`
+# render exactly as CHATML_TEMPLATE renders them.
+_CALLS_MACRO = (
+    "{% macro render_calls(message) %}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}{% set f = call['function'] %}"
+    "{{ '<tool_call>{\"name\": \"' + f['name'] + '\", \"arguments\": ' + (f['arguments'] | tojson) + '}</tool_call>' }}"
+    "{% endfor %}{% endif %}{% endmacro %}"
+)
+TOOL_CALLS_CHAT_TEMPLATE = _CALLS_MACRO + _CHATML_SKELETON.replace(
+    "__CONTENT__", "message['content'] + render_calls(message)"
+)
 VISION_CHAT_TEMPLATE = _CONTENT_MACRO + _CHATML_SKELETON.replace(
     "__CONTENT__", "render_content(message['content'])"
 )
