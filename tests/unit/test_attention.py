@@ -137,11 +137,13 @@ def test_fp32_and_no_grad_paths_are_torchs_sdpa():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_attention_stacks_equal_lengths_with_each_rows_own_numbers(dtype):
-    """packed_causal_attention runs the sequences of one length as one batch: each row's output and gradients are
-    bit for bit those of its own causal_attention call (rows of a batch are independent), and a token sees its
-    own sequence only (lengths repeat and differ, in mixed order)."""
+    """packed_causal_attention runs sequences of one length, too far from the others to share a padded bucket,
+    as one batch: each row's output and gradients are bit for bit those of its own causal_attention call (rows
+    of a batch are independent), and a token sees its own sequence only (lengths repeat and differ, in mixed
+    order)."""
     torch.manual_seed(0)
-    lengths = [5, 9, 5, 1, 9, 9, 3, 5]
+    lengths = [4, 9, 4, 1, 9, 9, 2, 4]
+    assert attention.length_buckets(lengths) == [[3], [6], [0, 2, 7], [1, 4, 5]]  # nothing padded
     bounds = tuple(int(b) for b in torch.tensor([0, *lengths]).cumsum(0))
     total, heads, kv_heads, dim = bounds[-1], 4, 2, 16
     q = torch.randn(1, heads, total, dim).to(dtype).requires_grad_()
@@ -159,3 +161,47 @@ def test_packed_attention_stacks_equal_lengths_with_each_rows_own_numbers(dtype)
     want = [torch.cat(parts, dim=2).detach(), *(x.grad for x in (q, k, v))]
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_length_buckets_pad_like_lengths_within_the_waste_bound():
+    """Shortest first, a row joins while rows x longest^2 <= 1.5 x sum L^2: 17 and 20 (2 x 400 <= 1.5 x 689),
+    then 21 (3 x 441 = 1,323 <= 1.5 x 1,130 = 1,695), 25 (4 x 625 = 2,500 <= 1.5 x 1,755 = 2,632); 40 starts
+    its own (5 x 1,600 > 1.5 x 3,980); 41 joins it (2 x 1,681 <= 1.5 x 3,281), 80 alone."""
+    lengths = [25, 40, 17, 80, 21, 41, 20]
+    assert attention.length_buckets(lengths) == [[2, 6, 4, 0], [1, 5], [3]]
+    assert attention.length_buckets([7, 7, 7]) == [[0, 1, 2]]
+
+
+def _sees_the_future(q, k, v):
+    """A broken kernel for the check below: attention over every slot of the batch, later ones (pads) too."""
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_packed_attention_pads_like_lengths_into_one_call(broken, monkeypatch):
+    """Eight rows of 17-25 tokens go in one padded call, a 60-token row alone: every row's output and gradients
+    (bf16, the CPU backward) are within the bf16 bounds of its own float64 attention, so no real token sees a
+    pad or another row. A kernel that lets tokens see later slots must fail the same check."""
+    lengths = [20, 17, 60, 25, 22, 18, 24, 21, 19]
+    bounds = tuple(int(b) for b in torch.tensor([0, *lengths]).cumsum(0))
+    calls = []
+
+    def counted(q, k, v):
+        calls.append(q.shape[0])
+        return (_sees_the_future if broken else causal_attention)(q, k, v)
+
+    monkeypatch.setattr(attention, "causal_attention", counted)
+    q, k, v, grad_out = _inputs(1, 4, 2, bounds[-1], 16)
+    out = attention.packed_causal_attention(q, k, v, bounds)
+    out.backward(grad_out)
+    assert sorted(calls) == [1, 8]  # the 60-token row alone, the other eight padded to 25 in one call
+    worst = 0.0
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        row = slice(start, end)
+        expected_out, expected_grads, mags = _reference(
+            q[:, :, row], k[:, :, row], v[:, :, row], grad_out[:, :, row]
+        )
+        worst = max(worst, _worst(out[:, :, row].detach(), expected_out, mags["out"]))
+        for name, tensor in (("q", q), ("k", k), ("v", v)):
+            worst = max(worst, _worst(tensor.grad[:, :, row], expected_grads[name], mags[name]))
+    assert (worst > BOUND) == broken, f"worst error {worst:.3g} of its magnitude (bound {BOUND:.3g})"

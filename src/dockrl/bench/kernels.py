@@ -9,6 +9,10 @@ of --rows x --tokens (28 x 143: one of the e2e workload's token-budget micro-bat
             torch.compile(dynamic=True) (inductor), whose compile time is reported beside it
   attention one layer's causal attention, forward + backward in bf16: torch's SDPA against dockrl's
             (SDPA forward, block-causal backward: dockrl.models.attention)
+  packed    one layer's attention over a packed micro-batch (padding-free training), forward + backward in bf16
+            and fp32: one call per distinct row length against like lengths padded into buckets
+            (packed_causal_attention, PAD_WASTE), for --small's micro-batch (128 rows of 17-27 tokens: prompt +
+            up to 10) and for --rows rows of --tokens / 2 to --tokens
   rmsnorm   transformers' composite RMSNorm against torch's F.rms_norm, forward + backward
   rope      rotate_half with cat against roll and a signed sin (dockrl.models.decoder.apply_rope)
   swiglu    silu(gate) * up, eager (torch has no fused CPU op for it; --compile adds inductor's fusion)
@@ -163,6 +167,7 @@ def _op_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     base = _best(sdpa, args.repeats)
     out.append(_row("attention fwd+bwd (bf16)", "torch SDPA", base, base))
     out.append(_row("attention fwd+bwd (bf16)", "dockrl backward", _best(ours, args.repeats), base))
+    out += _packed_rows(args, heads, kv_heads, dim, gen)
 
     x, weight = leaf(rows, tokens, hidden), leaf(hidden)
     grad_x = torch.randn(rows, tokens, hidden, generator=gen).to(bf16)
@@ -207,4 +212,39 @@ def _op_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         out.append(
             _row("swiglu fwd+bwd (bf16)", "compiled", _best(lambda: swiglu(fused_swiglu), args.repeats), base)
         )
+    return out
+
+
+def _packed_rows(args: argparse.Namespace, heads: int, kv_heads: int, dim: int, gen) -> list[dict[str, Any]]:
+    """`packed` rows: packed_causal_attention with pad_waste 1 (rows of one length per call) against the
+    default buckets, per row-length mix and dtype."""
+    import torch
+
+    from dockrl.models.attention import PAD_WASTE, packed_causal_attention
+
+    mixes = {
+        "128 rows of 17-27 tokens": torch.randint(17, 28, (128,), generator=gen).tolist(),
+        f"{args.rows} rows of {args.tokens // 2}-{args.tokens} tokens": torch.randint(
+            args.tokens // 2, args.tokens + 1, (args.rows,), generator=gen
+        ).tolist(),
+    }
+    out: list[dict[str, Any]] = []
+    for mix, lengths in mixes.items():
+        bounds = tuple(int(b) for b in torch.tensor([0, *lengths]).cumsum(0))
+        for dtype in (torch.bfloat16, torch.float32):
+
+            def leaf(width: int, dtype=dtype, total=bounds[-1]):
+                return torch.randn(1, width, total, dim, generator=gen).to(dtype).requires_grad_()
+
+            q, k, v = leaf(heads), leaf(kv_heads), leaf(kv_heads)
+            grad = torch.randn(q.shape, generator=gen).to(dtype)
+
+            def run(waste: float, q=q, k=k, v=v, grad=grad, bounds=bounds) -> None:
+                packed_causal_attention(q, k, v, bounds, pad_waste=waste).backward(grad)
+
+            what = f"packed attention fwd+bwd ({'bf16' if dtype == torch.bfloat16 else 'fp32'}), {mix}"
+            base = _best(functools.partial(run, 1.0), args.repeats)
+            out.append(_row(what, "one call per length", base, base))
+            variant = f"like lengths padded (waste <= {PAD_WASTE})"
+            out.append(_row(what, variant, _best(functools.partial(run, PAD_WASTE), args.repeats), base))
     return out

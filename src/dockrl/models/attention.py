@@ -49,34 +49,82 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return sdpa(q, k, v)
 
 
-def packed_causal_attention(q: Tensor, k: Tensor, v: Tensor, bounds: tuple[int, ...]) -> Tensor:
+def packed_causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, bounds: tuple[int, ...], pad_waste: float | None = None
+) -> Tensor:
     """Block-diagonal causal attention of packed sequences (padding-free micro-batches, engines/train/batch.py):
     q [1, N, S, D] over k, v [1, K, S, D] holding sequences end to end, sequence i at tokens
     [bounds[i], bounds[i + 1]) (S = bounds[-1]); a token sees the earlier tokens of its own sequence only.
 
-    One `causal_attention` per distinct sequence length, the sequences of that length stacked as its batch: its
-    cost is sum L_i^2 instead of the S^2 of one call under a block-diagonal mask, and each call keeps torch's
-    kernels (and the CPU bf16 backward above). On the project's CPU one call per sequence beat one masked SDPA
-    call in every case measured (docs/benchmarks.md, "Padding-free packing"); stacking the sequences of one
-    length gives each row the very numbers of its own call (every row's attention is independent of the
-    others in the batch: tests/unit/test_attention.py checks it bit for bit) for one call's fixed cost instead
-    of one per row (256 rows of ~27 tokens: 512 autograd calls per layer pass otherwise)."""
+    The sequences go in buckets of like lengths (`length_buckets`), one `causal_attention` per bucket with its
+    sequences stacked as the batch, each right-padded to the bucket's longest: a pad comes after every real
+    token of its row, so causal attention alone keeps it unseen, and its output (and so its gradient) is
+    dropped. A bucket's cost is its rows x its longest^2 instead of the S^2 of one call under a block-diagonal
+    mask, and each call keeps torch's kernels (and the CPU bf16 backward above). A call has a fixed cost of
+    its own (a few ms forward and backward on the project's CPU), so rows of ~27 tokens cost less padded into
+    one or two buckets than in one call per distinct length (128 rows of 17-27 tokens: 3x faster, bf16 and
+    fp32; docs/benchmarks.md, "Padding-free packing"), while long rows of spread lengths keep buckets of
+    their own (padding would cost more than the calls). A bucket of equal lengths gives each row the very
+    numbers of its own call (rows of a batch are independent: tests/unit/test_attention.py checks it bit for
+    bit); a padded row's numbers equal its own call's up to the kernels' summation order."""
     if len(bounds) == 2:
         return causal_attention(q, k, v)
-    spans = list(zip(bounds[:-1], bounds[1:]))
-    by_length: dict[int, list[int]] = {}
-    for index, (start, end) in enumerate(spans):
-        by_length.setdefault(end - start, []).append(index)
-    parts: list[Tensor] = [q] * len(spans)  # each replaced below
-    for members in by_length.values():
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    total, device = bounds[-1], q.device
+    padded: list[Tensor] = []  # token-major [S + 1, H, D] with a zero token at S, which every pad reads
+    outs, order = (
+        [],
+        [],
+    )  # per bucket: its outputs token-major [sum L, N, D], and their tokens' packed indices
+    for rows in length_buckets(lengths, PAD_WASTE if pad_waste is None else pad_waste):
+        if len(rows) == 1:  # a row alone: its own tokens, nothing to gather
+            start, end = bounds[rows[0]], bounds[rows[0] + 1]
+            out = causal_attention(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end])
+            outs.append(out[0].transpose(0, 1))
+            order.append(torch.arange(start, end, device=device))
+            continue
+        if not padded:
+            padded = [torch.cat([x[0].transpose(0, 1), x.new_zeros(1, *x.shape[1::2])]) for x in (q, k, v)]
+        width = max(lengths[i] for i in rows)
+        starts = torch.tensor([bounds[i] for i in rows], device=device)[:, None]
+        sizes = torch.tensor([lengths[i] for i in rows], device=device)[:, None]
+        offsets = torch.arange(width, device=device)[None, :]
+        gather = torch.where(offsets < sizes, starts + offsets, total).view(-1)  # [n W] slot -> token, S: pad
+        real = (gather < total).nonzero().squeeze(1)  # [sum L] the real slots, row by row
+        stacked = [
+            x.index_select(0, gather).view(len(rows), width, *x.shape[1:]).transpose(1, 2) for x in padded
+        ]  # [n, H, W, D]
+        out = causal_attention(*stacked)  # [n, N, W, D]
+        outs.append(out.transpose(1, 2).reshape(-1, *out.shape[1::2]).index_select(0, real))  # [sum L, N, D]
+        order.append(gather[real])
+    packed = torch.cat(outs) if len(outs) > 1 else outs[0]  # [S, N, D] tokens in bucket order
+    position = torch.empty(total, dtype=torch.long, device=device)
+    position[torch.cat(order)] = torch.arange(
+        total, device=device
+    )  # where each packed token sits in `packed`
+    return packed.index_select(0, position).transpose(0, 1)[None]  # [1, N, S, D]
 
-        def stacked(x: Tensor, members: list[int] = members) -> Tensor:
-            return torch.cat([x[:, :, spans[i][0] : spans[i][1]] for i in members], dim=0)  # [n, H, L, D]
 
-        out = causal_attention(stacked(q), stacked(k), stacked(v))
-        for row, index in enumerate(members):
-            parts[index] = out[row : row + 1]
-    return torch.cat(parts, dim=2)
+# A bucket of packed_causal_attention may compute this many times its rows' own attention scores (rows x its
+# longest^2 over sum L_i^2): the padding it computes against the fixed cost of one more call.
+PAD_WASTE = 1.5
+
+
+def length_buckets(lengths: list[int], pad_waste: float = PAD_WASTE) -> list[list[int]]:
+    """Row indices in buckets of like lengths, each row in one: rows taken shortest first (ties in order), a
+    row joining the current bucket while that bucket's rows x its longest^2 stays within `pad_waste` x the sum
+    of its rows' own lengths^2 (1: rows of one length only, nothing padded)."""
+    buckets: list[list[int]] = []
+    squares = 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        square = lengths[i] ** 2
+        if buckets and (len(buckets[-1]) + 1) * square <= pad_waste * (squares + square):
+            buckets[-1].append(i)
+            squares += square
+        else:
+            buckets.append([i])
+            squares = square
+    return buckets
 
 
 def _query_blocks(seq: int) -> list[tuple[int, int]]:
