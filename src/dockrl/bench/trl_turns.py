@@ -74,16 +74,18 @@ class TrlArm:
     ):
         import tempfile
 
-        from dockrl.bench.e2e import trl_config
+        from dockrl.bench.e2e import available_memory_bytes, trl_config
 
         shape = argparse.Namespace(
             trl_config="best",
             prompts=args.prompts,
             samples=args.samples,
             max_new_tokens=budget,
+            kl_coef=0.0,  # beta 0: no reference model
             trl_threads=args.trl_threads,
         )
-        self.config = trl_config(shape, model) | {"precision": precision}
+        # read before the child starts (and before dockrl's passes: the bench builds its arms first)
+        self.config = trl_config(shape, model, available_memory_bytes()) | {"precision": precision}
         spec = {
             "config": self.config,
             "model": str(model),
