@@ -110,3 +110,24 @@ def tiny_decoder(max_position_embeddings: int) -> Transformer:
     model = Transformer(args)
     model.init_weights(seed=0, std=0.1)
     return model.eval()
+
+
+def scaling_model_args(size: str) -> ModelArgs:
+    """`dockrl bench scaling`'s model of that size (scaling.SIZES): qwen2, its 8,000-row tied head, positions for
+    a 64-token prompt and 2,048 response tokens."""
+    from dockrl.bench.scaling import SIZES
+
+    hidden, layers, heads, kv_heads, mlp = SIZES[size]
+    return ModelArgs(
+        family="qwen2",
+        vocab_size=8000,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=hidden // heads,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        max_position_embeddings=64 + 2048,
+    )

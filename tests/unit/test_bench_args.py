@@ -3,6 +3,7 @@
 import pytest
 
 from dockrl.cli import build_parser
+from helpers import scaling_model_args
 
 
 @pytest.mark.parametrize("flag", ["--emulate-nodes=4", "--ray-address=auto"])
@@ -69,30 +70,10 @@ def test_bench_scaling_sizes_work_and_speedups(tmp_path):
     """The grid's shapes have about the parameters their names say (8,000-row tied head); the work is
     5 forwards of 2 x matmul params per token plus attention's full square; speedup pairs each dockrl row with TRL's."""
     from dockrl.bench.scaling import SIZES, _speedups, work_tflop
-    from dockrl.models.config import ModelArgs
     from dockrl.observe.report import scaling_plot
 
-    counts, shapes = {}, {}
-    for name, (hidden, layers, heads, kv_heads, mlp) in SIZES.items():
-        args = ModelArgs(
-            family="qwen2",
-            vocab_size=8000,
-            hidden_size=hidden,
-            intermediate_size=mlp,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=hidden // heads,
-            max_position_embeddings=2048,
-            tie_word_embeddings=True,
-            attention_bias=True,
-            qk_norm=False,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        )
-        counts[name] = args.num_params() / 1e6
-        shapes[name] = args
+    shapes = {name: scaling_model_args(name) for name in SIZES}
+    counts = {name: args.num_params() / 1e6 for name, args in shapes.items()}
     assert counts == pytest.approx({"1m": 1.20, "6m": 8.35, "25m": 28.2, "50m": 51.8}, rel=0.01)
     # 16 sequences of 128 tokens on "1m" (hidden 96, 4 layers, 3 heads of 32, 1 kv head, MLP 288, head 8000):
     # matmul params 4 x (96 x (96 + 2 x 32) + 96 x 96 + 3 x 96 x 288) + 8000 x 96 = 1,198,080;

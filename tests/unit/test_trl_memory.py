@@ -8,33 +8,14 @@ import pytest
 from dockrl.bench.trl_memory import MARGIN, PROCESS_BYTES, layer_bytes_per_token, trl_step_bytes
 from dockrl.cli import build_parser
 from dockrl.models.config import ModelArgs
+from helpers import scaling_model_args
 
 GIB = 2**30
 
 
-def _scaling_shape(size: str) -> ModelArgs:
-    """bench scaling's model of that size (scaling.SIZES) with its 8,000-row tied head."""
-    from dockrl.bench.scaling import SIZES
-
-    hidden, layers, heads, kv_heads, mlp = SIZES[size]
-    return ModelArgs(
-        family="qwen2",
-        vocab_size=8000,
-        hidden_size=hidden,
-        intermediate_size=mlp,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=hidden // heads,
-        attention_bias=True,
-        tie_word_embeddings=True,
-        max_position_embeddings=64 + 2048,
-    )
-
-
 def test_layer_bytes_per_token_by_hand():
     """The 6m shape (h 256, 8 heads of 32, MLP 768) at L = 64 + 512 = 576, bf16 and fp32."""
-    margs = _scaling_shape("6m")
+    margs = scaling_model_args("6m")
     # norms 2 x (4h + 4h + 4) = 4,104; five bf16 projection inputs 5 x 2 x 256 = 2,560; sdpa's q, k, v, out
     # 4 x 2 x 256 = 2,048 (o_proj's input is a view of out), logsumexp 4 x 8 = 32, mask 2 x 576 = 1,152;
     # MLP 4 x 2 x 768 = 6,144
@@ -46,7 +27,7 @@ def test_layer_bytes_per_token_by_hand():
 
 def test_trl_step_bytes_terms_by_hand():
     """Each term of the 6m x 512 point (16 rows of 576 tokens, bf16, KL on) from the module's arithmetic."""
-    margs = _scaling_shape("6m")
+    margs = scaling_model_args("6m")
     params = margs.num_params()
     terms = trl_step_bytes(margs, 16, 576, "bf16", step_rows=16)
     assert terms["process"] == PROCESS_BYTES
@@ -83,7 +64,7 @@ def test_measured_peaks_are_under_the_bound():
         ("1m", 2065): 2.047,
     }
     for (size, length), peak_gib in measured.items():
-        bound = trl_step_bytes(_scaling_shape(size), 16, length, "bf16", 16)["total"]
+        bound = trl_step_bytes(scaling_model_args(size), 16, length, "bf16", 16)["total"]
         assert bound / GIB >= peak_gib, (size, length)
 
 
@@ -106,7 +87,7 @@ def test_fifty_m_at_2048_runs_without_checkpointing_in_the_fewest_micro_batches_
     from dockrl.bench import e2e
 
     monkeypatch.setattr("dockrl.recipes.preflight.cpu_has_native_bf16", lambda: True)
-    model = _write_config(tmp_path, _scaling_shape("50m"))
+    model = _write_config(tmp_path, scaling_model_args("50m"))
     args = build_parser().parse_args(["bench", "e2e", "--prompts=4", "--samples=4", "--max-new-tokens=2048"])
 
     def picked(gib: float) -> tuple[int, int, bool]:

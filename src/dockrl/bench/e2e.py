@@ -444,6 +444,27 @@ def _trl(
     return row
 
 
+def grpo_kwargs(trl: dict[str, Any]) -> dict[str, Any]:
+    """GRPOConfig's arguments for TRL at the configuration `trl_config` chose (its micro-batches, attention,
+    checkpointing and precision), on the CPU, at temperature 1, with no logging or saving of its own: what
+    every TRL child of the benches shares."""
+    return {
+        # one optimizer step per prompts x samples completions: per_device x accumulation of them
+        "per_device_train_batch_size": trl["per_device_train_batch_size"],
+        "gradient_accumulation_steps": trl["gradient_accumulation_steps"],
+        "model_init_kwargs": {"attn_implementation": trl["attn_implementation"]},
+        "gradient_checkpointing": trl["gradient_checkpointing"],
+        "learning_rate": 1e-5,
+        "temperature": 1.0,
+        "use_cpu": True,
+        "bf16": trl["precision"] == "bf16",
+        "logging_steps": 1,
+        "report_to": [],
+        "save_strategy": "no",
+        "disable_tqdm": True,
+    }
+
+
 def trl_child(spec_json: str) -> None:
     """In a child process: run GRPOTrainer on the workload and print one JSON line of its figures."""
     import time
@@ -467,26 +488,13 @@ def trl_child(spec_json: str) -> None:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [exact_answer("", text, label).score for text, label in zip(texts, answer)]
 
-    trl = spec["config"]
     config = GRPOConfig(
         output_dir=spec["out"],
         max_steps=spec["steps"],
-        # one optimizer step per prompts x samples completions: per_device x accumulation of them
-        per_device_train_batch_size=trl["per_device_train_batch_size"],
-        gradient_accumulation_steps=trl["gradient_accumulation_steps"],
-        model_init_kwargs={"attn_implementation": trl["attn_implementation"]},
-        gradient_checkpointing=trl["gradient_checkpointing"],
         num_generations=spec["samples"],
         max_completion_length=spec["max_new_tokens"],
         beta=spec["kl_coef"],
-        learning_rate=1e-5,
-        temperature=1.0,
-        use_cpu=True,
-        bf16=trl["precision"] == "bf16",
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
+        **grpo_kwargs(spec["config"]),
     )
     tokenizer = transformers.AutoTokenizer.from_pretrained(spec["model"])
     trainer = GRPOTrainer(

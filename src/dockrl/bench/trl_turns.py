@@ -216,6 +216,7 @@ def trl_child(spec_json: str) -> None:
     from trl import GRPOConfig, GRPOTrainer
     from trl.chat_template_utils import qwen3_template
 
+    from dockrl.bench.e2e import grpo_kwargs
     from dockrl.models.tiny import TOOL_CALLS_CHAT_TEMPLATE
 
     spec = json.loads(spec_json)
@@ -235,22 +236,12 @@ def trl_child(spec_json: str) -> None:
     config = GRPOConfig(
         output_dir=out_dir.name,
         max_steps=spec["rounds"],
-        per_device_train_batch_size=trl["per_device_train_batch_size"],
-        gradient_accumulation_steps=trl["gradient_accumulation_steps"],
-        model_init_kwargs={"attn_implementation": trl["attn_implementation"]},
         num_generations=spec["samples"],
         max_completion_length=spec["budget"],
         generation_kwargs={"max_new_tokens": spec["new_tokens"]},
         max_tool_calling_iterations=spec["turns"] - 1,
-        temperature=1.0,
-        learning_rate=1e-5,
-        use_cpu=True,
-        bf16=trl["precision"] == "bf16",
         seed=spec["seed"],
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
+        **grpo_kwargs(trl),
     )
 
     def decode(ids: list[int]) -> str:
