@@ -112,6 +112,24 @@ def test_the_bounds_fail_a_broken_backward(broken, monkeypatch):
         assert _worst(tensor.grad, expected_grads[name], mags[name]) > BOUND, name
 
 
+@pytest.mark.parametrize("amx", [True, False])
+def test_long_sequences_take_torchs_backward_on_amx(amx, monkeypatch):
+    """From AMX_FLASH_BACKWARD_TOKENS tokens on a CPU with AMX tiles the backward is torch's flash kernel, and
+    its output and gradients meet the same bounds against float64; below it, or without AMX, ours."""
+    monkeypatch.setattr(attention, "_has_amx", lambda: amx)
+    long = attention.AMX_FLASH_BACKWARD_TOKENS
+    for seq, flash in ((long - 1, False), (long, amx)):
+        q, k, v, grad_out = _inputs(1, 2, 1, seq, 8)
+        out = causal_attention(q, k, v)
+        assert (type(out.grad_fn).__name__ == "_CpuCausalAttentionBackward") != flash, (seq, out.grad_fn)
+        if seq == long:
+            out.backward(grad_out)
+            expected_out, expected_grads, mags = _reference(q, k, v, grad_out)
+            _within("out", out, expected_out, mags["out"])
+            for name, tensor in (("q", q), ("k", k), ("v", v)):
+                _within(f"grad {name}", tensor.grad, expected_grads[name], mags[name])
+
+
 def test_query_blocks_cover_every_token_once():
     for seq in (1, 15, 16, 17, 64, 143, 1000):
         blocks = attention._query_blocks(seq)

@@ -727,10 +727,11 @@ class RunConfig:
         "Torch threads of each trainer rank (actor, critic, teacher). 0 (auto): on cpu each group's ranks "
         "split the machine's cores (os.cpu_count() // ranks), on cuda torch keeps its default; N >= 1: "
         "exactly N, also on cuda (the CPU-side thread count). A cpu run whose N x (actor + critic + teacher "
-        "ranks) exceeds the cores is warned about, not refused. Change it on a shared machine (1), or with a "
-        "small batch per rank, where fewer ranks with more threads can be faster: on 2 cores one rank x 2 "
-        "threads was 1.10x faster than 2 ranks x 1 thread for a 16-row rollout, and 2 ranks x 1 thread 1.20x "
-        "faster at 64 rows (measure yours with `dockrl bench rollout --threads`).",
+        "ranks) exceeds the cores is warned about, not refused. Change it on a shared machine (1). Fewer ranks "
+        "with more threads paid at small batches on one host and not on another (docs/benchmarks.md, "
+        '"Rollout ranks and threads at small batches": 2 ranks x 1 thread 1.10x faster than 1 x 2 at 16 rows '
+        "of the 8.3M model on a quiet Intel AMX host, 1.10x slower on an AMD host); measure yours with "
+        "`dockrl bench rollout --threads`.",
     )
 
 
