@@ -62,9 +62,12 @@ def _first_step(tmp_path, name: str, config: str, overrides: list[str]) -> dict:
     return json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
 
 
-def _assert_same(cp: dict, single: dict, keys: tuple[str, ...]) -> None:
+def _assert_same(cp: dict, single: dict, keys: tuple[str, ...], near_zero: tuple[str, ...] = ()) -> None:
+    """Each figure within 1e-4 relative (module docstring); a figure in `near_zero` is a cancelling sum of O(1)
+    terms, which keeps their absolute error instead: ~1e2 x eps_fp32 = 1.2e-5, 1e-4 absolute leaves 8x."""
     for key in keys:
-        assert cp[key] == pytest.approx(single[key], rel=1e-4, abs=1e-7), (key, cp[key], single[key])
+        bound = 1e-4 if key in near_zero else 1e-7
+        assert cp[key] == pytest.approx(single[key], rel=1e-4, abs=bound), (key, cp[key], single[key])
 
 
 def test_critic_cp2_first_step_equals_cp1(ray_session, tmp_path, tiny_model, arithmetic_data):
@@ -72,7 +75,10 @@ def test_critic_cp2_first_step_equals_cp1(ray_session, tmp_path, tiny_model, ari
     single = _first_step(tmp_path, "critic-cp1", PPO, base)
     split = _first_step(tmp_path, "critic-cp2", PPO, [*base, "critic.cp=2"])
     assert single["critic/grad_norm"] > 0 and single["critic/value_loss"] > 0
-    _assert_same(split, single, PPO_COMPARED)
+    # The actor's first-step loss is -mean(A) over its tokens, ~0 (the advantages whitened), from GAE over the
+    # critic's values, which carry the critic's reassociation error: an absolute bound (2e-7 against 7e-8 on an
+    # Intel AMX host, where 1e-7 failed)
+    _assert_same(split, single, PPO_COMPARED, near_zero=("actor/loss",))
 
 
 def test_top_k_distillation_with_cp2_student_and_teacher_equals_cp1(
