@@ -176,6 +176,25 @@ def test_observation_tokens_are_the_templates_delta_with_the_turn_close(tiny):
     assert prompt + assistant + expected == fresh
 
 
+def test_renders_made_before_are_reused_and_give_the_same_tokens(tiny):
+    """Two samples of one prompt, two observations each: the conversation before a turn was rendered before
+    (the prompt's by the other sample, a later turn's as the previous observation's last render), so 9
+    renders are made where 12 were asked; every observation's tokens are those of a delta that keeps none."""
+    _, tokenizer = tiny
+    tools = [Calculator.schema]
+    kept, fresh = ChatDelta(tokenizer, tools), ChatDelta(tokenizer, tools)
+    fresh.RENDERS_KEPT = 0
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+    for sample, expressions in enumerate((["12*34", "408+1"], ["12*35", "420-2"])):
+        history = [{"role": "user", "content": "What is 12*34?"}]
+        for turn, expression in enumerate(expressions):
+            assistant, new = call % expression, [{"role": "tool", "content": f"{sample}{turn}"}]
+            args = (list(history), assistant, assistant + "<|im_end|>", new)
+            assert kept.observation(*args) == fresh.observation(*args)
+            history += [{"role": "assistant", "content": assistant}, *new]
+    assert (kept.renders, fresh.renders) == (9, 12)
+
+
 def test_a_template_that_rewrites_history_is_flagged_and_the_trajectory_keeps_its_own(tiny):
     """A Qwen3-like template that drops earlier <think> blocks is not append-only: the turn is still closed and
     the new messages rendered, and the mismatch is reported."""
