@@ -13,8 +13,8 @@ step (summed over micro-batches and data-parallel ranks). Each micro-batch loss 
 the global mean, and the accumulated gradient equals one pass over the full batch.
 
 `policy_loss` reads how to form the loss from a `LossPlan` (algos/registry.py), the trainer passes it whole: a new
-loss knob is a setting (config/schema.py), a LossPlan field, its line in config/step_plan.py `loss_plan` and its
-use here.
+loss knob is a setting (config/training_schema.py), a LossPlan field, its line in config/step_plan.py `loss_plan`
+and its use here.
 """
 
 from __future__ import annotations

@@ -149,8 +149,8 @@ def estimator_named(name: str) -> Estimator:
 @dataclass(frozen=True)
 class LossPlan:
     """How the actor's policy loss is formed (algos.losses.policy_loss), resolved once from the config
-    (config/step_plan.py loss_plan). A new loss knob is a setting (config/schema.py), a field here (and a preset
-    column, where algorithms differ in it), its line in `loss_plan` and its use in algos/losses.py."""
+    (config/step_plan.py loss_plan). A new loss knob is a setting (config/training_schema.py), a field here (and
+    a preset column, where algorithms differ in it), its line in `loss_plan` and its use in algos/losses.py."""
 
     agg: LossAgg
     clip_low: float
@@ -185,8 +185,9 @@ class Preset:
     min_group_size: int = 1  # the rollout.samples_per_prompt it needs (2: it compares a group's samples)
 
 
-# The closed choice of algo.name (schema.py declares the setting with it). Algorithm spells out PRESETS' rows, in
-# table order, so mypy checks the names a config can hold; the check after the table keeps the two equal.
+# The closed choice of algo.name (config/training_schema.py declares the setting with it). Algorithm spells out
+# PRESETS' rows, in table order, so mypy checks the names a config can hold; the check after the table keeps
+# the two equal.
 Algorithm = Literal[
     "grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo", "gspo", "ppo", "opd"
 ]

@@ -294,7 +294,7 @@ def roofline_shares(
     if rollout_s > 0 and response_length >= 1:
         prompt = length - response_length
         contexts = [prompt + response_length / 2] * sequences
-        # bf16 weights, an fp32 cache on a CPU (engines/rollout/rollout_engine.cache_dtype)
+        # bf16 weights, an fp32 cache on a CPU (engines/rollout/kv_layouts.cache_dtype)
         step_bytes = roofline.decode_step_bytes(
             margs, contexts, weight_bytes=2 if precision == "bf16" else 4, kv_bytes=4, ranks=args.dp
         )

@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["tokens_per_s_dockrl"] = num_tokens / dockrl_s
         out["kv_layout"] = kv_bytes.pop("layout")
         out.update({f"kv_bytes_{name}": value for name, value in kv_bytes.items()})
-        from dockrl.engines.rollout.rollout_engine import cache_dtype
+        from dockrl.engines.rollout.kv_layouts import cache_dtype
 
         weight_dtype = next(dockrl_model.parameters()).dtype
         sizes = {

@@ -584,8 +584,9 @@ def _cached_attention(
     write: CacheWrite,
 ) -> torch.Tensor:
     """Write k, v [B, K, T, D] into this layer's cache and attend q [B, N, T, D] over its key slots, in the
-    cache's dtype (a CPU rollout keeps an fp32 cache under bf16 weights: rollout_engine.cache_dtype). `mask`:
-    with per-row offsets the additive bias [B, 1, T, S] of `row_offset_bias`, else boolean [B, 1, T, S]."""
+    cache's dtype (a CPU rollout keeps an fp32 cache under bf16 weights: kv_layouts.cache_dtype in
+    engines/rollout). `mask`: with per-row offsets the additive bias [B, 1, T, S] of `row_offset_bias`, else
+    boolean [B, 1, T, S]."""
     assert cache is not None, "a cache write needs the layer's cache"
     dtype = cache[0].dtype
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)

@@ -1,19 +1,20 @@
 """Generation engine: continuous batching over KV-cache slots on dockrl's own model code.
 
-`RolloutBackend` (backend.py) is the engine socket the dock feed drives; `backends/` the registry of backends a
-run chooses from (`rollout.backend`); `RolloutEngine` (rollout_engine.py) is dockrl's own engine; `generate`
-(sampler.py) the simple batch API on it; `sampling.py` the per-row sampler and seeds; `dock_feed.py` serves rollout
-rows from the dock through a backend. The package imports nothing heavy itself: the config reads the backends'
-registry (`backends/`) before any worker starts, without torch.
+`RolloutBackend` (backend.py) is the engine socket the dock feed drives, `Request` in and `Completion` out
+(requests.py); `backends/` the registry of backends a run chooses from (`rollout.backend`); `RolloutEngine`
+(rollout_engine.py) is dockrl's own engine; `generate` (sampler.py) the simple batch API on it; `sampling.py` the
+per-row sampler and seeds; `dock_feed.py` serves rollout rows from the dock through a backend. The package
+imports nothing heavy itself: the config reads the backends' registry (`backends/`) before any worker starts,
+without torch.
 """
 
 from typing import Any
 
 _EXPORTS = {
     "RolloutBackend": "dockrl.engines.rollout.backend",
-    "Completion": "dockrl.engines.rollout.rollout_engine",
-    "Generation": "dockrl.engines.rollout.rollout_engine",
-    "Request": "dockrl.engines.rollout.rollout_engine",
+    "Completion": "dockrl.engines.rollout.requests",
+    "Generation": "dockrl.engines.rollout.requests",
+    "Request": "dockrl.engines.rollout.requests",
     "RolloutEngine": "dockrl.engines.rollout.rollout_engine",
     "generate": "dockrl.engines.rollout.sampler",
     "SamplingParams": "dockrl.engines.rollout.sampling",

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from dockrl.engines.rollout.rollout_engine import Completion, Request
+from dockrl.engines.rollout.requests import Completion, Request
 
 
 @runtime_checkable

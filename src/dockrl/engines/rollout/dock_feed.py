@@ -52,7 +52,8 @@ from dockrl.dock.columns import (
 from dockrl.dock.errors import DockTimeoutError
 from dockrl.dock.stages import Stage
 from dockrl.engines.rollout.backend import RolloutBackend
-from dockrl.engines.rollout.rollout_engine import Completion, Request, RolloutEngine, same_images
+from dockrl.engines.rollout.requests import Completion, Request, same_images
+from dockrl.engines.rollout.rollout_engine import RolloutEngine
 from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.envs.host import EnvCalls
 

@@ -76,7 +76,7 @@ from dockrl.dock.columns import (
 from dockrl.dock.errors import DockTimeoutError
 from dockrl.dock.stages import Stage
 from dockrl.engines.rollout.backend import RolloutBackend
-from dockrl.engines.rollout.rollout_engine import Request
+from dockrl.engines.rollout.requests import Request
 from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.envs.base import Message, ModelRequest, Observation, check_messages
 from dockrl.envs.chat_delta import ChatDelta

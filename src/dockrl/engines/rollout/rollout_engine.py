@@ -28,26 +28,18 @@ in blocks handed out as sequences grow.
    returns the Completions finished in this step
 ```
 
-Two cache layouts (`kv_cache`, rollout.kv_cache; "auto" picks slots when they fit kv_cache_tokens):
-- slots: per layer k, v [num_slots, K, max_seq_len, D] (the model's `KVCache`), every slot's worst case
-  allocated up front. Decode reads the slot range [0, hi) in place (one view, no gather, no copy).
-- paged (models/paged_cache.py): per layer k, v [K, num_blocks, BLOCK_SIZE, D]; a slot's block-table row lists
-  its blocks in position order. A sequence holds ceil(length / BLOCK_SIZE) blocks, not max_seq_len positions:
-  the pool holds what the sequences use, grown by doubling up to `kv_cache_tokens` (samples wait or are
-  preempted beyond it). Each decode step gathers the rows' first ceil(S / BLOCK_SIZE) blocks (a copy of the
-  keys attended: why slots stay the default where they fit; docs/benchmarks.md).
-Both in the weights' dtype on an accelerator and fp32 on a CPU (`cache_dtype`). A slot's sequence always
-starts at position 0, so cache position == RoPE position for text models (vision: below). Free slots are handed out lowest index first and
-decode runs over the slot range [0, hi) with hi = highest running slot + 1; idle slots inside the range
-compute a harmless garbage row (they write only at their position 0, or into the scratch block 0; a parked
-slot at its kept length, the position its next turn writes first; their output is dropped). Keys are read up
-to the longest running sequence, S = max length + 1, with a causal per-row mask.
+Two cache layouts (`kv_cache`, rollout.kv_cache; kv_layouts.py says what each holds): slots, every slot's
+worst case allocated up front and read in place, or paged, blocks handed out as sequences grow. A slot's
+sequence always starts at position 0, so cache position == RoPE position for text models (vision: below). Free
+slots are handed out lowest index first and decode runs over the slot range [0, hi) with hi = highest running
+slot + 1; idle slots inside the range compute a harmless garbage row (they write only at their position 0, or
+into the scratch block 0; a parked slot at its kept length, the position its next turn writes first; their
+output is dropped). Keys are read up to the longest running sequence, S = max length + 1, with a causal
+per-row mask.
 
 Kept KV (multi-turn, engines/rollout/multi_turn.py): a request with a kv_key keeps its sample's KV when it
-finishes - the prompt's positions and every drawn token's but the last - until a request with the same key
-whose prompt extends those tokens takes it back (its new positions prefilled on top, `kv_reused_tokens`), the
-caller `forget`s it, or its room is needed: admission and growth give kept KV up oldest first (`kv_evicted`;
-that turn then re-prefills its whole prompt). Kept KV never holds a slot a request is waiting for.
+finishes, for a later request with the same key whose prompt extends it; how it is kept, taken back and given
+up is kept_kv.py's (`KeptKV`, a base of RolloutEngine).
 
 Vision models (qwen2_5_vl): a request may carry images (`Request.images`: the dock's uint8 patches and grid).
 The prefill runs the vision tower over the admitted prompts' images and computes with multimodal positions
@@ -61,9 +53,8 @@ refuses a kv_key on a vision model.
 Shape letters: G prompts prefilled together, P longest of them, R sample rows, B decode rows (slot range
 [0, hi)), S key slots read, H hidden size, V vocabulary.
 
-Tensor parallelism (issue 3's layouts) touches only `_forward_last`: the model's `hidden_states` and its LM
-head. Everything else - slots, cache bookkeeping, sampling - is per rank identical, driven by the same
-host-side decisions on every rank of a TP group, and sees full-vocabulary logits.
+Tensor parallelism touches only the model calls (model_calls.py, `ModelCalls._forward_last`, a base of
+RolloutEngine); everything else is per rank identical.
 
 Seeds: each sample carries its own seed; the uniform of its t-th token is a pure function of (seed, t)
 (see `sampling.counter_uniforms`), so results do not depend on the batch or on arrival order.
@@ -74,111 +65,29 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from dockrl.engines.rollout.kept_kv import KeptKV, _Kept
+from dockrl.engines.rollout.kv_layouts import BLOCK_SIZE, blocks_for, cache_dtype, kv_layout
+from dockrl.engines.rollout.model_calls import ModelCalls
+from dockrl.engines.rollout.requests import Completion, Generation, Request, _Running, same_images
 from dockrl.engines.rollout.sampling import RowSettings, SamplingParams, sample_rows
 from dockrl.models.decoder import KVCache, Transformer
-from dockrl.models.moe import Routing, routing
 from dockrl.models.packed_linear import PackedWeights
 from dockrl.models.packed_linear import supported as packing_supported
 from dockrl.models.paged_cache import PagedKVCache
-from dockrl.models.vision import Images, VisionInputs
+from dockrl.models.vision import VisionInputs
 
 _IDLE = SamplingParams(max_new_tokens=1, temperature=0.0)
 # Move the running samples into the lowest slots once fewer than this share of the rows [0, hi) run: one copy
 # of the movers' written cache rows, after which every decode step reads only running rows (decoding all of
 # [0, hi) would attend idle rows' keys at every step; a gather per step would copy the running rows each time).
 COMPACT_BELOW = 0.5
-# Positions per KV block: a sequence wastes under one block (its last one's unwritten tail); larger blocks mean
-# fewer, longer contiguous runs for the per-step gather (32 fp32 positions x D = 32: 4 KiB per key head).
-BLOCK_SIZE = 32
 # Attention scores one forward over returning turns' suffixes may hold (rows x heads x T x S, fp32: 256 MiB):
 # more rows than that run in several forwards, so long observations on a large batch cannot exhaust memory.
 SUFFIX_SCORES_MAX = 2**26
-
-
-def blocks_for(positions: int) -> int:
-    """KV blocks that hold `positions` positions."""
-    return -(-positions // BLOCK_SIZE)
-
-
-def cache_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache's dtype: the weights' on an accelerator; fp32 on a CPU, where a bf16 cache makes decode
-    attention slower, not faster (its key slices are strided, and the CPU's bf16 batched matmul copies each
-    one first; fp32 reads them in place), while the cache stays small there."""
-    return torch.float32 if device.type == "cpu" else weight_dtype
-
-
-@dataclass
-class Request:
-    """One prompt and the samples to draw from it (n = len(seeds)); they share one prefill."""
-
-    prompt_ids: list[int]
-    """The prompt's token ids (at least one)."""
-    seeds: list[int]
-    """One seed per sample; sample i's tokens depend only on the prompt, params and seeds[i]."""
-    params: SamplingParams
-    """How every sample of this request is drawn."""
-    tag: Any = None
-    """Caller's handle, returned with each Completion (e.g. dock row ids)."""
-    kv_key: Any = None
-    """One sample only: keep its KV under this key when it finishes, and start from the KV kept under it when
-    the prompt extends the kept positions (a trajectory's next turn; see the module docstring)."""
-    images: tuple[torch.Tensor, torch.Tensor] | None = None
-    """A vision model's prompt images: (uint8 patches [N, C*t*p*p], grid [n, 3]) as the dock holds them; the
-    prompt holds their <|image_pad|> tokens. None (or 0 images): text."""
-
-
-@dataclass
-class Generation:
-    """One completed sample."""
-
-    token_ids: torch.Tensor
-    """int64 [R] generated tokens, including the stop token if one was produced."""
-    logprobs: torch.Tensor
-    """float32 [R] log-prob of each generated token (see `sampling` for the exact formula)."""
-    finish_reason: str
-    """"stop" (a stop token or stop string was produced) or "length" (max_new_tokens reached)."""
-    routes: torch.Tensor | None = None
-    """MoE models with record_routes: int16 [P + R - 1, L, k], the experts each MoE layer routed every fed
-    token to (the prompt's tokens, then each generated token but the last, which is never fed)."""
-
-
-@dataclass
-class Completion:
-    """A finished sample: which request (tag) and sample index, and what it generated."""
-
-    tag: Any
-    sample: int
-    generation: Generation
-
-
-@dataclass
-class _Running:
-    """Host-side state of the sample living in one slot, from admission until it finishes."""
-
-    request: Request
-    sample: int
-    length: int
-    """Tokens in this slot's cache = cache position of the next token fed."""
-    admitted: int
-    """Admission order (the youngest running sample, the highest, is the one preempted)."""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    routes: list[torch.Tensor] = field(default_factory=list)  # record_routes: [n, L, k] pieces, prompt first
-
-
-@dataclass
-class _Kept:
-    """KV kept for a later request: the positions of `tokens`, in a parked slot (slots) or in blocks (paged)."""
-
-    tokens: list[int]
-    slot: int | None
-    blocks: list[int]
 
 
 def _shared_prompts(requests: list[Request]) -> tuple[list[int], list[Request]]:
@@ -199,35 +108,10 @@ def _shared_prompts(requests: list[Request]) -> tuple[list[int], list[Request]]:
     return prompt_of, unique
 
 
-def same_images(first: tuple | None, second: tuple | None) -> bool:
-    """Whether two requests' images (uint8 patches, grid) are the same (None and 0 images: none)."""
-    first = None if first is None or not len(first[1]) else first
-    second = None if second is None or not len(second[1]) else second
-    if first is None or second is None:
-        return first is second
-    return all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(first, second))
-
-
-def kv_layout(kv_cache: str, num_slots: int, max_seq_len: int, kv_cache_tokens: int) -> str:
-    """The cache layout `kv_cache` resolves to: "auto" is "slots" when num_slots x max_seq_len positions fit
-    kv_cache_tokens (0: no bound), "paged" when they do not; raises ValueError naming a layout that cannot be."""
-    if kv_cache_tokens < 0:
-        raise ValueError(f"rollout engine kv_cache_tokens={kv_cache_tokens} must be >= 0 (0: the worst case)")
-    worst = num_slots * max_seq_len
-    if kv_cache == "auto":
-        return "slots" if not kv_cache_tokens or worst <= kv_cache_tokens else "paged"
-    if kv_cache not in ("slots", "paged"):
-        raise ValueError(f"rollout engine kv_cache={kv_cache!r}; use auto, slots or paged")
-    if kv_cache == "slots" and 0 < kv_cache_tokens < worst:
-        raise ValueError(
-            f"rollout engine kv_cache=slots needs num_slots x max_seq_len = {num_slots} x {max_seq_len} = {worst} "
-            f"positions, over kv_cache_tokens={kv_cache_tokens}; use kv_cache=paged or auto, or raise kv_cache_tokens"
-        )
-    return kv_cache
-
-
-class RolloutEngine:
-    """Continuous-batching sampler on a dockrl `Transformer` (see the module docstring).
+class RolloutEngine(KeptKV, ModelCalls):
+    """Continuous-batching sampler on a dockrl `Transformer` (see the module docstring). KV kept across turns
+    (`forget`, `forget_all`) is its base KeptKV's (kept_kv.py), the model calls its base ModelCalls'
+    (model_calls.py).
 
     Lifecycle: build once per model and cache size; `add` requests at any time; call `step` (or iterate
     `run`) until `has_work()` is False. The cache persists across requests; weights may change between
@@ -238,7 +122,7 @@ class RolloutEngine:
         model: the rollout model (eval mode; its parameter dtype/device set the cache's).
         num_slots: sequences decoded at once.
         max_seq_len: positions per sequence; a request needs len(prompt) + max_new_tokens of them.
-        kv_cache: the cache's layout (module docstring): "slots" (num_slots x max_seq_len positions, read in
+        kv_cache: the cache's layout (kv_layouts.py): "slots" (num_slots x max_seq_len positions, read in
             place), "paged" (blocks handed out as sequences grow), or "auto": slots when they fit in
             kv_cache_tokens (or kv_cache_tokens is 0), paged when they do not.
         kv_cache_tokens: positions the cache may hold over all sequences (paged: rounded up to whole blocks,
@@ -398,16 +282,6 @@ class RolloutEngine:
         """Slots not running and not claimed by waiting requests: room for new requests to start now (a slot
         parked with kept KV counts: it is given up when a request needs it)."""
         return len(self.free) + len(self.parked) - sum(len(samples) for _, samples in self.waiting)
-
-    def forget(self, kv_key: Any) -> None:
-        """Drop the KV kept under `kv_key` (its trajectory ended), if any."""
-        if kv_key in self.kept:
-            self._drop_kept(kv_key)
-
-    def forget_all(self) -> None:
-        """Drop every kept KV (the weights that computed it are about to change)."""
-        for key in list(self.kept):
-            self._drop_kept(key)
 
     def weights_changed(self) -> None:
         """The model's weights were replaced or rewritten in place: kept KV is dropped and the packed weights
@@ -575,118 +449,11 @@ class RolloutEngine:
             self._evict_oldest()
         return count
 
-    def _kept_for(self, request: Request) -> _Kept | None:
-        """The KV kept under the request's kv_key when its prompt extends the kept positions (a later turn);
-        KV kept under that key that the prompt does not extend is dropped (it cannot be used again)."""
-        kept = self.kept.get(request.kv_key) if request.kv_key is not None else None
-        if kept is None:
-            return None
-        length, prompt = len(kept.tokens), request.prompt_ids
-        if len(prompt) > length and prompt[:length] == kept.tokens and not self.record_routes:
-            return kept
-        self._drop_kept(request.kv_key)
-        return None
-
-    def _resume(self, request: Request, kept: _Kept) -> int | None:
-        """Take the kept KV back into a slot for `request`, with the blocks its prompt + first decoded position
-        need beyond the kept ones; None when they cannot be had now (the request waits)."""
-        key = request.kv_key
-        if not self.paged:
-            assert kept.slot is not None
-            del self.kept[key], self.parked[kept.slot]
-            return kept.slot
-        pool = self._pool()
-        extra = max(0, blocks_for(len(request.prompt_ids) + 1) - len(kept.blocks))
-        del self.kept[key]  # not evicted for its own room
-        while pool.num_obtainable() < extra and self.kept:
-            self._evict_oldest()
-        if not self.free or pool.num_obtainable() < extra:
-            self.kept[key] = kept
-            self.kept.move_to_end(key, last=False)
-            return None
-        slot = heapq.heappop(self.free)
-        self.blocks[slot] = list(kept.blocks)
-        self.block_table[slot, : len(kept.blocks)] = torch.tensor(kept.blocks, device=self.device)
-        if extra:
-            self._grant(slot, extra)
-        return slot
-
     def _grant(self, slot: int, count: int) -> None:
         """Append `count` new blocks to `slot`'s (callers check they can be had)."""
         start = len(self.blocks[slot])
         self.blocks[slot] += self._pool().allocate(count)
         self.block_table[slot, start : start + count] = torch.tensor(self.blocks[slot][start:])
-
-    def _prefill(
-        self, requests: list[Request], row_slots: list[int], row_prompt: list[int]
-    ) -> tuple[torch.Tensor, list[int]]:
-        """Run each request's prompt once, copy its KV into the slots (or blocks) of its samples; returns last
-        logits [G, V] and each prompt's rope delta (0 for text)."""
-        prompts = [request.prompt_ids for request in requests]
-        num_prompts, longest = len(prompts), max(len(prompt) for prompt in prompts)
-        ids = torch.full((num_prompts, longest), self.pad_token_id, dtype=torch.long)  # [G, P]
-        for row, prompt in enumerate(prompts):
-            ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        # Right padding: pads sit after every real token, so causal attention alone keeps them unseen.
-        scratch = KVCache(self.model.args, num_prompts, longest, self.cache_dtype, self.device)
-        last = torch.tensor([len(prompt) - 1 for prompt in prompts], device=self.device)  # [G]
-        positions, images, deltas = self._multimodal(requests, ids)
-        logits = self._forward_last(
-            ids.to(self.device), positions, None, scratch, 0, last, images=images
-        )  # [G, V]
-        if self.paged:
-            self._copy_to_blocks(scratch, [len(p) for p in prompts], row_slots, row_prompt)
-        else:
-            slots = torch.tensor(row_slots, device=self.device)  # [R]
-            sources = torch.tensor(row_prompt, device=self.device)  # [R]
-            for layer in range(len(self.cache.k)):
-                self.cache.k[layer][slots, :, :longest] = scratch.k[layer][sources]
-                self.cache.v[layer][slots, :, :longest] = scratch.v[layer][sources]
-        self.stats["prefill_calls"] += 1
-        self.stats["prefill_prompts"] += num_prompts
-        self.stats["prefill_tokens"] += sum(len(prompt) for prompt in prompts)
-        return logits, deltas
-
-    def _multimodal(
-        self, requests: list[Request], ids: torch.Tensor
-    ) -> tuple[torch.Tensor | None, Images | None, list[int]]:
-        """A vision model's prefill inputs: positions [3, G, P] (a prompt's right padding continues its text
-        positions; never attended), the prompts' images in row order, each prompt's rope delta. Text
-        models: (None, None, zeros)."""
-        if self.vision is None:
-            return None, None, [0] * len(requests)
-        empty = (torch.zeros(0, self.vision.processor.patch_dim, dtype=torch.uint8), torch.zeros(0, 3))
-        rows = [request.images if request.images is not None else empty for request in requests]
-        positions = torch.zeros(3, *ids.shape, dtype=torch.long)
-        deltas = []
-        for row, (request, (_, grid)) in enumerate(zip(requests, rows)):
-            length = len(request.prompt_ids)
-            row_positions, delta = self.vision.positions(ids[row, :length], grid)
-            positions[:, row, :length] = row_positions
-            positions[:, row, length:] = torch.arange(length, ids.shape[1]) + delta
-            deltas.append(delta)
-        return positions.to(self.device), self.vision.images(rows, self.device), deltas
-
-    def _copy_to_blocks(
-        self, scratch: KVCache, lengths: list[int], row_slots: list[int], row_prompt: list[int]
-    ) -> None:
-        """Every prompt position p of every sample row: (its block, offset in the block) <- (prompt, p)."""
-        sources: list[int] = []
-        positions: list[int] = []
-        blocks: list[int] = []
-        for slot, g in zip(row_slots, row_prompt):
-            length = lengths[g]
-            sources += [g] * length
-            positions += range(length)
-            blocks += [self.blocks[slot][p // BLOCK_SIZE] for p in range(length)]
-        source = torch.tensor(sources, device=self.device)  # [R P']
-        position = torch.tensor(positions, device=self.device)
-        block = torch.tensor(blocks, device=self.device)
-        offset = position % BLOCK_SIZE
-        pool = self._pool()
-        for layer in range(len(pool.k)):
-            pool.k[layer][:, block, offset] = scratch.k[layer][source, :, position].transpose(0, 1)
-            pool.v[layer][:, block, offset] = scratch.v[layer][source, :, position].transpose(0, 1)
 
     def _prefill_suffixes(self, resumed: list[tuple[int, list[int], int]]) -> torch.Tensor:
         """Returning turns (slot, prompt, kept): run each prompt's positions [kept, len(prompt)) on top of the
@@ -709,62 +476,6 @@ class RolloutEngine:
         self.stats["prefill_tokens"] += sum(len(prompt) - kept for _, prompt, kept in resumed)
         self.stats["kv_reused_tokens"] += sum(kept for _, _, kept in resumed)
         return torch.stack(logits)  # type: ignore[arg-type]
-
-    def _suffix_forward(self, resumed: list[tuple[int, list[int], int]]) -> torch.Tensor:
-        """One forward of `_prefill_suffixes` over rows whose kept + T all fit max_seq_len; logits [R, V]."""
-        lengths = [len(prompt) - kept for _, prompt, kept in resumed]
-        num_tokens = max(lengths)
-        ids = torch.full((len(resumed), num_tokens), self.pad_token_id, dtype=torch.long)  # [R, T]
-        for row, (_, prompt, kept) in enumerate(resumed):
-            ids[row, : len(prompt) - kept] = torch.tensor(prompt[kept:], dtype=torch.long)
-        offsets = torch.tensor([kept for _, _, kept in resumed], device=self.device)  # [R]
-        last = torch.tensor([n - 1 for n in lengths], device=self.device)  # [R]
-        num_keys = max(kept for _, _, kept in resumed) + num_tokens  # S
-        key_mask = self._all_keys[: len(resumed), :num_keys]
-        slots = torch.tensor([slot for slot, _, _ in resumed], device=self.device)
-        if self.paged:  # every row writes and reads through its own block-table row
-            cache, table = self.cache, self.block_table[slots]
-        else:  # the slots are anywhere in the cache: their rows copied out, prefilled, written back
-            cache, table = self._slots_cache().take(slots, num_keys), None
-        logits = self._forward_last(ids.to(self.device), None, key_mask, cache, offsets, last, table)
-        if not self.paged:
-            self._slots_cache().put(slots, cache)  # type: ignore[arg-type]
-        self.stats["prefill_calls"] += 1
-        return logits
-
-    def _forward_last(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None,
-        key_mask: torch.Tensor | None,
-        cache: KVCache | PagedKVCache,
-        cache_offset: int | torch.Tensor,
-        last: torch.Tensor | None,
-        block_table: torch.Tensor | None = None,
-        images: Images | None = None,
-    ) -> torch.Tensor:
-        """The one model call: hidden states, then LM-head logits of token `last[b]` of each row -> [B, V].
-
-        last=None takes the final token. Only these rows go through the LM head (the prefill's other
-        positions never need logits). A tensor-parallel model plugs in here.
-        """
-        # CPU bf16: the projections run packed for this call (models/packed_linear.py)
-        with nullcontext() if self.packed is None else self.packed.applied():
-            if isinstance(cache_offset, torch.Tensor):  # each row at its own length (continuous batching)
-                assert key_mask is not None, "per-row offsets mask the keys of each row"
-                hidden = self.model.hidden_states_per_row(
-                    input_ids, cache, cache_offset, block_table, key_mask, position_ids
-                )
-            else:  # prefill: the rows of one prompt's samples at the same offset
-                assert isinstance(cache, KVCache), "prefill fills a contiguous scratch cache"
-                hidden = self.model.hidden_states(
-                    input_ids, position_ids, key_mask, cache, cache_offset, images=images
-                )  # [B, T, H]
-            if last is None:
-                picked = hidden[:, -1]
-            else:
-                picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
-            return self.model.lm_logits(picked)  # full vocabulary, also for a tensor-parallel model
 
     # ---- decode ----------------------------------------------------------------------------------
 
@@ -845,22 +556,6 @@ class RolloutEngine:
         self.stats["compactions"] += 1
         self.stats["moved_rows"] += len(movers)
         return sorted(movable[:count])
-
-    # ---- MoE routes ------------------------------------------------------------------------------
-
-    @contextmanager
-    def _routes(self) -> Iterator[Routing | None]:
-        """Record the MoE layers' experts for the forward inside (None when the engine records none)."""
-        if not self.record_routes:
-            yield None
-            return
-        with routing(self.model, Routing(record=True)) as seen:
-            yield seen
-
-    def _layer_routes(self, seen: Routing, row: int, count: int) -> torch.Tensor:
-        """Row `row`'s first `count` positions' experts across the MoE layers: int16 [count, L, k] (CPU)."""
-        per_layer = [seen.recorded[layer][row, :count] for layer in self.moe_layers]
-        return torch.stack(per_layer, dim=1).to("cpu", torch.int16)
 
     # ---- bookkeeping -----------------------------------------------------------------------------
 
@@ -955,44 +650,6 @@ class RolloutEngine:
             torch.cat(state.routes) if self.record_routes else None,
         )
         return Completion(state.request.tag, state.sample, generation)
-
-    # ---- KV kept across turns ----------------------------------------------------------------------
-
-    def _keep(self, slot: int, state: _Running) -> None:
-        """A finished sample's KV stays for its request's kv_key: the prompt's positions and every drawn
-        token's but the last (never fed). Slots: the slot is parked (idle, its length kept, so its garbage
-        writes land where the next turn writes first); paged: its blocks move to the kept entry, the slot is
-        free."""
-        key = state.request.kv_key
-        self.forget(key)
-        tokens = state.request.prompt_ids + state.token_ids[:-1]
-        assert len(tokens) == state.length, (len(tokens), state.length)
-        if self.paged:
-            self.kept[key] = _Kept(tokens, None, self.blocks[slot])
-            self.blocks[slot] = []
-            self._vacate(slot)
-            return
-        self.kept[key] = _Kept(tokens, slot, [])
-        self.parked[slot] = key
-        self.running[slot] = None
-        self.active[slot] = 0
-        self.steps[slot] = 0
-        self._settings = None
-
-    def _drop_kept(self, key: Any) -> None:
-        """Give the room of the KV kept under `key` back: its parked slot or its blocks."""
-        kept = self.kept.pop(key)
-        if kept.slot is not None:
-            del self.parked[kept.slot]
-            self.lengths[kept.slot] = 0
-            heapq.heappush(self.free, kept.slot)
-        else:
-            self._pool().release(kept.blocks)
-
-    def _evict_oldest(self) -> None:
-        """Drop the KV kept longest (its trajectory re-prefills its prefix when it returns)."""
-        self._drop_kept(next(iter(self.kept)))
-        self.stats["kv_evicted"] += 1
 
     # ---- layouts -----------------------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 
 from dockrl.engines.rollout.backend import RolloutBackend
-from dockrl.engines.rollout.rollout_engine import Generation, Request, RolloutEngine
+from dockrl.engines.rollout.requests import Generation, Request
+from dockrl.engines.rollout.rollout_engine import RolloutEngine
 from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.models.decoder import Transformer
 from dockrl.models.vision import VisionInputs

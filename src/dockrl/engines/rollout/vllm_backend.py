@@ -64,7 +64,7 @@ from dockrl.backends.vllm import (  # noqa: F401 - re-exported
     model_problem,
     vllm_problem,
 )
-from dockrl.engines.rollout.rollout_engine import Completion, Generation, Request
+from dockrl.engines.rollout.requests import Completion, Generation, Request
 from dockrl.engines.rollout.vllm_digest import SentDigest, compare, engine_digest
 from dockrl.models.precision import dtype_of
 
