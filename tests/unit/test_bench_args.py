@@ -54,7 +54,7 @@ def test_bench_kernels_times_every_variant_at_a_small_shape():
         "attention fwd+bwd (bf16)",
         "dockrl backward",
     ) in variants
-    assert len(rows) == 19 and all(row["ms"] > 0 for row in rows)  # 11 + 2 mixes x 2 dtypes x 2 variants
+    assert len(rows) == 20 and all(row["ms"] > 0 for row in rows)  # 12 + 2 mixes x 2 dtypes x 2 variants
     assert all(row["speedup"] == 1.0 for row in rows if row["variant"] in ("fp32", "torch SDPA", "eager"))
 
 

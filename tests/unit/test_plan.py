@@ -114,10 +114,10 @@ def test_cp_splits_the_saved_activations_and_shards_the_state_over_dp_x_cp():
 
 def test_saved_activations_of_qwen2_5_7b_by_hand():
     """bf16 (e = 2), H = 3584, N = 28, K = 4, D = 128, I = 18944, L = 28, per token and layer: two norms
-    2 (4 H + 2 e H) = 57344, q, k, v and the attention output e (2 N + 2 K) D = 16384, the lse 4 N = 112, the
-    MLP 4 e I = 151552: 225392 bytes; outside the layers 4 H + e H + e H + 2 e D = 29184."""
+    2 (2 e H) = 28672, q, k, v and the attention output e (2 N + 2 K) D = 16384, the lse 4 N = 112, the
+    MLP 4 e I = 151552: 196720 bytes; outside the layers e H + e H + 2 e D = 14848, and the head's 24."""
     args = load_args("qwen2.5-7b")
-    per_token = 28 * 225392 + 29208
+    per_token = 28 * 196720 + 14872
     assert update_peak(args, rows=1, seq_len=32768, cp=1)["saved"] == 32768 * per_token
     assert update_peak(args, rows=1, seq_len=32768, cp=8)["saved"] == pytest.approx(
         4096 * (per_token + 28 * 4 * 28 * 128)

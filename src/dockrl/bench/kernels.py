@@ -13,7 +13,8 @@ of --rows x --tokens (28 x 143: one of the e2e workload's token-budget micro-bat
             and fp32: one call per distinct row length against like lengths padded into buckets
             (packed_causal_attention, PAD_WASTE), for --small's micro-batch (128 rows of 17-27 tokens: prompt +
             up to 10) and for --rows rows of --tokens / 2 to --tokens
-  rmsnorm   transformers' composite RMSNorm against torch's F.rms_norm, forward + backward
+  rmsnorm   transformers' composite RMSNorm against torch's F.rms_norm and dockrl's (models/rms_norm.py: the
+            same forward, its backward written out), forward + backward
   rope      rotate_half with cat against roll and a signed sin (dockrl.models.decoder.apply_rope)
   swiglu    silu(gate) * up, eager (torch has no fused CPU op for it; --compile adds inductor's fusion)
 
@@ -142,6 +143,7 @@ def _op_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     from dockrl.models.attention import causal_attention
     from dockrl.models.decoder import apply_rope
+    from dockrl.models.rms_norm import rms_norm
 
     gen = torch.Generator().manual_seed(1)
     bf16, hidden = torch.bfloat16, args.hidden_size
@@ -180,9 +182,17 @@ def _op_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     def fused() -> None:
         F.rms_norm(x, (hidden,), weight, 1e-6).backward(grad_x)
 
+    def written_out() -> None:
+        rms_norm(x, weight, 1e-6).backward(grad_x)
+
     base = _best(composite, args.repeats)
     out.append(_row("rmsnorm fwd+bwd (bf16)", "composite (transformers)", base, base))
     out.append(_row("rmsnorm fwd+bwd (bf16)", "F.rms_norm", _best(fused, args.repeats), base))
+    out.append(
+        _row(
+            "rmsnorm fwd+bwd (bf16)", "dockrl (backward written out)", _best(written_out, args.repeats), base
+        )
+    )
 
     cos = torch.randn(rows, 1, tokens, dim, generator=gen).to(bf16)
     sin = torch.randn(rows, 1, tokens, dim, generator=gen).to(bf16)

@@ -209,8 +209,8 @@ def update_peak(
     forward and backward: `rows` rows of `seq_len` tokens, split over `cp` ranks (each holds padded / cp tokens,
     t below), the heads, kv heads and MLP width over `tp`; e = `dtype_bytes` (the compute dtype).
 
-    saved     what autograd keeps for the backward, per layer and token: two RMSNorms (the fp32 input, the
-              normalised and the weighted output: 4H + 2eH each), q, k, v after rotary and the attention output,
+    saved     what autograd keeps for the backward, per layer and token: two RMSNorms (the input and the
+              weighted output: 2eH each; models/rms_norm.py), q, k, v after rotary and the attention output,
               which is o_proj's input (e (2 N + 2 K) D; the ring keeps its fp32 output beside it, 4 N D), the
               fp32 log-sum-exp (4 N), the MLP's gate, silu, up and product (4 e I); outside the layers the final
               norm, the head's scored hidden states and the rotary tables. With activation checkpointing: each
@@ -229,7 +229,7 @@ def update_peak(
     local = rows * padded_length(seq_len, cp) // cp  # t: this rank's tokens
     # the fused kernel's output is o_proj's input; the ring keeps its fp32 output beside it
     ring_out = 4 if cp > 1 else 0
-    norm = 4 * h + 2 * e * h
+    norm = 2 * e * h  # its input (its backward's) and its output (the projections')
     per_layer = (
         2 * norm + e * (2 * heads + 2 * kv_heads) * d + ring_out * heads * d + 4 * heads + 4 * e * width
     )
@@ -237,10 +237,10 @@ def update_peak(
         layers = local * (args.num_layers * e * h + per_layer)
     else:
         layers = local * args.num_layers * per_layer
-    # the final norm (its fp32 input and the normalised tokens; the head reads its output by index), the head's
+    # the final norm (its input; the head reads its output by index), the head's
     # gathered hidden states of the scored tokens (at most t) with their int64 index and target ids and two fp32
     # statistics (24 bytes), the rotary cos and sin tables
-    saved = layers + local * (4 * h + e * h + e * h + 24 + 2 * e * d)
+    saved = layers + local * (e * h + e * h + 24 + 2 * e * d)
     layer_params, root_params = _layer_and_root_params(args, tp)
     fsdp = 2 * e * layer_params + 4 * layer_params + (e + 4) * root_params
     vocab = args.vocab_size // tp

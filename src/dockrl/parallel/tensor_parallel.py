@@ -26,6 +26,7 @@ from torch import nn
 
 from dockrl.models.decoder import MLP, RMSNorm, Transformer
 from dockrl.models.lora import LoRALinear
+from dockrl.models.rms_norm import rms_norm
 from dockrl.models.tp_plan import shard_range, tp_problem
 
 
@@ -138,10 +139,7 @@ class HeadSharedNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] -> same shape and dtype."""
-        input_dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return copy_to_tp(self.weight, self.group) * x.to(input_dtype)
+        return rms_norm(x, copy_to_tp(self.weight, self.group), self.eps)
 
 
 def _shard_linear_rows(linear: nn.Linear, rank: int, size: int, group: dist.ProcessGroup) -> None:
