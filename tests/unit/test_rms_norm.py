@@ -40,6 +40,8 @@ def _ulp(t: torch.Tensor) -> torch.Tensor:
 def test_forward_is_hugging_faces_bit_for_bit(dtype):
     x, norm, _ = _inputs(dtype)
     assert torch.equal(norm(x), hf_rms_norm(x, norm.weight))
+    with torch.no_grad():  # no gradient to compute: the forward alone, not the autograd Function
+        assert torch.equal(norm(x), hf_rms_norm(x, norm.weight))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

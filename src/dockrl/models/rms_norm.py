@@ -26,8 +26,19 @@ from torch import nn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * RMS-normalized x, x [..., dim], weight [dim] (module docstring)."""
-    return _RMSNormFunction.apply(x, weight, eps)
+    """weight * RMS-normalized x, x [..., dim], weight [dim] (module docstring). Without a gradient to compute (a
+    rollout's decode, a reference pass) the forward runs as it is: an autograd Function's call costs ~6 us more
+    per norm, ~2% of a small model's decode step."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNormFunction.apply(x, weight, eps)
+    return _forward(x, weight, eps)[0]
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's forward: the output, and the rsqrt [..., 1] (fp32) the backward needs."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (xf * rstd).to(x.dtype), rstd
 
 
 class RMSNorm(nn.Module):
@@ -48,10 +59,9 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
+        out, rstd = _forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return weight * (xf * rstd).to(x.dtype)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
