@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,6 +65,7 @@ class _RMSNormFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, weight, rstd = ctx.saved_tensors
         grad_x = grad_weight = None
