@@ -4,17 +4,19 @@ and tensor parallelism's per-head q/k norm (parallel/tensor_parallel.py).
 The forward is Hugging Face's, op for op (the same output bits): y = (x_f32 * r).to(x.dtype), r = rsqrt(mean(x_f32^2)
 + eps), out = weight * y. Its backward is written out (`_RMSNormFunction`) instead of left to autograd, which
 keeps the fp32 copy of x and y for it (4H + 2eH bytes per token, e the compute dtype's size) and walks the
-graph's ~13 elementwise passes; here the backward keeps only x in its own dtype and r (eH + 4 bytes) and makes
-11 passes, y recomputed when the weight needs its gradient:
+graph's ~13 elementwise passes; here the backward keeps only x in its own dtype and r (eH + 4 bytes per token)
+and makes 9, with p = g * x in fp32 (exact: a product of two bf16 values fits fp32's mantissa) serving both sums:
 
-    g_y = (g * weight) in x's dtype, then fp32     (autograd rounds the same product the same way)
-    g_x = r * g_y - x * r^3 * mean(g_y * x)        (fp32, one rounding to x's dtype at the end)
-    g_weight = sum over tokens of g * y
+    g_weight = p^T r                               (one matrix-vector product over the tokens)
+    g_x = r * g_y - x * r^3 * (p @ weight) / H     (fp32; g_y = (g * weight) rounded to x's dtype as autograd
+                                                   rounds it; one rounding to x's dtype at the end)
 
-With bf16 activations that halves what a norm keeps for the backward (8H -> 4H bytes per token: two norms a
-layer, ~13% of a layer's saved activations at Qwen2.5-7B's shape) and takes a norm's forward and backward 1.3x
-faster on a CPU (`dockrl bench kernels`). The gradients are autograd's up to fp32 reassociation, at most one unit
-in the last place of x's dtype apart (tests/unit/test_rms_norm.py).
+Against autograd the sums skip two roundings to bf16 (of y, and of g * weight inside the mean), so the
+gradients are as close to the exact ones or closer: tests/unit/test_rms_norm.py bounds both against float64.
+With bf16 activations a norm keeps half as much for the backward (8H -> 4H bytes per token: two norms a layer,
+~13% of a layer's saved activations at Qwen2.5-7B's shape), and its forward and backward run 1.3-1.7x faster on
+a CPU (bf16, one thread; the e2e bench's micro-batch 28 x 143 x 256: 11.0 -> 6.4 ms; 6,899 x 128: 8.0 -> 5.5
+ms; 4 x 512 x 256: 4.1 -> 3.1 ms; medians of 21 interleaved runs, Intel Xeon with AMX, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -68,12 +70,15 @@ class _RMSNormFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, weight, rstd = ctx.saved_tensors
+        dim = x.shape[-1]
+        rows_x, rows_grad, rows_rstd = x.reshape(-1, dim), grad.reshape(-1, dim), rstd.reshape(-1, 1)
+        product = rows_grad.float() * rows_x  # [T, H] fp32, exact
         grad_x = grad_weight = None
         if ctx.needs_input_grad[1]:
-            y = (x * rstd).to(x.dtype)  # x * rstd computes in fp32 (rstd's dtype): the forward's y
-            grad_weight = (grad * y).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+            # matrix-vector products (mv): reductions, not matmul work (bench/roofline.py counts none)
+            grad_weight = torch.mv(product.t(), rows_rstd.view(-1)).to(weight.dtype)
         if ctx.needs_input_grad[0]:
-            grad_y = (grad * weight).float()  # a tensor of its own: updated in place below
-            scale = (grad_y * x).sum(-1, keepdim=True).mul_(rstd.pow(3)).div_(x.shape[-1])  # [..., 1]
-            grad_x = grad_y.mul_(rstd).addcmul_(x, scale, value=-1).to(x.dtype)
+            scale = torch.mv(product, weight.float())[:, None].mul_(rows_rstd.pow(3)).div_(dim)  # [T, 1]
+            grad_y = (rows_grad * weight).float()  # a tensor of its own: updated in place
+            grad_x = grad_y.mul_(rows_rstd).addcmul_(rows_x, scale, value=-1).to(x.dtype).reshape(x.shape)
         return grad_x, grad_weight, None
