@@ -22,7 +22,9 @@ threads that wait on each other at every op cost more than they give). The TRL r
 configuration ran. Both do one optimizer step per generation batch.
 Reported per system over the steps after the first (median): step seconds, response tokens per second, and
 where the time went:
-  dockrl  rollout, reference, old log-probs, update (its stage timers) and overhead = step - their sum
+  dockrl  rollout, reference, old log-probs, update (its stage timers) and overhead = step - their sum (the
+          reference runs beside the last groups' scoring, which the overhead holds; stages that overlap more
+          than that make it smaller)
   trl     generate (generation, rewards and reference log-probs: `_generate_and_score_completions`), train
           (its training_step calls less generate) and overhead = step - training_step calls
 `speedup` is dockrl's response tokens/s over TRL's. Ratios, not absolute times, carry to other machines.

@@ -45,8 +45,9 @@ TIMING_PREFIX = "timing/"
 # The stages are dockrl.dock.stages.Stage, one vocabulary with the dock's consumers and the supervisor's stages.
 # Timed: step (the whole step), weight_sync (separate placement: weights sent to the replicas), rollout (from
 # the start of generation to its end, the switch included), reward_model and reward (from the start of
-# generation to the last score), start_next (async: starting step t+k's generation), reference, old_logprobs,
-# critic_values (what is left of it after the log-prob stages), update.
+# generation to the last score), start_next (async: starting step t+k's generation), reference (the sync
+# schedule starts it when generation ends, beside the last groups' scoring: then its slowest rank's own
+# seconds), old_logprobs, critic_values (what is left of it after the log-prob stages), update.
 
 
 def timing(stage: str) -> str:

@@ -5,8 +5,8 @@
       ├─▶ reward models, teacher, reward workers: score ┘ as soon as it is complete
       │     dynamic sampling: more rounds of new prompts until the batch is full, the other groups dropped
       │     partial rollout: the groups of cut rows leave the step (the dock keeps them for the next)
-      ├─▶ critic: values                             ┐ overlap (ppo)
-      ├─▶ actor ranks: reference, old log-probs       ┘ (as the step plan asks)
+      ├─▶ critic: values                             ┐ overlap (ppo); the reference starts when generation
+      ├─▶ actor ranks: reference, old log-probs       ┘ ends, beside the last groups' scoring (as the plan asks)
       ├─▶ critic update, actor update                   (the actor's skipped in ppo's critic warm-up)
       └─▶ dock stats, reset (partial: cut groups stay) ─▶ StepRecord
 
@@ -30,7 +30,8 @@ from dockrl.recipes.common import EncodedPrompt, EpochSampler, add_prompts
 from dockrl.recipes.dynamic_sampling import group_rewards, select_groups
 from dockrl.recipes.step_metrics import SamplingCounts, StepRecord
 from dockrl.workers.actor import ActorGroup
-from dockrl.workers.results import GenerateResult, ScoreResult, TeacherResult, UpdateResult
+from dockrl.workers.group import Pending
+from dockrl.workers.results import GenerateResult, LogprobResult, ScoreResult, TeacherResult, UpdateResult
 
 
 def sync_step(
@@ -40,13 +41,14 @@ def sync_step(
     timer = StageTimer()
     with timer(Stage.STEP):
         batch: list[EncodedPrompt] = sampler.next_batch()
-        sampling, values = None, None
+        sampling, values, reference = None, None, None
         if schedule.dynamic_sampling_rounds:  # group-baseline algorithms only: never with a critic
+            # the reference waits for the rounds: their scores decide which groups stay in the dock
             rounds = _sample_until_full(cfg, schedule, step, batch, sampler, cluster, timer)
             batch, gen, scored, sampling, teacher = rounds
         else:
-            gen, scored, values, teacher = _round(cfg, schedule, step, batch, cluster, timer)
-        logprob_stages(plan, cluster.actors, timer)
+            gen, scored, values, teacher, reference = _round(cfg, schedule, step, batch, cluster, timer, plan)
+        logprob_stages(plan, cluster.actors, timer, reference)
         if values is not None:
             with timer(Stage.CRITIC_VALUES):  # what is left of it: it overlaps the log-prob stages
                 values.wait()
@@ -57,9 +59,14 @@ def sync_step(
     )
 
 
-def logprob_stages(plan: StepPlan, actors: ActorGroup, timer: StageTimer) -> None:
-    """The reference and old log-prob stages the plan asks for, each timed."""
-    if plan.reference:
+def logprob_stages(
+    plan: StepPlan, actors: ActorGroup, timer: StageTimer, reference: Started | None = None
+) -> None:
+    """The reference and old log-prob stages the plan asks for, each timed; `reference`: the reference stage
+    started already (`_round`: at the end of generation), waited for here and timed from its start."""
+    if reference is not None:
+        reference.wait(timer)
+    elif plan.reference:
         with timer(Stage.REFERENCE):
             actors.compute_ref().wait()
     if plan.old_logprobs:
@@ -92,6 +99,19 @@ def _close(schedule: Schedule, cluster: Cluster) -> dict[str, Any]:
     return dock_stats
 
 
+class Started:
+    """A log-prob stage started before the driver waits for it (it may end long before the driver looks)."""
+
+    def __init__(self, stage: Stage, pending: Pending[LogprobResult]) -> None:
+        self.stage, self.pending = stage, pending
+
+    def wait(self, timer: StageTimer) -> list[LogprobResult]:
+        """Its results; its slowest rank's own seconds go to `timer`."""
+        results = self.pending.wait()
+        timer.add(self.stage, max((result.seconds for result in results), default=0.0))
+        return results
+
+
 def _round(
     cfg: TrainConfig,
     schedule: Schedule,
@@ -99,10 +119,13 @@ def _round(
     batch: list[EncodedPrompt],
     cluster: Cluster,
     timer: StageTimer,
-) -> tuple[list[GenerateResult], list[ScoreResult], Any, list[TeacherResult]]:
+    plan: StepPlan | None = None,
+) -> tuple[list[GenerateResult], list[ScoreResult], Any, list[TeacherResult], Started | None]:
     """Add `batch`'s groups, generate and score them (overlapped through the dock); returns (per-actor
     generate results, per-reward-worker score results, the critic's pending compute_values or None, per-teacher-
-    rank results)."""
+    rank results, the reference stage or None). With `plan` asking for a reference, the actor ranks start it as
+    soon as generation ends: it reads only the rows' tokens, so it runs beside the scoring of the last groups
+    (the reward workers are other processes) instead of after it."""
     n = cfg.rollout.samples_per_prompt
     add_prompts(cluster.client, batch, n)
     synced_s = sync_rollout_weights(cluster, version=step - 1)  # separate placement: the step's policy
@@ -123,6 +146,9 @@ def _round(
         if cut:
             cluster.client.drop([group * n + i for group in cut for i in range(n)])
     values = cluster.critic.compute_values() if cluster.critic is not None else None
+    reference = None
+    if plan is not None and plan.reference:
+        reference = Started(Stage.REFERENCE, cluster.actors.compute_ref())
     if model_scoring is not None:  # the reward workers wait for rm_score, so this ends first
         model_scoring.wait()
         timer.add(Stage.REWARD_MODEL, time.perf_counter() - start)  # overlaps rollout too
@@ -132,7 +158,7 @@ def _round(
         timer.add(Stage.TEACHER, time.perf_counter() - start)  # overlaps rollout too
     scored = scoring.wait()
     timer.add(Stage.REWARD, time.perf_counter() - start)  # overlaps rollout; ends at the last group
-    return gen, scored, values, teacher
+    return gen, scored, values, teacher, reference
 
 
 def _sample_until_full(
@@ -154,7 +180,7 @@ def _sample_until_full(
     scored: list[ScoreResult] = []
     teacher: list[TeacherResult] = []
     for rounds in range(1, most + 1):
-        round_gen, round_scored, _, round_teacher = _round(cfg, schedule, step, batch, cluster, timer)
+        round_gen, round_scored, _, round_teacher, _ = _round(cfg, schedule, step, batch, cluster, timer)
         gen, scored, teacher = gen + round_gen, scored + round_scored, teacher + round_teacher
         # DAPO keeps a group whose answers are partly right: correctness before any shaping, never a group
         # left out for a failed reward (recipes/dynamic_sampling.py).

@@ -269,6 +269,7 @@ class ActorWorker(Worker):
 
     def _logprob_stage(self, stage: Stage, engine: TrainEngine, column: str) -> LogprobResult:
         # The dp ranks of a stage get near-equal token counts (length balance, dock.policies.balanced_partition).
+        start = time.perf_counter()
         columns = [PROMPT_IDS, RESPONSE_IDS] + ([ROUTED_EXPERTS] if self.replay_routes else [])
         columns += [IMAGE_PATCHES, IMAGE_GRID_THW] if engine.vision is not None else []
         got = self.train_client.get(
@@ -288,7 +289,8 @@ class ActorWorker(Worker):
         )
         if rows:
             self.train_client.put(stage, rows, {column: logps})
-        return LogprobResult(len(rows), sum(len(r) for r in batch[RESPONSE_IDS]))
+        tokens = sum(len(r) for r in batch[RESPONSE_IDS])
+        return LogprobResult(len(rows), tokens, time.perf_counter() - start)
 
     # ---- update --------------------------------------------------------------------------------
 

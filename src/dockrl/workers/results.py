@@ -54,6 +54,7 @@ class LogprobResult:
 
     rows: int
     tokens: int = 0
+    seconds: float = 0.0  # the rank's own time in the stage (its pull, forward and put)
 
 
 @dataclass
