@@ -72,7 +72,7 @@ class _RMSNormFunction(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         dim = x.shape[-1]
         rows_x, rows_grad, rows_rstd = x.reshape(-1, dim), grad.reshape(-1, dim), rstd.reshape(-1, 1)
-        product = rows_grad.float() * rows_x  # [T, H] fp32, exact
+        product = rows_grad.float() * rows_x  # [T, H] fp32 (exact for bf16 inputs)
         grad_x = grad_weight = None
         if ctx.needs_input_grad[1]:
             # matrix-vector products (mv): reductions, not matmul work (bench/roofline.py counts none)
