@@ -63,7 +63,8 @@ def logprob_stages(
     plan: StepPlan, actors: ActorGroup, timer: StageTimer, reference: Started | None = None
 ) -> None:
     """The reference and old log-prob stages the plan asks for, each timed; `reference`: the reference stage
-    started already (`_round`: at the end of generation), waited for here and timed from its start."""
+    started already (`_round`: at the end of generation), waited for here and timed by its slowest rank's own
+    seconds (`Started.wait`)."""
     if reference is not None:
         reference.wait(timer)
     elif plan.reference:
