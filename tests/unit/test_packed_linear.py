@@ -132,7 +132,13 @@ def test_a_weight_sync_rebuilds_the_packs_of_the_engine_that_lives_on(model):
     from dockrl.engines.rollout.dockrl_rollout import DockrlRollout
 
     spec = SimpleNamespace(
-        max_batch_size=4, max_seq_len=40, kv_cache="auto", kv_cache_tokens=0, env=None, pack_weights=True
+        max_batch_size=4,
+        max_seq_len=40,
+        kv_cache="auto",
+        kv_cache_tokens=0,
+        env=None,
+        pack_weights=True,
+        native_kernels=True,
     )
     host = SimpleNamespace(model=model, pad_token_id=0, decode=None, vision=None)
     rollout = DockrlRollout(spec, host)

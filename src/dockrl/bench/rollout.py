@@ -20,7 +20,9 @@ new_tokens / 4, clipped to [1, new_tokens], as RL responses are: dockrl stops ea
 sequences end at different points. Throughput counts the requested tokens only, on both sides.
 
 `--pack-weights off` runs dockrl's engine without its packed, fused projections (rollout.pack_weights; on a CPU in
-bf16 they are on by default: models/packed_linear.py), for a before/after on the same host.
+bf16 they are on by default: models/packed_linear.py), for a before/after on the same host; `--native off` without
+its native decode kernels (rollout.native_kernels: models/native), and native_kernels in the output says whether
+they ran (or why not).
 
 KV cache (dockrl's engine: engines/rollout/rollout_engine.py): `--kv-cache` picks its layout (rollout.kv_cache:
 auto, slots, paged) and `--kv-cache-tokens` its bound (rollout.kv_cache_tokens; 0: none). kv_layout is the one
@@ -93,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model's own modules, for a before/after)",
     )
     parser.add_argument(
+        "--native",
+        choices=("on", "off"),
+        default="on",
+        help="dockrl engine: rollout.native_kernels (on a CPU: a decode step's work between its matmuls as C "
+        "kernels; off: torch's ops, for a before/after)",
+    )
+    parser.add_argument(
         "--engines",
         default="dockrl,transformers",
         help="comma-separated: dockrl, vllm, transformers (default dockrl,transformers)",
@@ -121,6 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     num_tokens = sum(lengths)
     out: dict[str, Any] = {}
     from dockrl.bench import roofline
+    from dockrl.models import native
 
     peak = roofline.measure_peak(args.threads)
     with tempfile.TemporaryDirectory() as model_dir:
@@ -176,6 +186,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "precision": args.precision,
         "mean_new_tokens": num_tokens / len(lengths),
         **out,
+        "native_kernels": native.status() if args.native == "on" else "off (--native off)",
         "peak_fp32_gflops": peak["fp32_gflops"],
         "peak_bf16_gflops": peak.get("bf16_gflops"),
         "bandwidth_gbs": peak["bandwidth_gbs"],
@@ -323,6 +334,7 @@ def _run_dockrl(model, prompts, lengths: list[int], args: argparse.Namespace) ->
         kv_cache=args.kv_cache,
         kv_cache_tokens=args.kv_cache_tokens,
         pack_weights=args.pack_weights == "on",
+        native_kernels=args.native == "on",
     )
     for index, (prompt, length) in enumerate(zip(prompts.tolist(), lengths)):
         params = SamplingParams(

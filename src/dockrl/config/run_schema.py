@@ -76,6 +76,15 @@ class RolloutConfig:
         "layer instead of 7 (models/packed_linear.py; same tokens and log-probs, one more copy of the weights "
         "while it decodes; 1.25x decode at 8 rows per rank). false: the model's own modules.",
     )
+    native_kernels: bool = setting(
+        True,
+        "dockrl engine on a CPU: a decode step's work between its matmuls (residual adds and RMSNorms, RoPE, the "
+        "KV write, attention over each row's own slots, SwiGLU) runs as three C kernels per layer instead of ~50 "
+        "torch calls, built on first use with the host's C compiler (models/native; without one, or with "
+        "DOCKRL_NATIVE=off, torch's ops as before). The same values up to the order of fp32 sums (in bf16 a "
+        "value may round one ulp the other way, so tokens drawn later can differ); 1.5-1.9x decode at 8 rows per "
+        "rank. false: torch's ops.",
+    )
     groups_per_pull: int = setting(4, "Prompt groups a rollout rank pulls from the dock at a time.")
     tp: int = setting(
         1,

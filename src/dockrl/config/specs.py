@@ -96,6 +96,7 @@ class RolloutSpec:
     kv_cache_tokens: int  # 0: max_batch_size x max_seq_len
     keep_kv_across_turns: bool
     pack_weights: bool
+    native_kernels: bool
     max_prompt_len: int
     tp: int
     seed: int
@@ -310,6 +311,7 @@ def rollout_spec(cfg: TrainConfig) -> RolloutSpec:
         kv_cache_tokens=roll.kv_cache_tokens,
         keep_kv_across_turns=roll.keep_kv_across_turns,
         pack_weights=roll.pack_weights,
+        native_kernels=roll.native_kernels,
         max_prompt_len=cfg.data.max_prompt_len,
         tp=roll.tp,
         seed=cfg.run.seed,

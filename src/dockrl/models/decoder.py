@@ -29,15 +29,16 @@ Inside, a `CacheWrite` carries which path a call takes down to the attention lay
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from dockrl.models import native
 from dockrl.models.attention import causal_attention, packed_causal_attention, sdpa
 from dockrl.models.config import ModelArgs
 from dockrl.models.moe import MoEBlock
@@ -114,6 +115,9 @@ class CacheWrite:
     offset: int = 0
     row_offsets: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
+    # A decode step (T = 1, row_offsets) may run its layers with the native kernels (models/native) where they
+    # apply: the rollout engine's rollout.native_kernels.
+    native: bool = False
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -304,6 +308,10 @@ class DecoderModel(nn.Module):
         else:
             offset = 0 if write is None else write.offset
             mask = attention_mask(key_mask, batch, seq, offset, write is not None, input_ids.device)
+        if seq == 1 and write is not None and write.native and write.row_offsets is not None:
+            decoded = self._decode_natively(x[:, 0], rope, mask, write)
+            if decoded is not None:
+                return decoded[:, None]
         recompute = self.checkpoint_layers and write is None and torch.is_grad_enabled()
         for index, layer in enumerate(self.layers):
             if recompute:  # keeps only the layer's input; its forward runs again in the backward pass
@@ -314,6 +322,53 @@ class DecoderModel(nn.Module):
             cache = None if write is None else write.cache.layer(index)
             x = layer(x, rope, mask, cache, write, segments)
         return self.norm(x)
+
+    def _decode_natively(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        bias: torch.Tensor | None,
+        write: CacheWrite,
+    ) -> torch.Tensor | None:
+        """A decode step's layers (one token per row, each at its own offset of a slots or paged cache) with the
+        native kernels between torch's projections (models/native: the residual adds and norms, RoPE, the KV write and
+        attention over each row's own slots, SwiGLU): x [B, H] -> final-normed [B, H]. None, before anything
+        is written, where they do not apply (no kernels, a GPU, MoE layers, a split sequence, weights that are
+        DTensors or of another dtype than x); the caller then runs the layers as they are."""
+        if not _natively_decodable(self, x, write) or bias is None:
+            return None
+        assert write.row_offsets is not None
+        batch = x.shape[0]
+        head_dim = self.args.head_dim
+        cos, sin = (part.reshape(batch, head_dim).contiguous() for part in rope)
+        bias_rows = bias.reshape(batch, -1)
+        if bias_rows.dtype != torch.float32 or bias_rows.stride(1) != 1:
+            bias_rows = bias_rows.float().contiguous()
+        offsets = write.row_offsets
+        lengths = (offsets + 1).clamp_(max=bias_rows.shape[1])  # a parked row's garbage query stays in range
+        step = native.DecodeStep(x.contiguous(), cos, sin, offsets, lengths, bias_rows, head_dim)
+        pending: torch.Tensor | None = None  # the last sublayer's output, added to x by the next norm
+        for index, layer in enumerate(cast("Iterable[DecoderLayer]", self.layers)):
+            norm = layer.input_layernorm
+            h = step.add_rms_norm(pending, norm.weight, norm.eps)
+            attn = layer.self_attn
+            q, k, v = (
+                (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
+                if attn.packed is None
+                else attn.packed[0].split(h)
+            )
+            norms = None
+            if attn.q_norm is not None and attn.k_norm is not None:
+                norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
+            out = step.rope_attention(q, k, v, norms, write.cache.layer(index), write.block_table)  # [B, N D]
+            pending = attn.o_proj(out) if attn.packed is None else attn.packed[1](out)
+            norm = layer.post_attention_layernorm
+            h = step.add_rms_norm(pending, norm.weight, norm.eps)
+            mlp = cast(MLP, layer.mlp)  # dense: _natively_decodable
+            gate, up = (mlp.gate_proj(h), mlp.up_proj(h)) if mlp.packed is None else mlp.packed[0].split(h)
+            act = step.swiglu(gate, up)  # [B, I]
+            pending = mlp.down_proj(act) if mlp.packed is None else mlp.packed[1](act)
+        return step.add_rms_norm(pending, self.norm.weight, self.norm.eps)
 
     def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [B, 1, T, D] (sin with its first D/2 entries negated, for `apply_rope`), computed in
@@ -477,6 +532,7 @@ class Transformer(nn.Module):
         key_mask: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         images: Images | None = None,
+        native: bool = False,
     ) -> torch.Tensor:
         """Final-normed hidden states [B, T, H] of rows at their own cache offsets (continuous batching).
 
@@ -485,11 +541,12 @@ class Transformer(nn.Module):
         in a PagedKVCache - and attends key positions [0, S), S = key_mask.shape[1], causally from its offset.
         position_ids default row_offsets[b] + arange(T). The caller keeps every offset + T <= max_len (or M x
         block_size, with the blocks allocated) and S <= max_len (not checked here: it would cost a device sync
-        per decode step).
+        per decode step). native: a decode step (T = 1) runs with the native kernels where they apply
+        (`DecoderModel._decode_natively`).
         """
         if position_ids is None:
             position_ids = row_offsets[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
-        write = CacheWrite(kv_cache, row_offsets=row_offsets, block_table=block_table)
+        write = CacheWrite(kv_cache, row_offsets=row_offsets, block_table=block_table, native=native)
         mask = None if images is None else images.token_mask
         return self.model(input_ids, position_ids, key_mask, write, None, self.image_embeds(images), mask)
 
@@ -511,6 +568,32 @@ class Transformer(nn.Module):
             else:
                 values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
                 param.copy_(values)
+
+
+def _natively_decodable(model: DecoderModel, x: torch.Tensor, write: CacheWrite) -> bool:
+    """Whether `DecoderModel._decode_natively` applies: the kernels built, a CPU, a dense model (its layers'
+    MLPs SwiGLU, not MoE) of x's dtype (fp32 or bf16) with plain weights (not DTensors), no split sequence, and an
+    fp32 cache, slots or paged (kv_layouts.cache_dtype on a CPU)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if write.cache.k[0].dtype != torch.float32 or not native.available():
+        return False
+    args = model.args
+    if args.num_heads // args.num_kv_heads > native.MAX_GROUP or args.head_dim > native.MAX_HEAD_DIM:
+        return False
+    for layer in cast("Iterable[DecoderLayer]", model.layers):
+        attn = layer.self_attn
+        if type(layer.mlp) is not MLP or attn.context_attention is not None:
+            return False
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm):
+            if norm is not None and (
+                norm.weight.dtype != x.dtype or type(norm.weight.data) is not torch.Tensor
+            ):
+                return False
+        weight = attn.q_proj.weight
+        if type(weight.data) is not torch.Tensor or weight.dtype != x.dtype:
+            return False
+    return True
 
 
 def _mrope_angles(freqs: torch.Tensor, section: tuple[int, ...] | None) -> torch.Tensor:

@@ -86,6 +86,7 @@ def step_engine(
         record_routes=spec.env is None,  # MoE single-turn: each row's experts go to routed_experts
         vision=vision,
         pack_weights=spec.pack_weights,
+        native_kernels=spec.native_kernels,
     )
 
 

@@ -42,6 +42,7 @@ class ModelCalls:
     pad_token_id: int
     device: torch.device
     cache_dtype: torch.dtype
+    native_kernels: bool
     paged: bool
     cache: KVCache | PagedKVCache
     blocks: list[list[int]]
@@ -167,7 +168,13 @@ class ModelCalls:
             if isinstance(cache_offset, torch.Tensor):  # each row at its own length (continuous batching)
                 assert key_mask is not None, "per-row offsets mask the keys of each row"
                 hidden = self.model.hidden_states_per_row(
-                    input_ids, cache, cache_offset, block_table, key_mask, position_ids
+                    input_ids,
+                    cache,
+                    cache_offset,
+                    block_table,
+                    key_mask,
+                    position_ids,
+                    native=self.native_kernels,
                 )
             else:  # prefill: the rows of one prompt's samples at the same offset
                 assert isinstance(cache, KVCache), "prefill fills a contiguous scratch cache"

@@ -144,6 +144,7 @@ class RolloutEngine(KeptKV, ModelCalls):
         kv_cache_tokens: int = 0,
         vision: VisionInputs | None = None,
         pack_weights: bool = True,
+        native_kernels: bool = True,
     ) -> None:
         limit = model.args.max_position_embeddings
         if num_slots < 1:
@@ -169,6 +170,9 @@ class RolloutEngine(KeptKV, ModelCalls):
         # CPU: the projections packed and fused for the model calls (models/packed_linear.py), rebuilt after
         # each weight update (`weights_changed`).
         self.packed = PackedWeights(model, num_slots) if pack_weights and packing_supported(model) else None
+        # CPU: a decode step's layers run with the native kernels between the projections (models/native),
+        # where they apply and build.
+        self.native_kernels = native_kernels
         self.layout = kv_layout(kv_cache, num_slots, max_seq_len, kv_cache_tokens)
         self.paged = self.layout == "paged"
         self.cache: KVCache | PagedKVCache

@@ -1,0 +1,327 @@
+"""Native CPU kernels of the rollout engine's decode step, built on first use with the host's C compiler.
+
+decode.c holds the work of a decoder layer between its matmuls for one new token per row (the residual adds
+and RMSNorms, RoPE, the KV write and attention over each row's own slots, SwiGLU): what it computes, how it
+rounds and why. `DecoderModel._decode_natively` runs a decode step's layers with them and torch's
+projections. They are built once per source, compiler and CPU (the CPU's flags name the file: `-march=native`
+code runs only where it was built) into the cache directory, then loaded with ctypes. Their OpenMP calls
+resolve to the runtime torch has already loaded, so `torch.set_num_threads` sets their threads as it does
+torch's.
+
+Nothing here is required: without a C compiler, or with DOCKRL_NATIVE=off, `available()` is False and the
+decoder keeps its torch path, which computes the same values up to the order of fp32 sums. Which one runs is
+in `status()` (and in `dockrl bench rollout`'s output).
+
+Environment: DOCKRL_NATIVE=off (never build or load), CC (the compiler; default cc), DOCKRL_NATIVE_DIR (where
+builds are kept; default $XDG_CACHE_HOME/dockrl/native or ~/.cache/dockrl/native).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SOURCE = Path(__file__).with_name("decode.c")
+# -ffast-math: the sums vectorise (reassociation) and expf uses glibc's vector variants; contraction off: no
+# FMA where torch rounds a product before adding (decode.c's header).
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+LIBS = ("-lm",)
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "dockrl_add_rms_norm": ([_P, _I, _P, _I, _P, _P, _I, _I, _F], None),
+    "dockrl_swiglu": ([_P, _I, _P, _I, _P, _I, _I], None),
+    "dockrl_rope_attention": (
+        [_P, _I, _P, _I, _P, _I]  # q, k, v rows and their strides
+        + [_P, _P, _F, _P, _P]  # q_norm, k_norm, eps, cos, sin
+        + [_P, _P, _I, _I, _I, _I]  # cache keys, values; row, head, block, slot strides
+        + [_P, _I, _I, _I, _I]  # block table, its row stride, block size, blocks in the pool, capacity
+        + [_P, _P, _I, _P, _I]  # offsets, lengths, num_keys, bias, its row stride
+        + [_P, _I, _I, _I, _I, _F],  # out, B, N, K, D, scale
+        ctypes.c_int,
+    ),
+}
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+# decode.c's bounds on the query heads per key/value head and on the head size
+MAX_GROUP = 64
+MAX_HEAD_DIM = 512
+
+_lock = threading.Lock()
+_kernels: dict[tuple[str, torch.dtype], Callable[..., Any]] | None = None
+_status = "not loaded yet"
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what -march=native compiles for)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_dir() -> Path:
+    if os.environ.get("DOCKRL_NATIVE_DIR"):
+        return Path(os.environ["DOCKRL_NATIVE_DIR"])
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "dockrl" / "native"
+
+
+def _compiler_version(compiler: str) -> str:
+    done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    return done.stdout.splitlines()[0] if done.stdout else ""
+
+
+def _build(compiler: str) -> Path:
+    """The shared library for this source, compiler and CPU: built into the cache unless already there. Two
+    processes building at once each write a temporary file and rename it into place (atomic)."""
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                SOURCE.read_bytes(),
+                " ".join(FLAGS).encode(),
+                _compiler_version(compiler).encode(),
+                _cpu_flags().encode(),
+            ]
+        )
+    ).hexdigest()[:16]
+    target = _build_dir() / f"decode-{platform.machine()}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(handle)
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", partial, *LIBS],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} exited with {done.returncode}: {done.stderr.strip()[-500:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def _load() -> dict[tuple[str, torch.dtype], Callable[..., Any]] | None:
+    global _kernels, _status
+    if _kernels is not None or _status != "not loaded yet":
+        return _kernels
+    with _lock:
+        if _kernels is not None or _status != "not loaded yet":
+            return _kernels
+        if os.environ.get("DOCKRL_NATIVE", "").lower() in ("0", "off", "false", "no"):
+            _status = "off (DOCKRL_NATIVE)"
+            return None
+        compiler = os.environ.get("CC", "cc")
+        if shutil.which(compiler) is None:
+            _status = f"off: no C compiler ({compiler!r} is not on PATH; set CC)"
+            return None
+        try:
+            library = ctypes.CDLL(str(_build(compiler)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            _status = f"off: the build failed: {error}"
+            return None
+        kernels = {}
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            for dtype, suffix in _SUFFIX.items():
+                function = getattr(library, f"{name}_{suffix}")
+                function.argtypes, function.restype = argtypes, restype
+                kernels[name, dtype] = function
+        _kernels, _status = kernels, "on"
+        return kernels
+
+
+def status() -> str:
+    """'on', or why the native kernels are off ('not loaded yet' before the first `available()`)."""
+    return _status
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded (building them on the first call)."""
+    return _load() is not None
+
+
+def _row_stride(t: torch.Tensor) -> int:
+    """The row stride of a [B, W] activation whose last dim is contiguous (a view of a fused projection's output
+    is one)."""
+    if t.dim() != 2 or (t.stride(1) != 1 and t.shape[1] != 1):
+        raise ValueError(
+            f"native kernels need [B, W] activations with a contiguous last dim; got {t.stride()}"
+        )
+    return t.stride(0)
+
+
+class DecodeStep:
+    """The kernels of one decode step (decode.c), bound to what its layers share: the residual stream x [B, H]
+    (updated in place), RoPE's cos and signed sin [B, D], the rows' cache offsets and attended lengths [B]
+    (int64) and the additive bias [B, >= max(lengths)] (fp32). Each layer then passes only its own tensors, so
+    a call costs the C work and one ctypes call. `available()` must be True; every tensor is on the CPU, of
+    x's dtype (fp32 or bf16) but the fp32 bias and cache."""
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        offsets: torch.Tensor,
+        lengths: torch.Tensor,
+        bias: torch.Tensor,
+        head_dim: int,
+    ) -> None:
+        assert _kernels is not None, "DecodeStep needs available()"
+        if not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and bias.stride(1) == 1):
+            raise ValueError(
+                "DecodeStep needs a contiguous x, cos, sin and a bias with a contiguous last dim"
+            )
+        if offsets.dtype != torch.int64 or lengths.dtype != torch.int64 or bias.dtype != torch.float32:
+            raise ValueError("DecodeStep needs int64 offsets and lengths and an fp32 bias")
+        dtype = x.dtype
+        self._norm = _kernels["dockrl_add_rms_norm", dtype]
+        self._swiglu = _kernels["dockrl_swiglu", dtype]
+        self._attention = _kernels["dockrl_rope_attention", dtype]
+        self.x, self.h = x, torch.empty_like(x)
+        self._keep = (cos, sin, offsets.contiguous(), lengths.contiguous(), bias)  # alive while pointed at
+        self.batch, self.hidden = x.shape
+        self.head_dim = head_dim
+        self.num_keys = bias.shape[1]
+        self._rope = (cos.data_ptr(), sin.data_ptr())
+        self._rows = (self._keep[2].data_ptr(), self._keep[3].data_ptr())
+        self._bias = (bias.data_ptr(), bias.stride(0))
+        self._out: torch.Tensor | None = None  # attention's output, reused by every layer ([B, N D])
+        self._act: torch.Tensor | None = None  # SwiGLU's output, reused by every layer ([B, I])
+
+    def add_rms_norm(self, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x += add (None: nothing), then h = RMSNorm(x) * weight (as rms_norm.RMSNorm rounds); returns h [B, H]
+        (the same buffer every call: the caller consumes it before the next)."""
+        x = self.x
+        if add is not None and add.shape != x.shape:
+            raise ValueError(f"add_rms_norm: add {tuple(add.shape)} is not x's {tuple(x.shape)}")
+        self._norm(
+            x.data_ptr(),
+            self.hidden,
+            None if add is None else add.data_ptr(),
+            0 if add is None else _row_stride(add),
+            weight.data_ptr(),
+            self.h.data_ptr(),
+            self.batch,
+            self.hidden,
+            eps,
+        )
+        return self.h
+
+    def rope_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        norms: tuple[torch.Tensor, torch.Tensor, float] | None,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        block_table: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One layer's attention: q [B, N D], k, v [B, K D] (views of one fused output allowed), per-head norms
+        (q_norm and k_norm weights [D] and their eps; None: none), RoPE, k and v written into the layer's fp32
+        cache at the offsets, attention over each row's own slots -> [B, N D] (the same buffer every layer).
+        The cache: (keys, values) [B, K, S, D] (slots), or with block_table [B, M] (int64) the paged pool's
+        [K, num_blocks, block_size, D] (models/paged_cache.py). Raises ValueError on an offset or length out of
+        the cache's range, or a block a row reads that the pool does not have."""
+        cache_k, cache_v = cache
+        head_dim = self.head_dim
+        if cache_k.dtype != torch.float32 or cache_k.stride() != cache_v.stride() or cache_k.stride(3) != 1:
+            raise ValueError("rope_attention needs an fp32 cache, keys and values alike, head dim contiguous")
+        if self._out is None:
+            self._out = torch.empty(q.shape, dtype=q.dtype)
+        out = self._out
+        layout: tuple[int | None, ...]
+        if block_table is None:  # [B, K, S, D]
+            layout = (
+                cache_k.stride(0),
+                cache_k.stride(1),
+                0,
+                cache_k.stride(2),
+                None,
+                0,
+                1,
+                1,
+                cache_k.shape[2],
+            )
+        else:  # [K, num_blocks, block_size, D]
+            if block_table.dtype != torch.int64 or block_table.stride(1) != 1:
+                raise ValueError("rope_attention needs an int64 block table with contiguous rows")
+            block_size = cache_k.shape[2]
+            layout = (
+                0,
+                cache_k.stride(0),
+                cache_k.stride(1),
+                cache_k.stride(2),
+                block_table.data_ptr(),
+                block_table.stride(0),
+                block_size,
+                cache_k.shape[1],
+                block_table.shape[1] * block_size,
+            )
+        num_keys = self.num_keys if block_table is not None else min(self.num_keys, cache_k.shape[2])
+        code = self._attention(
+            q.data_ptr(),
+            _row_stride(q),
+            k.data_ptr(),
+            _row_stride(k),
+            v.data_ptr(),
+            _row_stride(v),
+            None if norms is None else norms[0].data_ptr(),
+            None if norms is None else norms[1].data_ptr(),
+            0.0 if norms is None else norms[2],
+            *self._rope,
+            cache_k.data_ptr(),
+            cache_v.data_ptr(),
+            *layout,
+            *self._rows,
+            num_keys,
+            *self._bias,
+            out.data_ptr(),
+            self.batch,
+            q.shape[1] // head_dim,
+            k.shape[1] // head_dim,
+            head_dim,
+            head_dim**-0.5,
+        )
+        if code == 3:
+            raise ValueError(
+                f"rope_attention: a row's offset is past the cache's {layout[-1]} slots, its length outside [1, "
+                f"{num_keys}], or one of its blocks not in the pool"
+            )
+        if code != 0:
+            raise RuntimeError(
+                f"rope_attention: the kernel returned {code} (1: group or head size past its bounds, 2: no memory)"
+            )
+        return out
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate, up [B, I] (views of one fused output allowed) -> [B, I] (the same buffer
+        every layer), as F.silu and * round."""
+        if self._act is None:
+            self._act = torch.empty(gate.shape, dtype=gate.dtype)
+        act = self._act
+        self._swiglu(
+            gate.data_ptr(), _row_stride(gate), up.data_ptr(), _row_stride(up), act.data_ptr(), *gate.shape
+        )
+        return act

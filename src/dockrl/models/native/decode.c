@@ -1,0 +1,330 @@
+/* The rollout engine's decode step on a CPU, between its matmuls: the work of one decoder layer for one new
+ * token per row that torch would spread over ~50 calls, in three. Built and loaded by
+ * dockrl/models/native/__init__.py (the host's C compiler, -O3 -march=native, OpenMP from torch's own
+ * runtime); decoder.DecoderModel._decode_natively calls them, the projections stay torch's.
+ *
+ *   add_rms_norm   x += add (the sublayer's output), h = RMSNorm(x)               (the residual and the norm)
+ *   rope_attention RoPE of q and k, k and v into the cache at each row's offset,  (attention, grouped heads
+ *                  softmax attention of q over the row's own slots only           read in place)
+ *   swiglu         silu(gate) * up                                                (the MLP between its matmuls)
+ *
+ * Why: at a few rows a decode step's time is the number of calls, not their work (docs/benchmarks.md); and
+ * torch's attention runs every row over the batch's longest context (the shorter rows' tail masked, not
+ * skipped), where rope_attention reads each row's own slots.
+ *
+ * Rounding follows torch's ops one by one: every value torch rounds to the activations' dtype E (bf16 or
+ * fp32) is rounded here at the same point (round to nearest even), and each op computes in fp32 as torch's
+ * CPU kernels do, so the elementwise results are torch's (tests/unit/test_native_decode.py). What differs is
+ * the order of sums: RMSNorm's sum of squares and attention's dot products and weighted sums are vectorised
+ * here in another order than torch's reductions and batched matmuls (fp32 accumulation-order rounding).
+ * The source is compiled with -ffast-math for those sums (reassociation, vector expf); floating-point
+ * contraction is off (no FMA where torch rounds a product first), and the one reciprocal square root is a
+ * true division (see rms_inverse).
+ *
+ * E-typed arrays: entry points come in pairs, _f32 (E = float) and _bf16 (E = uint16_t, bfloat16 bits). The
+ * KV cache is always fp32 (kv_layouts.cache_dtype on a CPU). All strides are in elements.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_GROUP 64
+#define MAX_HEAD_DIM 512
+
+static inline float load_f32(float x) { return x; }
+static inline float store_f32(float x) { return x; }
+static inline float load_bf16(uint16_t x) {
+  uint32_t bits = (uint32_t)x << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+/* torch's c10::BFloat16 rounding: nearest even; a NaN stays a (quiet) NaN. */
+static inline uint16_t store_bf16(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return (uint16_t)(bits >> 16);
+}
+/* E -> E: the value torch keeps after an op whose fp32 result it stores as E. */
+#define ROUND_f32(x) (x)
+#define ROUND_bf16(x) load_bf16(store_bf16(x))
+
+/* 1 / sqrt(v) with two roundings, as torch.rsqrt on a CPU: -ffast-math would otherwise turn 1.0f / sqrtf(v)
+ * into the rsqrt approximation; the empty asm hides the square root from that rewrite. */
+static inline float rms_inverse(float v) {
+  float root = sqrtf(v);
+  __asm__("" : "+x"(root));
+  return 1.0f / root;
+}
+
+/* ---- add_rms_norm ------------------------------------------------------------------------------------------
+ * x [B, H] (E, row stride x_stride) += add [B, H] (E, row stride add_stride; NULL: nothing added), then
+ * h [B, H] (E, contiguous) = w * E(float(x) * rsqrt(mean(float(x)^2) + eps))   (Hugging Face's RMSNorm order) */
+#define DEFINE_ADD_RMS_NORM(SUF, E)                                                                            \
+  void dockrl_add_rms_norm_##SUF(E* x, int64_t x_stride, const E* add, int64_t add_stride, const E* w, E* h,  \
+                                 int64_t B, int64_t H, float eps) {                                            \
+    _Pragma("omp parallel for if (B * H >= 262144)") for (int64_t b = 0; b < B; ++b) {                        \
+      E* xr = x + b * x_stride;                                                                                \
+      if (add != NULL) {                                                                                       \
+        const E* ar = add + b * add_stride;                                                                    \
+        for (int64_t i = 0; i < H; ++i) xr[i] = store_##SUF(load_##SUF(xr[i]) + load_##SUF(ar[i]));         \
+      }                                                                                                        \
+      float squares = 0.0f;                                                                                    \
+      for (int64_t i = 0; i < H; ++i) {                                                                        \
+        float v = load_##SUF(xr[i]);                                                                           \
+        squares += v * v;                                                                                      \
+      }                                                                                                        \
+      float inverse = rms_inverse(squares / (float)H + eps);                                                   \
+      E* hr = h + b * H;                                                                                       \
+      for (int64_t i = 0; i < H; ++i) {                                                                        \
+        float normed = ROUND_##SUF(load_##SUF(xr[i]) * inverse);                                               \
+        hr[i] = store_##SUF(load_##SUF(w[i]) * normed);                                                        \
+      }                                                                                                        \
+    }                                                                                                          \
+  }
+
+DEFINE_ADD_RMS_NORM(f32, float)
+DEFINE_ADD_RMS_NORM(bf16, uint16_t)
+
+/* ---- swiglu ------------------------------------------------------------------------------------------------
+ * out [B, I] (E, contiguous) = E(silu(gate)) * up, gate and up [B, I] (E, row strides given). */
+#define DEFINE_SWIGLU(SUF, E)                                                                                  \
+  void dockrl_swiglu_##SUF(const E* gate, int64_t gate_stride, const E* up, int64_t up_stride, E* out,        \
+                           int64_t B, int64_t I) {                                                             \
+    _Pragma("omp parallel for if (B * I >= 262144)") for (int64_t b = 0; b < B; ++b) {                        \
+      const E* g = gate + b * gate_stride;                                                                     \
+      const E* u = up + b * up_stride;                                                                         \
+      E* o = out + b * I;                                                                                      \
+      for (int64_t i = 0; i < I; ++i) {                                                                        \
+        float x = load_##SUF(g[i]);                                                                            \
+        float silu = ROUND_##SUF(x / (1.0f + expf(-x)));                                                       \
+        o[i] = store_##SUF(silu * load_##SUF(u[i]));                                                           \
+      }                                                                                                        \
+    }                                                                                                          \
+  }
+
+DEFINE_SWIGLU(f32, float)
+DEFINE_SWIGLU(bf16, uint16_t)
+
+/* ---- rope_attention ----------------------------------------------------------------------------------------
+ * Per row b (offset o = offsets[b], length L = lengths[b]):
+ *   q [N, D], k [K, D], v [K, D] (E; each a row of q_rows / k_rows / v_rows at its row stride);
+ *   q_norm, k_norm [D] (E; NULL: none): per-head RMSNorm first (Qwen3), eps its epsilon;
+ *   RoPE as decoder.apply_rope: r = E(E(x * cos) + E(roll(x, D/2) * signed_sin)), cos / signed_sin [B, D] (E);
+ *   cache slot o of row b, head h gets r(k_h) and v_h (fp32);
+ *   out[b, n] = E(softmax(r(q_n) . key_s * scale + bias[b, s]) over s < L, times value_s), key/value head
+ *   n / G, G = N / K; bias [B, >= L] fp32 (0 or -inf; NULL: none), a row's last slot never masked.
+ * The cache (one layer's keys and values, the same layout and strides):
+ *   slots (table NULL):  [B, K, S, D], slot s of row b, head h at b * row + h * head + s * slot;
+ *   paged (table [B, M] int64, row stride table_stride): [K, num_blocks, block_size, D], slot s at
+ *                        h * head + table[b, s / block_size] * block + (s % block_size) * slot.
+ * Returns 0; 1 when G or D is past the bounds below; 2 when scratch memory could not be had; 3 when an
+ * offset or a length is out of range (o >= capacity, L < 1, L > num_keys) or a block a row reads is not in
+ * the pool. */
+typedef struct {
+  const float* keys; /* slot 0 of this (row, head): slots layout; the pool's head h: paged */
+  const float* vals;
+  const int64_t* table; /* this row's blocks, or NULL (slots) */
+  int64_t block, block_size, slot;
+} Slots;
+
+/* The first slot of a run of contiguous slots [s, s + *count) (count: at most `want`). */
+static inline int64_t run_offset(const Slots* at, int64_t s, int64_t want, int64_t* count) {
+  if (at->table == NULL) {
+    *count = want;
+    return s * at->slot;
+  }
+  int64_t within = s % at->block_size;
+  int64_t room = at->block_size - within;
+  *count = want < room ? want : room;
+  return at->table[s / at->block_size] * at->block + within * at->slot;
+}
+
+static void attend_head(const float* q, const Slots* at, int64_t len, const float* bias, float* out, int64_t G,
+                        int64_t D, float scale, float* scores) {
+  float top[MAX_GROUP], total[MAX_GROUP];
+  int64_t slot = at->slot;
+  /* Scores four slots at a time: four independent sums per query head keep the vector units busy where one
+   * dot product of D terms would wait on its own horizontal reduction. */
+  for (int64_t start = 0; start < len;) {
+    int64_t count;
+    const float* k0 = at->keys + run_offset(at, start, len - start, &count);
+    int64_t s = 0;
+    for (; s + 4 <= count; s += 4) {
+      const float* k1 = k0 + slot;
+      const float* k2 = k1 + slot;
+      const float* k3 = k2 + slot;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+        for (int64_t d = 0; d < D; ++d) {
+          d0 += qg[d] * k0[d];
+          d1 += qg[d] * k1[d];
+          d2 += qg[d] * k2[d];
+          d3 += qg[d] * k3[d];
+        }
+        float* sc = scores + g * len + start + s;
+        sc[0] = d0 * scale;
+        sc[1] = d1 * scale;
+        sc[2] = d2 * scale;
+        sc[3] = d3 * scale;
+      }
+      k0 = k3 + slot;
+    }
+    for (; s < count; ++s, k0 += slot) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        float dot = 0.0f;
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * k0[d];
+        scores[g * len + start + s] = dot * scale;
+      }
+    }
+    start += count;
+  }
+  /* The bias: 0 adds nothing (exact, as torch's bias + scale * scores); a masked slot is set to -FLT_MAX,
+   * whose exponential below underflows to 0. A row's own (last) slot is never masked. */
+  if (bias != NULL) {
+    for (int64_t t = 0; t + 1 < len; ++t) {
+      if (bias[t] <= -1e30f) {
+        for (int64_t g = 0; g < G; ++g) scores[g * len + t] = -FLT_MAX;
+      } else if (bias[t] != 0.0f) {
+        for (int64_t g = 0; g < G; ++g) scores[g * len + t] += bias[t];
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float* sc = scores + g * len;
+    float m = -FLT_MAX;
+    for (int64_t t = 0; t < len; ++t) m = sc[t] > m ? sc[t] : m;
+    top[g] = m;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sc = scores + g * len;
+    float sum = 0.0f;
+    for (int64_t t = 0; t < len; ++t) {
+      float e = expf(sc[t] - top[g]);
+      sc[t] = e;
+      sum += e;
+    }
+    total[g] = sum;
+    memset(out + g * D, 0, (size_t)D * sizeof(float));
+  }
+  for (int64_t start = 0; start < len;) {
+    int64_t count;
+    const float* v = at->vals + run_offset(at, start, len - start, &count);
+    for (int64_t s = 0; s < count; ++s, v += slot) {
+      for (int64_t g = 0; g < G; ++g) {
+        float p = scores[g * len + start + s];
+        float* o = out + g * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
+      }
+    }
+    start += count;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float inverse = 1.0f / total[g];
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] *= inverse;
+  }
+}
+
+/* One head's E values as floats, RMS-normed per head first when norm_w is given (Qwen3's q_norm / k_norm,
+ * the same rounding as add_rms_norm), then RoPE as decoder.apply_rope:
+ * out = E(E(x * cos) + E(roll(x, D/2) * signed_sin)). */
+#define DEFINE_ROPE(SUF, E)                                                                                    \
+  static inline void rope_##SUF(const E* src, const E* norm_w, float eps, const E* cos, const E* sin,         \
+                                float* x, float* out, int64_t D) {                                             \
+    for (int64_t d = 0; d < D; ++d) x[d] = load_##SUF(src[d]);                                                 \
+    if (norm_w != NULL) {                                                                                      \
+      float squares = 0.0f;                                                                                    \
+      for (int64_t d = 0; d < D; ++d) squares += x[d] * x[d];                                                  \
+      float inverse = rms_inverse(squares / (float)D + eps);                                                   \
+      for (int64_t d = 0; d < D; ++d) x[d] = ROUND_##SUF(load_##SUF(norm_w[d]) * ROUND_##SUF(x[d] * inverse)); \
+    }                                                                                                          \
+    int64_t half = D / 2;                                                                                      \
+    for (int64_t d = 0; d < half; ++d) {                                                                       \
+      float a = ROUND_##SUF(x[d] * load_##SUF(cos[d]));                                                        \
+      float b = ROUND_##SUF(x[d + half] * load_##SUF(sin[d]));                                                 \
+      out[d] = ROUND_##SUF(a + b);                                                                             \
+    }                                                                                                          \
+    for (int64_t d = half; d < D; ++d) {                                                                       \
+      float a = ROUND_##SUF(x[d] * load_##SUF(cos[d]));                                                        \
+      float b = ROUND_##SUF(x[d - half] * load_##SUF(sin[d]));                                                 \
+      out[d] = ROUND_##SUF(a + b);                                                                             \
+    }                                                                                                          \
+  }
+
+DEFINE_ROPE(f32, float)
+DEFINE_ROPE(bf16, uint16_t)
+
+/* Whether row b's offset and length are in range and every block it touches is in the pool. */
+static int row_in_range(int64_t offset, int64_t length, int64_t num_keys, int64_t capacity, const int64_t* table,
+                        int64_t block_size, int64_t num_blocks) {
+  if (offset < 0 || offset >= capacity || length < 1 || length > num_keys) return 0;
+  if (table == NULL) return 1;
+  int64_t last = (offset > length - 1 ? offset : length - 1) / block_size;
+  for (int64_t j = 0; j <= last; ++j)
+    if (table[j] < 0 || table[j] >= num_blocks) return 0;
+  return 1;
+}
+
+#define DEFINE_ROPE_ATTENTION(SUF, E)                                                                          \
+  int dockrl_rope_attention_##SUF(                                                                             \
+      const E* q_rows, int64_t q_stride, const E* k_rows, int64_t k_stride, const E* v_rows, int64_t v_stride, \
+      const E* q_norm, const E* k_norm, float eps, const E* cos, const E* sin, float* cache_k, float* cache_v, \
+      int64_t row, int64_t head, int64_t block, int64_t slot, const int64_t* table, int64_t table_stride,     \
+      int64_t block_size, int64_t num_blocks, int64_t capacity, const int64_t* offsets,                       \
+      const int64_t* lengths, int64_t num_keys, const float* bias, int64_t bias_stride, E* out, int64_t B,    \
+      int64_t N, int64_t K, int64_t D, float scale) {                                                          \
+    int64_t G = N / K;                                                                                         \
+    if (G > MAX_GROUP || D > MAX_HEAD_DIM || G * K != N || D % 2 != 0) return 1;                               \
+    int64_t longest = 1;                                                                                       \
+    for (int64_t b = 0; b < B; ++b) {                                                                          \
+      if (!row_in_range(offsets[b], lengths[b], num_keys, capacity,                                            \
+                        table == NULL ? NULL : table + b * table_stride, block_size, num_blocks))              \
+        return 3;                                                                                              \
+      longest = lengths[b] > longest ? lengths[b] : longest;                                                   \
+    }                                                                                                          \
+    int failed = 0;                                                                                            \
+    _Pragma("omp parallel if (B * N * longest >= 16384)") {                                                    \
+      float* scratch = malloc((size_t)(G * longest + 2 * G * D + D) * sizeof(float));                         \
+      if (scratch == NULL) {                                                                                   \
+        _Pragma("omp atomic write") failed = 1;                                                                \
+      }                                                                                                        \
+      _Pragma("omp barrier") if (!failed) {                                                                    \
+        float* q_rot = scratch + G * longest;                                                                  \
+        float* attended = q_rot + G * D;                                                                       \
+        float* one_head = attended + G * D;                                                                    \
+        _Pragma("omp for schedule(dynamic, 2)") for (int64_t task = 0; task < B * K; ++task) {                \
+          int64_t b = task / K, h = task % K;                                                                  \
+          const E* row_cos = cos + b * D;                                                                      \
+          const E* row_sin = sin + b * D;                                                                      \
+          Slots at = {NULL, NULL, table == NULL ? NULL : table + b * table_stride, block, block_size, slot};   \
+          int64_t base = h * head + (table == NULL ? b * row : 0);                                             \
+          at.keys = cache_k + base;                                                                            \
+          at.vals = cache_v + base;                                                                            \
+          int64_t count;                                                                                       \
+          int64_t here = run_offset(&at, offsets[b], 1, &count);                                               \
+          rope_##SUF(k_rows + b * k_stride + h * D, k_norm, eps, row_cos, row_sin, one_head,                  \
+                     cache_k + base + here, D);                                                                \
+          const E* vh = v_rows + b * v_stride + h * D;                                                         \
+          for (int64_t d = 0; d < D; ++d) cache_v[base + here + d] = load_##SUF(vh[d]);                        \
+          for (int64_t g = 0; g < G; ++g)                                                                      \
+            rope_##SUF(q_rows + b * q_stride + (h * G + g) * D, q_norm, eps, row_cos, row_sin, one_head,      \
+                       q_rot + g * D, D);                                                                      \
+          attend_head(q_rot, &at, lengths[b], bias == NULL ? NULL : bias + b * bias_stride, attended, G, D,   \
+                      scale, scratch);                                                                         \
+          E* o = out + b * N * D + h * G * D;                                                                  \
+          for (int64_t i = 0; i < G * D; ++i) o[i] = store_##SUF(attended[i]);                                 \
+        }                                                                                                      \
+      }                                                                                                        \
+      free(scratch);                                                                                           \
+    }                                                                                                          \
+    return failed ? 2 : 0;                                                                                     \
+  }
+
+DEFINE_ROPE_ATTENTION(f32, float)
+DEFINE_ROPE_ATTENTION(bf16, uint16_t)
