@@ -93,7 +93,7 @@ def test_swiglu_is_silu_times_up(dtype):
 
 
 def _attention_case(dtype: torch.dtype, qk_norm: bool):
-    """Ragged rows of a GQA layer (8 query heads over 4 key/value heads of 16) with a filled fp32 cache."""
+    """Ragged rows of a GQA layer (8 query heads over 4 key/value heads of 16) with a filled cache in dtype."""
     g = torch.Generator().manual_seed(2)
     batch, heads, kv_heads, head_dim, slots = 4, 8, 4, 16, 48
     offsets = torch.tensor([3, 17, 0, 40])
@@ -104,9 +104,7 @@ def _attention_case(dtype: torch.dtype, qk_norm: bool):
     both = torch.cat((angles, angles), dim=-1)
     sin = both.sin().to(dtype)
     cos, signed_sin = both.cos().to(dtype), torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), -1)
-    cache = tuple(
-        torch.randn(batch, kv_heads, slots, head_dim, generator=g).to(dtype).float() for _ in range(2)
-    )
+    cache = tuple(torch.randn(batch, kv_heads, slots, head_dim, generator=g).to(dtype) for _ in range(2))
     norms = None
     if qk_norm:
         norms = tuple((1 + 0.3 * torch.randn(head_dim, generator=g)).to(dtype) for _ in range(2)) + (EPS,)
@@ -123,7 +121,7 @@ def _torch_attention(q, k, v, cos, sin, cache, offsets, norms, head_dim, *, mask
     rope = (cos[:, None, None], sin[:, None, None])
     q_rot = apply_rope(q4.transpose(1, 2), *rope)
     k_rot = apply_rope(k4.transpose(1, 2), *rope) if rope_k else k4.transpose(1, 2)
-    keys, values = (part.clone() for part in cache)
+    keys, values = (part.float() for part in cache)  # attention in fp32 (decoder.attention_dtype on a CPU)
     rows = torch.arange(batch)
     keys[rows, :, offsets] = k_rot.float()[:, :, 0]
     values[rows, :, offsets] = v.reshape(batch, -1, head_dim).float()
@@ -160,22 +158,22 @@ def test_rope_attention_is_attentions_decode_step(dtype, qk_norm):
     step = native.DecodeStep(x, cos, sin, offsets, lengths, bias.reshape(q.shape[0], -1), head_dim)
     mine = tuple(part.clone() for part in cache)
     got = step.rope_attention(q, k, v, norms, mine)
-    assert torch.equal(mine[1], values)  # v written as it is
+    assert torch.equal(mine[1].float(), values)  # v written as it is
     if norms is None:  # RoPE'd k written exactly: the same ops, rounded at the same points
-        assert torch.equal(mine[0], keys)
+        assert torch.equal(mine[0].float(), keys)
     else:  # k's per-head norm sums D squares in another order (the norm bound), then RoPE (two products, a sum)
         largest = keys.abs().amax()
         bound = 2 * (1.5 * (head_dim + 1) + 8) * U * largest
         if dtype != torch.float32:
             bound = bound + 2 * _ulp(largest.to(dtype))
-        assert ((mine[0] - keys).abs() <= bound).all()
+        assert ((mine[0].float() - keys).abs() <= bound).all()
     bound = _attention_bound(q_rot, keys, values, num_keys, head_dim)[:, None]
     assert _within(got, want, bound)
     # the checks see a missing per-row mask (every row over the longest), k left unrotated, the wrong scale
     unmasked = _torch_attention(q, k, v, cos, sin, cache, offsets, norms, head_dim, mask_rows=False)[0]
     assert not _within(got, unmasked, bound)
     unrotated_keys = _torch_attention(q, k, v, cos, sin, cache, offsets, norms, head_dim, rope_k=False)[1][0]
-    assert not torch.equal(mine[0], unrotated_keys)
+    assert not torch.equal(mine[0].float(), unrotated_keys)
     scaled = grouped_attention(2 * q_rot, keys[:, :, :num_keys], values[:, :, :num_keys], bias)
     assert not _within(got, scaled.to(dtype).reshape(q.shape[0], -1), bound)
 
@@ -290,8 +288,11 @@ def test_native_decode_step_is_the_layers_torch_path(family, monkeypatch):
 
 
 def test_the_native_path_is_skipped_where_it_does_not_apply(monkeypatch):
-    """A bf16 model on a CPU with an fp32 cache decodes natively; a cache or activations of another dtype, or the
-    kernels unavailable, send it to the torch path (the decision is made before anything is written)."""
+    """A dense bf16 model on a CPU with a bf16 cache decodes natively, and the rollout engine keeps its cache in
+    bf16 for it (half of fp32's bytes); a cache or activations of another dtype, an MoE model, the kernels
+    unavailable or rollout.native_kernels=false send it to the torch path and the engine to an fp32 cache."""
+    from dockrl.engines.rollout import RolloutEngine
+
     model = _model("qwen2", torch.bfloat16)
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     fp32 = decoder_module.CacheWrite(
@@ -300,11 +301,34 @@ def test_the_native_path_is_skipped_where_it_does_not_apply(monkeypatch):
     bf16 = decoder_module.CacheWrite(
         KVCache(model.args, 2, 8, torch.bfloat16, "cpu"), row_offsets=torch.zeros(2)
     )
-    assert decoder_module._natively_decodable(model.model, x, fp32)
-    assert not decoder_module._natively_decodable(model.model, x, bf16)
-    assert not decoder_module._natively_decodable(model.model, x.float(), fp32)  # weights of another dtype
-    monkeypatch.setattr(native, "available", lambda: False)
+    assert decoder_module._natively_decodable(model.model, x, bf16)
     assert not decoder_module._natively_decodable(model.model, x, fp32)
+    assert not decoder_module._natively_decodable(model.model, x.float(), fp32)  # weights of another dtype
+    assert RolloutEngine(model, num_slots=2, max_seq_len=8).cache_dtype == torch.bfloat16
+    off = RolloutEngine(model, num_slots=2, max_seq_len=8, native_kernels=False)
+    assert off.cache_dtype == torch.float32 and not off.native_kernels
+    moe = Transformer(
+        ModelArgs(
+            family="qwen3_moe",
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=16,
+            qk_norm=True,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            max_position_embeddings=64,
+        )
+    ).to(torch.bfloat16)
+    assert not decoder_module.natively_decodable(moe)
+    assert RolloutEngine(moe, num_slots=2, max_seq_len=8).cache_dtype == torch.float32
+    monkeypatch.setattr(native, "available", lambda: False)
+    model.model._native_structure = None  # checked again: the kernels are what changed
+    assert not decoder_module._natively_decodable(model.model, x, bf16)
 
 
 def test_without_a_compiler_or_when_turned_off_the_kernels_say_why(monkeypatch):

@@ -279,6 +279,7 @@ def roofline_shares(
     at the slower of its traffic and its FLOPs; every sequence taken at the mean prompt and response lengths,
     rounded) over the stage's seconds."""
     from dockrl.bench import roofline
+    from dockrl.models import native
     from dockrl.models.hf import read_config
 
     margs = read_config(model)
@@ -296,9 +297,13 @@ def roofline_shares(
     if rollout_s > 0 and response_length >= 1:
         prompt = length - response_length
         contexts = [prompt + response_length / 2] * sequences
-        # bf16 weights, an fp32 cache on a CPU (engines/rollout/kv_layouts.cache_dtype)
+        # the weights' bytes; the cache's (engines/rollout/kv_layouts.cache_dtype): the weights' dtype where the
+        # rollout ranks decode with the native kernels (a dense model, models/native built), else fp32 on a CPU
+        kv_bytes = 4
+        if not margs.is_moe and native.available():
+            kv_bytes = 2 if precision == "bf16" else 4
         step_bytes = roofline.decode_step_bytes(
-            margs, contexts, weight_bytes=2 if precision == "bf16" else 4, kv_bytes=4, ranks=args.dp
+            margs, contexts, weight_bytes=2 if precision == "bf16" else 4, kv_bytes=kv_bytes, ranks=args.dp
         )
         out["decode_bw_share"] = roofline.share(
             step_bytes, rollout_s / response_length, peak["bandwidth_gbs"] * 1e9
@@ -308,7 +313,7 @@ def roofline_shares(
             round(prompt),
             [max(1, round(response_length))] * sequences,
             weight_bytes=2 if precision == "bf16" else 4,
-            kv_bytes=4,
+            kv_bytes=kv_bytes,
             flops_per_s=rate,
             bytes_per_s=peak["bandwidth_gbs"] * 1e9,
             ranks=args.dp,

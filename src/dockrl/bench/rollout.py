@@ -146,11 +146,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out["kv_layout"] = kv_bytes.pop("layout")
         out.update({f"kv_bytes_{name}": value for name, value in kv_bytes.items()})
         from dockrl.engines.rollout.kv_layouts import cache_dtype
+        from dockrl.models.decoder import natively_decodable
 
         weight_dtype = next(dockrl_model.parameters()).dtype
+        native_decode = args.native == "on" and natively_decodable(dockrl_model)
         sizes = {
             "weight_bytes": weight_dtype.itemsize,
-            "kv_bytes": cache_dtype(weight_dtype, torch.device("cpu")).itemsize,
+            "kv_bytes": cache_dtype(weight_dtype, torch.device("cpu"), native_decode).itemsize,
         }
         traffic = roofline.decode_bytes(dockrl_model.args, args.prompt_len, lengths, **sizes)
         out["decode_bw_share_dockrl"] = roofline.share(traffic, dockrl_s, 1e9 * peak["bandwidth_gbs"])

@@ -75,7 +75,8 @@ def decode_step_bytes(
     args: Any, contexts: Sequence[float], *, weight_bytes: int, kv_bytes: int, ranks: int = 1
 ) -> float:
     """Bytes one decode step reads: the matmul weights (`weight_bytes` each) once per rank, and each sequence's K
-    and V cache (`kv_bytes` each: dockrl's CPU rollout keeps an fp32 cache under bf16 weights) over its
+    and V cache (`kv_bytes` each: engines/rollout/kv_layouts.cache_dtype, the weights' dtype where the native
+    decode kernels run, fp32 on a CPU without them) over its
     `contexts` (tokens before the new one) in every layer."""
     kv_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim
     return float(weight_bytes * ranks * matmul_params(args) + kv_bytes * kv_per_token * sum(contexts))

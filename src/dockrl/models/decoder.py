@@ -279,6 +279,9 @@ class DecoderModel(nn.Module):
         # Training with activation checkpointing (actor.activation_checkpointing): each layer's activations
         # are recomputed in the backward pass instead of kept.
         self.checkpoint_layers = False
+        # Whether the layers' types let a decode step run with the native kernels (`natively_decodable`; None:
+        # not checked yet).
+        self._native_structure: bool | None = None
 
     def forward(
         self,
@@ -304,7 +307,9 @@ class DecoderModel(nn.Module):
         mask: torch.Tensor | None
         if write is not None and write.row_offsets is not None:
             assert key_mask is not None, "per-row cache offsets come with a key mask"
-            mask = row_offset_bias(key_mask, write.row_offsets, seq, write.cache.k[0].dtype)
+            mask = row_offset_bias(
+                key_mask, write.row_offsets, seq, attention_dtype(write.cache.k[0].dtype, input_ids.device)
+            )
         else:
             offset = 0 if write is None else write.offset
             mask = attention_mask(key_mask, batch, seq, offset, write is not None, input_ids.device)
@@ -570,30 +575,40 @@ class Transformer(nn.Module):
                 param.copy_(values)
 
 
+def natively_decodable(model: Transformer | DecoderModel) -> bool:
+    """Whether a decode step of this model can run with the native kernels (`DecoderModel._decode_natively`):
+    they are built, and the model is dense (every layer's MLP SwiGLU, not MoE) with a group and head size the
+    kernels take, on a CPU in fp32 or bf16 with plain weights (not DTensors). Checked once per model (the layer
+    types do not change); the weights' device, dtype and type again at each call (`_natively_decodable`)."""
+    decoder = model.model if isinstance(model, Transformer) else model
+    if decoder._native_structure is None:
+        args = decoder.args
+        decoder._native_structure = (
+            all(type(layer.mlp) is MLP for layer in cast("Iterable[DecoderLayer]", decoder.layers))
+            and args.num_heads // args.num_kv_heads <= native.MAX_GROUP
+            and args.head_dim <= native.MAX_HEAD_DIM
+            and native.available()
+        )
+    first = cast(DecoderLayer, decoder.layers[0])
+    weight = first.self_attn.q_proj.weight
+    return (
+        decoder._native_structure
+        and weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and type(weight.data) is torch.Tensor
+        and first.input_layernorm.weight.dtype == weight.dtype
+        and first.self_attn.context_attention is None
+    )
+
+
 def _natively_decodable(model: DecoderModel, x: torch.Tensor, write: CacheWrite) -> bool:
-    """Whether `DecoderModel._decode_natively` applies: the kernels built, a CPU, a dense model (its layers'
-    MLPs SwiGLU, not MoE) of x's dtype (fp32 or bf16) with plain weights (not DTensors), no split sequence, and an
-    fp32 cache, slots or paged (kv_layouts.cache_dtype on a CPU)."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    if write.cache.k[0].dtype != torch.float32 or not native.available():
-        return False
-    args = model.args
-    if args.num_heads // args.num_kv_heads > native.MAX_GROUP or args.head_dim > native.MAX_HEAD_DIM:
-        return False
-    for layer in cast("Iterable[DecoderLayer]", model.layers):
-        attn = layer.self_attn
-        if type(layer.mlp) is not MLP or attn.context_attention is not None:
-            return False
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm):
-            if norm is not None and (
-                norm.weight.dtype != x.dtype or type(norm.weight.data) is not torch.Tensor
-            ):
-                return False
-        weight = attn.q_proj.weight
-        if type(weight.data) is not torch.Tensor or weight.dtype != x.dtype:
-            return False
-    return True
+    """`natively_decodable`, with x and the cache in the weights' dtype (the kernels' E: decode.c)."""
+    dtype = x.dtype
+    return (
+        write.cache.k[0].dtype == dtype
+        and cast(DecoderLayer, model.layers[0]).self_attn.q_proj.weight.dtype == dtype
+        and natively_decodable(model)
+    )
 
 
 def _mrope_angles(freqs: torch.Tensor, section: tuple[int, ...] | None) -> torch.Tensor:
@@ -666,30 +681,38 @@ def _cached_attention(
     cache: tuple | None,
     write: CacheWrite,
 ) -> torch.Tensor:
-    """Write k, v [B, K, T, D] into this layer's cache and attend q [B, N, T, D] over its key slots, in the
-    cache's dtype (a CPU rollout keeps an fp32 cache under bf16 weights: kv_layouts.cache_dtype in
-    engines/rollout). `mask`: with per-row offsets the additive bias [B, 1, T, S] of `row_offset_bias`, else
-    boolean [B, 1, T, S]."""
+    """Write k, v [B, K, T, D] into this layer's cache and attend q [B, N, T, D] over its key slots, in
+    `attention_dtype` (fp32 on a CPU, whatever the cache's dtype: a bf16 cache holds the bf16 projections' values
+    exactly, and is read into fp32 here; kv_layouts.cache_dtype in engines/rollout). `mask`: with per-row
+    offsets the additive bias [B, 1, T, S] of `row_offset_bias`, else boolean [B, 1, T, S]."""
     assert cache is not None, "a cache write needs the layer's cache"
     dtype = cache[0].dtype
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    compute = attention_dtype(dtype, q.device)
+    q, k, v = q.to(compute), k.to(dtype), v.to(dtype)
     if write.row_offsets is not None and write.block_table is None:  # continuous batching, max-length slots
         assert mask is not None, "per-row offsets always come with a mask"
         k, v = _write_rows(cache, k, v, write.row_offsets, mask.shape[-1])
-        return grouped_attention(q, k, v, mask)  # [B, N, T, D]: the slots read in place
+        # the slots read in place (a copy only where the cache is not in `compute`)
+        return grouped_attention(q, k.to(compute), v.to(compute), mask)  # [B, N, T, D]
     if write.row_offsets is not None:  # continuous batching over a paged cache
         table = write.block_table
         assert mask is not None and table is not None, "per-row offsets always come with a mask"
         assert isinstance(write.cache, PagedKVCache), "a block table addresses a paged cache"
         write_blocks(cache, k, v, write.row_offsets, table)
         keys, values = write.cache.gather(cache, table, mask.shape[-1])
-        return paged_attention(q, keys, values, mask, q.shape[0])  # [B, N, T, D]
+        return paged_attention(q, keys.to(compute), values.to(compute), mask, q.shape[0])  # [B, N, T, D]
     cache_k, cache_v = cache  # every row at the same offset
     end = write.offset + q.shape[2]
     cache_k[:, :, write.offset : end] = k
     cache_v[:, :, write.offset : end] = v
     k, v = cache_k[:, :, :end], cache_v[:, :, :end]  # [B, K, S, D]
-    return sdpa(q, k, v, mask)
+    return sdpa(q, k.to(compute), v.to(compute), mask)
+
+
+def attention_dtype(cache_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a cached attention computes in: fp32 on a CPU (its bf16 batched matmuls would round the scores
+    to bf16 and copy strided keys first), the cache's own on an accelerator."""
+    return torch.float32 if device.type == "cpu" else cache_dtype
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ Two cache layouts (`kv_cache`, rollout.kv_cache; "auto" picks slots when they fi
   the pool holds what the sequences use, grown by doubling up to `kv_cache_tokens` (samples wait or are
   preempted beyond it). Each decode step gathers the rows' first ceil(S / BLOCK_SIZE) blocks (a copy of the
   keys attended: why slots stay the default where they fit; docs/benchmarks.md).
-Both in the weights' dtype on an accelerator and fp32 on a CPU (`cache_dtype`).
+Both in the weights' dtype on an accelerator and on a CPU with the native decode kernels, fp32 on a CPU without
+them (`cache_dtype`).
 
 Shape letters: K key-value heads, D head dimension, S key positions a decode step reads (rollout_engine.py).
 """
@@ -28,11 +29,14 @@ def blocks_for(positions: int) -> int:
     return -(-positions // BLOCK_SIZE)
 
 
-def cache_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache's dtype: the weights' on an accelerator; fp32 on a CPU, where a bf16 cache makes decode
-    attention slower, not faster (its key slices are strided, and the CPU's bf16 batched matmul copies each
-    one first; fp32 reads them in place), while the cache stays small there."""
-    return torch.float32 if device.type == "cpu" else weight_dtype
+def cache_dtype(weight_dtype: torch.dtype, device: torch.device, native_decode: bool = False) -> torch.dtype:
+    """The KV cache's dtype: the weights' on an accelerator, and on a CPU whose decode steps run with the native
+    kernels (models/native: they read a bf16 cache in place, half the bytes of fp32, and attend in fp32); fp32
+    on a CPU otherwise, where a bf16 cache makes torch's decode attention slower, not faster (its key slices
+    are strided, and the CPU's bf16 batched matmul copies each one first; fp32 reads them in place). The
+    values are the same either way: the keys and values are the projections' (bf16) values, and a CPU's
+    attention over them runs in fp32 (decoder._cached_attention)."""
+    return torch.float32 if device.type == "cpu" and not native_decode else weight_dtype
 
 
 def kv_layout(kv_cache: str, num_slots: int, max_seq_len: int, kv_cache_tokens: int) -> str:

@@ -74,7 +74,7 @@ from dockrl.engines.rollout.kv_layouts import BLOCK_SIZE, blocks_for, cache_dtyp
 from dockrl.engines.rollout.model_calls import ModelCalls
 from dockrl.engines.rollout.requests import Completion, Generation, Request, _Running, same_images
 from dockrl.engines.rollout.sampling import RowSettings, SamplingParams, sample_rows
-from dockrl.models.decoder import KVCache, Transformer
+from dockrl.models.decoder import KVCache, Transformer, natively_decodable
 from dockrl.models.packed_linear import PackedWeights
 from dockrl.models.packed_linear import supported as packing_supported
 from dockrl.models.paged_cache import PagedKVCache
@@ -166,13 +166,13 @@ class RolloutEngine(KeptKV, ModelCalls):
         self.moe_layers = model.args.moe_layers
         weight = model.output_weight()
         self.device, self.dtype = weight.device, weight.dtype
-        self.cache_dtype = cache_dtype(self.dtype, self.device)
         # CPU: the projections packed and fused for the model calls (models/packed_linear.py), rebuilt after
         # each weight update (`weights_changed`).
         self.packed = PackedWeights(model, num_slots) if pack_weights and packing_supported(model) else None
         # CPU: a decode step's layers run with the native kernels between the projections (models/native),
-        # where they apply and build.
-        self.native_kernels = native_kernels
+        # where they apply and build; they read a cache in the weights' dtype (kv_layouts.cache_dtype).
+        self.native_kernels = native_kernels and natively_decodable(model)
+        self.cache_dtype = cache_dtype(self.dtype, self.device, self.native_kernels)
         self.layout = kv_layout(kv_cache, num_slots, max_seq_len, kv_cache_tokens)
         self.paged = self.layout == "paged"
         self.cache: KVCache | PagedKVCache

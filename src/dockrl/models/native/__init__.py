@@ -176,7 +176,7 @@ class DecodeStep:
     (updated in place), RoPE's cos and signed sin [B, D], the rows' cache offsets and attended lengths [B]
     (int64) and the additive bias [B, >= max(lengths)] (fp32). Each layer then passes only its own tensors, so
     a call costs the C work and one ctypes call. `available()` must be True; every tensor is on the CPU, of
-    x's dtype (fp32 or bf16) but the fp32 bias and cache."""
+    x's dtype (fp32 or bf16; the KV cache too) but the fp32 bias."""
 
     def __init__(
         self,
@@ -239,15 +239,17 @@ class DecodeStep:
         block_table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One layer's attention: q [B, N D], k, v [B, K D] (views of one fused output allowed), per-head norms
-        (q_norm and k_norm weights [D] and their eps; None: none), RoPE, k and v written into the layer's fp32
-        cache at the offsets, attention over each row's own slots -> [B, N D] (the same buffer every layer).
+        (q_norm and k_norm weights [D] and their eps; None: none), RoPE, k and v written into the layer's cache
+        (in the activations' dtype) at the offsets, attention over each row's own slots -> [B, N D] (the same buffer every layer).
         The cache: (keys, values) [B, K, S, D] (slots), or with block_table [B, M] (int64) the paged pool's
         [K, num_blocks, block_size, D] (models/paged_cache.py). Raises ValueError on an offset or length out of
         the cache's range, or a block a row reads that the pool does not have."""
         cache_k, cache_v = cache
         head_dim = self.head_dim
-        if cache_k.dtype != torch.float32 or cache_k.stride() != cache_v.stride() or cache_k.stride(3) != 1:
-            raise ValueError("rope_attention needs an fp32 cache, keys and values alike, head dim contiguous")
+        if cache_k.dtype != q.dtype or cache_k.stride() != cache_v.stride() or cache_k.stride(3) != 1:
+            raise ValueError(
+                "rope_attention needs a cache in the activations' dtype, keys and values alike, head dim contiguous"
+            )
         if self._out is None:
             self._out = torch.empty(q.shape, dtype=q.dtype)
         out = self._out

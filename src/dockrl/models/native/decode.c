@@ -21,8 +21,9 @@
  * contraction is off (no FMA where torch rounds a product first), and the one reciprocal square root is a
  * true division (see rms_inverse).
  *
- * E-typed arrays: entry points come in pairs, _f32 (E = float) and _bf16 (E = uint16_t, bfloat16 bits). The
- * KV cache is always fp32 (kv_layouts.cache_dtype on a CPU). All strides are in elements.
+ * E-typed arrays: entry points come in pairs, _f32 (E = float) and _bf16 (E = uint16_t, bfloat16 bits); the KV
+ * cache is in E too (kv_layouts.cache_dtype), its values the E values torch would write, and attention reads
+ * them as fp32. All strides are in elements.
  */
 #include <float.h>
 #include <math.h>
@@ -115,10 +116,10 @@ DEFINE_SWIGLU(bf16, uint16_t)
  *   q [N, D], k [K, D], v [K, D] (E; each a row of q_rows / k_rows / v_rows at its row stride);
  *   q_norm, k_norm [D] (E; NULL: none): per-head RMSNorm first (Qwen3), eps its epsilon;
  *   RoPE as decoder.apply_rope: r = E(E(x * cos) + E(roll(x, D/2) * signed_sin)), cos / signed_sin [B, D] (E);
- *   cache slot o of row b, head h gets r(k_h) and v_h (fp32);
+ *   cache slot o of row b, head h gets r(k_h) and v_h (E: the values, exactly);
  *   out[b, n] = E(softmax(r(q_n) . key_s * scale + bias[b, s]) over s < L, times value_s), key/value head
  *   n / G, G = N / K; bias [B, >= L] fp32 (0 or -inf; NULL: none), a row's last slot never masked.
- * The cache (one layer's keys and values, the same layout and strides):
+ * The cache (one layer's keys and values in E, the same layout and strides; read as fp32):
  *   slots (table NULL):  [B, K, S, D], slot s of row b, head h at b * row + h * head + s * slot;
  *   paged (table [B, M] int64, row stride table_stride): [K, num_blocks, block_size, D], slot s at
  *                        h * head + table[b, s / block_size] * block + (s % block_size) * slot.
@@ -126,8 +127,8 @@ DEFINE_SWIGLU(bf16, uint16_t)
  * offset or a length is out of range (o >= capacity, L < 1, L > num_keys) or a block a row reads is not in
  * the pool. */
 typedef struct {
-  const float* keys; /* slot 0 of this (row, head): slots layout; the pool's head h: paged */
-  const float* vals;
+  const void* keys; /* slot 0 of this (row, head): slots layout; the pool's head h: paged (E elements) */
+  const void* vals;
   const int64_t* table; /* this row's blocks, or NULL (slots) */
   int64_t block, block_size, slot;
 } Slots;
@@ -144,92 +145,96 @@ static inline int64_t run_offset(const Slots* at, int64_t s, int64_t want, int64
   return at->table[s / at->block_size] * at->block + within * at->slot;
 }
 
-static void attend_head(const float* q, const Slots* at, int64_t len, const float* bias, float* out, int64_t G,
-                        int64_t D, float scale, float* scores) {
-  float top[MAX_GROUP], total[MAX_GROUP];
-  int64_t slot = at->slot;
-  /* Scores four slots at a time: four independent sums per query head keep the vector units busy where one
-   * dot product of D terms would wait on its own horizontal reduction. */
-  for (int64_t start = 0; start < len;) {
-    int64_t count;
-    const float* k0 = at->keys + run_offset(at, start, len - start, &count);
-    int64_t s = 0;
-    for (; s + 4 <= count; s += 4) {
-      const float* k1 = k0 + slot;
-      const float* k2 = k1 + slot;
-      const float* k3 = k2 + slot;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = q + g * D;
-        float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
-        for (int64_t d = 0; d < D; ++d) {
-          d0 += qg[d] * k0[d];
-          d1 += qg[d] * k1[d];
-          d2 += qg[d] * k2[d];
-          d3 += qg[d] * k3[d];
-        }
-        float* sc = scores + g * len + start + s;
-        sc[0] = d0 * scale;
-        sc[1] = d1 * scale;
-        sc[2] = d2 * scale;
-        sc[3] = d3 * scale;
-      }
-      k0 = k3 + slot;
-    }
-    for (; s < count; ++s, k0 += slot) {
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = q + g * D;
-        float dot = 0.0f;
-        for (int64_t d = 0; d < D; ++d) dot += qg[d] * k0[d];
-        scores[g * len + start + s] = dot * scale;
-      }
-    }
-    start += count;
+#define DEFINE_ATTEND_HEAD(SUF, E)                                                                                     \
+  static void attend_head_##SUF(const float* q, const Slots* at, int64_t len, const float* bias, float* out, int64_t G,\
+                          int64_t D, float scale, float* scores) {                                                     \
+    float top[MAX_GROUP], total[MAX_GROUP];                                                                            \
+    int64_t slot = at->slot;                                                                                           \
+    /* Scores four slots at a time: four independent sums per query head keep the vector units busy where one          \
+     * dot product of D terms would wait on its own horizontal reduction. */                                           \
+    for (int64_t start = 0; start < len;) {                                                                            \
+      int64_t count;                                                                                                   \
+      const E* k0 = (const E*)at->keys + run_offset(at, start, len - start, &count);                                   \
+      int64_t s = 0;                                                                                                   \
+      for (; s + 4 <= count; s += 4) {                                                                                 \
+        const E* k1 = k0 + slot;                                                                                       \
+        const E* k2 = k1 + slot;                                                                                       \
+        const E* k3 = k2 + slot;                                                                                       \
+        for (int64_t g = 0; g < G; ++g) {                                                                              \
+          const float* qg = q + g * D;                                                                                 \
+          float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;                                                            \
+          for (int64_t d = 0; d < D; ++d) {                                                                            \
+            d0 += qg[d] * load_##SUF(k0[d]);                                                                           \
+            d1 += qg[d] * load_##SUF(k1[d]);                                                                           \
+            d2 += qg[d] * load_##SUF(k2[d]);                                                                           \
+            d3 += qg[d] * load_##SUF(k3[d]);                                                                           \
+          }                                                                                                            \
+          float* sc = scores + g * len + start + s;                                                                    \
+          sc[0] = d0 * scale;                                                                                          \
+          sc[1] = d1 * scale;                                                                                          \
+          sc[2] = d2 * scale;                                                                                          \
+          sc[3] = d3 * scale;                                                                                          \
+        }                                                                                                              \
+        k0 = k3 + slot;                                                                                                \
+      }                                                                                                                \
+      for (; s < count; ++s, k0 += slot) {                                                                             \
+        for (int64_t g = 0; g < G; ++g) {                                                                              \
+          const float* qg = q + g * D;                                                                                 \
+          float dot = 0.0f;                                                                                            \
+          for (int64_t d = 0; d < D; ++d) dot += qg[d] * load_##SUF(k0[d]);                                            \
+          scores[g * len + start + s] = dot * scale;                                                                   \
+        }                                                                                                              \
+      }                                                                                                                \
+      start += count;                                                                                                  \
+    }                                                                                                                  \
+    /* The bias: 0 adds nothing (exact, as torch's bias + scale * scores); a masked slot is set to -FLT_MAX,           \
+     * whose exponential below underflows to 0. A row's own (last) slot is never masked. */                            \
+    if (bias != NULL) {                                                                                                \
+      for (int64_t t = 0; t + 1 < len; ++t) {                                                                          \
+        if (bias[t] <= -1e30f) {                                                                                       \
+          for (int64_t g = 0; g < G; ++g) scores[g * len + t] = -FLT_MAX;                                              \
+        } else if (bias[t] != 0.0f) {                                                                                  \
+          for (int64_t g = 0; g < G; ++g) scores[g * len + t] += bias[t];                                              \
+        }                                                                                                              \
+      }                                                                                                                \
+    }                                                                                                                  \
+    for (int64_t g = 0; g < G; ++g) {                                                                                  \
+      const float* sc = scores + g * len;                                                                              \
+      float m = -FLT_MAX;                                                                                              \
+      for (int64_t t = 0; t < len; ++t) m = sc[t] > m ? sc[t] : m;                                                     \
+      top[g] = m;                                                                                                      \
+    }                                                                                                                  \
+    for (int64_t g = 0; g < G; ++g) {                                                                                  \
+      float* sc = scores + g * len;                                                                                    \
+      float sum = 0.0f;                                                                                                \
+      for (int64_t t = 0; t < len; ++t) {                                                                              \
+        float e = expf(sc[t] - top[g]);                                                                                \
+        sc[t] = e;                                                                                                     \
+        sum += e;                                                                                                      \
+      }                                                                                                                \
+      total[g] = sum;                                                                                                  \
+      memset(out + g * D, 0, (size_t)D * sizeof(float));                                                               \
+    }                                                                                                                  \
+    for (int64_t start = 0; start < len;) {                                                                            \
+      int64_t count;                                                                                                   \
+      const E* v = (const E*)at->vals + run_offset(at, start, len - start, &count);                                    \
+      for (int64_t s = 0; s < count; ++s, v += slot) {                                                                 \
+        for (int64_t g = 0; g < G; ++g) {                                                                              \
+          float p = scores[g * len + start + s];                                                                       \
+          float* o = out + g * D;                                                                                      \
+          for (int64_t d = 0; d < D; ++d) o[d] += p * load_##SUF(v[d]);                                                \
+        }                                                                                                              \
+      }                                                                                                                \
+      start += count;                                                                                                  \
+    }                                                                                                                  \
+    for (int64_t g = 0; g < G; ++g) {                                                                                  \
+      float inverse = 1.0f / total[g];                                                                                 \
+      for (int64_t d = 0; d < D; ++d) out[g * D + d] *= inverse;                                                       \
+    }                                                                                                                  \
   }
-  /* The bias: 0 adds nothing (exact, as torch's bias + scale * scores); a masked slot is set to -FLT_MAX,
-   * whose exponential below underflows to 0. A row's own (last) slot is never masked. */
-  if (bias != NULL) {
-    for (int64_t t = 0; t + 1 < len; ++t) {
-      if (bias[t] <= -1e30f) {
-        for (int64_t g = 0; g < G; ++g) scores[g * len + t] = -FLT_MAX;
-      } else if (bias[t] != 0.0f) {
-        for (int64_t g = 0; g < G; ++g) scores[g * len + t] += bias[t];
-      }
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    const float* sc = scores + g * len;
-    float m = -FLT_MAX;
-    for (int64_t t = 0; t < len; ++t) m = sc[t] > m ? sc[t] : m;
-    top[g] = m;
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    float* sc = scores + g * len;
-    float sum = 0.0f;
-    for (int64_t t = 0; t < len; ++t) {
-      float e = expf(sc[t] - top[g]);
-      sc[t] = e;
-      sum += e;
-    }
-    total[g] = sum;
-    memset(out + g * D, 0, (size_t)D * sizeof(float));
-  }
-  for (int64_t start = 0; start < len;) {
-    int64_t count;
-    const float* v = at->vals + run_offset(at, start, len - start, &count);
-    for (int64_t s = 0; s < count; ++s, v += slot) {
-      for (int64_t g = 0; g < G; ++g) {
-        float p = scores[g * len + start + s];
-        float* o = out + g * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
-      }
-    }
-    start += count;
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    float inverse = 1.0f / total[g];
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] *= inverse;
-  }
-}
+
+DEFINE_ATTEND_HEAD(f32, float)
+DEFINE_ATTEND_HEAD(bf16, uint16_t)
 
 /* One head's E values as floats, RMS-normed per head first when norm_w is given (Qwen3's q_norm / k_norm,
  * the same rounding as add_rms_norm), then RoPE as decoder.apply_rope:
@@ -274,7 +279,7 @@ static int row_in_range(int64_t offset, int64_t length, int64_t num_keys, int64_
 #define DEFINE_ROPE_ATTENTION(SUF, E)                                                                          \
   int dockrl_rope_attention_##SUF(                                                                             \
       const E* q_rows, int64_t q_stride, const E* k_rows, int64_t k_stride, const E* v_rows, int64_t v_stride, \
-      const E* q_norm, const E* k_norm, float eps, const E* cos, const E* sin, float* cache_k, float* cache_v, \
+      const E* q_norm, const E* k_norm, float eps, const E* cos, const E* sin, E* cache_k, E* cache_v,         \
       int64_t row, int64_t head, int64_t block, int64_t slot, const int64_t* table, int64_t table_stride,     \
       int64_t block_size, int64_t num_blocks, int64_t capacity, const int64_t* offsets,                       \
       const int64_t* lengths, int64_t num_keys, const float* bias, int64_t bias_stride, E* out, int64_t B,    \
@@ -308,14 +313,14 @@ static int row_in_range(int64_t offset, int64_t length, int64_t num_keys, int64_
           at.vals = cache_v + base;                                                                            \
           int64_t count;                                                                                       \
           int64_t here = run_offset(&at, offsets[b], 1, &count);                                               \
-          rope_##SUF(k_rows + b * k_stride + h * D, k_norm, eps, row_cos, row_sin, one_head,                  \
-                     cache_k + base + here, D);                                                                \
+          rope_##SUF(k_rows + b * k_stride + h * D, k_norm, eps, row_cos, row_sin, one_head, q_rot, D);        \
+          for (int64_t d = 0; d < D; ++d) cache_k[base + here + d] = store_##SUF(q_rot[d]);                    \
           const E* vh = v_rows + b * v_stride + h * D;                                                         \
-          for (int64_t d = 0; d < D; ++d) cache_v[base + here + d] = load_##SUF(vh[d]);                        \
+          for (int64_t d = 0; d < D; ++d) cache_v[base + here + d] = vh[d];                                    \
           for (int64_t g = 0; g < G; ++g)                                                                      \
             rope_##SUF(q_rows + b * q_stride + (h * G + g) * D, q_norm, eps, row_cos, row_sin, one_head,      \
                        q_rot + g * D, D);                                                                      \
-          attend_head(q_rot, &at, lengths[b], bias == NULL ? NULL : bias + b * bias_stride, attended, G, D,   \
+          attend_head_##SUF(q_rot, &at, lengths[b], bias == NULL ? NULL : bias + b * bias_stride, attended, G, D,   \
                       scale, scratch);                                                                         \
           E* o = out + b * N * D + h * G * D;                                                                  \
           for (int64_t i = 0; i < G * D; ++i) o[i] = store_##SUF(attended[i]);                                 \
