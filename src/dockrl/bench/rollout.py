@@ -22,7 +22,8 @@ sequences end at different points. Throughput counts the requested tokens only, 
 `--pack-weights off` runs dockrl's engine without its packed, fused projections (rollout.pack_weights; on a CPU in
 bf16 they are on by default: models/packed_linear.py), for a before/after on the same host; `--native off` without
 its native decode kernels (rollout.native_kernels: models/native), and native_kernels in the output says whether
-they ran (or why not).
+they ran (or why not). `--native ab` times the engine with and without them in turn, round by round, so the
+host's drift between minutes falls on both (native_speedup: the median of the rounds' ratios).
 
 KV cache (dockrl's engine: engines/rollout/rollout_engine.py): `--kv-cache` picks its layout (rollout.kv_cache:
 auto, slots, paged) and `--kv-cache-tokens` its bound (rollout.kv_cache_tokens; 0: none). kv_layout is the one
@@ -41,6 +42,7 @@ its parameters; a colocated run's switch views the gathered buckets instead and 
 from __future__ import annotations
 
 import argparse
+import statistics
 from typing import Any
 
 PRESETS = {"1m": (128, 4), "10m": (320, 8)}  # name -> (hidden_size, num_layers)
@@ -96,10 +98,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--native",
-        choices=("on", "off"),
+        choices=("on", "off", "ab"),
         default="on",
         help="dockrl engine: rollout.native_kernels (on a CPU: a decode step's work between its matmuls as C "
-        "kernels; off: torch's ops, for a before/after)",
+        "kernels; off: torch's ops); ab: both, in turn for --repeats rounds after one warm-up each, and "
+        "native_speedup the median of the rounds' off / on times (the figures above are the kernels')",
     )
     parser.add_argument(
         "--engines",
@@ -139,6 +142,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         vocab_size = dockrl_model.args.vocab_size
         prompts = torch.randint(0, vocab_size, (args.num_sequences, args.prompt_len), generator=generator)
         kv_bytes: dict[str, Any] = {}
+        if args.native == "ab":
+            out.update(_native_ab(dockrl_model, prompts, lengths, args))
+            args.native = "on"
         dockrl_s = _best_time(
             lambda n: kv_bytes.update(_run_dockrl(dockrl_model, prompts, _cap(lengths, n), args)), args
         )
@@ -323,6 +329,30 @@ def _best_time(run_once, args: argparse.Namespace) -> float:
         run_once(args.new_tokens)
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def _native_ab(model, prompts, lengths: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """The engine without and with the native kernels in turn: after one warm-up of each, `repeats` rounds of
+    both (the order alternating); each arm's best seconds and the median of the rounds' off / on ratios."""
+    import time
+    from copy import copy
+
+    arms = {name: copy(args) for name in ("off", "on")}
+    for name, arm in arms.items():
+        arm.native = name
+        _run_dockrl(model, prompts, _cap(lengths, min(4, args.new_tokens)), arm)
+    seconds: dict[str, list[float]] = {"off": [], "on": []}
+    for index in range(args.repeats):
+        for name in ("off", "on") if index % 2 == 0 else ("on", "off"):
+            start = time.perf_counter()
+            _run_dockrl(model, prompts, lengths, arms[name])
+            seconds[name].append(time.perf_counter() - start)
+    ratios = sorted(off / on for off, on in zip(seconds["off"], seconds["on"]))
+    return {
+        "native_off_s": min(seconds["off"]),
+        "native_on_s": min(seconds["on"]),
+        "native_speedup": statistics.median(ratios),
+    }
 
 
 def _run_dockrl(model, prompts, lengths: list[int], args: argparse.Namespace) -> dict[str, Any]:
