@@ -390,3 +390,26 @@ def test_the_rollout_engine_decodes_natively_in_both_cache_layouts(layout, monke
     for tag, (tokens, logprobs) in want.items():
         assert got[tag][0] == tokens
         assert (got[tag][1] - logprobs).abs().max().item() <= bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_outputs_read_in_place_equal_their_views(dtype):
+    """rope_attention_fused and swiglu_fused read q | k | v and gate | up where the packed projections wrote
+    them: the same bits as the views' calls, and a width list that does not add up is refused."""
+    q, k, v, cos, sin, cache, offsets, norms, head_dim = _attention_case(dtype, False)
+    batch = q.shape[0]
+    qkv = torch.cat((q, k, v), dim=-1)
+    bias = torch.zeros(batch, cache[0].shape[2])
+    step = native.DecodeStep(
+        torch.zeros(batch, 8, dtype=dtype), cos, sin, offsets, offsets + 1, bias, head_dim
+    )
+    by_views = step.rope_attention(q, k, v, None, tuple(c.clone() for c in cache)).clone()
+    fused = step.rope_attention_fused(
+        qkv, [q.shape[1], k.shape[1], v.shape[1]], None, tuple(c.clone() for c in cache)
+    )
+    assert torch.equal(by_views, fused)
+    with pytest.raises(ValueError, match="not q | k | v"):
+        step.rope_attention_fused(qkv, [q.shape[1], k.shape[1], 1], None, cache)
+    gate_up = torch.randn(batch, 2 * 24, generator=torch.Generator().manual_seed(5)).to(dtype)
+    views = step.swiglu(*gate_up.split(24, dim=-1)).clone()
+    assert torch.equal(step.swiglu_fused(gate_up), views)

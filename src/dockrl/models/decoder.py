@@ -357,22 +357,25 @@ class DecoderModel(nn.Module):
             norm = layer.input_layernorm
             h = step.add_rms_norm(pending, norm.weight, norm.eps)
             attn = layer.self_attn
-            q, k, v = (
-                (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
-                if attn.packed is None
-                else attn.packed[0].split(h)
-            )
             norms = None
             if attn.q_norm is not None and attn.k_norm is not None:
                 norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
-            out = step.rope_attention(q, k, v, norms, write.cache.layer(index), write.block_table)  # [B, N D]
-            pending = attn.o_proj(out) if attn.packed is None else attn.packed[1](out)
+            cache = write.cache.layer(index)
+            if attn.packed is None:
+                q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+                out = step.rope_attention(q, k, v, norms, cache, write.block_table)  # [B, N D]
+                pending = attn.o_proj(out)
+            else:  # the fused q | k | v output read in place
+                qkv = attn.packed[0]
+                out = step.rope_attention_fused(qkv(h), qkv.widths, norms, cache, write.block_table)
+                pending = attn.packed[1](out)
             norm = layer.post_attention_layernorm
             h = step.add_rms_norm(pending, norm.weight, norm.eps)
             mlp = cast(MLP, layer.mlp)  # dense: _natively_decodable
-            gate, up = (mlp.gate_proj(h), mlp.up_proj(h)) if mlp.packed is None else mlp.packed[0].split(h)
-            act = step.swiglu(gate, up)  # [B, I]
-            pending = mlp.down_proj(act) if mlp.packed is None else mlp.packed[1](act)
+            if mlp.packed is None:
+                pending = mlp.down_proj(step.swiglu(mlp.gate_proj(h), mlp.up_proj(h)))
+            else:  # the fused gate | up output read in place
+                pending = mlp.packed[1](step.swiglu_fused(mlp.packed[0](h)))
         return step.add_rms_norm(pending, self.norm.weight, self.norm.eps)
 
     def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

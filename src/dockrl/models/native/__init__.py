@@ -240,18 +240,53 @@ class DecodeStep:
     ) -> torch.Tensor:
         """One layer's attention: q [B, N D], k, v [B, K D] (views of one fused output allowed), per-head norms
         (q_norm and k_norm weights [D] and their eps; None: none), RoPE, k and v written into the layer's cache
-        (in the activations' dtype) at the offsets, attention over each row's own slots -> [B, N D] (the same buffer every layer).
-        The cache: (keys, values) [B, K, S, D] (slots), or with block_table [B, M] (int64) the paged pool's
-        [K, num_blocks, block_size, D] (models/paged_cache.py). Raises ValueError on an offset or length out of
-        the cache's range, or a block a row reads that the pool does not have."""
+        (in the activations' dtype) at the offsets, attention over each row's own slots -> [B, N D] (the same
+        buffer every layer). The cache: (keys, values) [B, K, S, D] (slots), or with block_table [B, M] (int64)
+        the paged pool's [K, num_blocks, block_size, D] (models/paged_cache.py). Raises ValueError on an offset or
+        length out of the cache's range, or a block a row reads that the pool does not have."""
+        rows = (q.data_ptr(), _row_stride(q), k.data_ptr(), _row_stride(k), v.data_ptr(), _row_stride(v))
+        heads = (q.shape[1] // self.head_dim, k.shape[1] // self.head_dim)
+        return self._attend(rows, heads, q.dtype, norms, cache, block_table)
+
+    def rope_attention_fused(
+        self,
+        qkv: torch.Tensor,
+        widths: list[int],
+        norms: tuple[torch.Tensor, torch.Tensor, float] | None,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        block_table: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`rope_attention` of a fused projection's output qkv [B, N D + 2 K D] (q | k | v, `widths` their
+        columns), read in place: no views to make."""
+        stride, size = _row_stride(qkv), qkv.element_size()
+        if len(widths) != 3 or sum(widths) != qkv.shape[1] or widths[1] != widths[2]:
+            raise ValueError(
+                f"rope_attention_fused: widths {widths} are not q | k | v of {qkv.shape[1]} columns"
+            )
+        q_ptr = qkv.data_ptr()
+        k_ptr = q_ptr + widths[0] * size
+        rows = (q_ptr, stride, k_ptr, stride, k_ptr + widths[1] * size, stride)
+        heads = (widths[0] // self.head_dim, widths[1] // self.head_dim)
+        return self._attend(rows, heads, qkv.dtype, norms, cache, block_table)
+
+    def _attend(
+        self,
+        rows: tuple[int, ...],
+        heads: tuple[int, int],
+        dtype: torch.dtype,
+        norms: tuple[torch.Tensor, torch.Tensor, float] | None,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        block_table: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The kernel call of `rope_attention`: q, k, v as (pointer, row stride) x 3, (N, K) heads."""
         cache_k, cache_v = cache
         head_dim = self.head_dim
-        if cache_k.dtype != q.dtype or cache_k.stride() != cache_v.stride() or cache_k.stride(3) != 1:
+        if cache_k.dtype != dtype or cache_k.stride() != cache_v.stride() or cache_k.stride(3) != 1:
             raise ValueError(
                 "rope_attention needs a cache in the activations' dtype, keys and values alike, head dim contiguous"
             )
         if self._out is None:
-            self._out = torch.empty(q.shape, dtype=q.dtype)
+            self._out = torch.empty(self.batch, heads[0] * head_dim, dtype=dtype)
         out = self._out
         layout: tuple[int | None, ...]
         if block_table is None:  # [B, K, S, D]
@@ -283,12 +318,7 @@ class DecodeStep:
             )
         num_keys = self.num_keys if block_table is not None else min(self.num_keys, cache_k.shape[2])
         code = self._attention(
-            q.data_ptr(),
-            _row_stride(q),
-            k.data_ptr(),
-            _row_stride(k),
-            v.data_ptr(),
-            _row_stride(v),
+            *rows,
             None if norms is None else norms[0].data_ptr(),
             None if norms is None else norms[1].data_ptr(),
             0.0 if norms is None else norms[2],
@@ -301,8 +331,8 @@ class DecodeStep:
             *self._bias,
             out.data_ptr(),
             self.batch,
-            q.shape[1] // head_dim,
-            k.shape[1] // head_dim,
+            heads[0],
+            heads[1],
             head_dim,
             head_dim**-0.5,
         )
@@ -320,10 +350,32 @@ class DecodeStep:
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate, up [B, I] (views of one fused output allowed) -> [B, I] (the same buffer
         every layer), as F.silu and * round."""
-        if self._act is None:
-            self._act = torch.empty(gate.shape, dtype=gate.dtype)
-        act = self._act
-        self._swiglu(
-            gate.data_ptr(), _row_stride(gate), up.data_ptr(), _row_stride(up), act.data_ptr(), *gate.shape
+        if gate.shape != up.shape:
+            raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+        return self._swiglu_call(
+            gate.data_ptr(), _row_stride(gate), up.data_ptr(), _row_stride(up), gate.shape, gate.dtype
         )
+
+    def swiglu_fused(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`swiglu` of a fused projection's output gate_up [B, 2 I] (gate | up), read in place."""
+        width = gate_up.shape[1] // 2
+        stride = _row_stride(gate_up)
+        up_ptr = gate_up.data_ptr() + width * gate_up.element_size()
+        return self._swiglu_call(
+            gate_up.data_ptr(), stride, up_ptr, stride, (gate_up.shape[0], width), gate_up.dtype
+        )
+
+    def _swiglu_call(
+        self,
+        gate_ptr: int,
+        gate_stride: int,
+        up_ptr: int,
+        up_stride: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        if self._act is None:
+            self._act = torch.empty(shape, dtype=dtype)
+        act = self._act
+        self._swiglu(gate_ptr, gate_stride, up_ptr, up_stride, act.data_ptr(), *act.shape)
         return act
