@@ -82,8 +82,9 @@ class RolloutConfig:
         "KV write, attention over each row's own slots, SwiGLU) runs as three C kernels per layer instead of ~50 "
         "torch calls, built on first use with the host's C compiler (models/native; without one, or with "
         "DOCKRL_NATIVE=off, torch's ops as before). The same values up to the order of fp32 sums (in bf16 a "
-        "value may round one ulp the other way, so tokens drawn later can differ); 1.5-1.9x decode at 8 rows per "
-        "rank. false: torch's ops.",
+        "value may round one ulp the other way, so tokens drawn later can differ); with it the KV cache is in the "
+        "weights' dtype (bf16: half of fp32's bytes). Decode 1.7x at 8 rows per rank, 2.5x with a long tail "
+        "(dockrl bench rollout --native ab). false: torch's ops and an fp32 cache on a CPU.",
     )
     groups_per_pull: int = setting(4, "Prompt groups a rollout rank pulls from the dock at a time.")
     tp: int = setting(
