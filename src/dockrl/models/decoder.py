@@ -336,10 +336,10 @@ class DecoderModel(nn.Module):
         write: CacheWrite,
     ) -> torch.Tensor | None:
         """A decode step's layers (one token per row, each at its own offset of a slots or paged cache) with the
-        native kernels between torch's projections (models/native: the residual adds and norms, RoPE, the KV write and
-        attention over each row's own slots, SwiGLU): x [B, H] -> final-normed [B, H]. None, before anything
-        is written, where they do not apply (no kernels, a GPU, MoE layers, a split sequence, weights that are
-        DTensors or of another dtype than x); the caller then runs the layers as they are."""
+        native kernels between torch's projections (models/native: the residual adds and norms, RoPE, the KV
+        write and attention over each row's own slots, SwiGLU): x [B, H] -> final-normed [B, H]. None, before
+        anything is written, where they do not apply (no kernels, a GPU, MoE layers, a split sequence, weights
+        that are DTensors or of another dtype than x); the caller then runs the layers as they are."""
         if not _natively_decodable(self, x, write) or bias is None:
             return None
         assert write.row_offsets is not None
