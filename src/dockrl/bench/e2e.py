@@ -278,8 +278,11 @@ def roofline_shares(
     attainable seconds of the rollout (roofline.rollout_seconds: the prefill at the peak, each decode step
     at the slower of its traffic and its FLOPs; every sequence taken at the mean prompt and response lengths,
     rounded) over the stage's seconds."""
+    import torch
+
     from dockrl.bench import roofline
-    from dockrl.models import native
+    from dockrl.engines.rollout.kv_layouts import cache_dtype
+    from dockrl.models.decoder import native_layers
     from dockrl.models.hf import read_config
 
     margs = read_config(model)
@@ -297,11 +300,9 @@ def roofline_shares(
     if rollout_s > 0 and response_length >= 1:
         prompt = length - response_length
         contexts = [prompt + response_length / 2] * sequences
-        # the weights' bytes; the cache's (engines/rollout/kv_layouts.cache_dtype): the weights' dtype where the
-        # rollout ranks decode with the native kernels (a dense model, models/native built), else fp32 on a CPU
-        kv_bytes = 4
-        if not margs.is_moe and native.available():
-            kv_bytes = 2 if precision == "bf16" else 4
+        # the cache's bytes as the rollout ranks keep it (rollout.native_kernels at its default)
+        weights = torch.bfloat16 if precision == "bf16" else torch.float32
+        kv_bytes = cache_dtype(weights, torch.device("cpu"), native_layers(margs)).itemsize
         step_bytes = roofline.decode_step_bytes(
             margs, contexts, weight_bytes=2 if precision == "bf16" else 4, kv_bytes=kv_bytes, ranks=args.dp
         )

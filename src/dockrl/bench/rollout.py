@@ -150,16 +150,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         out["tokens_per_s_dockrl"] = num_tokens / dockrl_s
         out["kv_layout"] = kv_bytes.pop("layout")
+        cache_itemsize = kv_bytes.pop("cache_itemsize")
         out.update({f"kv_bytes_{name}": value for name, value in kv_bytes.items()})
-        from dockrl.engines.rollout.kv_layouts import cache_dtype
-        from dockrl.models.decoder import natively_decodable
-
         weight_dtype = next(dockrl_model.parameters()).dtype
-        native_decode = args.native == "on" and natively_decodable(dockrl_model)
-        sizes = {
-            "weight_bytes": weight_dtype.itemsize,
-            "kv_bytes": cache_dtype(weight_dtype, torch.device("cpu"), native_decode).itemsize,
-        }
+        sizes = {"weight_bytes": weight_dtype.itemsize, "kv_bytes": cache_itemsize}
         traffic = roofline.decode_bytes(dockrl_model.args, args.prompt_len, lengths, **sizes)
         out["decode_bw_share_dockrl"] = roofline.share(traffic, dockrl_s, 1e9 * peak["bandwidth_gbs"])
         rates = {
@@ -356,7 +350,7 @@ def _native_ab(model, prompts, lengths: list[int], args: argparse.Namespace) -> 
 
 
 def _run_dockrl(model, prompts, lengths: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    """Generate every sequence to its length; returns the engine's KV cache bytes and layout."""
+    """Generate every sequence to its length; returns the engine's KV cache bytes, layout and element size."""
     from dockrl.engines.rollout import Request, RolloutEngine, SamplingParams
 
     engine = RolloutEngine(
@@ -375,7 +369,7 @@ def _run_dockrl(model, prompts, lengths: list[int], args: argparse.Namespace) ->
         engine.add(Request(prompt, [args.seed + index], params, tag=index))
     produced = {c.tag: len(c.generation.token_ids) for c in engine.run()}
     assert [produced[i] for i in range(len(lengths))] == lengths
-    return {**engine.kv_cache_bytes(), "layout": engine.layout}
+    return {**engine.kv_cache_bytes(), "layout": engine.layout, "cache_itemsize": engine.cache_dtype.itemsize}
 
 
 def _run_hf(model, prompts, new_tokens: int, args: argparse.Namespace) -> None:

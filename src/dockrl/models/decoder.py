@@ -279,9 +279,6 @@ class DecoderModel(nn.Module):
         # Training with activation checkpointing (actor.activation_checkpointing): each layer's activations
         # are recomputed in the backward pass instead of kept.
         self.checkpoint_layers = False
-        # Whether the layers' types let a decode step run with the native kernels (`natively_decodable`; None:
-        # not checked yet).
-        self._native_structure: bool | None = None
 
     def forward(
         self,
@@ -346,9 +343,7 @@ class DecoderModel(nn.Module):
         batch = x.shape[0]
         head_dim = self.args.head_dim
         cos, sin = (part.reshape(batch, head_dim).contiguous() for part in rope)
-        bias_rows = bias.reshape(batch, -1)
-        if bias_rows.dtype != torch.float32 or bias_rows.stride(1) != 1:
-            bias_rows = bias_rows.float().contiguous()
+        bias_rows = bias.reshape(batch, -1)  # row_offset_bias: fp32 on a CPU (attention_dtype), contiguous
         offsets = write.row_offsets
         lengths = (offsets + 1).clamp_(max=bias_rows.shape[1])  # a parked row's garbage query stays in range
         step = native.DecodeStep(x.contiguous(), cos, sin, offsets, lengths, bias_rows, head_dim)
@@ -578,24 +573,25 @@ class Transformer(nn.Module):
                 param.copy_(values)
 
 
+def native_layers(args: ModelArgs) -> bool:
+    """Whether the native kernels take this model's layers: they are built, and the model is dense (no MoE
+    layer: every MLP SwiGLU) with a group and head size within their bounds."""
+    return (
+        not args.is_moe
+        and args.num_heads // args.num_kv_heads <= native.MAX_GROUP
+        and args.head_dim <= native.MAX_HEAD_DIM
+        and native.available()
+    )
+
+
 def natively_decodable(model: Transformer | DecoderModel) -> bool:
     """Whether a decode step of this model can run with the native kernels (`DecoderModel._decode_natively`):
-    they are built, and the model is dense (every layer's MLP SwiGLU, not MoE) with a group and head size the
-    kernels take, on a CPU in fp32 or bf16 with plain weights (not DTensors). Checked once per model (the layer
-    types do not change); the weights' device, dtype and type again at each call (`_natively_decodable`)."""
+    `native_layers`, on a CPU in fp32 or bf16 with plain weights (not DTensors) and no split sequence."""
     decoder = model.model if isinstance(model, Transformer) else model
-    if decoder._native_structure is None:
-        args = decoder.args
-        decoder._native_structure = (
-            all(type(layer.mlp) is MLP for layer in cast("Iterable[DecoderLayer]", decoder.layers))
-            and args.num_heads // args.num_kv_heads <= native.MAX_GROUP
-            and args.head_dim <= native.MAX_HEAD_DIM
-            and native.available()
-        )
     first = cast(DecoderLayer, decoder.layers[0])
     weight = first.self_attn.q_proj.weight
     return (
-        decoder._native_structure
+        native_layers(decoder.args)
         and weight.device.type == "cpu"
         and weight.dtype in (torch.float32, torch.bfloat16)
         and type(weight.data) is torch.Tensor
