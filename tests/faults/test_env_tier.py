@@ -96,6 +96,31 @@ def test_a_dead_worker_costs_only_its_trajectories(workers):
     assert _drain(tier, 1)[10].kind == "ok"
 
 
+@pytest.mark.parametrize("tries", [0, None])
+def test_a_trajectory_started_while_its_worker_restarts_is_served(workers, monkeypatch, tries):
+    """A reset sent at once after its worker was killed reaches the dead process (Ray has not yet learnt of
+    the death): it is sent again to the restarted worker. With RESET_TRIES=0 (broken on purpose) it fails."""
+    import ray
+
+    import dockrl.workers.env as env_tier
+
+    if tries is not None:
+        monkeypatch.setattr(env_tier, "RESET_TRIES", tries)
+    tier = TierEnvs(workers, "test")
+    pid = ray.get(workers[0].ping.remote())
+    os.kill(pid, signal.SIGKILL)
+    tier.reset(0, {"prompt": "go"}, 30.0)  # the first reset goes to worker 0 (round robin)
+    assert tier.home[0] == 0
+    outcome = _drain(tier, 1)[0]
+    if tries == 0:
+        assert outcome.kind == "error" and "worker 0 failed" in outcome.error
+        return
+    assert outcome.kind == "ok"
+    tier.step(0, "fine", 30.0, 8)
+    step = _drain(tier, 1)[0]
+    assert step.kind == "ok" and step.observation.messages[0]["content"] != f"pid {pid}"  # restarted
+
+
 def test_a_worker_that_stops_answering_is_killed_and_replaced(workers):
     import ray
 

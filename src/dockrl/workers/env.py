@@ -17,9 +17,12 @@ Environments run in processes of their own, not beside the model: a slow or host
 the engine's loop or grow its memory, every call runs once however many tensor-parallel ranks generate, and the
 workers may sit on other nodes than the rollout. A worker that dies costs only its trajectories: their calls
 answer `error` (env_failed: their groups are dropped or scored 0 under reward.on_error), Ray starts the
-process again (max_restarts), and later trajectories go on. A worker that stops answering (a call holding the
-interpreter, a stopped process) is killed once it has owed an answer for its call limit plus HUNG_GRACE_S and
-fails a ping, with the same cost.
+process again (max_restarts), and later trajectories go on. A trajectory's first call (reset) that its worker
+died under holds nothing there yet: it is sent again once the restarted worker answers a ping (at most
+RESET_TRIES times, and within its limit plus HUNG_GRACE_S), so a trajectory that starts while its worker is
+being restarted is served, not failed. A worker that stops answering (a call holding the interpreter, a stopped
+process) is killed once it has owed an answer for its call limit plus HUNG_GRACE_S and fails a ping, with the
+same cost.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import itertools
 import os
 import time
 import uuid
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -40,6 +44,7 @@ from dockrl.envs.loader import factory_of, is_agent
 
 HUNG_GRACE_S = 30.0  # past a call's limit, how long a worker may owe answers before it is pinged
 PING_S = 5.0  # how long a ping may take before the worker counts as hung
+RESET_TRIES = 3  # how often a reset whose worker died under it is sent again to the restarted worker
 
 
 class EnvWorker:
@@ -94,6 +99,19 @@ def tier_envs(workers: list[Any] | None, name: str) -> TierEnvs | None:
     return TierEnvs(workers, name) if workers else None
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One environment call the tier sent: what to send again should its worker die under a reset."""
+
+    row: int
+    worker: int
+    method: str
+    argument: Any
+    limit_s: float
+    tool_calls_left: int
+    tries: int = 0
+
+
 class TierEnvs:
     """EnvCalls (envs/host.py) over environment workers: each trajectory stays on the worker that reset it."""
 
@@ -104,34 +122,51 @@ class TierEnvs:
         self.workers, self.hung_grace_s, self.ping_s = workers, hung_grace_s, ping_s
         self.prefix = f"{name}-{uuid.uuid4().hex[:8]}"
         self.home: dict[int, int] = {}  # row -> worker index
-        self.running: dict[Any, tuple[int, int, float]] = {}  # ref -> (row, worker, limit_s)
+        self.running: dict[Any, _Call] = {}  # call ref -> the call
+        self.reviving: dict[
+            Any, tuple[_Call, float]
+        ] = {}  # ping ref -> the reset to send again, its deadline
         self.owed_since: dict[int, float] = {}  # worker -> when it last answered while owing
         self.order = itertools.count()
 
     def reset(self, row: int, env_row: dict[str, Any], limit_s: float) -> None:
         busy = [0] * len(self.workers)
-        for _, worker, _ in self.running.values():
-            busy[worker] += 1
+        for call in self.running.values():
+            busy[call.worker] += 1
         start, n = next(self.order), len(self.workers)
         self.home[row] = min(((start + i) % n for i in range(n)), key=lambda w: busy[w])  # ties: round robin
-        self._call(row, RESET, env_row, limit_s, 0)
+        self._send(_Call(row, self.home[row], RESET, env_row, limit_s, 0))
 
     def step(self, row: int, message: str, limit_s: float, tool_calls_left: int) -> None:
-        self._call(row, STEP, message, limit_s, tool_calls_left)
+        self._send(_Call(row, self.home[row], STEP, message, limit_s, tool_calls_left))
 
     def drop(self, row: int) -> None:
+        for ref, (call, _) in list(self.reviving.items()):
+            if call.row == row:
+                del self.reviving[ref]
         worker = self.home.pop(row, None)
         if worker is not None:
             self.workers[worker].drop.remote(self._key(row))
 
     def ready(self, wait_s: float) -> list[tuple[int, Outcome]]:
-        if not self.running:
+        if not self.running and not self.reviving:
             return []
-        refs = list(self.running)
+        refs = [*self.running, *self.reviving]
         done, _ = ray.wait(refs, num_returns=1, timeout=wait_s)
         if done:
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        got = [(self.running[ref][0], self._outcome(ref)) for ref in done]
+        got = []
+        for ref in done:
+            if ref in self.reviving:
+                got.extend(self._revived(ref))
+                continue
+            call = self.running[ref]
+            outcome, died = self._outcome(ref)
+            if died and call.method == RESET and call.tries < RESET_TRIES:
+                self._revive(call)
+            else:
+                got.append((call.row, outcome))
+        got.extend(self._expired())
         if not done and wait_s > 0:
             self._check_hung()
         return got
@@ -145,29 +180,61 @@ class TierEnvs:
     def _key(self, row: int) -> str:
         return f"{self.prefix}-{row}"
 
-    def _call(self, row: int, method: str, argument: Any, limit_s: float, tool_calls_left: int) -> None:
-        worker = self.home[row]
-        ref = self.workers[worker].call.remote(self._key(row), method, argument, limit_s, tool_calls_left)
-        self.running[ref] = (row, worker, limit_s)
-        self.owed_since.setdefault(worker, time.monotonic())
+    def _send(self, call: _Call) -> None:
+        ref = self.workers[call.worker].call.remote(
+            self._key(call.row), call.method, call.argument, call.limit_s, call.tool_calls_left
+        )
+        self.running[ref] = call
+        self.owed_since.setdefault(call.worker, time.monotonic())
 
-    def _outcome(self, ref: Any) -> Outcome:
-        _, worker, _ = self.running.pop(ref)
-        if any(w == worker for _, w, _ in self.running.values()):
+    def _outcome(self, ref: Any) -> tuple[Outcome, bool]:
+        """The call's outcome, and whether its worker died under it (an actor error)."""
+        worker = self.running.pop(ref).worker
+        if any(c.worker == worker for c in self.running.values()):
             self.owed_since[worker] = time.monotonic()
         else:
             self.owed_since.pop(worker, None)
         try:
-            return ray.get(ref)
+            return ray.get(ref), False
         except (RayActorError, RayTaskError) as exc:
-            return Outcome("error", error=f"environment worker {worker} failed: {type(exc).__name__}")
+            return self._failed(worker, type(exc).__name__), isinstance(exc, RayActorError)
+
+    @staticmethod
+    def _failed(worker: int, what: str) -> Outcome:
+        return Outcome("error", error=f"environment worker {worker} failed: {what}")
+
+    def _revive(self, call: _Call) -> None:
+        """Send reset `call` again once its worker, started again by Ray, answers a ping (the ping is retried
+        by Ray through the restart; the reset itself is not: an environment whose reset kills its worker fails after
+        RESET_TRIES restarts)."""
+        ping = self.workers[call.worker].ping.options(max_task_retries=-1).remote()
+        deadline = time.monotonic() + call.limit_s + self.hung_grace_s
+        self.reviving[ping] = (replace(call, tries=call.tries + 1), deadline)
+
+    def _revived(self, ping: Any) -> list[tuple[int, Outcome]]:
+        call, _ = self.reviving.pop(ping)
+        try:
+            ray.get(ping)
+        except RayActorError as exc:  # the worker is gone for good
+            return [(call.row, self._failed(call.worker, type(exc).__name__))]
+        self._send(call)
+        return []
+
+    def _expired(self) -> list[tuple[int, Outcome]]:
+        """Resets whose worker did not come back within their limit plus the grace: they fail."""
+        now = time.monotonic()
+        late = [ref for ref, (_, deadline) in self.reviving.items() if now > deadline]
+        return [
+            (call.row, self._failed(call.worker, "not started again"))
+            for call, _ in map(self.reviving.pop, late)
+        ]
 
     def _check_hung(self) -> None:
         """Kill (and so restart) a worker that owes answers past its calls' limits and does not answer a ping:
         its calls then fail as a dead worker's do."""
         now = time.monotonic()
         for worker, since in list(self.owed_since.items()):
-            limit = max((lim for _, w, lim in self.running.values() if w == worker), default=0.0)
+            limit = max((c.limit_s for c in self.running.values() if c.worker == worker), default=0.0)
             if now - since < limit + self.hung_grace_s:
                 continue
             try:
@@ -176,3 +243,6 @@ class TierEnvs:
             except (GetTimeoutError, RayActorError):
                 ray.kill(self.workers[worker], no_restart=False)
                 self.owed_since[worker] = now
+                for ref, call in self.running.items():  # a reset that hung its worker is not sent again
+                    if call.worker == worker:
+                        self.running[ref] = replace(call, tries=RESET_TRIES)
