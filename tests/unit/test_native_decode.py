@@ -92,10 +92,12 @@ def test_swiglu_is_silu_times_up(dtype):
     assert not _within(got, torch.sigmoid(gate) * up, bound)
 
 
-def _attention_case(dtype: torch.dtype, qk_norm: bool):
-    """Ragged rows of a GQA layer (8 query heads over 4 key/value heads of 16) with a filled cache in dtype."""
+def _attention_case(dtype: torch.dtype, qk_norm: bool, head_dim: int = 16):
+    """Ragged rows of a GQA layer (8 query heads over 4 key/value heads of head_dim) with a filled cache in
+    dtype: rows of 1 to 41 keys, so the kernel's 16-key blocks and its 4-key and single-key loops all run, and
+    with head_dim 48 both its 32-wide value sums in registers and the 16 left over."""
     g = torch.Generator().manual_seed(2)
-    batch, heads, kv_heads, head_dim, slots = 4, 8, 4, 16, 48
+    batch, heads, kv_heads, slots = 4, 8, 4, 48
     offsets = torch.tensor([3, 17, 0, 40])
     q = torch.randn(batch, heads * head_dim, generator=g).to(dtype)
     kv = torch.randn(batch, 2 * kv_heads * head_dim, generator=g).to(dtype)
@@ -148,8 +150,9 @@ def _attention_bound(q_rot, keys, values, num_keys, head_dim) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_rope_attention_is_attentions_decode_step(dtype, qk_norm):
-    q, k, v, cos, sin, cache, offsets, norms, head_dim = _attention_case(dtype, qk_norm)
+@pytest.mark.parametrize("head_dim", [16, 48])
+def test_rope_attention_is_attentions_decode_step(dtype, qk_norm, head_dim):
+    q, k, v, cos, sin, cache, offsets, norms, head_dim = _attention_case(dtype, qk_norm, head_dim)
     want, (keys, values), bias, q_rot, num_keys = _torch_attention(
         q, k, v, cos, sin, cache, offsets, norms, head_dim
     )
@@ -235,9 +238,11 @@ def _model(family: str, dtype: torch.dtype) -> Transformer:
 
 @torch.no_grad()
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_native_decode_step_is_the_layers_torch_path(family, monkeypatch):
-    """A decode step of ragged rows (continuous batching) through DecoderModel: the native path against the
-    layers' torch path from the same cache. fp32, so the only differences are the kernels' sums: the cache
+@pytest.mark.parametrize("seq", [1, 4])
+def test_native_decode_step_is_the_layers_torch_path(family, seq, monkeypatch):
+    """A decode step of ragged rows (continuous batching) through DecoderModel, and with seq 4 a returning
+    turn's new tokens on each row's kept cache (each token a query row of its own): the native path against
+    the layers' torch path from the same cache. fp32, so the only differences are the kernels' sums: the cache
     writes and the hidden states within 64 (H + L) u of their size (each of the 2 layers' norms and attention,
     compounded through the residual stream)."""
     model = _model(family, torch.float32)
@@ -254,8 +259,8 @@ def test_native_decode_step_is_the_layers_torch_path(family, monkeypatch):
             torch.ones(1, length, dtype=torch.bool),
         )
     offsets = torch.tensor(lengths)
-    token = torch.randint(0, 97, (batch, 1), generator=torch.Generator().manual_seed(4))
-    key_mask = torch.ones(batch, max(lengths) + 1, dtype=torch.bool)
+    token = torch.randint(0, 97, (batch, seq), generator=torch.Generator().manual_seed(4))
+    key_mask = torch.ones(batch, max(lengths) + seq, dtype=torch.bool)
 
     def decode(native_on: bool) -> tuple[torch.Tensor, KVCache]:
         copy = KVCache(model.args, batch, slots, torch.float32, "cpu")
@@ -274,6 +279,7 @@ def test_native_decode_step_is_the_layers_torch_path(family, monkeypatch):
     assert len(calls) == model.args.num_layers  # the native path ran
     want, want_cache = decode(False)
     relative = 64 * (model.args.hidden_size + slots) * U
+    assert got.shape == want.shape == (batch, seq, model.args.hidden_size)
     for mine, theirs in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):  # the new slots written
         assert ((mine - theirs).abs() <= relative * theirs.abs().amax()).all()
     bound = relative * want.abs().amax(dim=-1, keepdim=True)
@@ -285,6 +291,20 @@ def test_native_decode_step_is_the_layers_torch_path(family, monkeypatch):
     )
     broken, _ = decode(False)
     assert not _within(got, broken, bound)
+    if seq > 1:  # and the new tokens not seeing each other's keys (each only the kept cache and itself)
+        monkeypatch.undo()
+        monkeypatch.setattr(decoder_module, "row_offset_bias", _without_the_new_keys)
+        blind, _ = decode(False)
+        assert not _within(got, blind, bound)
+
+
+def _without_the_new_keys(key_mask, cache_offset, seq, dtype):
+    """row_offset_bias with query t of a row masked from the row's new keys before it (offset .. offset + t)."""
+    bias = row_offset_bias(key_mask, cache_offset, seq, dtype).clone()  # [B, 1, T, S]
+    for row, offset in enumerate(cache_offset.tolist()):
+        for t in range(1, seq):
+            bias[row, 0, t, offset : offset + t] = float("-inf")
+    return bias
 
 
 def test_the_native_path_is_skipped_where_it_does_not_apply(monkeypatch):

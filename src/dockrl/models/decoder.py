@@ -115,8 +115,8 @@ class CacheWrite:
     offset: int = 0
     row_offsets: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
-    # A decode step (T = 1, row_offsets) may run its layers with the native kernels (models/native) where they
-    # apply: the rollout engine's rollout.native_kernels.
+    # A pass with row_offsets (a decode step, or a returning turn's new tokens) may run its layers with the
+    # native kernels (models/native) where they apply: the rollout engine's rollout.native_kernels.
     native: bool = False
 
 
@@ -310,10 +310,10 @@ class DecoderModel(nn.Module):
         else:
             offset = 0 if write is None else write.offset
             mask = attention_mask(key_mask, batch, seq, offset, write is not None, input_ids.device)
-        if seq == 1 and write is not None and write.native and write.row_offsets is not None:
-            decoded = self._decode_natively(x[:, 0], rope, mask, write)
+        if write is not None and write.native and write.row_offsets is not None:
+            decoded = self._decode_natively(x.reshape(batch * seq, -1), rope, mask, write, seq)
             if decoded is not None:
-                return decoded[:, None]
+                return decoded.view(batch, seq, -1)
         recompute = self.checkpoint_layers and write is None and torch.is_grad_enabled()
         for index, layer in enumerate(self.layers):
             if recompute:  # keeps only the layer's input; its forward runs again in the backward pass
@@ -331,22 +331,29 @@ class DecoderModel(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         bias: torch.Tensor | None,
         write: CacheWrite,
+        seq: int = 1,
     ) -> torch.Tensor | None:
         """A decode step's layers (one token per row, each at its own offset of a slots or paged cache) with the
         native kernels between torch's projections (models/native: the residual adds and norms, RoPE, the KV
-        write and attention over each row's own slots, SwiGLU): x [B, H] -> final-normed [B, H]. None, before
-        anything is written, where they do not apply (no kernels, a GPU, MoE layers, a split sequence, weights
-        that are DTensors or of another dtype than x); the caller then runs the layers as they are."""
+        write and attention over each row's own slots, SwiGLU): x [B, H] -> final-normed [B, H]. With seq T > 1
+        (a returning turn's new tokens on its kept cache) x is [B T, H], token t of row b a query row of its own
+        at offset row_offsets[b] + t: every token's keys are written before any attends, so the rows attend as
+        a prefill would (bias: row_offset_bias's causal mask). None, before anything is written, where they do
+        not apply (no kernels, a GPU, MoE layers, a split sequence, weights that are DTensors or of another dtype
+        than x); the caller then runs the layers as they are."""
         if not _natively_decodable(self, x, write) or bias is None:
             return None
         assert write.row_offsets is not None
-        batch = x.shape[0]
+        entries = x.shape[0]  # B T
         head_dim = self.args.head_dim
-        cos, sin = (part.reshape(batch, head_dim).contiguous() for part in rope)
-        bias_rows = bias.reshape(batch, -1)  # row_offset_bias: fp32 on a CPU (attention_dtype), contiguous
-        offsets = write.row_offsets
+        cos, sin = (part.reshape(entries, head_dim).contiguous() for part in rope)
+        bias_rows = bias.reshape(entries, -1)  # row_offset_bias: fp32 on a CPU (attention_dtype), contiguous
+        offsets, cache_rows = write.row_offsets, None
+        if seq > 1:
+            offsets = (offsets[:, None] + torch.arange(seq)).reshape(-1)
+            cache_rows = torch.arange(entries // seq).repeat_interleave(seq)
         lengths = (offsets + 1).clamp_(max=bias_rows.shape[1])  # a parked row's garbage query stays in range
-        step = native.DecodeStep(x.contiguous(), cos, sin, offsets, lengths, bias_rows, head_dim)
+        step = native.DecodeStep(x.contiguous(), cos, sin, offsets, lengths, bias_rows, head_dim, cache_rows)
         pending: torch.Tensor | None = None  # the last sublayer's output, added to x by the next norm
         for index, layer in enumerate(cast("Iterable[DecoderLayer]", self.layers)):
             norm = layer.input_layernorm
@@ -544,8 +551,8 @@ class Transformer(nn.Module):
         in a PagedKVCache - and attends key positions [0, S), S = key_mask.shape[1], causally from its offset.
         position_ids default row_offsets[b] + arange(T). The caller keeps every offset + T <= max_len (or M x
         block_size, with the blocks allocated) and S <= max_len (not checked here: it would cost a device sync
-        per decode step). native: a decode step (T = 1) runs with the native kernels where they apply
-        (`DecoderModel._decode_natively`).
+        per decode step). native: the layers run with the native kernels where they apply
+        (`DecoderModel._decode_natively`; T > 1: each new token a query row of its own).
         """
         if position_ids is None:
             position_ids = row_offsets[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)

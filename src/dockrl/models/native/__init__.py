@@ -3,7 +3,7 @@
 decode.c holds the work of a decoder layer between its matmuls for one new token per row (the residual adds
 and RMSNorms, RoPE, the KV write and attention over each row's own slots, SwiGLU): what it computes, how it
 rounds and why. `DecoderModel._decode_natively` runs a decode step's layers with them and torch's
-projections. They are built once per source, compiler and CPU (the CPU's flags name the file: `-march=native`
+projections, and a returning turn's new tokens the same way (each token a row of its sequence). They are built once per source, compiler and CPU (the CPU's flags name the file: `-march=native`
 code runs only where it was built) into the cache directory, then loaded with ctypes. Their OpenMP calls
 resolve to the runtime torch has already loaded, so `torch.set_num_threads` sets their threads as it does
 torch's.
@@ -47,6 +47,7 @@ _SIGNATURES = {
         + [_P, _P, _F, _P, _P]  # q_norm, k_norm, eps, cos, sin
         + [_P, _P, _I, _I, _I, _I]  # cache keys, values; row, head, block, slot strides
         + [_P, _I, _I, _I, _I]  # block table, its row stride, block size, blocks in the pool, capacity
+        + [_P, _I]  # each query row's sequence (NULL: row b is sequence b), the cache's sequences
         + [_P, _P, _I, _P, _I]  # offsets, lengths, num_keys, bias, its row stride
         + [_P, _I, _I, _I, _I, _F],  # out, B, N, K, D, scale
         ctypes.c_int,
@@ -174,9 +175,11 @@ def _row_stride(t: torch.Tensor) -> int:
 class DecodeStep:
     """The kernels of one decode step (decode.c), bound to what its layers share: the residual stream x [B, H]
     (updated in place), RoPE's cos and signed sin [B, D], the rows' cache offsets and attended lengths [B]
-    (int64) and the additive bias [B, >= max(lengths)] (fp32). Each layer then passes only its own tensors, so
-    a call costs the C work and one ctypes call. `available()` must be True; every tensor is on the CPU, of
-    x's dtype (fp32 or bf16; the KV cache too) but the fp32 bias."""
+    (int64), the additive bias [B, >= max(lengths)] (fp32) and, where several rows are new tokens of one
+    sequence (a returning turn's suffix, each token a row at its own offset), each row's sequence in the cache
+    `cache_rows` [B] (int64; None: row b is sequence b). Each layer then passes only its own tensors, so a call
+    costs the C work and one ctypes call. `available()` must be True; every tensor is on the CPU, of x's dtype
+    (fp32 or bf16; the KV cache too) but the fp32 bias."""
 
     def __init__(
         self,
@@ -187,6 +190,7 @@ class DecodeStep:
         lengths: torch.Tensor,
         bias: torch.Tensor,
         head_dim: int,
+        cache_rows: torch.Tensor | None = None,
     ) -> None:
         assert _kernels is not None, "DecodeStep needs available()"
         if not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and bias.stride(1) == 1):
@@ -195,12 +199,23 @@ class DecodeStep:
             )
         if offsets.dtype != torch.int64 or lengths.dtype != torch.int64 or bias.dtype != torch.float32:
             raise ValueError("DecodeStep needs int64 offsets and lengths and an fp32 bias")
+        if cache_rows is not None and (cache_rows.dtype != torch.int64 or cache_rows.shape != offsets.shape):
+            raise ValueError("DecodeStep needs int64 cache_rows, one per row")
         dtype = x.dtype
         self._norm = _kernels["dockrl_add_rms_norm", dtype]
         self._swiglu = _kernels["dockrl_swiglu", dtype]
         self._attention = _kernels["dockrl_rope_attention", dtype]
         self.x, self.h = x, torch.empty_like(x)
-        self._keep = (cos, sin, offsets.contiguous(), lengths.contiguous(), bias)  # alive while pointed at
+        rows = None if cache_rows is None else cache_rows.contiguous()
+        self._keep = (
+            cos,
+            sin,
+            offsets.contiguous(),
+            lengths.contiguous(),
+            bias,
+            rows,
+        )  # alive while pointed at
+        self._cache_rows = None if rows is None else rows.data_ptr()
         self.batch, self.hidden = x.shape
         self.head_dim = head_dim
         self.num_keys = bias.shape[1]
@@ -326,6 +341,8 @@ class DecodeStep:
             cache_k.data_ptr(),
             cache_v.data_ptr(),
             *layout,
+            self._cache_rows,
+            cache_k.shape[0] if block_table is None else block_table.shape[0],
             *self._rows,
             num_keys,
             *self._bias,
@@ -339,7 +356,7 @@ class DecodeStep:
         if code == 3:
             raise ValueError(
                 f"rope_attention: a row's offset is past the cache's {layout[-1]} slots, its length outside [1, "
-                f"{num_keys}], or one of its blocks not in the pool"
+                f"{num_keys}], its sequence not in the cache, or one of its blocks not in the pool"
             )
         if code != 0:
             raise RuntimeError(

@@ -112,20 +112,23 @@ DEFINE_SWIGLU(f32, float)
 DEFINE_SWIGLU(bf16, uint16_t)
 
 /* ---- rope_attention ----------------------------------------------------------------------------------------
- * Per row b (offset o = offsets[b], length L = lengths[b]):
+ * Per query row b (offset o = offsets[b], length L = lengths[b], its sequence c = cache_rows[b]; cache_rows
+ * NULL: c = b, one query per sequence, a decode step):
  *   q [N, D], k [K, D], v [K, D] (E; each a row of q_rows / k_rows / v_rows at its row stride);
  *   q_norm, k_norm [D] (E; NULL: none): per-head RMSNorm first (Qwen3), eps its epsilon;
  *   RoPE as decoder.apply_rope: r = E(E(x * cos) + E(roll(x, D/2) * signed_sin)), cos / signed_sin [B, D] (E);
- *   cache slot o of row b, head h gets r(k_h) and v_h (E: the values, exactly);
+ *   cache slot o of sequence c, head h gets r(k_h) and v_h (E: the values, exactly), every row's before any
+ *   row attends: several query rows of one sequence (a returning turn's new tokens, each at its own offset)
+ *   see each other's keys as a prefill would;
  *   out[b, n] = E(softmax(r(q_n) . key_s * scale + bias[b, s]) over s < L, times value_s), key/value head
  *   n / G, G = N / K; bias [B, >= L] fp32 (0 or -inf; NULL: none), a row's last slot never masked.
- * The cache (one layer's keys and values in E, the same layout and strides; read as fp32):
- *   slots (table NULL):  [B, K, S, D], slot s of row b, head h at b * row + h * head + s * slot;
- *   paged (table [B, M] int64, row stride table_stride): [K, num_blocks, block_size, D], slot s at
- *                        h * head + table[b, s / block_size] * block + (s % block_size) * slot.
+ * The cache (one layer's keys and values in E, the same layout and strides; read as fp32), num_rows sequences:
+ *   slots (table NULL):  [C, K, S, D], slot s of sequence c, head h at c * row + h * head + s * slot;
+ *   paged (table [C, M] int64, row stride table_stride): [K, num_blocks, block_size, D], slot s at
+ *                        h * head + table[c, s / block_size] * block + (s % block_size) * slot.
  * Returns 0; 1 when G or D is past the bounds below; 2 when scratch memory could not be had; 3 when an
- * offset or a length is out of range (o >= capacity, L < 1, L > num_keys) or a block a row reads is not in
- * the pool. */
+ * offset, a length or a sequence is out of range (o >= capacity, L < 1, L > num_keys, c >= num_rows) or a
+ * block a row reads is not in the pool. */
 typedef struct {
   const void* keys; /* slot 0 of this (row, head): slots layout; the pool's head h: paged (E elements) */
   const void* vals;
@@ -145,6 +148,114 @@ static inline int64_t run_offset(const Slots* at, int64_t s, int64_t want, int64
   return at->table[s / at->block_size] * at->block + within * at->slot;
 }
 
+/* scores[g * len + t] = scale * (q_g . key_t) for the 16 slots t < 16 from k (each `slot` apart), D a
+ * multiple of 16. With AVX-512: each slot's D products summed lane-wise in one register, then the 16 registers
+ * reduced together (a transpose-and-add tree: 15 adds and 30 shuffles for 16 dot products, where reducing each
+ * on its own costs 4 adds and 4 shuffles); elsewhere, four slots at a time as attend_head's loop. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline __m512 load16_f32(const float* x) { return _mm512_loadu_ps(x); }
+static inline __m512 load16_bf16(const uint16_t* x) {
+  __m256i bits = _mm256_loadu_si256((const __m256i*)x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+/* r[t] = the sum of v[t]'s 16 lanes. */
+static inline __m512 sum16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j) {
+    __m512d c = _mm512_castps_pd(w[2 * j]), d = _mm512_castps_pd(w[2 * j + 1]);
+    x[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+  }
+  /* x[j]'s 128-bit lane L holds lane L's partial sums of slots 4j .. 4j + 3 */
+  __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xdd));
+  __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
+}
+#define DEFINE_SCORE_16(SUF, E)                                                                                \
+  static inline void score_16_##SUF(const float* q, const E* k, int64_t slot, int64_t G, int64_t D,           \
+                                    int64_t len, float scale, float* scores) {                                 \
+    for (int64_t g = 0; g < G; ++g) {                                                                          \
+      const float* qg = q + g * D;                                                                             \
+      __m512 dots[16];                                                                                         \
+      for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();                                              \
+      for (int64_t d = 0; d < D; d += 16) {                                                                    \
+        __m512 qd = _mm512_loadu_ps(qg + d);                                                                   \
+        for (int t = 0; t < 16; ++t) dots[t] = _mm512_fmadd_ps(qd, load16_##SUF(k + t * slot + d), dots[t]);  \
+      }                                                                                                        \
+      _mm512_storeu_ps(scores + g * len, _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale)));                   \
+    }                                                                                                          \
+  }
+#else
+#define DEFINE_SCORE_16(SUF, E)                                                                                \
+  static inline void score_16_##SUF(const float* q, const E* k, int64_t slot, int64_t G, int64_t D,           \
+                                    int64_t len, float scale, float* scores) {                                 \
+    for (int64_t t = 0; t < 16; t += 4) {                                                                      \
+      const E* k0 = k + t * slot;                                                                              \
+      for (int64_t g = 0; g < G; ++g) {                                                                        \
+        const float* qg = q + g * D;                                                                           \
+        float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;                                                      \
+        for (int64_t d = 0; d < D; ++d) {                                                                      \
+          d0 += qg[d] * load_##SUF(k0[d]);                                                                     \
+          d1 += qg[d] * load_##SUF(k0[slot + d]);                                                              \
+          d2 += qg[d] * load_##SUF(k0[2 * slot + d]);                                                          \
+          d3 += qg[d] * load_##SUF(k0[3 * slot + d]);                                                          \
+        }                                                                                                      \
+        float* sc = scores + g * len + t;                                                                      \
+        sc[0] = d0 * scale;                                                                                    \
+        sc[1] = d1 * scale;                                                                                    \
+        sc[2] = d2 * scale;                                                                                    \
+        sc[3] = d3 * scale;                                                                                    \
+      }                                                                                                        \
+    }                                                                                                          \
+  }
+#endif
+
+DEFINE_SCORE_16(f32, float)
+DEFINE_SCORE_16(bf16, uint16_t)
+
+/* out[i] = inverse * sum over slots s < len of p[s] * value_s[d + i], i < VALUE_BLOCK: the sums in registers
+ * (a fixed-size block the compiler keeps in vector registers), two interleaved sums (even and odd slots) so
+ * each add waits on the one before it half as often. */
+#define VALUE_BLOCK 32
+#define DEFINE_WEIGH_VALUES(SUF, E)                                                                            \
+  static inline void weigh_values_##SUF(const Slots* at, const float* p, int64_t len, int64_t d, float inverse,\
+                                        float* out) {                                                          \
+    float even[VALUE_BLOCK] = {0}, odd[VALUE_BLOCK] = {0};                                                     \
+    for (int64_t start = 0; start < len;) {                                                                    \
+      int64_t count;                                                                                           \
+      const E* v = (const E*)at->vals + run_offset(at, start, len - start, &count) + d;                        \
+      const float* w = p + start;                                                                              \
+      int64_t s = 0;                                                                                           \
+      for (; s + 2 <= count; s += 2, v += 2 * at->slot) {                                                      \
+        const E* v1 = v + at->slot;                                                                            \
+        for (int64_t i = 0; i < VALUE_BLOCK; ++i) even[i] += w[s] * load_##SUF(v[i]);                          \
+        for (int64_t i = 0; i < VALUE_BLOCK; ++i) odd[i] += w[s + 1] * load_##SUF(v1[i]);                      \
+      }                                                                                                        \
+      if (s < count)                                                                                           \
+        for (int64_t i = 0; i < VALUE_BLOCK; ++i) even[i] += w[s] * load_##SUF(v[i]);                          \
+      start += count;                                                                                          \
+    }                                                                                                          \
+    for (int64_t i = 0; i < VALUE_BLOCK; ++i) out[i] = (even[i] + odd[i]) * inverse;                           \
+  }                                                                                                            \
+  /* The same for the last width < VALUE_BLOCK entries, summed in memory. */                                   \
+  static void weigh_values_tail_##SUF(const Slots* at, const float* p, int64_t len, int64_t d, int64_t width,  \
+                                      float inverse, float* out) {                                             \
+    memset(out, 0, (size_t)width * sizeof(float));                                                             \
+    for (int64_t start = 0; start < len;) {                                                                    \
+      int64_t count;                                                                                           \
+      const E* v = (const E*)at->vals + run_offset(at, start, len - start, &count) + d;                        \
+      for (int64_t s = 0; s < count; ++s, v += at->slot)                                                       \
+        for (int64_t i = 0; i < width; ++i) out[i] += p[start + s] * load_##SUF(v[i]);                         \
+      start += count;                                                                                          \
+    }                                                                                                          \
+    for (int64_t i = 0; i < width; ++i) out[i] *= inverse;                                                     \
+  }
+
+DEFINE_WEIGH_VALUES(f32, float)
+DEFINE_WEIGH_VALUES(bf16, uint16_t)
+
 #define DEFINE_ATTEND_HEAD(SUF, E)                                                                                     \
   static void attend_head_##SUF(const float* q, const Slots* at, int64_t len, const float* bias, float* out, int64_t G,\
                           int64_t D, float scale, float* scores) {                                                     \
@@ -156,6 +267,8 @@ static inline int64_t run_offset(const Slots* at, int64_t s, int64_t want, int64
       int64_t count;                                                                                                   \
       const E* k0 = (const E*)at->keys + run_offset(at, start, len - start, &count);                                   \
       int64_t s = 0;                                                                                                   \
+      if (D % 16 == 0)                                                                                                 \
+        for (; s + 16 <= count; s += 16, k0 += 16 * slot) score_16_##SUF(q, k0, slot, G, D, len, scale, scores + start + s); \
       for (; s + 4 <= count; s += 4) {                                                                                 \
         const E* k1 = k0 + slot;                                                                                       \
         const E* k2 = k1 + slot;                                                                                       \
@@ -190,18 +303,15 @@ static inline int64_t run_offset(const Slots* at, int64_t s, int64_t want, int64
     /* The bias: 0 adds nothing (exact, as torch's bias + scale * scores); a masked slot is set to -FLT_MAX,           \
      * whose exponential below underflows to 0. A row's own (last) slot is never masked. */                            \
     if (bias != NULL) {                                                                                                \
-      for (int64_t t = 0; t + 1 < len; ++t) {                                                                          \
-        if (bias[t] <= -1e30f) {                                                                                       \
-          for (int64_t g = 0; g < G; ++g) scores[g * len + t] = -FLT_MAX;                                              \
-        } else if (bias[t] != 0.0f) {                                                                                  \
-          for (int64_t g = 0; g < G; ++g) scores[g * len + t] += bias[t];                                              \
-        }                                                                                                              \
+      for (int64_t g = 0; g < G; ++g) {                                                                                \
+        float* sc = scores + g * len;                                                                                  \
+        for (int64_t t = 0; t + 1 < len; ++t) sc[t] = bias[t] <= -1e30f ? -FLT_MAX : sc[t] + bias[t];                  \
       }                                                                                                                \
     }                                                                                                                  \
     for (int64_t g = 0; g < G; ++g) {                                                                                  \
       const float* sc = scores + g * len;                                                                              \
       float m = -FLT_MAX;                                                                                              \
-      for (int64_t t = 0; t < len; ++t) m = sc[t] > m ? sc[t] : m;                                                     \
+      for (int64_t t = 0; t < len; ++t) m = fmaxf(m, sc[t]);                                                           \
       top[g] = m;                                                                                                      \
     }                                                                                                                  \
     for (int64_t g = 0; g < G; ++g) {                                                                                  \
@@ -213,23 +323,13 @@ static inline int64_t run_offset(const Slots* at, int64_t s, int64_t want, int64
         sum += e;                                                                                                      \
       }                                                                                                                \
       total[g] = sum;                                                                                                  \
-      memset(out + g * D, 0, (size_t)D * sizeof(float));                                                               \
-    }                                                                                                                  \
-    for (int64_t start = 0; start < len;) {                                                                            \
-      int64_t count;                                                                                                   \
-      const E* v = (const E*)at->vals + run_offset(at, start, len - start, &count);                                    \
-      for (int64_t s = 0; s < count; ++s, v += slot) {                                                                 \
-        for (int64_t g = 0; g < G; ++g) {                                                                              \
-          float p = scores[g * len + start + s];                                                                       \
-          float* o = out + g * D;                                                                                      \
-          for (int64_t d = 0; d < D; ++d) o[d] += p * load_##SUF(v[d]);                                                \
-        }                                                                                                              \
-      }                                                                                                                \
-      start += count;                                                                                                  \
     }                                                                                                                  \
     for (int64_t g = 0; g < G; ++g) {                                                                                  \
+      const float* p = scores + g * len;                                                                               \
       float inverse = 1.0f / total[g];                                                                                 \
-      for (int64_t d = 0; d < D; ++d) out[g * D + d] *= inverse;                                                       \
+      int64_t d = 0;                                                                                                   \
+      for (; d + VALUE_BLOCK <= D; d += VALUE_BLOCK) weigh_values_##SUF(at, p, len, d, inverse, out + g * D + d);      \
+      if (d < D) weigh_values_tail_##SUF(at, p, len, d, D - d, inverse, out + g * D + d);                             \
     }                                                                                                                  \
   }
 
@@ -281,15 +381,17 @@ static int row_in_range(int64_t offset, int64_t length, int64_t num_keys, int64_
       const E* q_rows, int64_t q_stride, const E* k_rows, int64_t k_stride, const E* v_rows, int64_t v_stride, \
       const E* q_norm, const E* k_norm, float eps, const E* cos, const E* sin, E* cache_k, E* cache_v,         \
       int64_t row, int64_t head, int64_t block, int64_t slot, const int64_t* table, int64_t table_stride,     \
-      int64_t block_size, int64_t num_blocks, int64_t capacity, const int64_t* offsets,                       \
-      const int64_t* lengths, int64_t num_keys, const float* bias, int64_t bias_stride, E* out, int64_t B,    \
-      int64_t N, int64_t K, int64_t D, float scale) {                                                          \
+      int64_t block_size, int64_t num_blocks, int64_t capacity, const int64_t* cache_rows, int64_t num_rows,  \
+      const int64_t* offsets, const int64_t* lengths, int64_t num_keys, const float* bias, int64_t bias_stride,\
+      E* out, int64_t B, int64_t N, int64_t K, int64_t D, float scale) {                                       \
     int64_t G = N / K;                                                                                         \
     if (G > MAX_GROUP || D > MAX_HEAD_DIM || G * K != N || D % 2 != 0) return 1;                               \
     int64_t longest = 1;                                                                                       \
     for (int64_t b = 0; b < B; ++b) {                                                                          \
-      if (!row_in_range(offsets[b], lengths[b], num_keys, capacity,                                            \
-                        table == NULL ? NULL : table + b * table_stride, block_size, num_blocks))              \
+      int64_t c = cache_rows == NULL ? b : cache_rows[b];                                                      \
+      if (c < 0 || c >= num_rows ||                                                                            \
+          !row_in_range(offsets[b], lengths[b], num_keys, capacity,                                            \
+                        table == NULL ? NULL : table + c * table_stride, block_size, num_blocks))              \
         return 3;                                                                                              \
       longest = lengths[b] > longest ? lengths[b] : longest;                                                   \
     }                                                                                                          \
@@ -303,25 +405,30 @@ static int row_in_range(int64_t offset, int64_t length, int64_t num_keys, int64_
         float* q_rot = scratch + G * longest;                                                                  \
         float* attended = q_rot + G * D;                                                                       \
         float* one_head = attended + G * D;                                                                    \
+        /* every row's key and value into the cache first (the loop's end is a barrier) */                     \
+        _Pragma("omp for schedule(static)") for (int64_t task = 0; task < B * K; ++task) {                     \
+          int64_t b = task / K, h = task % K;                                                                  \
+          int64_t c = cache_rows == NULL ? b : cache_rows[b];                                                  \
+          Slots at = {NULL, NULL, table == NULL ? NULL : table + c * table_stride, block, block_size, slot};   \
+          int64_t base = h * head + (table == NULL ? c * row : 0);                                             \
+          int64_t count;                                                                                       \
+          int64_t here = base + run_offset(&at, offsets[b], 1, &count);                                        \
+          rope_##SUF(k_rows + b * k_stride + h * D, k_norm, eps, cos + b * D, sin + b * D, one_head, q_rot, D);\
+          for (int64_t d = 0; d < D; ++d) cache_k[here + d] = store_##SUF(q_rot[d]);                           \
+          memcpy(cache_v + here, v_rows + b * v_stride + h * D, (size_t)D * sizeof(E));                        \
+        }                                                                                                      \
         _Pragma("omp for schedule(dynamic, 2)") for (int64_t task = 0; task < B * K; ++task) {                \
           int64_t b = task / K, h = task % K;                                                                  \
-          const E* row_cos = cos + b * D;                                                                      \
-          const E* row_sin = sin + b * D;                                                                      \
-          Slots at = {NULL, NULL, table == NULL ? NULL : table + b * table_stride, block, block_size, slot};   \
-          int64_t base = h * head + (table == NULL ? b * row : 0);                                             \
+          int64_t c = cache_rows == NULL ? b : cache_rows[b];                                                  \
+          Slots at = {NULL, NULL, table == NULL ? NULL : table + c * table_stride, block, block_size, slot};   \
+          int64_t base = h * head + (table == NULL ? c * row : 0);                                             \
           at.keys = cache_k + base;                                                                            \
           at.vals = cache_v + base;                                                                            \
-          int64_t count;                                                                                       \
-          int64_t here = run_offset(&at, offsets[b], 1, &count);                                               \
-          rope_##SUF(k_rows + b * k_stride + h * D, k_norm, eps, row_cos, row_sin, one_head, q_rot, D);        \
-          for (int64_t d = 0; d < D; ++d) cache_k[base + here + d] = store_##SUF(q_rot[d]);                    \
-          const E* vh = v_rows + b * v_stride + h * D;                                                         \
-          for (int64_t d = 0; d < D; ++d) cache_v[base + here + d] = vh[d];                                    \
           for (int64_t g = 0; g < G; ++g)                                                                      \
-            rope_##SUF(q_rows + b * q_stride + (h * G + g) * D, q_norm, eps, row_cos, row_sin, one_head,      \
-                       q_rot + g * D, D);                                                                      \
-          attend_head_##SUF(q_rot, &at, lengths[b], bias == NULL ? NULL : bias + b * bias_stride, attended, G, D,   \
-                      scale, scratch);                                                                         \
+            rope_##SUF(q_rows + b * q_stride + (h * G + g) * D, q_norm, eps, cos + b * D, sin + b * D,        \
+                       one_head, q_rot + g * D, D);                                                            \
+          attend_head_##SUF(q_rot, &at, lengths[b], bias == NULL ? NULL : bias + b * bias_stride, attended, G, \
+                            D, scale, scratch);                                                                \
           E* o = out + b * N * D + h * G * D;                                                                  \
           for (int64_t i = 0; i < G * D; ++i) o[i] = store_##SUF(attended[i]);                                 \
         }                                                                                                      \
