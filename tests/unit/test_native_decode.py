@@ -307,6 +307,40 @@ def _without_the_new_keys(key_mask, cache_offset, seq, dtype):
     return bias
 
 
+@torch.no_grad()
+def test_native_rows_read_and_write_their_own_sequences_in_place():
+    """cache_rows (CacheWrite.rows): two returning rows whose sequences are rows 3 and 1 of a 4-row cache run in
+    place, as the same rows copied out (KVCache.take), run on the torch path and written back: the same hidden
+    states within test_native_decode_step_is_the_layers_torch_path's bound, the same new keys and values, and
+    rows 0 and 2 untouched. Without the kernels, rows are refused by name."""
+    model = _model("qwen2", torch.float32)
+    slots, kept, seq = 40, [6, 9], 3
+    cache = KVCache(model.args, 4, slots, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(5)
+    for part in cache.k + cache.v:
+        part.copy_(torch.randn(part.shape, generator=g))
+    before = [part.clone() for part in cache.k + cache.v]
+    rows = torch.tensor([3, 1])
+    offsets = torch.tensor(kept)
+    ids = torch.randint(0, 97, (2, seq), generator=g)
+    key_mask = torch.ones(2, max(kept) + seq, dtype=torch.bool)
+    got = model.hidden_states_per_row(ids, cache, offsets, None, key_mask, native=True, cache_rows=rows)
+    copy = KVCache(model.args, 4, slots, torch.float32, "cpu")
+    for mine, theirs in zip(copy.k + copy.v, before):
+        mine.copy_(theirs)
+    part = copy.take(rows, slots)
+    want = model.hidden_states_per_row(ids, part, offsets, None, key_mask, native=False)
+    copy.put(rows, part)
+    relative = 64 * (model.args.hidden_size + slots) * U
+    assert _within(got, want, relative * want.abs().amax(dim=-1, keepdim=True))
+    for mine, theirs, old in zip(cache.k + cache.v, copy.k + copy.v, before):
+        assert ((mine - theirs).abs() <= relative * theirs.abs().amax()).all()
+        assert torch.equal(mine[[0, 2]], old[[0, 2]])  # the other sequences untouched
+        assert not torch.equal(mine[[3, 1]], old[[3, 1]])  # the new slots written
+    with pytest.raises(RuntimeError, match="CacheWrite.rows needs the native kernels"):
+        model.hidden_states_per_row(ids, cache, offsets, None, key_mask, native=False, cache_rows=rows)
+
+
 def test_the_native_path_is_skipped_where_it_does_not_apply(monkeypatch):
     """A dense bf16 model on a CPU with a bf16 cache decodes natively, and the rollout engine keeps its cache in
     bf16 for it (half of fp32's bytes); a cache or activations of another dtype, an MoE model, the kernels

@@ -118,6 +118,9 @@ class CacheWrite:
     # A pass with row_offsets (a decode step, or a returning turn's new tokens) may run its layers with the
     # native kernels (models/native) where they apply: the rollout engine's rollout.native_kernels.
     native: bool = False
+    # With the native kernels, row b's sequence in a KVCache may be another row than b: `rows` [B] (int64)
+    # names it (the rollout engine's returning turns read and write their slots in place).
+    rows: torch.Tensor | None = None
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -314,6 +317,8 @@ class DecoderModel(nn.Module):
             decoded = self._decode_natively(x.reshape(batch * seq, -1), rope, mask, write, seq)
             if decoded is not None:
                 return decoded.view(batch, seq, -1)
+        if write is not None and write.rows is not None:
+            raise RuntimeError("CacheWrite.rows needs the native kernels, which do not apply to this pass")
         recompute = self.checkpoint_layers and write is None and torch.is_grad_enabled()
         for index, layer in enumerate(self.layers):
             if recompute:  # keeps only the layer's input; its forward runs again in the backward pass
@@ -348,10 +353,11 @@ class DecoderModel(nn.Module):
         head_dim = self.args.head_dim
         cos, sin = (part.reshape(entries, head_dim).contiguous() for part in rope)
         bias_rows = bias.reshape(entries, -1)  # row_offset_bias: fp32 on a CPU (attention_dtype), contiguous
-        offsets, cache_rows = write.row_offsets, None
+        offsets, cache_rows = write.row_offsets, write.rows
         if seq > 1:
             offsets = (offsets[:, None] + torch.arange(seq)).reshape(-1)
-            cache_rows = torch.arange(entries // seq).repeat_interleave(seq)
+            rows = torch.arange(entries // seq) if cache_rows is None else cache_rows
+            cache_rows = rows.repeat_interleave(seq)
         lengths = (offsets + 1).clamp_(max=bias_rows.shape[1])  # a parked row's garbage query stays in range
         step = native.DecodeStep(x.contiguous(), cos, sin, offsets, lengths, bias_rows, head_dim, cache_rows)
         pending: torch.Tensor | None = None  # the last sublayer's output, added to x by the next norm
@@ -543,6 +549,7 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         images: Images | None = None,
         native: bool = False,
+        cache_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [B, T, H] of rows at their own cache offsets (continuous batching).
 
@@ -552,11 +559,14 @@ class Transformer(nn.Module):
         position_ids default row_offsets[b] + arange(T). The caller keeps every offset + T <= max_len (or M x
         block_size, with the blocks allocated) and S <= max_len (not checked here: it would cost a device sync
         per decode step). native: the layers run with the native kernels where they apply
-        (`DecoderModel._decode_natively`; T > 1: each new token a query row of its own).
+        (`DecoderModel._decode_natively`; T > 1: each new token a query row of its own); with them, cache_rows
+        [B] (int64) puts row b in sequence cache_rows[b] of a KVCache instead of b (CacheWrite.rows).
         """
         if position_ids is None:
             position_ids = row_offsets[:, None] + torch.arange(input_ids.shape[1], device=input_ids.device)
-        write = CacheWrite(kv_cache, row_offsets=row_offsets, block_table=block_table, native=native)
+        write = CacheWrite(
+            kv_cache, row_offsets=row_offsets, block_table=block_table, native=native, rows=cache_rows
+        )
         mask = None if images is None else images.token_mask
         return self.model(input_ids, position_ids, key_mask, write, None, self.image_embeds(images), mask)
 

@@ -137,12 +137,17 @@ class ModelCalls:
         num_keys = max(kept for _, _, kept in resumed) + num_tokens  # S
         key_mask = self._all_keys[: len(resumed), :num_keys]
         slots = torch.tensor([slot for slot, _, _ in resumed], device=self.device)
+        rows = None
         if self.paged:  # every row writes and reads through its own block-table row
             cache, table = self.cache, self.block_table[slots]
+        elif self.native_kernels:  # the native kernels read and write each row's slot in place
+            cache, table, rows = self._slots_cache(), None, slots
         else:  # the slots are anywhere in the cache: their rows copied out, prefilled, written back
             cache, table = self._slots_cache().take(slots, num_keys), None
-        logits = self._forward_last(ids.to(self.device), None, key_mask, cache, offsets, last, table)
-        if not self.paged:
+        logits = self._forward_last(
+            ids.to(self.device), None, key_mask, cache, offsets, last, table, cache_rows=rows
+        )
+        if not self.paged and rows is None:
             self._slots_cache().put(slots, cache)  # type: ignore[arg-type]
         self.stats["prefill_calls"] += 1
         return logits
@@ -157,11 +162,13 @@ class ModelCalls:
         last: torch.Tensor | None,
         block_table: torch.Tensor | None = None,
         images: Images | None = None,
+        cache_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The one model call: hidden states, then LM-head logits of token `last[b]` of each row -> [B, V].
 
         last=None takes the final token. Only these rows go through the LM head (the prefill's other
-        positions never need logits). A tensor-parallel model plugs in here.
+        positions never need logits). cache_rows: each row's sequence in a slots cache (the native kernels
+        only; `hidden_states_per_row`). A tensor-parallel model plugs in here.
         """
         # CPU bf16: the projections run packed for this call (models/packed_linear.py)
         with nullcontext() if self.packed is None else self.packed.applied():
@@ -175,6 +182,7 @@ class ModelCalls:
                     key_mask,
                     position_ids,
                     native=self.native_kernels,
+                    cache_rows=cache_rows,
                 )
             else:  # prefill: the rows of one prompt's samples at the same offset
                 assert isinstance(cache, KVCache), "prefill fills a contiguous scratch cache"
