@@ -47,6 +47,7 @@ def test_bench_kernels_times_every_variant_at_a_small_shape():
 
     args = build_parser().parse_args(
         ["bench", "kernels", "--hidden-size=64", "--num-layers=1", "--rows=2", "--tokens=9", "--repeats=1"]
+        + ["--decode-rows=3", "--decode-keys=20"]
     )
     rows = run(args)
     variants = {(row["what"], row["variant"]) for row in rows}
@@ -54,8 +55,13 @@ def test_bench_kernels_times_every_variant_at_a_small_shape():
         "attention fwd+bwd (bf16)",
         "dockrl backward",
     ) in variants
-    assert len(rows) == 20 and all(row["ms"] > 0 for row in rows)  # 12 + 2 mixes x 2 dtypes x 2 variants
-    assert all(row["speedup"] == 1.0 for row in rows if row["variant"] in ("fp32", "torch SDPA", "eager"))
+    # 12 + 2 mixes x 2 dtypes x 2 variants + torch's and the native decode attention
+    assert len(rows) == 22 and all(row["ms"] > 0 for row in rows)
+    assert all(
+        row["speedup"] == 1.0
+        for row in rows
+        if row["variant"] in ("fp32", "torch SDPA", "eager", "torch (fp32 cache)")
+    )
 
 
 def test_bench_scaling_names_an_unknown_size():

@@ -17,6 +17,10 @@ of --rows x --tokens (28 x 143: one of the e2e workload's token-budget micro-bat
             same forward, its backward written out), forward + backward
   rope      rotate_half with cat against roll and a signed sin (dockrl.models.decoder.apply_rope)
   swiglu    silu(gate) * up, eager (torch has no fused CPU op for it; --compile adds inductor's fusion)
+  decode    one layer's decode-step attention of the rollout engine over --decode-rows rows of --decode-keys
+            cached keys each (bf16 activations): torch's path (RoPE, the write into an fp32 cache, then
+            grouped_attention) against the native kernel's (models/native: RoPE, the write and attention in one
+            call over a bf16 cache); the native row is left out, with the reason, where the kernels are not built
 
 `speedup` is the first variant's time over each other's. Only the stage rows measure what a run spends; the
 others isolate one op at the micro-batch's shape.
@@ -42,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile", action="store_true", help="also torch.compile each decoder layer (minutes to compile)"
     )
+    parser.add_argument("--decode-rows", type=int, default=128, help="rows of the decode attention rows")
+    parser.add_argument("--decode-keys", type=int, default=200, help="cached keys per row there")
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -222,7 +228,53 @@ def _op_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         out.append(
             _row("swiglu fwd+bwd (bf16)", "compiled", _best(lambda: swiglu(fused_swiglu), args.repeats), base)
         )
+    out += _decode_rows(args, heads, kv_heads, dim, gen)
     return out
+
+
+def _decode_rows(args: argparse.Namespace, heads: int, kv_heads: int, dim: int, gen) -> list[dict[str, Any]]:
+    """One layer's decode-step attention, torch's path against the native kernel's (module docstring)."""
+    import torch
+
+    from dockrl.models import native
+    from dockrl.models.decoder import apply_rope, grouped_attention
+
+    bf16, rows, keys = torch.bfloat16, args.decode_rows, args.decode_keys
+    slots = keys + 1
+    what = f"decode attention ({rows} rows x {keys} keys, bf16)"
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(bf16)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    angles = torch.rand(rows, dim // 2, generator=gen)
+    both = torch.cat((angles, angles), dim=-1)
+    cos, sin = both.cos().to(bf16), both.sin().to(bf16)
+    signed = torch.cat((-sin[:, : dim // 2], sin[:, dim // 2 :]), dim=-1).contiguous()
+    cache = torch.randn(2, rows, kv_heads, slots, dim, generator=gen)
+    fp32_k, fp32_v = cache[0].clone(), cache[1].clone()
+    offsets = torch.full((rows,), keys - 1, dtype=torch.long)
+    bias = torch.zeros(rows, 1, 1, keys)
+    index = torch.arange(rows)
+
+    def torch_path() -> None:
+        rope = (cos[:, None, None], signed[:, None, None])
+        q_rot = apply_rope(q.view(rows, 1, heads, dim).transpose(1, 2), *rope)
+        k_rot = apply_rope(k.view(rows, 1, kv_heads, dim).transpose(1, 2), *rope)
+        fp32_k[index, :, offsets] = k_rot.float()[:, :, 0]
+        fp32_v[index, :, offsets] = v.view(rows, kv_heads, dim).float()
+        grouped_attention(q_rot.float(), fp32_k[:, :, :keys], fp32_v[:, :, :keys], bias).to(bf16)
+
+    base = _best(torch_path, args.repeats)
+    out = [_row(what, "torch (fp32 cache)", base, base)]
+    if not native.available():
+        return out + [{"what": what, "variant": f"native kernel: {native.status()}"}]
+    bf16_cache = (cache[0].to(bf16), cache[1].to(bf16))
+    x = torch.zeros(rows, heads * dim, dtype=bf16)
+    step = native.DecodeStep(x, cos, signed, offsets, offsets + 1, bias.reshape(rows, keys), dim)
+    widths = [heads * dim, kv_heads * dim, kv_heads * dim]
+
+    def native_path() -> None:
+        step.rope_attention_fused(qkv, widths, None, bf16_cache)
+
+    return out + [_row(what, "native kernel (bf16 cache)", _best(native_path, args.repeats), base)]
 
 
 def _packed_rows(args: argparse.Namespace, heads: int, kv_heads: int, dim: int, gen) -> list[dict[str, Any]]:
