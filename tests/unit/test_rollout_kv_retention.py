@@ -92,22 +92,40 @@ def assert_same_tokens(kept, reference) -> None:
             assert ((logprobs - ref_logprobs).abs() <= logprob_bound(ref_logprobs)).all(), row
 
 
-def engine_of(model, layout: str, num_slots: int, kv_cache_tokens: int = 0) -> RolloutEngine:
+def engine_of(
+    model, layout: str, num_slots: int, kv_cache_tokens: int = 0, native: bool = True
+) -> RolloutEngine:
     return RolloutEngine(
-        model, num_slots=num_slots, max_seq_len=MAX_SEQ_LEN, kv_cache=layout, kv_cache_tokens=kv_cache_tokens
+        model,
+        num_slots=num_slots,
+        max_seq_len=MAX_SEQ_LEN,
+        kv_cache=layout,
+        kv_cache_tokens=kv_cache_tokens,
+        native_kernels=native,
     )
 
 
 @pytest.mark.parametrize("layout", ["slots", "paged"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_returning_turn_prefills_only_its_new_tokens_with_the_same_tokens(model, layout, temperature):
+@pytest.mark.parametrize("native", [False, True])
+def test_a_returning_turn_prefills_only_its_new_tokens_with_the_same_tokens(
+    model, layout, temperature, native, monkeypatch
+):
     """Room for everything: every later turn finds its KV (no eviction), prefills exactly what the re-prefill
-    path prefilled minus what it found kept, and draws the same tokens."""
+    path prefilled minus what it found kept, and draws the same tokens. Without the native kernels the returning
+    turns of a step run in a forward of their own (`_prefill_suffixes`); with them inside the step's decode
+    forward (a mixed batch), and never in one of their own."""
     num = 6
-    reference_engine = engine_of(model, layout, num_slots=8)
+    reference_engine = engine_of(model, layout, num_slots=8, native=native)
     reference, _ = trajectories(reference_engine, num, temperature, keep=False)
-    engine = engine_of(model, layout, num_slots=8)
+    engine = engine_of(model, layout, num_slots=8, native=native)
+    own_forwards = []
+    real = RolloutEngine._prefill_suffixes
+    monkeypatch.setattr(
+        RolloutEngine, "_prefill_suffixes", lambda self, r: own_forwards.append(len(r)) or real(self, r)
+    )
     kept, return_steps = trajectories(engine, num, temperature, keep=True)
+    assert len(own_forwards) == (0 if native else return_steps)
     assert_same_tokens(kept, reference)
     stats, before = engine.stats, reference_engine.stats
     assert stats["kv_evicted"] == 0 and reference_engine.stats["kv_reused_tokens"] == 0
@@ -138,16 +156,18 @@ def test_returning_turns_past_the_score_bound_run_in_several_forwards(model, lay
 
 
 @pytest.mark.parametrize("layout", ["slots", "paged"])
-def test_a_returning_turn_whose_padded_suffix_would_pass_the_cache_end_runs_alone(model, layout):
+@pytest.mark.parametrize("native", [False, True])
+def test_a_returning_turn_whose_padded_suffix_would_pass_the_cache_end_runs_alone(model, layout, native):
     """Two turns return in one step: A kept 140 positions and brings 3 new ones, B kept 8 and brings 21. Padded
-    to B's 21, A's positions would run past max_seq_len = 160, so A runs in a forward of its own; both draw the
-    re-prefill path's tokens."""
+    to B's 21, A's positions would run past max_seq_len = 160, so without the native kernels A runs in a
+    forward of its own; with them nothing is padded and both run in the step's decode forward (a mixed batch).
+    Both draw the re-prefill path's tokens either way."""
     params = SamplingParams(max_new_tokens=4, temperature=1.0)
     first = {0: [(3 * j) % 96 for j in range(137)], 1: [(5 * j + 1) % 96 for j in range(5)]}
     observation = {0: [7, 8], 1: [(j + 2) % 96 for j in range(20)]}
     results = {}
     for keep in (False, True):
-        engine = engine_of(model, layout, num_slots=4)
+        engine = engine_of(model, layout, num_slots=4, native=native)
         prompts, got = dict(first), {}
         for turn in range(2):
             for row, prompt in prompts.items():
@@ -155,8 +175,8 @@ def test_a_returning_turn_whose_padded_suffix_would_pass_the_cache_end_runs_alon
             calls = engine.stats["prefill_calls"]
             for completion in engine.run():
                 got.setdefault(completion.tag, []).append(completion.generation)
-            if turn == 1 and keep:
-                assert engine.stats["prefill_calls"] == calls + 2  # B, then A alone
+            if turn == 1 and keep:  # without the kernels B, then A alone; with them one mixed forward
+                assert engine.stats["prefill_calls"] == calls + (1 if native else 2)
             prompts = {
                 row: prompts[row] + got[row][0].token_ids.tolist() + observation[row] for row in prompts
             }

@@ -163,12 +163,14 @@ class ModelCalls:
         block_table: torch.Tensor | None = None,
         images: Images | None = None,
         cache_rows: torch.Tensor | None = None,
+        picked_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The one model call: hidden states, then LM-head logits of token `last[b]` of each row -> [B, V].
 
         last=None takes the final token. Only these rows go through the LM head (the prefill's other
-        positions never need logits). cache_rows: each row's sequence in a slots cache (the native kernels
-        only; `hidden_states_per_row`). A tensor-parallel model plugs in here.
+        positions never need logits). cache_rows: each row's sequence in the cache (the native kernels only;
+        `hidden_states_per_row`); picked_rows: only these rows' logits, in this order. A tensor-parallel model
+        plugs in here.
         """
         # CPU bf16: the projections run packed for this call (models/packed_linear.py)
         with nullcontext() if self.packed is None else self.packed.applied():
@@ -193,6 +195,8 @@ class ModelCalls:
                 picked = hidden[:, -1]
             else:
                 picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
+            if picked_rows is not None:
+                picked = picked[picked_rows]
             return self.model.lm_logits(picked)  # full vocabulary, also for a tensor-parallel model
 
     # ---- MoE routes ------------------------------------------------------------------------------

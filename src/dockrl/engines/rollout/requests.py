@@ -70,6 +70,9 @@ class _Running:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     routes: list[torch.Tensor] = field(default_factory=list)  # record_routes: [n, L, k] pieces, prompt first
+    joining: int | None = None
+    """A returning turn whose new positions (its prompt from this kept length on) run in the next decode step's
+    forward (RolloutEngine._joins_decode), not yet run; None once they have (and for every other sample)."""
 
 
 def same_images(first: tuple | None, second: tuple | None) -> bool:

@@ -5,8 +5,10 @@ in blocks handed out as sequences grow.
  add(Request: prompt, n seeds, params[, kv_key]) ──▶ waiting (FIFO; preempted samples re-enter at the front)
  step():
    admit   : a request whose kv_key has KV kept and whose prompt extends it (a later turn): its slot (and
-             blocks) back; the new positions of all such requests prefilled in ONE forward on top of their
-             kept ones (`_prefill_suffixes`: right-padded, each row at its own offset).
+             blocks) back; the new positions of all such requests run on top of their kept ones - with the
+             native kernels inside this step's decode forward, a query row per new position (`_join`,
+             `_mixed_forward`: a mixed batch, no forward of their own); without them in ONE forward of their
+             own (`_prefill_suffixes`: right-padded, each row at its own offset).
              Others: while the head request's n samples fit in free slots (slots given up by kept KV, oldest
              first, count; paged: AND the blocks of their prompts + the first decoded position can be had):
              take the n lowest free slots (and those blocks). Prefill all admitted prompts together ONCE
@@ -18,7 +20,8 @@ in blocks handed out as sequences grow.
              are freed and it re-queues (to restart from its prompt: its tokens are a function of (prompt,
              seed), so it draws the same ones again).
    decode  : one token for every running slot: input = its last token, written at its own position (its
-             slot's row, or through its block table), attending only its own keys.
+             slot's row, or through its block table), attending only its own keys; a joining returning turn's
+             row draws its first token from its last new position instead.
    finish  : a sample that hits a stop token / stop string / max_new_tokens frees its slot (and blocks) at
              once - or, with a kv_key, keeps its KV: slots park the slot, paged keeps its blocks - and the
              next step's admit hands them to a waiting request.
@@ -87,6 +90,7 @@ _IDLE = SamplingParams(max_new_tokens=1, temperature=0.0)
 COMPACT_BELOW = 0.5
 # Attention scores one forward over returning turns' suffixes may hold (rows x heads x T x S, fp32: 256 MiB):
 # more rows than that run in several forwards, so long observations on a large batch cannot exhaust memory.
+# The mixed batch (`_joins_decode`) holds its additive mask (rows x S, fp32) to the same bound.
 SUFFIX_SCORES_MAX = 2**26
 
 
@@ -374,6 +378,9 @@ class RolloutEngine(KeptKV, ModelCalls):
                     self._grant(slot, blocks_for(len(request.prompt_ids) + 1))
             admitted.append((request, slots))
             samples_of.append(samples[:count])
+        if resumed and self._joins_decode(resumed):  # run in this step's decode forward (a mixed batch)
+            self._join(resumed)
+            resumed = []
         if not admitted and not resumed:
             return []
         row_slots = [slot for _, slots in admitted for slot in slots]
@@ -426,6 +433,32 @@ class RolloutEngine(KeptKV, ModelCalls):
         self.pending[index] = tokens
         self.steps[index] += 1
         return self._record(row_slots, tokens.tolist(), logprobs.tolist())
+
+    def _joins_decode(self, resumed: list[tuple[Request, int, int]]) -> bool:
+        """Whether returning turns run their new positions inside the decode step's forward (`_mixed_forward`)
+        instead of a forward of their own: with the native kernels (query rows of any slot at any offset), for
+        text models, without MoE routes to record, and with the forward's additive mask (one row per decode slot
+        and per new position, max_seq_len keys) within SUFFIX_SCORES_MAX."""
+        if not self.native_kernels or self.vision is not None or self.record_routes:
+            return False
+        rows = self.num_slots + sum(len(request.prompt_ids) - kept for request, _, kept in resumed)
+        return rows * self.max_seq_len <= SUFFIX_SCORES_MAX
+
+    def _join(self, resumed: list[tuple[Request, int, int]]) -> None:
+        """Start returning turns (request, slot, kept positions) whose new positions the next decode step's
+        forward runs (`_mixed_forward`): it draws their first tokens as `_admit` would (step 0 of their seeds)."""
+        for request, slot, kept in resumed:
+            self._start(slot, request, 0)
+            self._state(slot).joining = kept
+        index = torch.tensor([slot for _, slot, _ in resumed], device=self.device)
+        self.lengths[index] = torch.tensor([len(r.prompt_ids) for r, _, _ in resumed], device=self.device)
+        self.seeds[index] = torch.tensor([r.seeds[0] for r, _, _ in resumed], device=self.device)
+        self.steps[index] = 0
+        self.active[index] = 1
+        self.rope_deltas[index] = 0
+        self._settings = None
+        self.stats["prefill_tokens"] += sum(len(r.prompt_ids) - kept for r, _, kept in resumed)
+        self.stats["kv_reused_tokens"] += sum(kept for _, _, kept in resumed)
 
     def _start(self, slot: int, request: Request, sample: int) -> None:
         """Host state of a sample admitted into `slot`."""
@@ -500,29 +533,83 @@ class RolloutEngine(KeptKV, ModelCalls):
             self._settings, self._settings_key = RowSettings.build(params, self.device), hi
         offsets = self.lengths[:hi]
         cache, table = (self.cache, self.block_table[:hi]) if self.paged else (self._rows(0, hi), None)
-        with self._routes() as seen:
-            logits = self._forward_last(
-                self.pending[:hi][:, None],
-                offsets[:, None] if self.vision is None else (offsets + self.rope_deltas[:hi])[:, None],
-                self._all_keys[:hi, :num_keys],
-                cache,
-                offsets,
-                None,
-                table,
-            )  # [B, V]
-        if seen is not None:
-            for slot in slots:
-                self._state(slot).routes.append(self._layer_routes(seen, slot, 1))
+        joining = [slot for slot in slots if self._state(slot).joining is not None]
+        if joining:
+            logits = self._mixed_forward(hi, cache, table)  # [B, V]
+        else:
+            with self._routes() as seen:
+                logits = self._forward_last(
+                    self.pending[:hi][:, None],
+                    offsets[:, None] if self.vision is None else (offsets + self.rope_deltas[:hi])[:, None],
+                    self._all_keys[:hi, :num_keys],
+                    cache,
+                    offsets,
+                    None,
+                    table,
+                )  # [B, V]
+            if seen is not None:
+                for slot in slots:
+                    self._state(slot).routes.append(self._layer_routes(seen, slot, 1))
         tokens, logprobs = sample_rows(logits, self._settings, self.seeds[:hi], self.steps[:hi])
-        self.lengths[:hi] += self.active[:hi]
+        grown = self.active[:hi]
+        if joining:  # their first tokens: written at their prompts' ends by the next step
+            grown = grown.clone()
+            grown[torch.tensor(joining, device=self.device)] = 0
+        self.lengths[:hi] += grown
         self.steps[:hi] += self.active[:hi]
         self.pending[:hi] = tokens
         for slot in slots:
-            self._state(slot).length += 1
+            if slot not in joining:
+                self._state(slot).length += 1
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += len(slots)
         host_tokens, host_logprobs = tokens.tolist(), logprobs.tolist()
         return self._record(slots, [host_tokens[s] for s in slots], [host_logprobs[s] for s in slots])
+
+    def _mixed_forward(
+        self, hi: int, cache: KVCache | PagedKVCache, table: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Logits [hi, V] of one forward over the decode slots [0, hi) and the joining returning turns' new
+        positions (`_join`): a query row per decode slot (its pending token at its length, as `_decode`) and per
+        new position of a joining slot (its prompt from its kept length on, each at its own offset), each in its
+        own slot's cache (the native kernels' cache_rows: every row's keys are written before any row attends,
+        so a turn's new positions see each other as a prefill's would); a slot's logits are its last row's."""
+        ids: list[int] = []
+        offsets: list[int] = []
+        rows: list[int] = []
+        last: list[int] = []
+        pending, lengths = self.pending[:hi].tolist(), self.lengths[:hi].tolist()
+        num_keys = 1
+        for slot in range(hi):
+            state = self.running[slot]
+            if state is not None and state.joining is not None:
+                new = state.request.prompt_ids[state.joining :]
+                ids += new
+                offsets += range(state.joining, state.joining + len(new))
+                rows += [slot] * len(new)
+                num_keys = max(num_keys, len(state.request.prompt_ids))
+                state.joining = None
+            else:  # a decode slot, or an idle one (its garbage row at its length, as `_decode`'s)
+                ids.append(pending[slot])
+                offsets.append(lengths[slot])
+                rows.append(slot)
+                if state is not None:
+                    num_keys = max(num_keys, state.length + 1)
+            last.append(len(ids) - 1)
+        at = torch.tensor(offsets, device=self.device)
+        logits = self._forward_last(
+            torch.tensor(ids, device=self.device)[:, None],
+            at[:, None],
+            self._all_keys[:1, :num_keys].expand(len(ids), num_keys),
+            cache,
+            at,
+            None,
+            table,
+            cache_rows=torch.tensor(rows, device=self.device),
+            picked_rows=torch.tensor(last, device=self.device),
+        )
+        self.stats["prefill_calls"] += 1
+        return logits
 
     def _compact(self, slots: list[int], movable: list[int]) -> list[int]:
         """Move the running samples `slots` into the lowest n = len(slots) of the slots `movable` (running or
