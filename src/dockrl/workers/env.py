@@ -123,9 +123,8 @@ class TierEnvs:
         self.prefix = f"{name}-{uuid.uuid4().hex[:8]}"
         self.home: dict[int, int] = {}  # row -> worker index
         self.running: dict[Any, _Call] = {}  # call ref -> the call
-        self.reviving: dict[
-            Any, tuple[_Call, float]
-        ] = {}  # ping ref -> the reset to send again, its deadline
+        # ping ref -> the reset to send again once the ping answers, and its deadline
+        self.reviving: dict[Any, tuple[_Call, float]] = {}
         self.owed_since: dict[int, float] = {}  # worker -> when it last answered while owing
         self.order = itertools.count()
 
@@ -205,8 +204,8 @@ class TierEnvs:
 
     def _revive(self, call: _Call) -> None:
         """Send reset `call` again once its worker, started again by Ray, answers a ping (the ping is retried
-        by Ray through the restart; the reset itself is not: an environment whose reset kills its worker fails after
-        RESET_TRIES restarts)."""
+        by Ray through the restart; the reset itself is not: an environment whose reset kills its worker
+        fails after RESET_TRIES restarts)."""
         ping = self.workers[call.worker].ping.options(max_task_retries=-1).remote()
         deadline = time.monotonic() + call.limit_s + self.hung_grace_s
         self.reviving[ping] = (replace(call, tries=call.tries + 1), deadline)

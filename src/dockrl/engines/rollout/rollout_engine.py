@@ -418,15 +418,11 @@ class RolloutEngine(KeptKV, ModelCalls):
         requests = [request for request, slots in admitted for _ in slots] + [
             request for request, _, _ in resumed
         ]
-        index = torch.tensor(row_slots, device=self.device)  # [R]
-        self.lengths[index] = torch.tensor([len(r.prompt_ids) for r in requests], device=self.device)
         seeds = [r.seeds[s] for (r, _), samples in zip(admitted, samples_of) for s in samples]
-        self.seeds[index] = torch.tensor(seeds + [r.seeds[0] for r, _, _ in resumed], device=self.device)
-        self.steps[index] = 0
-        self.active[index] = 1
         # returning turns are text models' (`add`): delta 0
-        self.rope_deltas[index] = torch.tensor(deltas + [0] * len(resumed), device=self.device)
-        self._settings = None
+        index = self._activate(
+            row_slots, requests, seeds + [r.seeds[0] for r, _, _ in resumed], deltas + [0] * len(resumed)
+        )
         settings = RowSettings.build([r.params for r in requests], self.device)
         row_logits = torch.cat(pieces) if len(pieces) > 1 else pieces[0]  # [R, V]
         tokens, logprobs = sample_rows(row_logits, settings, self.seeds[index], self.steps[index])
@@ -450,15 +446,25 @@ class RolloutEngine(KeptKV, ModelCalls):
         for request, slot, kept in resumed:
             self._start(slot, request, 0)
             self._state(slot).joining = kept
-        index = torch.tensor([slot for _, slot, _ in resumed], device=self.device)
-        self.lengths[index] = torch.tensor([len(r.prompt_ids) for r, _, _ in resumed], device=self.device)
-        self.seeds[index] = torch.tensor([r.seeds[0] for r, _, _ in resumed], device=self.device)
-        self.steps[index] = 0
-        self.active[index] = 1
-        self.rope_deltas[index] = 0
-        self._settings = None
+        requests = [request for request, _, _ in resumed]
+        slots = [slot for _, slot, _ in resumed]
+        self._activate(slots, requests, [r.seeds[0] for r in requests], [0] * len(requests))
         self.stats["prefill_tokens"] += sum(len(r.prompt_ids) - kept for r, _, kept in resumed)
         self.stats["kv_reused_tokens"] += sum(kept for _, _, kept in resumed)
+
+    def _activate(
+        self, slots: list[int], requests: list[Request], seeds: list[int], deltas: list[int]
+    ) -> torch.Tensor:
+        """The device state of samples starting in `slots` (one request, seed and rope delta each): at their
+        prompts' ends, step 0, running; returns the slots as an index."""
+        index = torch.tensor(slots, device=self.device)  # [R]
+        self.lengths[index] = torch.tensor([len(r.prompt_ids) for r in requests], device=self.device)
+        self.seeds[index] = torch.tensor(seeds, device=self.device)
+        self.steps[index] = 0
+        self.active[index] = 1
+        self.rope_deltas[index] = torch.tensor(deltas, device=self.device)
+        self._settings = None
+        return index
 
     def _start(self, slot: int, request: Request, sample: int) -> None:
         """Host state of a sample admitted into `slot`."""
@@ -535,7 +541,7 @@ class RolloutEngine(KeptKV, ModelCalls):
         cache, table = (self.cache, self.block_table[:hi]) if self.paged else (self._rows(0, hi), None)
         joining = [slot for slot in slots if self._state(slot).joining is not None]
         if joining:
-            logits = self._mixed_forward(hi, cache, table)  # [B, V]
+            logits = self._mixed_forward(hi, num_keys, cache, table)  # [B, V]
         else:
             with self._routes() as seen:
                 logits = self._forward_last(
@@ -567,19 +573,19 @@ class RolloutEngine(KeptKV, ModelCalls):
         return self._record(slots, [host_tokens[s] for s in slots], [host_logprobs[s] for s in slots])
 
     def _mixed_forward(
-        self, hi: int, cache: KVCache | PagedKVCache, table: torch.Tensor | None
+        self, hi: int, num_keys: int, cache: KVCache | PagedKVCache, table: torch.Tensor | None
     ) -> torch.Tensor:
         """Logits [hi, V] of one forward over the decode slots [0, hi) and the joining returning turns' new
         positions (`_join`): a query row per decode slot (its pending token at its length, as `_decode`) and per
         new position of a joining slot (its prompt from its kept length on, each at its own offset), each in its
         own slot's cache (the native kernels' cache_rows: every row's keys are written before any row attends,
-        so a turn's new positions see each other as a prefill's would); a slot's logits are its last row's."""
+        so a turn's new positions see each other as a prefill's would); a slot's logits are its last row's.
+        num_keys: `_decode`'s (a joining slot's length is its prompt's, so its last new position is in range)."""
         ids: list[int] = []
         offsets: list[int] = []
         rows: list[int] = []
         last: list[int] = []
         pending, lengths = self.pending[:hi].tolist(), self.lengths[:hi].tolist()
-        num_keys = 1
         for slot in range(hi):
             state = self.running[slot]
             if state is not None and state.joining is not None:
@@ -587,14 +593,11 @@ class RolloutEngine(KeptKV, ModelCalls):
                 ids += new
                 offsets += range(state.joining, state.joining + len(new))
                 rows += [slot] * len(new)
-                num_keys = max(num_keys, len(state.request.prompt_ids))
                 state.joining = None
             else:  # a decode slot, or an idle one (its garbage row at its length, as `_decode`'s)
                 ids.append(pending[slot])
                 offsets.append(lengths[slot])
                 rows.append(slot)
-                if state is not None:
-                    num_keys = max(num_keys, state.length + 1)
             last.append(len(ids) - 1)
         at = torch.tensor(offsets, device=self.device)
         logits = self._forward_last(

@@ -3,8 +3,9 @@
 decode.c holds the work of a decoder layer between its matmuls for one new token per row (the residual adds
 and RMSNorms, RoPE, the KV write and attention over each row's own slots, SwiGLU): what it computes, how it
 rounds and why. `DecoderModel._decode_natively` runs a decode step's layers with them and torch's
-projections, and a returning turn's new tokens the same way (each token a row of its sequence). They are built once per source, compiler and CPU (the CPU's flags name the file: `-march=native`
-code runs only where it was built) into the cache directory, then loaded with ctypes. Their OpenMP calls
+projections, and a returning turn's new tokens the same way (each token a row of its sequence). They are
+built once per source, compiler and CPU (the CPU's flags name the file: `-march=native` code runs only where
+it was built) into the cache directory, then loaded with ctypes. Their OpenMP calls
 resolve to the runtime torch has already loaded, so `torch.set_num_threads` sets their threads as it does
 torch's.
 
@@ -175,9 +176,9 @@ def _row_stride(t: torch.Tensor) -> int:
 class DecodeStep:
     """The kernels of one decode step (decode.c), bound to what its layers share: the residual stream x [B, H]
     (updated in place), RoPE's cos and signed sin [B, D], the rows' cache offsets and attended lengths [B]
-    (int64), the additive bias [B, >= max(lengths)] (fp32) and, where several rows are new tokens of one
-    sequence (a returning turn's suffix, each token a row at its own offset), each row's sequence in the cache
-    `cache_rows` [B] (int64; None: row b is sequence b). Each layer then passes only its own tensors, so a call
+    (int64), the additive bias [B, >= max(lengths)] (fp32) and, where the rows are not the cache's sequences
+    in order (a returning turn's new tokens, each a row at its own offset, beside the decode rows of other
+    sequences), each row's sequence in the cache `cache_rows` [B] (int64; None: row b is sequence b). Each layer then passes only its own tensors, so a call
     costs the C work and one ctypes call. `available()` must be True; every tensor is on the CPU, of x's dtype
     (fp32 or bf16; the KV cache too) but the fp32 bias."""
 
@@ -207,14 +208,8 @@ class DecodeStep:
         self._attention = _kernels["dockrl_rope_attention", dtype]
         self.x, self.h = x, torch.empty_like(x)
         rows = None if cache_rows is None else cache_rows.contiguous()
-        self._keep = (
-            cos,
-            sin,
-            offsets.contiguous(),
-            lengths.contiguous(),
-            bias,
-            rows,
-        )  # alive while pointed at
+        # alive while pointed at
+        self._keep = (cos, sin, offsets.contiguous(), lengths.contiguous(), bias, rows)
         self._cache_rows = None if rows is None else rows.data_ptr()
         self.batch, self.hidden = x.shape
         self.head_dim = head_dim

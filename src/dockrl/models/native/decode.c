@@ -151,7 +151,7 @@ static inline int64_t run_offset(const Slots* at, int64_t s, int64_t want, int64
 /* scores[g * len + t] = scale * (q_g . key_t) for the 16 slots t < 16 from k (each `slot` apart), D a
  * multiple of 16. With AVX-512: each slot's D products summed lane-wise in one register, then the 16 registers
  * reduced together (a transpose-and-add tree: 15 adds and 30 shuffles for 16 dot products, where reducing each
- * on its own costs 4 adds and 4 shuffles); elsewhere, four slots at a time as attend_head's loop. */
+ * on its own costs 4 adds and 4 shuffles). Without AVX-512, attend_head's 4-key loop scores every key. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 static inline __m512 load16_f32(const float* x) { return _mm512_loadu_ps(x); }
@@ -187,29 +187,13 @@ static inline __m512 sum16(const __m512* v) {
       _mm512_storeu_ps(scores + g * len, _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale)));                   \
     }                                                                                                          \
   }
+/* attend_head's scores in blocks of 16 keys while a run has them (the 4-key loop takes the rest). */
+#define SCORE_BLOCKS_OF_16(SUF)                                                                                \
+  if (D % 16 == 0)                                                                                             \
+    for (; s + 16 <= count; s += 16, k0 += 16 * slot) score_16_##SUF(q, k0, slot, G, D, len, scale, scores + start + s);
 #else
-#define DEFINE_SCORE_16(SUF, E)                                                                                \
-  static inline void score_16_##SUF(const float* q, const E* k, int64_t slot, int64_t G, int64_t D,           \
-                                    int64_t len, float scale, float* scores) {                                 \
-    for (int64_t t = 0; t < 16; t += 4) {                                                                      \
-      const E* k0 = k + t * slot;                                                                              \
-      for (int64_t g = 0; g < G; ++g) {                                                                        \
-        const float* qg = q + g * D;                                                                           \
-        float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;                                                      \
-        for (int64_t d = 0; d < D; ++d) {                                                                      \
-          d0 += qg[d] * load_##SUF(k0[d]);                                                                     \
-          d1 += qg[d] * load_##SUF(k0[slot + d]);                                                              \
-          d2 += qg[d] * load_##SUF(k0[2 * slot + d]);                                                          \
-          d3 += qg[d] * load_##SUF(k0[3 * slot + d]);                                                          \
-        }                                                                                                      \
-        float* sc = scores + g * len + t;                                                                      \
-        sc[0] = d0 * scale;                                                                                    \
-        sc[1] = d1 * scale;                                                                                    \
-        sc[2] = d2 * scale;                                                                                    \
-        sc[3] = d3 * scale;                                                                                    \
-      }                                                                                                        \
-    }                                                                                                          \
-  }
+#define DEFINE_SCORE_16(SUF, E)
+#define SCORE_BLOCKS_OF_16(SUF)
 #endif
 
 DEFINE_SCORE_16(f32, float)
@@ -267,8 +251,7 @@ DEFINE_WEIGH_VALUES(bf16, uint16_t)
       int64_t count;                                                                                                   \
       const E* k0 = (const E*)at->keys + run_offset(at, start, len - start, &count);                                   \
       int64_t s = 0;                                                                                                   \
-      if (D % 16 == 0)                                                                                                 \
-        for (; s + 16 <= count; s += 16, k0 += 16 * slot) score_16_##SUF(q, k0, slot, G, D, len, scale, scores + start + s); \
+      SCORE_BLOCKS_OF_16(SUF)                                                                                          \
       for (; s + 4 <= count; s += 4) {                                                                                 \
         const E* k1 = k0 + slot;                                                                                       \
         const E* k2 = k1 + slot;                                                                                       \
