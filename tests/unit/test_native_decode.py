@@ -400,7 +400,7 @@ def test_a_failed_build_names_the_compilers_error(monkeypatch, tmp_path):
     broken.write_text("this is not C\n")
     monkeypatch.setattr(native, "_kernels", None)
     monkeypatch.setattr(native, "_status", "not loaded yet")
-    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setattr(native, "SOURCES", (broken,))
     monkeypatch.setenv("DOCKRL_NATIVE_DIR", str(tmp_path / "builds"))
     assert not native.available()
     assert native.status().startswith("off: the build failed") and "broken.c" in native.status()

@@ -35,26 +35,41 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from dockrl.models import native
+
 
 class PackedLinear:
     """y = x @ cat(weights).T + cat(biases), split back into the sources' outputs; bf16: the fused weight in
-    oneDNN's blocked layout (`rows`: the batch it is laid out for; any batch gives the same result)."""
+    oneDNN's blocked layout (`rows`: the batch it is laid out for; any batch gives the same result), or with
+    `tiled` in the AMX tiles' layout of the native projection (native.TiledLinear)."""
 
-    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], rows: int) -> None:
+    def __init__(
+        self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], rows: int, tiled: bool = False
+    ) -> None:
         weight = torch.cat([w.detach() for w in weights])
         present = [b.detach() for b in biases if b is not None]
         self.bias = torch.cat(present) if present else None
+        if self.bias is not None and len(present) != len(weights):  # some sources without a bias: zeros there
+            self.bias = torch.cat(
+                [b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)]
+            )
         self.widths = [w.shape[0] for w in weights]
-        self.onednn = weight.dtype == torch.bfloat16
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if self.onednn else weight
+        self.tiled = native.TiledLinear(weight, self.bias) if tiled else None  # then the only copy
+        self.onednn = self.tiled is None and weight.dtype == torch.bfloat16
+        self.weight: torch.Tensor | None = None
+        if self.tiled is None:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if self.onednn else weight
 
     @classmethod
-    def of(cls, linears: list[nn.Linear], rows: int) -> PackedLinear:
+    def of(cls, linears: list[nn.Linear], rows: int, tiled: bool = False) -> PackedLinear:
         """The linears fused in order."""
-        return cls([linear.weight for linear in linears], [linear.bias for linear in linears], rows)
+        return cls([linear.weight for linear in linears], [linear.bias for linear in linears], rows, tiled)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., sum of the sources' out_features]."""
+        if self.tiled is not None:
+            return self.tiled(x)
+        assert self.weight is not None
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
         return torch.nn.functional.linear(x, self.weight, self.bias)
@@ -85,8 +100,10 @@ def _plain(*linears: nn.Module) -> bool:
 class PackedWeights:
     """The packed projections of a dockrl Transformer's decoder layers and LM head (module docstring)."""
 
-    def __init__(self, model: nn.Module, rows: int) -> None:
+    def __init__(self, model: nn.Module, rows: int, tiled: bool = False) -> None:
         self.model, self.rows = model, max(1, rows)
+        # the native projections on AMX tiles where asked for and usable (native.TiledLinear)
+        self.tiled = tiled and native.linear_available()
         self._packs: list[tuple[nn.Module, str, object]] = []  # (module, attribute, its packed projections)
         self._sources: list[tuple[nn.Module, str]] = []  # (module, parameter name) of every packed tensor
         self._built: tuple[int, ...] | None = None  # their storage addresses when the packs were built
@@ -113,29 +130,31 @@ class PackedWeights:
                 object.__setattr__(module, name, None)
 
     def _addresses(self) -> tuple[int, ...]:
-        """The storage address of every weight and bias the packs were built from, as the modules hold them now."""
-        return tuple(getattr(module, name).data_ptr() for module, name in self._sources)
+        """The storage address of every weight and bias the packs were built from, as the modules hold them now
+        (read from the modules' parameter dicts: nn.Module's __getattr__ would cost more than the step's
+        projections at a few rows)."""
+        return tuple(module._parameters[name].data_ptr() for module, name in self._sources)  # type: ignore[union-attr]
 
     @torch.no_grad()
     def _build(self) -> None:
-        model, rows = self.model, self.rows
+        model, rows, tiled = self.model, self.rows, self.tiled
         packs: list[tuple[nn.Module, str, object]] = []
         sources: list[nn.Module] = []
         for layer in model.decoder_layers():  # type: ignore[operator]
             attn, mlp = layer.self_attn, layer.mlp
             if _plain(attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
-                qkv = PackedLinear.of([attn.q_proj, attn.k_proj, attn.v_proj], rows)
-                packs.append((attn, "packed", (qkv, PackedLinear.of([attn.o_proj], rows))))
+                qkv = PackedLinear.of([attn.q_proj, attn.k_proj, attn.v_proj], rows, tiled)
+                packs.append((attn, "packed", (qkv, PackedLinear.of([attn.o_proj], rows, tiled))))
                 sources += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
             if hasattr(mlp, "gate_proj") and _plain(mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-                gate_up = PackedLinear.of([mlp.gate_proj, mlp.up_proj], rows)
-                packs.append((mlp, "packed", (gate_up, PackedLinear.of([mlp.down_proj], rows))))
+                gate_up = PackedLinear.of([mlp.gate_proj, mlp.up_proj], rows, tiled)
+                packs.append((mlp, "packed", (gate_up, PackedLinear.of([mlp.down_proj], rows, tiled))))
                 sources += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         self._sources = [(linear, "weight") for linear in sources]
         self._sources += [(linear, "bias") for linear in sources if linear.bias is not None]
         head = model.output_weight()  # type: ignore[operator]
         if type(head) is nn.Parameter and model.gather_logits is None:
-            packs.append((model, "packed_head", PackedLinear([head], [None], rows)))
+            packs.append((model, "packed_head", PackedLinear([head], [None], rows, tiled)))
             owner = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
             self._sources.append((owner, "weight"))
         self._packs, self._built = packs, self._addresses()

@@ -171,8 +171,13 @@ class RolloutEngine(KeptKV, ModelCalls):
         weight = model.output_weight()
         self.device, self.dtype = weight.device, weight.dtype
         # CPU: the projections packed and fused for the model calls (models/packed_linear.py), rebuilt after
-        # each weight update (`weights_changed`).
-        self.packed = PackedWeights(model, num_slots) if pack_weights and packing_supported(model) else None
+        # each weight update (`weights_changed`); with the native kernels asked for, on AMX tiles where the
+        # host has them (native.TiledLinear).
+        self.packed = (
+            PackedWeights(model, num_slots, tiled=native_kernels)
+            if pack_weights and packing_supported(model)
+            else None
+        )
         # CPU: a decode step's layers run with the native kernels between the projections (models/native),
         # where they apply and build; they read a cache in the weights' dtype (kv_layouts.cache_dtype).
         self.native_kernels = native_kernels and natively_decodable(model)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-SOURCE = Path(__file__).with_name("decode.c")
+SOURCES = (Path(__file__).with_name("decode.c"), Path(__file__).with_name("linear.c"))
 # -ffast-math: the sums vectorise (reassociation) and expf uses glibc's vector variants; contraction off: no
 # FMA where torch rounds a product before adding (decode.c's header).
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -55,6 +55,11 @@ _SIGNATURES = {
     ),
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_LINEAR_SIGNATURES = {  # linear.c: the bf16 projections on AMX tiles
+    "dockrl_linear_ready": ([], ctypes.c_int),
+    "dockrl_linear_pack_bf16": ([_P, _I, _I, _P], None),
+    "dockrl_linear_bf16": ([_P, _I, _P, _P, _P, _I, _I, _I, _I], ctypes.c_int),
+}
 
 # decode.c's bounds on the query heads per key/value head and on the head size
 MAX_GROUP = 64
@@ -62,6 +67,7 @@ MAX_HEAD_DIM = 512
 
 _lock = threading.Lock()
 _kernels: dict[tuple[str, torch.dtype], Callable[..., Any]] | None = None
+_linear: dict[str, Callable[..., Any]] | None = None  # linear.c's entry points where the tiles are usable
 _status = "not loaded yet"
 
 
@@ -94,7 +100,7 @@ def _build(compiler: str) -> Path:
     key = hashlib.sha256(
         b"\0".join(
             [
-                SOURCE.read_bytes(),
+                *(source.read_bytes() for source in SOURCES),
                 " ".join(FLAGS).encode(),
                 _compiler_version(compiler).encode(),
                 _cpu_flags().encode(),
@@ -109,7 +115,7 @@ def _build(compiler: str) -> Path:
     os.close(handle)
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", partial, *LIBS],
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", partial, *LIBS],
             capture_output=True,
             text=True,
             timeout=120,
@@ -125,7 +131,7 @@ def _build(compiler: str) -> Path:
 
 
 def _load() -> dict[tuple[str, torch.dtype], Callable[..., Any]] | None:
-    global _kernels, _status
+    global _kernels, _linear, _status
     if _kernels is not None or _status != "not loaded yet":
         return _kernels
     with _lock:
@@ -149,6 +155,14 @@ def _load() -> dict[tuple[str, torch.dtype], Callable[..., Any]] | None:
                 function = getattr(library, f"{name}_{suffix}")
                 function.argtypes, function.restype = argtypes, restype
                 kernels[name, dtype] = function
+        linear = {}
+        for name, (argtypes, restype) in _LINEAR_SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes, function.restype = argtypes, restype
+            linear[name] = function
+        off = os.environ.get("DOCKRL_NATIVE_LINEAR", "").lower() in ("0", "off", "false", "no")
+        # ready() asks the kernel for this process's use of the tiles (built without AMX: always 0)
+        _linear = None if off or not linear["dockrl_linear_ready"]() else linear
         _kernels, _status = kernels, "on"
         return kernels
 
@@ -161,6 +175,79 @@ def status() -> str:
 def available() -> bool:
     """Whether the kernels are built and loaded (building them on the first call)."""
     return _load() is not None
+
+
+def linear_available() -> bool:
+    """Whether the bf16 projections on AMX tiles (linear.c) run here: the kernels load, the compiler and the CPU
+    have AMX, the kernel lets this process use the tiles, and DOCKRL_NATIVE_LINEAR is not off."""
+    return _load() is not None and _linear is not None
+
+
+def linear_status() -> str:
+    """'on', or why the AMX projections are off."""
+    if _load() is None:
+        return _status
+    if _linear is not None:
+        return "on"
+    if os.environ.get("DOCKRL_NATIVE_LINEAR", "").lower() in ("0", "off", "false", "no"):
+        return "off (DOCKRL_NATIVE_LINEAR)"
+    return "off: no AMX tiles (the CPU or the compiler has none, or the kernel did not grant them)"
+
+
+class TiledLinear:
+    """y = x @ weight.T + bias on AMX tiles (linear.c): the bf16 weight [N, K] packed into the tiles' layout at
+    construction (a copy: the caller's weight can change afterwards without changing this one). Any number of
+    rows; `linear_available()` must be True."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        assert _linear is not None, "TiledLinear needs linear_available()"
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
+            raise ValueError(
+                f"TiledLinear needs a bf16 [N, K] CPU weight; got {weight.dtype} {tuple(weight.shape)}"
+            )
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != weight.shape[:1]):
+            raise ValueError(
+                f"TiledLinear needs a bf16 bias [{weight.shape[0]}]; got {bias.dtype} {tuple(bias.shape)}"
+            )
+        self.out_features, self.in_features = weight.shape
+        tiles = -(-self.out_features // 16) * -(-self.in_features // 32)
+        self.packed = torch.empty(tiles * 512, dtype=torch.bfloat16)
+        _linear["dockrl_linear_pack_bf16"](
+            weight.contiguous().data_ptr(), self.out_features, self.in_features, self.packed.data_ptr()
+        )
+        self.bias = None if bias is None else bias.contiguous().clone()
+        self._call = _linear["dockrl_linear_bf16"]
+        self._pointers = (self.packed.data_ptr(), None if self.bias is None else self.bias.data_ptr())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] bf16 (its last dim contiguous) -> [..., N] bf16."""
+        if x.dtype != torch.bfloat16 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"TiledLinear: x {x.dtype} {tuple(x.shape)} is not bf16 [..., {self.in_features}]"
+            )
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if rows.stride(1) != 1 or rows.stride(0) < self.in_features:
+            rows = rows.contiguous()
+        count = rows.shape[0]
+        out = torch.empty(count, self.out_features, dtype=torch.bfloat16)
+        if count > 0:
+            packed, bias = self._pointers
+            code = self._call(
+                rows.data_ptr(),
+                rows.stride(0),
+                packed,
+                bias,
+                out.data_ptr(),
+                self.out_features,
+                count,
+                self.out_features,
+                self.in_features,
+            )
+            if code != 0:
+                raise MemoryError("TiledLinear: no memory for the zero-padded copy of x")
+        if x.dim() == 2:
+            return out
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
 def _row_stride(t: torch.Tensor) -> int:
