@@ -1,6 +1,6 @@
 """models/native/linear.c: the rollout engine's bf16 projections on AMX tiles (native.TiledLinear) against the
-exact product, and the packed projections (models/packed_linear.py) that use them against the model's own
-modules.
+exact product, the packed projections (models/packed_linear.py) that use them against the model's own modules,
+and a decode step's layers in one native call against the same layers called one by one.
 
 The bound: each output is a sum of K products of bf16 values (exact in fp32) accumulated in fp32, so its error
 before rounding is at most K u sum_k |x_k w_k| (u = 2^-24, any order of the sums), plus the bias's addition
@@ -14,6 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dockrl.engines.rollout.rollout_engine import Request, RolloutEngine
+from dockrl.engines.rollout.sampling import SamplingParams
+from dockrl.models import decoder as decoder_module
 from dockrl.models import native
 from dockrl.models.packed_linear import PackedLinear, PackedWeights
 from helpers import tiny_decoder
@@ -122,3 +125,36 @@ def test_a_fused_projection_with_a_bias_on_some_sources_only_gets_zeros_for_the_
         q, k, v = packed.split(x)
         assert _within(q, x, weights[0], bias)
         assert _within(k, x, weights[1], None) and _within(v, x, weights[2], None)
+
+
+def _generate(model, layout: str) -> dict:
+    """Every prompt's tokens and log-probs at temperature 1, 6 prompts over 4 slots (rows join and leave)."""
+    engine = RolloutEngine(model, num_slots=4, max_seq_len=40, kv_cache=layout)
+    generator = torch.Generator().manual_seed(1)
+    for index in range(6):
+        prompt = torch.randint(0, 96, (3 + index,), generator=generator).tolist()
+        engine.add(Request(prompt, [index], SamplingParams(max_new_tokens=12), tag=index))
+    return {c.tag: (list(c.generation.token_ids), list(c.generation.logprobs)) for c in engine.run()}
+
+
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+def test_a_decode_step_in_one_native_call_is_its_layers_call_by_call_bit_for_bit(monkeypatch, layout):
+    """With every projection on tiles a decode step's layers run in one native call (linear.c decode_layers):
+    the same kernels in the same order as the layers called one by one, so the same tokens and log-probs. Broken
+    on purpose (the one call given all but the last layer) the tokens differ."""
+    model = tiny_decoder(40).to(torch.bfloat16)
+    calls = {"fused": 0}
+    tiled_layers = decoder_module._tiled_layers
+
+    def counted(*args):
+        layers = tiled_layers(*args)
+        calls["fused"] += layers is not None
+        return layers
+
+    monkeypatch.setattr(decoder_module, "_tiled_layers", counted)
+    fused = _generate(model, layout)
+    assert calls["fused"] >= 12 and len(fused) == 6
+    monkeypatch.setattr(decoder_module, "_tiled_layers", lambda *args: None)
+    assert _generate(model, layout) == fused
+    monkeypatch.setattr(decoder_module, "_tiled_layers", lambda *args: tiled_layers(*args)[:-1])
+    assert _generate(model, layout) != fused

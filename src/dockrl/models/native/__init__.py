@@ -29,7 +29,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -55,11 +55,37 @@ _SIGNATURES = {
     ),
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_LINEAR_SIGNATURES = {  # linear.c: the bf16 projections on AMX tiles
+_LINEAR_SIGNATURES = {  # linear.c: the bf16 projections on AMX tiles, and a decode step's layers with them
     "dockrl_linear_ready": ([], ctypes.c_int),
     "dockrl_linear_pack_bf16": ([_P, _I, _I, _P], None),
     "dockrl_linear_bf16": ([_P, _I, _P, _P, _P, _I, _I, _I, _I], ctypes.c_int),
+    "dockrl_decode_layers_bf16": ([_P, _I, _P], ctypes.c_int),
 }
+
+
+class _DecodeLayer(ctypes.Structure):
+    """linear.c's DecodeLayer: what one layer owns in `DecodeStep.decode_layers`."""
+
+    _fields_ = [
+        *((name, _P) for name in ("ln1", "ln2", "q_norm", "k_norm")),
+        *((name, _F) for name in ("eps1", "eps2", "qk_eps")),
+        *((name, _P) for name in ("qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias", "down")),
+        *((name, _P) for name in ("down_bias", "cache_k", "cache_v")),
+        *((name, _I) for name in ("row", "head", "block", "slot")),
+    ]
+
+
+class _DecodeRows(ctypes.Structure):
+    """linear.c's DecodeRows: what a step's layers share."""
+
+    _fields_ = [
+        *((name, _P) for name in ("x", "h", "qkv", "attn", "pending", "gate_up", "act", "cos", "sin")),
+        *((name, _P) for name in ("table", "cache_rows", "offsets", "lengths", "bias")),
+        *((name, _I) for name in ("table_stride", "block_size", "num_blocks", "capacity", "num_rows")),
+        *((name, _I) for name in ("num_keys", "bias_stride", "B", "H", "N", "K", "D", "I")),
+        ("scale", _F),
+    ]
+
 
 # decode.c's bounds on the query heads per key/value head and on the head size
 MAX_GROUP = 64
@@ -250,6 +276,63 @@ class TiledLinear:
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+class TiledLayer(NamedTuple):
+    """What `DecodeStep.decode_layers` needs of one dense decoder layer whose packed projections are on tiles:
+    its norms' weights and epsilons, q_norm / k_norm (weights and their eps; None: none), the fused q | k | v
+    projection and its columns' widths, o, the fused gate | up and down, and its (keys, values) cache."""
+
+    input_norm: tuple[torch.Tensor, float]
+    post_norm: tuple[torch.Tensor, float]
+    head_norms: tuple[torch.Tensor, torch.Tensor, float] | None
+    qkv: TiledLinear
+    qkv_widths: list[int]
+    o: TiledLinear
+    gate_up: TiledLinear
+    down: TiledLinear
+    cache: tuple[torch.Tensor, torch.Tensor]
+
+
+def _cache_layout(
+    cache: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, block_table: torch.Tensor | None
+) -> tuple[int | None, ...]:
+    """rope_attention's cache arguments (row, head, block, slot strides; block table, its row stride, block
+    size, blocks in the pool, capacity) of one layer's (keys, values): [B, K, S, D] slots, or with block_table
+    [B, M] (int64) the paged pool's [K, num_blocks, block_size, D] (models/paged_cache.py)."""
+    cache_k, cache_v = cache
+    if cache_k.dtype != dtype or cache_k.stride() != cache_v.stride() or cache_k.stride(3) != 1:
+        raise ValueError(
+            "rope_attention needs a cache in the activations' dtype, keys and values alike, head dim contiguous"
+        )
+    if block_table is None:  # [B, K, S, D]
+        return (cache_k.stride(0), cache_k.stride(1), 0, cache_k.stride(2), None, 0, 1, 1, cache_k.shape[2])
+    if block_table.dtype != torch.int64 or block_table.stride(1) != 1:
+        raise ValueError("rope_attention needs an int64 block table with contiguous rows")
+    return (
+        0,
+        cache_k.stride(0),
+        cache_k.stride(1),
+        cache_k.stride(2),
+        block_table.data_ptr(),
+        block_table.stride(0),
+        cache_k.shape[2],
+        cache_k.shape[1],
+        block_table.shape[1] * cache_k.shape[2],
+    )
+
+
+def _attention_failed(code: int, capacity: int | None, num_keys: int) -> None:
+    """Raises the error rope_attention's return code names (0: none)."""
+    if code == 3:
+        raise ValueError(
+            f"rope_attention: a row's offset is past the cache's {capacity} slots, its length outside [1, "
+            f"{num_keys}], its sequence not in the cache, or one of its blocks not in the pool"
+        )
+    if code != 0:
+        raise RuntimeError(
+            f"rope_attention: the kernel returned {code} (1: group or head size past its bounds, 2: no memory)"
+        )
+
+
 def _row_stride(t: torch.Tensor) -> int:
     """The row stride of a [B, W] activation whose last dim is contiguous (a view of a fused projection's output
     is one)."""
@@ -377,42 +460,10 @@ class DecodeStep:
     ) -> torch.Tensor:
         """The kernel call of `rope_attention`: q, k, v as (pointer, row stride) x 3, (N, K) heads."""
         cache_k, cache_v = cache
-        head_dim = self.head_dim
-        if cache_k.dtype != dtype or cache_k.stride() != cache_v.stride() or cache_k.stride(3) != 1:
-            raise ValueError(
-                "rope_attention needs a cache in the activations' dtype, keys and values alike, head dim contiguous"
-            )
+        layout = _cache_layout(cache, dtype, block_table)
         if self._out is None:
-            self._out = torch.empty(self.batch, heads[0] * head_dim, dtype=dtype)
+            self._out = torch.empty(self.batch, heads[0] * self.head_dim, dtype=dtype)
         out = self._out
-        layout: tuple[int | None, ...]
-        if block_table is None:  # [B, K, S, D]
-            layout = (
-                cache_k.stride(0),
-                cache_k.stride(1),
-                0,
-                cache_k.stride(2),
-                None,
-                0,
-                1,
-                1,
-                cache_k.shape[2],
-            )
-        else:  # [K, num_blocks, block_size, D]
-            if block_table.dtype != torch.int64 or block_table.stride(1) != 1:
-                raise ValueError("rope_attention needs an int64 block table with contiguous rows")
-            block_size = cache_k.shape[2]
-            layout = (
-                0,
-                cache_k.stride(0),
-                cache_k.stride(1),
-                cache_k.stride(2),
-                block_table.data_ptr(),
-                block_table.stride(0),
-                block_size,
-                cache_k.shape[1],
-                block_table.shape[1] * block_size,
-            )
         num_keys = self.num_keys if block_table is not None else min(self.num_keys, cache_k.shape[2])
         code = self._attention(
             *rows,
@@ -432,18 +483,10 @@ class DecodeStep:
             self.batch,
             heads[0],
             heads[1],
-            head_dim,
-            head_dim**-0.5,
+            self.head_dim,
+            self.head_dim**-0.5,
         )
-        if code == 3:
-            raise ValueError(
-                f"rope_attention: a row's offset is past the cache's {layout[-1]} slots, its length outside [1, "
-                f"{num_keys}], its sequence not in the cache, or one of its blocks not in the pool"
-            )
-        if code != 0:
-            raise RuntimeError(
-                f"rope_attention: the kernel returned {code} (1: group or head size past its bounds, 2: no memory)"
-            )
+        _attention_failed(code, layout[-1], num_keys)
         return out
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -478,3 +521,73 @@ class DecodeStep:
         act = self._act
         self._swiglu(gate_ptr, gate_stride, up_ptr, up_stride, act.data_ptr(), *act.shape)
         return act
+
+    def decode_layers(self, layers: list[TiledLayer], block_table: torch.Tensor | None) -> torch.Tensor:
+        """Every layer of a decode step in one native call (linear.c's decode_layers: per layer the norms, the
+        tiled projections, `rope_attention_fused` and `swiglu_fused` as `DecoderModel._decode_natively` calls
+        them one by one, so the same values), x updated in place; returns the last layer's output [B, H] (the
+        same buffer every call), which the final norm adds. bf16 only; `linear_available()` must be True."""
+        assert _linear is not None, "decode_layers needs linear_available()"
+        first = layers[0]
+        widths = first.qkv_widths
+        q_width, kv_width = widths[0], widths[1]
+        width = first.gate_up.out_features // 2
+        batch, hidden, dtype = self.batch, self.hidden, self.x.dtype
+        if dtype != torch.bfloat16 or len(widths) != 3 or widths[1] != widths[2]:
+            raise ValueError(f"decode_layers needs bf16 rows and q | k | v widths; got {dtype}, {widths}")
+        buffers = {
+            "qkv": torch.empty(batch, sum(widths), dtype=dtype),
+            "attn": torch.empty(batch, q_width, dtype=dtype),
+            "pending": torch.empty(batch, hidden, dtype=dtype),
+            "gate_up": torch.empty(batch, 2 * width, dtype=dtype),
+            "act": torch.empty(batch, width, dtype=dtype),
+        }
+        specs = (_DecodeLayer * len(layers))()
+        layout: tuple[int | None, ...] = ()
+        for spec, layer in zip(specs, layers):
+            if layer.qkv_widths != widths or layer.gate_up.out_features != 2 * width:
+                raise ValueError("decode_layers needs layers of one shape")
+            layout = _cache_layout(layer.cache, dtype, block_table)
+            spec.ln1, spec.eps1 = layer.input_norm[0].data_ptr(), layer.input_norm[1]
+            spec.ln2, spec.eps2 = layer.post_norm[0].data_ptr(), layer.post_norm[1]
+            if layer.head_norms is not None:
+                spec.q_norm, spec.k_norm = layer.head_norms[0].data_ptr(), layer.head_norms[1].data_ptr()
+                spec.qk_eps = layer.head_norms[2]
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(spec, name, getattr(layer, name)._pointers[0])
+                setattr(spec, f"{name}_bias", getattr(layer, name)._pointers[1])
+            spec.cache_k, spec.cache_v = layer.cache[0].data_ptr(), layer.cache[1].data_ptr()
+            spec.row, spec.head, spec.block, spec.slot = layout[:4]
+        cache_k = first.cache[0]
+        num_keys = self.num_keys if block_table is not None else min(self.num_keys, cache_k.shape[2])
+        rows = _DecodeRows(
+            x=self.x.data_ptr(),
+            h=self.h.data_ptr(),
+            **{name: buffer.data_ptr() for name, buffer in buffers.items()},
+            cos=self._rope[0],
+            sin=self._rope[1],
+            table=layout[4],
+            cache_rows=self._cache_rows,
+            offsets=self._rows[0],
+            lengths=self._rows[1],
+            bias=self._bias[0],
+            table_stride=layout[5],
+            block_size=layout[6],
+            num_blocks=layout[7],
+            capacity=layout[8],
+            num_rows=cache_k.shape[0] if block_table is None else block_table.shape[0],
+            num_keys=num_keys,
+            bias_stride=self._bias[1],
+            B=batch,
+            H=hidden,
+            N=q_width // self.head_dim,
+            K=kv_width // self.head_dim,
+            D=self.head_dim,
+            I=width,
+            scale=self.head_dim**-0.5,
+        )
+        code = _linear["dockrl_decode_layers_bf16"](
+            ctypes.addressof(specs), len(layers), ctypes.addressof(rows)
+        )
+        _attention_failed(code, layout[8], num_keys)
+        return buffers["pending"]

@@ -63,7 +63,16 @@ void dockrl_linear_pack_bf16(const uint16_t* w, int64_t N, int64_t K, uint16_t* 
   for (int64_t nb = 0; nb < col_blocks; ++nb)
     for (int64_t kb = 0; kb < k_blocks; ++kb) {
       uint16_t* tile = out + (nb * k_blocks + kb) * 512;
-      for (int c = 0; c < 16; ++c) {
+      if (nb * 16 + 16 <= N && kb * 32 + 32 <= K) { /* a whole tile: a 16 x 16 transpose of input pairs */
+        uint32_t* pairs = (uint32_t*)tile;
+        for (int c = 0; c < 16; ++c) {
+          uint32_t column[16];
+          memcpy(column, w + (nb * 16 + c) * K + kb * 32, sizeof column);
+          for (int r = 0; r < 16; ++r) pairs[r * 16 + c] = column[r];
+        }
+        continue;
+      }
+      for (int c = 0; c < 16; ++c) { /* an edge: zeros past N and K */
         int64_t n = nb * 16 + c;
         for (int r = 0; r < 32; ++r) {
           int64_t k = kb * 32 + r;
@@ -179,6 +188,70 @@ int dockrl_linear_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* pack
   return 0;
 }
 
+
+/* ---- decode_layers ------------------------------------------------------------------------------------------
+ * A decode step's dense decoder layers in one call, each as decoder.DecoderModel._decode_natively runs it with
+ * the packed projections on tiles (the same kernels in the same order, so the same values): for each layer,
+ *   h = add_rms_norm(x += pending, ln1); qkv = h @ Wqkv^T; out = rope_attention(qkv); pending = out @ Wo^T;
+ *   h = add_rms_norm(x += pending, ln2); gu = h @ Wgu^T; act = swiglu(gu); pending = act @ Wdown^T
+ * (the first layer adds nothing to x; the last layer's pending is left in `pending` for the final norm). What each layer owns is a DecodeLayer; what the step shares (the rows, their offsets and
+ * mask, the buffers) a DecodeRows. Returns 0, or the first non-zero code of rope_attention (1, 2, 3) or of a
+ * projection (2). */
+typedef struct {
+  const uint16_t *ln1, *ln2, *q_norm, *k_norm; /* q_norm, k_norm NULL: none */
+  float eps1, eps2, qk_eps;
+  const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias; /* tiles */
+  uint16_t *cache_k, *cache_v;
+  int64_t row, head, block, slot; /* the cache's strides (rope_attention's) */
+} DecodeLayer;
+
+typedef struct {
+  uint16_t *x, *h, *qkv, *attn, *pending, *gate_up, *act; /* x [B, H] in place; the rest buffers */
+  const uint16_t *cos, *sin;
+  const int64_t *table, *cache_rows, *offsets, *lengths;
+  const float* bias;
+  int64_t table_stride, block_size, num_blocks, capacity, num_rows, num_keys, bias_stride;
+  int64_t B, H, N, K, D, I; /* rows, hidden, query and key/value heads, head size, MLP width */
+  float scale;
+} DecodeRows;
+
+void dockrl_add_rms_norm_bf16(uint16_t* x, int64_t x_stride, const uint16_t* add, int64_t add_stride,
+                              const uint16_t* w, uint16_t* h, int64_t B, int64_t H, float eps);
+void dockrl_swiglu_bf16(const uint16_t* gate, int64_t gate_stride, const uint16_t* up, int64_t up_stride,
+                        uint16_t* out, int64_t B, int64_t I);
+int dockrl_rope_attention_bf16(const uint16_t* q_rows, int64_t q_stride, const uint16_t* k_rows, int64_t k_stride,
+                               const uint16_t* v_rows, int64_t v_stride, const uint16_t* q_norm,
+                               const uint16_t* k_norm, float eps, const uint16_t* cos, const uint16_t* sin,
+                               uint16_t* cache_k, uint16_t* cache_v, int64_t row, int64_t head, int64_t block,
+                               int64_t slot, const int64_t* table, int64_t table_stride, int64_t block_size,
+                               int64_t num_blocks, int64_t capacity, const int64_t* cache_rows, int64_t num_rows,
+                               const int64_t* offsets, const int64_t* lengths, int64_t num_keys,
+                               const float* bias, int64_t bias_stride, uint16_t* out, int64_t B, int64_t N,
+                               int64_t K, int64_t D, float scale);
+
+int dockrl_decode_layers_bf16(const DecodeLayer* layers, int64_t count, const DecodeRows* r) {
+  int64_t B = r->B, H = r->H, D = r->D, I = r->I;
+  int64_t q_width = r->N * D, kv_width = r->K * D, qkv_width = q_width + 2 * kv_width;
+  int code;
+  for (int64_t l = 0; l < count; ++l) {
+    const DecodeLayer* L = layers + l;
+    dockrl_add_rms_norm_bf16(r->x, H, l > 0 ? r->pending : NULL, H, L->ln1, r->h, B, H, L->eps1);
+    if ((code = dockrl_linear_bf16(r->h, H, L->qkv, L->qkv_bias, r->qkv, qkv_width, B, qkv_width, H))) return code;
+    code = dockrl_rope_attention_bf16(
+        r->qkv, qkv_width, r->qkv + q_width, qkv_width, r->qkv + q_width + kv_width, qkv_width, L->q_norm,
+        L->k_norm, L->qk_eps, r->cos, r->sin, L->cache_k, L->cache_v, L->row, L->head, L->block, L->slot, r->table,
+        r->table_stride, r->block_size, r->num_blocks, r->capacity, r->cache_rows, r->num_rows, r->offsets,
+        r->lengths, r->num_keys, r->bias, r->bias_stride, r->attn, B, r->N, r->K, D, r->scale);
+    if (code) return code;
+    if ((code = dockrl_linear_bf16(r->attn, q_width, L->o, L->o_bias, r->pending, H, B, H, q_width))) return code;
+    dockrl_add_rms_norm_bf16(r->x, H, r->pending, H, L->ln2, r->h, B, H, L->eps2);
+    if ((code = dockrl_linear_bf16(r->h, H, L->gate_up, L->gate_up_bias, r->gate_up, 2 * I, B, 2 * I, H))) return code;
+    dockrl_swiglu_bf16(r->gate_up, 2 * I, r->gate_up + I, 2 * I, r->act, B, I);
+    if ((code = dockrl_linear_bf16(r->act, I, L->down, L->down_bias, r->pending, H, B, H, I))) return code;
+  }
+  return 0;
+}
+
 #else
 
 int dockrl_linear_ready(void) { return 0; }
@@ -188,6 +261,10 @@ void dockrl_linear_pack_bf16(const uint16_t* w, int64_t N, int64_t K, uint16_t* 
 int dockrl_linear_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed, const uint16_t* bias,
                        uint16_t* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
   (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)y_stride, (void)M, (void)N, (void)K;
+  return 1;
+}
+int dockrl_decode_layers_bf16(const void* layers, int64_t count, const void* rows) {
+  (void)layers, (void)count, (void)rows;
   return 1;
 }
 
