@@ -16,7 +16,6 @@ import torch
 
 from dockrl.engines.rollout.rollout_engine import Request, RolloutEngine
 from dockrl.engines.rollout.sampling import SamplingParams
-from dockrl.models import decoder as decoder_module
 from dockrl.models import native
 from dockrl.models.packed_linear import PackedLinear, PackedWeights
 from helpers import tiny_decoder
@@ -141,20 +140,49 @@ def _generate(model, layout: str) -> dict:
 def test_a_decode_step_in_one_native_call_is_its_layers_call_by_call_bit_for_bit(monkeypatch, layout):
     """With every projection on tiles a decode step's layers run in one native call (linear.c decode_layers):
     the same kernels in the same order as the layers called one by one, so the same tokens and log-probs. Broken
-    on purpose (the one call given all but the last layer) the tokens differ."""
+    on purpose (the one call given the layers in reverse order) the tokens differ."""
     model = tiny_decoder(40).to(torch.bfloat16)
     calls = {"fused": 0}
-    tiled_layers = decoder_module._tiled_layers
+    decode_layers, stack = native.DecodeStep.decode_layers, native.TiledStack
 
-    def counted(*args):
-        layers = tiled_layers(*args)
-        calls["fused"] += layers is not None
-        return layers
+    def counted(self, *args):
+        calls["fused"] += 1
+        return decode_layers(self, *args)
 
-    monkeypatch.setattr(decoder_module, "_tiled_layers", counted)
+    monkeypatch.setattr(native.DecodeStep, "decode_layers", counted)
     fused = _generate(model, layout)
     assert calls["fused"] >= 12 and len(fused) == 6
-    monkeypatch.setattr(decoder_module, "_tiled_layers", lambda *args: None)
+    monkeypatch.setattr(native, "TiledStack", lambda layers: None)  # no stack: layer by layer
     assert _generate(model, layout) == fused
-    monkeypatch.setattr(decoder_module, "_tiled_layers", lambda *args: tiled_layers(*args)[:-1])
+    monkeypatch.setattr(native, "TiledStack", lambda layers: stack(layers[::-1]))
     assert _generate(model, layout) != fused
+
+
+def test_the_stack_follows_a_weight_update_in_place_and_rebuilds_when_a_norm_moves():
+    """The stack reads the norms' weights where they are: rewritten in place (the colocated switch) it sees the
+    new values; moved (a new tensor), the address guard rebuilds the packs."""
+    model = tiny_decoder(40).to(torch.bfloat16)
+    engine = RolloutEngine(model, num_slots=2, max_seq_len=40)
+    prompt = list(range(5, 12))
+
+    def tokens() -> list[int]:
+        engine.add(Request(prompt, [3], SamplingParams(max_new_tokens=10, temperature=0.0)))
+        return list(next(iter(engine.run())).generation.token_ids)
+
+    def fresh() -> list[int]:  # an engine whose packs are built from the weights as they are now
+        other = RolloutEngine(model, num_slots=2, max_seq_len=40)
+        other.add(Request(prompt, [3], SamplingParams(max_new_tokens=10, temperature=0.0)))
+        return list(next(iter(other.run())).generation.token_ids)
+
+    before = tokens()
+    assert before == fresh()
+    norms = [layer.post_attention_layernorm.weight for layer in model.decoder_layers()]
+    with torch.no_grad():
+        for weight in norms:
+            weight.mul_(torch.linspace(-2.0, 3.0, weight.shape[0]).to(weight.dtype))
+    in_place = tokens()
+    assert in_place != before and in_place == fresh()
+    with torch.no_grad():
+        for weight in norms:
+            weight.data = weight.data.flip(0).clone()
+    assert tokens() == fresh() != in_place

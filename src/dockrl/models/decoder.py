@@ -282,6 +282,9 @@ class DecoderModel(nn.Module):
         # Training with activation checkpointing (actor.activation_checkpointing): each layer's activations
         # are recomputed in the backward pass instead of kept.
         self.checkpoint_layers = False
+        # The rollout engine's layers as one native call while it decodes on a CPU with AMX tiles
+        # (models/packed_linear.py, native.TiledStack); None: layer by layer.
+        self.tiled_stack: native.TiledStack | None = None
 
     def forward(
         self,
@@ -360,10 +363,10 @@ class DecoderModel(nn.Module):
             cache_rows = rows.repeat_interleave(seq)
         lengths = (offsets + 1).clamp_(max=bias_rows.shape[1])  # a parked row's garbage query stays in range
         step = native.DecodeStep(x.contiguous(), cos, sin, offsets, lengths, bias_rows, head_dim, cache_rows)
-        tiled = _tiled_layers(self, write)
-        if tiled is not None:  # every layer in one native call
-            pending_all = step.decode_layers(tiled, write.block_table)
-            return step.add_rms_norm(pending_all, self.norm.weight, self.norm.eps)
+        if self.tiled_stack is not None:  # every layer in one native call
+            caches = [write.cache.layer(index) for index in range(len(self.layers))]
+            last = step.decode_layers(self.tiled_stack, caches, write.block_table)
+            return step.add_rms_norm(last, self.norm.weight, self.norm.eps)
         pending: torch.Tensor | None = None  # the last sublayer's output, added to x by the next norm
         for index, layer in enumerate(cast("Iterable[DecoderLayer]", self.layers)):
             norm = layer.input_layernorm
@@ -619,37 +622,6 @@ def natively_decodable(model: Transformer | DecoderModel) -> bool:
         and first.input_layernorm.weight.dtype == weight.dtype
         and first.self_attn.context_attention is None
     )
-
-
-def _tiled_layers(model: DecoderModel, write: CacheWrite) -> list[native.TiledLayer] | None:
-    """The layers as `native.DecodeStep.decode_layers` takes them where every projection is packed on AMX tiles
-    (models/packed_linear.py with the native kernels); None where one is not (the layers then run call by
-    call)."""
-    layers = []
-    for index, layer in enumerate(cast("Iterable[DecoderLayer]", model.layers)):
-        attn, mlp = layer.self_attn, cast(MLP, layer.mlp)
-        if attn.packed is None or mlp.packed is None:
-            return None
-        (qkv, o), (gate_up, down) = attn.packed, mlp.packed
-        if qkv.tiled is None or o.tiled is None or gate_up.tiled is None or down.tiled is None:
-            return None
-        norms = None
-        if attn.q_norm is not None and attn.k_norm is not None:
-            norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
-        layers.append(
-            native.TiledLayer(
-                (layer.input_layernorm.weight, layer.input_layernorm.eps),
-                (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
-                norms,
-                qkv.tiled,
-                qkv.widths,
-                o.tiled,
-                gate_up.tiled,
-                down.tiled,
-                write.cache.layer(index),
-            )
-        )
-    return layers
 
 
 def _natively_decodable(model: DecoderModel, x: torch.Tensor, write: CacheWrite) -> bool:

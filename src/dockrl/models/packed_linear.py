@@ -87,6 +87,28 @@ def supported(model: nn.Module) -> bool:
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def _tiled_layer(
+    layer: nn.Module, qkv: PackedLinear, o: PackedLinear, gate_up: PackedLinear, down: PackedLinear
+) -> native.TiledLayer:
+    """A decoder layer whose four packed projections are on tiles, as native.TiledStack takes it."""
+    attn = layer.self_attn
+    head_norms = None
+    if attn.q_norm is not None and attn.k_norm is not None:
+        head_norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps)
+    norm, post = layer.input_layernorm, layer.post_attention_layernorm
+    assert qkv.tiled and o.tiled and gate_up.tiled and down.tiled
+    return native.TiledLayer(
+        (norm.weight, norm.eps),
+        (post.weight, post.eps),
+        head_norms,
+        qkv.tiled,
+        qkv.widths,
+        o.tiled,
+        gate_up.tiled,
+        down.tiled,
+    )
+
+
 def _plain(*linears: nn.Module) -> bool:
     return all(
         type(linear) is nn.Linear
@@ -140,18 +162,33 @@ class PackedWeights:
         model, rows, tiled = self.model, self.rows, self.tiled
         packs: list[tuple[nn.Module, str, object]] = []
         sources: list[nn.Module] = []
+        stack: list[native.TiledLayer] | None = [] if tiled else None  # every layer's, or None
         for layer in model.decoder_layers():  # type: ignore[operator]
             attn, mlp = layer.self_attn, layer.mlp
+            qkv = o = gate_up = down = None
             if _plain(attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
                 qkv = PackedLinear.of([attn.q_proj, attn.k_proj, attn.v_proj], rows, tiled)
-                packs.append((attn, "packed", (qkv, PackedLinear.of([attn.o_proj], rows, tiled))))
+                o = PackedLinear.of([attn.o_proj], rows, tiled)
+                packs.append((attn, "packed", (qkv, o)))
                 sources += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
             if hasattr(mlp, "gate_proj") and _plain(mlp.gate_proj, mlp.up_proj, mlp.down_proj):
                 gate_up = PackedLinear.of([mlp.gate_proj, mlp.up_proj], rows, tiled)
-                packs.append((mlp, "packed", (gate_up, PackedLinear.of([mlp.down_proj], rows, tiled))))
+                down = PackedLinear.of([mlp.down_proj], rows, tiled)
+                packs.append((mlp, "packed", (gate_up, down)))
                 sources += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+            if stack is not None and qkv and o and gate_up and down:
+                stack.append(_tiled_layer(layer, qkv, o, gate_up, down))
+            else:
+                stack = None
         self._sources = [(linear, "weight") for linear in sources]
         self._sources += [(linear, "bias") for linear in sources if linear.bias is not None]
+        if stack:  # a decode step's layers in one native call (DecoderModel._decode_natively)
+            packs.append((model.model, "tiled_stack", native.TiledStack(stack)))
+            norms = [
+                (layer.input_layernorm, layer.post_attention_layernorm) for layer in model.decoder_layers()
+            ]
+            norms += [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in model.decoder_layers()]
+            self._sources += [(norm, "weight") for pair in norms for norm in pair if norm is not None]
         head = model.output_weight()  # type: ignore[operator]
         if type(head) is nn.Parameter and model.gather_logits is None:
             packs.append((model, "packed_head", PackedLinear([head], [None], rows, tiled)))

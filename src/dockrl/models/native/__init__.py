@@ -277,9 +277,9 @@ class TiledLinear:
 
 
 class TiledLayer(NamedTuple):
-    """What `DecodeStep.decode_layers` needs of one dense decoder layer whose packed projections are on tiles:
-    its norms' weights and epsilons, q_norm / k_norm (weights and their eps; None: none), the fused q | k | v
-    projection and its columns' widths, o, the fused gate | up and down, and its (keys, values) cache."""
+    """What `TiledStack` needs of one dense decoder layer whose packed projections are on tiles: its norms'
+    weights and epsilons, q_norm / k_norm (weights and their eps; None: none), the fused q | k | v projection
+    and its columns' widths, o, the fused gate | up and down."""
 
     input_norm: tuple[torch.Tensor, float]
     post_norm: tuple[torch.Tensor, float]
@@ -289,7 +289,50 @@ class TiledLayer(NamedTuple):
     o: TiledLinear
     gate_up: TiledLinear
     down: TiledLinear
-    cache: tuple[torch.Tensor, torch.Tensor]
+
+
+class TiledStack:
+    """A model's dense decoder layers as linear.c's decode_layers reads them (`DecodeStep.decode_layers`): the
+    per-layer arguments laid out once, when the packs are built (models/packed_linear.py), rather than at every
+    step. It points at the layers' norm weights (in place: a weight update that rewrites them is seen; one that
+    moves them rebuilds the packs) and holds the tiled projections; each layer's cache is filled in when the
+    caches change. `linear_available()` must be True."""
+
+    def __init__(self, layers: list[TiledLayer]) -> None:
+        first = layers[0]
+        self.qkv_widths = first.qkv_widths
+        self.width = first.gate_up.out_features // 2  # the MLP's
+        if len(self.qkv_widths) != 3 or self.qkv_widths[1] != self.qkv_widths[2]:
+            raise ValueError(f"TiledStack needs q | k | v widths; got {self.qkv_widths}")
+        self.layers = layers  # alive while pointed at
+        self.specs = (_DecodeLayer * len(layers))()
+        for spec, layer in zip(self.specs, layers):
+            if layer.qkv_widths != self.qkv_widths or layer.gate_up.out_features != 2 * self.width:
+                raise ValueError("TiledStack needs layers of one shape")
+            spec.ln1, spec.eps1 = layer.input_norm[0].data_ptr(), layer.input_norm[1]
+            spec.ln2, spec.eps2 = layer.post_norm[0].data_ptr(), layer.post_norm[1]
+            if layer.head_norms is not None:
+                spec.q_norm, spec.k_norm = layer.head_norms[0].data_ptr(), layer.head_norms[1].data_ptr()
+                spec.qk_eps = layer.head_norms[2]
+            for name in ("qkv", "o", "gate_up", "down"):
+                weight, bias = getattr(layer, name)._pointers
+                setattr(spec, name, weight)
+                setattr(spec, f"{name}_bias", bias)
+        self._caches: tuple[int, ...] = ()
+        self.layout: tuple[int | None, ...] = ()
+
+    def point_at(
+        self, caches: list[tuple[torch.Tensor, torch.Tensor]], block_table: torch.Tensor | None
+    ) -> None:
+        """Each layer's (keys, values) cache into its arguments, where they are not there already."""
+        key = tuple(part.data_ptr() for cache in caches for part in cache) + (block_table is None,)
+        if key == self._caches and block_table is None:
+            return
+        for spec, cache in zip(self.specs, caches, strict=True):
+            self.layout = _cache_layout(cache, torch.bfloat16, block_table)
+            spec.cache_k, spec.cache_v = cache[0].data_ptr(), cache[1].data_ptr()
+            spec.row, spec.head, spec.block, spec.slot = self.layout[:4]
+        self._caches = key
 
 
 def _cache_layout(
@@ -522,43 +565,31 @@ class DecodeStep:
         self._swiglu(gate_ptr, gate_stride, up_ptr, up_stride, act.data_ptr(), *act.shape)
         return act
 
-    def decode_layers(self, layers: list[TiledLayer], block_table: torch.Tensor | None) -> torch.Tensor:
+    def decode_layers(
+        self,
+        stack: TiledStack,
+        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_table: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Every layer of a decode step in one native call (linear.c's decode_layers: per layer the norms, the
         tiled projections, `rope_attention_fused` and `swiglu_fused` as `DecoderModel._decode_natively` calls
-        them one by one, so the same values), x updated in place; returns the last layer's output [B, H] (the
-        same buffer every call), which the final norm adds. bf16 only; `linear_available()` must be True."""
+        them one by one, so the same values), x updated in place; caches: each layer's (keys, values), as
+        `rope_attention` takes them. Returns the last layer's output [B, H] (the same buffer every call), which
+        the final norm adds. bf16 only; `linear_available()` must be True."""
         assert _linear is not None, "decode_layers needs linear_available()"
-        first = layers[0]
-        widths = first.qkv_widths
-        q_width, kv_width = widths[0], widths[1]
-        width = first.gate_up.out_features // 2
         batch, hidden, dtype = self.batch, self.hidden, self.x.dtype
-        if dtype != torch.bfloat16 or len(widths) != 3 or widths[1] != widths[2]:
-            raise ValueError(f"decode_layers needs bf16 rows and q | k | v widths; got {dtype}, {widths}")
+        if dtype != torch.bfloat16:
+            raise ValueError(f"decode_layers needs bf16 rows; got {dtype}")
+        stack.point_at(caches, block_table)
+        layout, widths, width = stack.layout, stack.qkv_widths, stack.width
         buffers = {
             "qkv": torch.empty(batch, sum(widths), dtype=dtype),
-            "attn": torch.empty(batch, q_width, dtype=dtype),
+            "attn": torch.empty(batch, widths[0], dtype=dtype),
             "pending": torch.empty(batch, hidden, dtype=dtype),
             "gate_up": torch.empty(batch, 2 * width, dtype=dtype),
             "act": torch.empty(batch, width, dtype=dtype),
         }
-        specs = (_DecodeLayer * len(layers))()
-        layout: tuple[int | None, ...] = ()
-        for spec, layer in zip(specs, layers):
-            if layer.qkv_widths != widths or layer.gate_up.out_features != 2 * width:
-                raise ValueError("decode_layers needs layers of one shape")
-            layout = _cache_layout(layer.cache, dtype, block_table)
-            spec.ln1, spec.eps1 = layer.input_norm[0].data_ptr(), layer.input_norm[1]
-            spec.ln2, spec.eps2 = layer.post_norm[0].data_ptr(), layer.post_norm[1]
-            if layer.head_norms is not None:
-                spec.q_norm, spec.k_norm = layer.head_norms[0].data_ptr(), layer.head_norms[1].data_ptr()
-                spec.qk_eps = layer.head_norms[2]
-            for name in ("qkv", "o", "gate_up", "down"):
-                setattr(spec, name, getattr(layer, name)._pointers[0])
-                setattr(spec, f"{name}_bias", getattr(layer, name)._pointers[1])
-            spec.cache_k, spec.cache_v = layer.cache[0].data_ptr(), layer.cache[1].data_ptr()
-            spec.row, spec.head, spec.block, spec.slot = layout[:4]
-        cache_k = first.cache[0]
+        cache_k = caches[0][0]
         num_keys = self.num_keys if block_table is not None else min(self.num_keys, cache_k.shape[2])
         rows = _DecodeRows(
             x=self.x.data_ptr(),
@@ -580,14 +611,14 @@ class DecodeStep:
             bias_stride=self._bias[1],
             B=batch,
             H=hidden,
-            N=q_width // self.head_dim,
-            K=kv_width // self.head_dim,
+            N=widths[0] // self.head_dim,
+            K=widths[1] // self.head_dim,
             D=self.head_dim,
             I=width,
             scale=self.head_dim**-0.5,
         )
         code = _linear["dockrl_decode_layers_bf16"](
-            ctypes.addressof(specs), len(layers), ctypes.addressof(rows)
+            ctypes.addressof(stack.specs), len(stack.specs), ctypes.addressof(rows)
         )
         _attention_failed(code, layout[8], num_keys)
         return buffers["pending"]
