@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -88,9 +89,10 @@ def supported(model: nn.Module) -> bool:
 
 
 def _tiled_layer(
-    layer: nn.Module, qkv: PackedLinear, o: PackedLinear, gate_up: PackedLinear, down: PackedLinear
+    layer: Any, qkv: PackedLinear, o: PackedLinear, gate_up: PackedLinear, down: PackedLinear
 ) -> native.TiledLayer:
-    """A decoder layer whose four packed projections are on tiles, as native.TiledStack takes it."""
+    """A decoder layer (decoder.DecoderLayer, which imports this module) whose four packed projections are on
+    tiles, as native.TiledStack takes it."""
     attn = layer.self_attn
     head_norms = None
     if attn.q_norm is not None and attn.k_norm is not None:
