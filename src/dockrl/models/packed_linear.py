@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -185,11 +185,10 @@ class PackedWeights:
         self._sources = [(linear, "weight") for linear in sources]
         self._sources += [(linear, "bias") for linear in sources if linear.bias is not None]
         if stack:  # a decode step's layers in one native call (DecoderModel._decode_natively)
-            packs.append((model.model, "tiled_stack", native.TiledStack(stack)))
-            norms = [
-                (layer.input_layernorm, layer.post_attention_layernorm) for layer in model.decoder_layers()
-            ]
-            norms += [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in model.decoder_layers()]
+            packs.append((cast(nn.Module, model.model), "tiled_stack", native.TiledStack(stack)))
+            layers: list[Any] = model.decoder_layers()  # type: ignore[operator]
+            norms = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in layers]
+            norms += [(layer.self_attn.q_norm, layer.self_attn.k_norm) for layer in layers]
             self._sources += [(norm, "weight") for pair in norms for norm in pair if norm is not None]
         head = model.output_weight()  # type: ignore[operator]
         if type(head) is nn.Parameter and model.gather_logits is None:
