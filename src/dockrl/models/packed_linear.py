@@ -14,12 +14,20 @@ Outputs are bit-identical to `nn.Linear`'s: every output column is the same dot 
 only the weight's layout and the number of calls change (tests/unit/test_packed_linear.py; the rollout
 engine's tokens and log-probs with and without packing are compared there too).
 
+On a CPU with AMX tiles and the native kernels on (`PackedWeights(tiled=True)`: the engine's
+rollout.native_kernels), the packs are laid out for the tiles instead and run through models/native/linear.c
+(`native.TiledLinear`): oneDNN's bf16 call costs ~35 us at a few rows whatever its size, the tiles' own work
+for a 256 x 512 projection of 8 rows ~10 us. Their sums are oneDNN's AMX kernel's (32 inputs at a time, in
+order), so the outputs are the same where oneDNN does not split the inputs over threads, and within fp32
+accumulation otherwise (tests/unit/test_native_linear.py). With every layer's projections on tiles, a decode
+step's layers run in one native call (`native.TiledStack`, built here with the packs).
+
 Where it applies: bf16 weights on a CPU whose oneDNN computes bf16 (`supported`). fp32 is left as it is:
 fusing alone measured 0.97x there (MKL's fp32 GEMM reads the weight in place; oneDNN's packed fp32 kernel
 differs from MKL's in the last bits), and an accelerator's GEMMs take the weight as it is.
 
 Only the rollout engine uses it, around its model calls (`applied()`): the packed copies hold no gradient and
-cost one more copy of the weights while it runs. They are built at the first call and rebuilt after
+cost one more copy of the weights while it runs (oneDNN's layout or the tiles', never both). They are built at the first call and rebuilt after
 `invalidate()`, which the engine's `weights_changed()` calls on every weight update (the colocated switch
 rewrites the bucket buffers the parameters view in place, which no version counter of the parameters shows);
 `applied()` also rebuilds when a source weight's storage moved. A layer is packed only when its projections

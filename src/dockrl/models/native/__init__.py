@@ -2,7 +2,10 @@
 
 decode.c holds the work of a decoder layer between its matmuls for one new token per row (the residual adds
 and RMSNorms, RoPE, the KV write and attention over each row's own slots, SwiGLU): what it computes, how it
-rounds and why. `DecoderModel._decode_natively` runs a decode step's layers with them and torch's
+rounds and why. linear.c holds the bf16 projections on AMX tiles (`TiledLinear`, used by the rollout's
+packed projections: models/packed_linear.py) and a decode step's layers in one call with them
+(`DecodeStep.decode_layers`), where the compiler and the CPU have AMX (`linear_available()`; elsewhere the
+projections stay oneDNN's). `DecoderModel._decode_natively` runs a decode step's layers with them and torch's
 projections, and a returning turn's new tokens the same way (each token a row of its sequence). They are
 built once per source, compiler and CPU (the CPU's flags name the file: `-march=native` code runs only where
 it was built) into the cache directory, then loaded with ctypes. Their OpenMP calls
@@ -13,7 +16,8 @@ Nothing here is required: without a C compiler, or with DOCKRL_NATIVE=off, `avai
 decoder keeps its torch path, which computes the same values up to the order of fp32 sums. Which one runs is
 in `status()` (and in `dockrl bench rollout`'s output).
 
-Environment: DOCKRL_NATIVE=off (never build or load), CC (the compiler; default cc), DOCKRL_NATIVE_DIR (where
+Environment: DOCKRL_NATIVE=off (never build or load), DOCKRL_NATIVE_LINEAR=off (decode.c's kernels, not
+linear.c's tiles: for a before/after), CC (the compiler; default cc), DOCKRL_NATIVE_DIR (where
 builds are kept; default $XDG_CACHE_HOME/dockrl/native or ~/.cache/dockrl/native).
 """
 
