@@ -21,6 +21,8 @@ of --rows x --tokens (28 x 143: one of the e2e workload's token-budget micro-bat
             cached keys each (bf16 activations): torch's path (RoPE, the write into an fp32 cache, then
             grouped_attention) against the native kernel's (models/native: RoPE, the write and attention in one
             call over a bf16 cache); the native row is left out, with the reason, where the kernels are not built
+  projections  a layer's four packed bf16 projections at --decode-rows rows and at --rows x --tokens:
+            oneDNN's packed weights against the AMX tiles' (models/native/linear.c), where the host has them
 
 `speedup` is the first variant's time over each other's. Only the stage rows measure what a run spends; the
 others isolate one op at the micro-batch's shape.
@@ -229,6 +231,43 @@ def _op_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             _row("swiglu fwd+bwd (bf16)", "compiled", _best(lambda: swiglu(fused_swiglu), args.repeats), base)
         )
     out += _decode_rows(args, heads, kv_heads, dim, gen)
+    out += _projection_rows(args, heads, kv_heads, dim, gen)
+    return out
+
+
+def _projection_rows(
+    args: argparse.Namespace, heads: int, kv_heads: int, dim: int, gen
+) -> list[dict[str, Any]]:
+    """A decoder layer's four packed bf16 projections (q | k | v, o, gate | up, down) at --decode-rows rows and
+    at --rows x --tokens (a prefill's): oneDNN's packed weights (models/packed_linear.py) against the AMX
+    tiles' (models/native/linear.c); the tiles' row is left out, with the reason, where they are not usable."""
+    import torch
+
+    from dockrl.models import native
+    from dockrl.models.packed_linear import PackedLinear
+
+    bf16, hidden = torch.bfloat16, args.hidden_size
+    mlp = 3 * hidden
+    shapes = [  # (in, out) of q | k | v, o, gate | up, down
+        (hidden, (heads + 2 * kv_heads) * dim),
+        (heads * dim, hidden),
+        (hidden, 2 * mlp),
+        (mlp, hidden),
+    ]
+    weights = [torch.randn(n, k, generator=gen).to(bf16) for k, n in shapes]
+    out: list[dict[str, Any]] = []
+    for rows in (args.decode_rows, args.rows * args.tokens):
+        what = f"a layer's 4 projections ({rows} rows, bf16)"
+        inputs = [torch.randn(rows, k, generator=gen).to(bf16) for k, _ in shapes]
+        onednn = [PackedLinear([w], [None], rows) for w in weights]
+        base = _best(lambda packs=onednn, xs=inputs: [f(x) for f, x in zip(packs, xs)], args.repeats)
+        out.append(_row(what, "oneDNN packed", base, base))
+        if not native.linear_available():
+            out.append({"what": what, "variant": f"AMX tiles: {native.linear_status()}"})
+            continue
+        tiled = [native.TiledLinear(w, None) for w in weights]
+        seconds = _best(lambda packs=tiled, xs=inputs: [f(x) for f, x in zip(packs, xs)], args.repeats)
+        out.append(_row(what, "AMX tiles (native)", seconds, base))
     return out
 
 
