@@ -33,7 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -235,6 +235,11 @@ def _op_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
+def _project(projections: Sequence[Callable[[Any], Any]], inputs: list[Any]) -> None:
+    for projection, x in zip(projections, inputs):
+        projection(x)
+
+
 def _projection_rows(
     args: argparse.Namespace, heads: int, kv_heads: int, dim: int, gen
 ) -> list[dict[str, Any]]:
@@ -260,14 +265,20 @@ def _projection_rows(
         what = f"a layer's 4 projections ({rows} rows, bf16)"
         inputs = [torch.randn(rows, k, generator=gen).to(bf16) for k, _ in shapes]
         onednn = [PackedLinear([w], [None], rows) for w in weights]
-        base = _best(lambda packs=onednn, xs=inputs: [f(x) for f, x in zip(packs, xs)], args.repeats)
+        base = _best(functools.partial(_project, onednn, inputs), args.repeats)
         out.append(_row(what, "oneDNN packed", base, base))
         if not native.linear_available():
             out.append({"what": what, "variant": f"AMX tiles: {native.linear_status()}"})
             continue
         tiled = [native.TiledLinear(w, None) for w in weights]
-        seconds = _best(lambda packs=tiled, xs=inputs: [f(x) for f, x in zip(packs, xs)], args.repeats)
-        out.append(_row(what, "AMX tiles (native)", seconds, base))
+        out.append(
+            _row(
+                what,
+                "AMX tiles (native)",
+                _best(functools.partial(_project, tiled, inputs), args.repeats),
+                base,
+            )
+        )
     return out
 
 
