@@ -22,7 +22,8 @@ of --rows x --tokens (28 x 143: one of the e2e workload's token-budget micro-bat
             grouped_attention) against the native kernel's (models/native: RoPE, the write and attention in one
             call over a bf16 cache); the native row is left out, with the reason, where the kernels are not built
   projections  a layer's four packed bf16 projections at --decode-rows rows and at --rows x --tokens:
-            oneDNN's packed weights against the AMX tiles' (models/native/linear.c), where the host has them
+            oneDNN's packed weights (torch's linear where oneDNN computes no bf16) against the AMX tiles'
+            (models/native/linear.c); the tiles' row is left out, with the reason, where the host has none
 
 `speedup` is the first variant's time over each other's. Only the stage rows measure what a run spends; the
 others isolate one op at the micro-batch's shape.
@@ -247,12 +248,14 @@ def _projection_rows(
     at --rows x --tokens (a prefill's): oneDNN's packed weights (models/packed_linear.py) against the AMX
     tiles' (models/native/linear.c); the tiles' row is left out, with the reason, where they are not usable."""
     import torch
+    import torch.nn.functional as F
 
     from dockrl.models import native
     from dockrl.models.packed_linear import PackedLinear
 
     bf16, hidden = torch.bfloat16, args.hidden_size
     mlp = 3 * hidden
+    packed = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     shapes = [  # (in, out) of q | k | v, o, gate | up, down
         (hidden, (heads + 2 * kv_heads) * dim),
         (heads * dim, hidden),
@@ -264,9 +267,12 @@ def _projection_rows(
     for rows in (args.decode_rows, args.rows * args.tokens):
         what = f"a layer's 4 projections ({rows} rows, bf16)"
         inputs = [torch.randn(rows, k, generator=gen).to(bf16) for k, _ in shapes]
-        onednn = [PackedLinear([w], [None], rows) for w in weights]
+        if packed:
+            onednn: list[Callable[[Any], Any]] = [PackedLinear([w], [None], rows) for w in weights]
+        else:  # oneDNN computes no bf16 here (the rollout then runs the modules as they are)
+            onednn = [functools.partial(F.linear, weight=w) for w in weights]
         base = _best(functools.partial(_project, onednn, inputs), args.repeats)
-        out.append(_row(what, "oneDNN packed", base, base))
+        out.append(_row(what, "oneDNN packed" if packed else "torch linear", base, base))
         if not native.linear_available():
             out.append({"what": what, "variant": f"AMX tiles: {native.linear_status()}"})
             continue
