@@ -239,12 +239,14 @@ def _model(family: str, dtype: torch.dtype) -> Transformer:
 @torch.no_grad()
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("seq", [1, 4])
-def test_native_decode_step_is_the_layers_torch_path(family, seq, monkeypatch):
+@pytest.mark.parametrize("holes", [False, True])
+def test_native_decode_step_is_the_layers_torch_path(family, seq, holes, monkeypatch):
     """A decode step of ragged rows (continuous batching) through DecoderModel, and with seq 4 a returning
     turn's new tokens on each row's kept cache (each token a query row of its own): the native path against
     the layers' torch path from the same cache. fp32, so the only differences are the kernels' sums: the cache
     writes and the hidden states within 64 (H + L) u of their size (each of the 2 layers' norms and attention,
-    compounded through the residual stream)."""
+    compounded through the residual stream). With every key in the mask the native path builds no bias (a
+    row's length bounds its keys); with keys left out (holes) it does, and leaving them in is caught."""
     model = _model(family, torch.float32)
     batch, slots = 3, 40
     cache = KVCache(model.args, batch, slots, torch.float32, "cpu")
@@ -260,23 +262,29 @@ def test_native_decode_step_is_the_layers_torch_path(family, seq, monkeypatch):
         )
     offsets = torch.tensor(lengths)
     token = torch.randint(0, 97, (batch, seq), generator=torch.Generator().manual_seed(4))
-    key_mask = torch.ones(batch, max(lengths) + seq, dtype=torch.bool)
+    every_key = torch.ones(batch, max(lengths) + seq, dtype=torch.bool)
+    key_mask = every_key.clone()
+    if holes:
+        key_mask[0, 2] = key_mask[1, 7] = key_mask[1, 0] = False
 
-    def decode(native_on: bool) -> tuple[torch.Tensor, KVCache]:
+    def decode(native_on: bool, mask: torch.Tensor = key_mask) -> tuple[torch.Tensor, KVCache]:
         copy = KVCache(model.args, batch, slots, torch.float32, "cpu")
         for mine, theirs in zip(copy.k + copy.v, cache.k + cache.v):
             mine.copy_(theirs)
-        hidden = model.hidden_states_per_row(token, copy, offsets, None, key_mask, native=native_on)
+        hidden = model.hidden_states_per_row(token, copy, offsets, None, mask, native=native_on)
         return hidden, copy
 
     calls = []
-    real = native.DecodeStep.rope_attention
+    biases = []
+    real, real_bias = native.DecodeStep.rope_attention, decoder_module.row_offset_bias
     monkeypatch.setattr(
         native.DecodeStep, "rope_attention", lambda self, *a: calls.append(1) or real(self, *a)
     )
+    monkeypatch.setattr(decoder_module, "row_offset_bias", lambda *a: biases.append(1) or real_bias(*a))
     got, got_cache = decode(True)
     monkeypatch.undo()
     assert len(calls) == model.args.num_layers  # the native path ran
+    assert len(biases) == int(holes)  # a bias only where the mask leaves keys out
     want, want_cache = decode(False)
     relative = 64 * (model.args.hidden_size + slots) * U
     assert got.shape == want.shape == (batch, seq, model.args.hidden_size)
@@ -291,6 +299,9 @@ def test_native_decode_step_is_the_layers_torch_path(family, seq, monkeypatch):
     )
     broken, _ = decode(False)
     assert not _within(got, broken, bound)
+    monkeypatch.undo()
+    if holes:  # the keys left out attended after all
+        assert not _within(got, decode(False, every_key)[0], bound)
     if seq > 1:  # and the new tokens not seeing each other's keys (each only the kept cache and itself)
         monkeypatch.undo()
         monkeypatch.setattr(decoder_module, "row_offset_bias", _without_the_new_keys)

@@ -310,16 +310,16 @@ class DecoderModel(nn.Module):
         mask: torch.Tensor | None
         if write is not None and write.row_offsets is not None:
             assert key_mask is not None, "per-row cache offsets come with a key mask"
-            mask = row_offset_bias(
-                key_mask, write.row_offsets, seq, attention_dtype(write.cache.k[0].dtype, input_ids.device)
-            )
+            rows = x.reshape(batch * seq, -1)
+            if write.native and _natively_decodable(self, rows, write):
+                # the kernels attend each row's keys up to its own offset: a mask of every key needs no bias
+                bias = None if bool(key_mask.all()) else self._row_bias(key_mask, write, seq)
+                decoded = self._decode_natively(rows, rope, bias, write, seq, key_mask.shape[1])
+                return decoded.view(batch, seq, -1)
+            mask = self._row_bias(key_mask, write, seq)
         else:
             offset = 0 if write is None else write.offset
             mask = attention_mask(key_mask, batch, seq, offset, write is not None, input_ids.device)
-        if write is not None and write.native and write.row_offsets is not None:
-            decoded = self._decode_natively(x.reshape(batch * seq, -1), rope, mask, write, seq)
-            if decoded is not None:
-                return decoded.view(batch, seq, -1)
         if write is not None and write.rows is not None:
             raise RuntimeError("CacheWrite.rows needs the native kernels, which do not apply to this pass")
         recompute = self.checkpoint_layers and write is None and torch.is_grad_enabled()
@@ -333,36 +333,44 @@ class DecoderModel(nn.Module):
             x = layer(x, rope, mask, cache, write, segments)
         return self.norm(x)
 
+    def _row_bias(self, key_mask: torch.Tensor, write: CacheWrite, seq: int) -> torch.Tensor:
+        """row_offset_bias for the rows of `write` (per-row offsets), in the cache's attention dtype."""
+        assert write.row_offsets is not None
+        dtype = attention_dtype(write.cache.k[0].dtype, key_mask.device)
+        return row_offset_bias(key_mask, write.row_offsets, seq, dtype)
+
     def _decode_natively(
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         bias: torch.Tensor | None,
         write: CacheWrite,
-        seq: int = 1,
-    ) -> torch.Tensor | None:
+        seq: int,
+        num_keys: int,
+    ) -> torch.Tensor:
         """A decode step's layers (one token per row, each at its own offset of a slots or paged cache) with the
         native kernels between torch's projections (models/native: the residual adds and norms, RoPE, the KV
         write and attention over each row's own slots, SwiGLU): x [B, H] -> final-normed [B, H]. With seq T > 1
         (a returning turn's new tokens on its kept cache) x is [B T, H], token t of row b a query row of its own
         at offset row_offsets[b] + t: every token's keys are written before any attends, so the rows attend as
-        a prefill would (bias: row_offset_bias's causal mask). None, before anything is written, where they do
-        not apply (no kernels, a GPU, MoE layers, a split sequence, weights that are DTensors or of another dtype
-        than x); the caller then runs the layers as they are."""
-        if not _natively_decodable(self, x, write) or bias is None:
-            return None
+        a prefill would. A row attends its keys [0, offset] of the num_keys the step has; bias (row_offset_bias:
+        a key mask with keys left out) masks some of them, None: none. The caller has checked that the kernels
+        apply (`_natively_decodable`)."""
         assert write.row_offsets is not None
         entries = x.shape[0]  # B T
         head_dim = self.args.head_dim
         cos, sin = (part.reshape(entries, head_dim).contiguous() for part in rope)
-        bias_rows = bias.reshape(entries, -1)  # row_offset_bias: fp32 on a CPU (attention_dtype), contiguous
+        # row_offset_bias: fp32 on a CPU (attention_dtype), contiguous
+        bias_rows = None if bias is None else bias.reshape(entries, -1)
         offsets, cache_rows = write.row_offsets, write.rows
         if seq > 1:
             offsets = (offsets[:, None] + torch.arange(seq)).reshape(-1)
             rows = torch.arange(entries // seq) if cache_rows is None else cache_rows
             cache_rows = rows.repeat_interleave(seq)
-        lengths = (offsets + 1).clamp_(max=bias_rows.shape[1])  # a parked row's garbage query stays in range
-        step = native.DecodeStep(x.contiguous(), cos, sin, offsets, lengths, bias_rows, head_dim, cache_rows)
+        lengths = (offsets + 1).clamp_(max=num_keys)  # a parked row's garbage query stays in range
+        step = native.DecodeStep(
+            x.contiguous(), cos, sin, offsets, lengths, bias_rows, head_dim, cache_rows, num_keys
+        )
         if self.tiled_stack is not None:  # every layer in one native call
             caches = [write.cache.layer(index) for index in range(len(self.layers))]
             last = step.decode_layers(self.tiled_stack, caches, write.block_table)

@@ -393,11 +393,13 @@ def _row_stride(t: torch.Tensor) -> int:
 class DecodeStep:
     """The kernels of one decode step (decode.c), bound to what its layers share: the residual stream x [B, H]
     (updated in place), RoPE's cos and signed sin [B, D], the rows' cache offsets and attended lengths [B]
-    (int64), the additive bias [B, >= max(lengths)] (fp32) and, where the rows are not the cache's sequences
-    in order (a returning turn's new tokens, each a row at its own offset, beside the decode rows of other
-    sequences), each row's sequence in the cache `cache_rows` [B] (int64; None: row b is sequence b). Each layer then passes only its own tensors, so a call
-    costs the C work and one ctypes call. `available()` must be True; every tensor is on the CPU, of x's dtype
-    (fp32 or bf16; the KV cache too) but the fp32 bias."""
+    (int64), the additive bias [B, >= max(lengths)] (fp32; None: every key a row's length reaches is attended,
+    and `num_keys` bounds the lengths instead of the bias's width) and, where the rows are not the cache's
+    sequences in order (a returning turn's new tokens, each a row at its own offset, beside the decode rows of
+    other sequences), each row's sequence in the cache `cache_rows` [B] (int64; None: row b is sequence b).
+    Each layer then passes only its own tensors, so a call costs the C work and one ctypes call. `available()`
+    must be True; every tensor is on the CPU, of x's dtype (fp32 or bf16; the KV cache too) but the fp32
+    bias."""
 
     def __init__(
         self,
@@ -406,17 +408,20 @@ class DecodeStep:
         sin: torch.Tensor,
         offsets: torch.Tensor,
         lengths: torch.Tensor,
-        bias: torch.Tensor,
+        bias: torch.Tensor | None,
         head_dim: int,
         cache_rows: torch.Tensor | None = None,
+        num_keys: int | None = None,
     ) -> None:
         assert _kernels is not None, "DecodeStep needs available()"
-        if not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and bias.stride(1) == 1):
-            raise ValueError(
-                "DecodeStep needs a contiguous x, cos, sin and a bias with a contiguous last dim"
-            )
-        if offsets.dtype != torch.int64 or lengths.dtype != torch.int64 or bias.dtype != torch.float32:
-            raise ValueError("DecodeStep needs int64 offsets and lengths and an fp32 bias")
+        if not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError("DecodeStep needs a contiguous x, cos and sin")
+        if bias is not None and (bias.stride(1) != 1 or bias.dtype != torch.float32):
+            raise ValueError("DecodeStep needs an fp32 bias with a contiguous last dim")
+        if bias is None and num_keys is None:
+            raise ValueError("DecodeStep needs a bias or num_keys")
+        if offsets.dtype != torch.int64 or lengths.dtype != torch.int64:
+            raise ValueError("DecodeStep needs int64 offsets and lengths")
         if cache_rows is not None and (cache_rows.dtype != torch.int64 or cache_rows.shape != offsets.shape):
             raise ValueError("DecodeStep needs int64 cache_rows, one per row")
         dtype = x.dtype
@@ -430,10 +435,13 @@ class DecodeStep:
         self._cache_rows = None if rows is None else rows.data_ptr()
         self.batch, self.hidden = x.shape
         self.head_dim = head_dim
-        self.num_keys = bias.shape[1]
+        if bias is not None:
+            num_keys = bias.shape[1]
+        assert num_keys is not None
+        self.num_keys = num_keys
         self._rope = (cos.data_ptr(), sin.data_ptr())
         self._rows = (self._keep[2].data_ptr(), self._keep[3].data_ptr())
-        self._bias = (bias.data_ptr(), bias.stride(0))
+        self._bias = (None, 0) if bias is None else (bias.data_ptr(), bias.stride(0))
         self._out: torch.Tensor | None = None  # attention's output, reused by every layer ([B, N D])
         self._act: torch.Tensor | None = None  # SwiGLU's output, reused by every layer ([B, I])
 
