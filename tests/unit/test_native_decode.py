@@ -92,12 +92,14 @@ def test_swiglu_is_silu_times_up(dtype):
     assert not _within(got, torch.sigmoid(gate) * up, bound)
 
 
-def _attention_case(dtype: torch.dtype, qk_norm: bool, head_dim: int = 16):
-    """Ragged rows of a GQA layer (8 query heads over 4 key/value heads of head_dim) with a filled cache in
-    dtype: rows of 1 to 41 keys, so the kernel's 16-key blocks and its 4-key and single-key loops all run, and
-    with head_dim 48 both its 32-wide value sums in registers and the 16 left over."""
+def _attention_case(dtype: torch.dtype, qk_norm: bool, head_dim: int = 16, group: int = 2):
+    """Ragged rows of a GQA layer (4 key/value heads of head_dim, `group` query heads each) with a filled cache
+    in dtype: rows of 1 to 41 keys, so the kernel's 16-key blocks and its 4-key and single-key loops all run,
+    with head_dim 48 both its 32-wide value sums in registers and the 16 left over, and in bf16 with head_dim
+    32 or 64 the group's heads summed together (four at a time: group 5 runs a four and a one)."""
     g = torch.Generator().manual_seed(2)
-    batch, heads, kv_heads, slots = 4, 8, 4, 48
+    batch, kv_heads, slots = 4, 4, 48
+    heads = group * kv_heads
     offsets = torch.tensor([3, 17, 0, 40])
     q = torch.randn(batch, heads * head_dim, generator=g).to(dtype)
     kv = torch.randn(batch, 2 * kv_heads * head_dim, generator=g).to(dtype)
@@ -150,9 +152,9 @@ def _attention_bound(q_rot, keys, values, num_keys, head_dim) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("head_dim", [16, 48])
-def test_rope_attention_is_attentions_decode_step(dtype, qk_norm, head_dim):
-    q, k, v, cos, sin, cache, offsets, norms, head_dim = _attention_case(dtype, qk_norm, head_dim)
+@pytest.mark.parametrize(("head_dim", "group"), [(16, 2), (32, 2), (32, 5), (48, 2), (64, 3)])
+def test_rope_attention_is_attentions_decode_step(dtype, qk_norm, head_dim, group):
+    q, k, v, cos, sin, cache, offsets, norms, head_dim = _attention_case(dtype, qk_norm, head_dim, group)
     want, (keys, values), bias, q_rot, num_keys = _torch_attention(
         q, k, v, cos, sin, cache, offsets, norms, head_dim
     )
@@ -179,6 +181,39 @@ def test_rope_attention_is_attentions_decode_step(dtype, qk_norm, head_dim):
     assert not torch.equal(mine[0].float(), unrotated_keys)
     scaled = grouped_attention(2 * q_rot, keys[:, :, :num_keys], values[:, :, :num_keys], bias)
     assert not _within(got, scaled.to(dtype).reshape(q.shape[0], -1), bound)
+
+
+@pytest.mark.parametrize("group", [2, 5])
+def test_rope_attention_reads_a_paged_pool_as_its_slots(group):
+    """The same rows through the paged layout (blocks of 6 in a shuffled pool: runs that break mid-row, odd
+    and even), in bf16 with head_dim 32 (the grouped value sums): within the attention bound of torch's, as the
+    slots layout is; a pool whose blocks are read in the wrong order is caught."""
+    q, k, v, cos, sin, cache, offsets, norms, head_dim = _attention_case(torch.bfloat16, False, 32, group)
+    want, (keys, values), bias, q_rot, num_keys = _torch_attention(
+        q, k, v, cos, sin, cache, offsets, norms, 32
+    )
+    batch, kv_heads, slots = cache[0].shape[:3]
+    blocks, size = slots // 6, 6
+    order = torch.randperm(batch * blocks, generator=torch.Generator().manual_seed(7))
+    table = order.reshape(batch, blocks)  # row b's block j is the pool's block table[b, j]
+    pool = tuple(
+        torch.zeros(kv_heads, batch * blocks, size, head_dim, dtype=torch.bfloat16) for _ in range(2)
+    )
+    for part, source in zip(pool, cache):
+        part[:, table.reshape(-1)] = (
+            source.reshape(batch, kv_heads, blocks, size, head_dim)
+            .transpose(0, 1)
+            .reshape(kv_heads, batch * blocks, size, head_dim)
+        )
+    x = torch.zeros(batch, 8, dtype=torch.bfloat16)
+
+    def attend(block_table: torch.Tensor) -> torch.Tensor:
+        step = native.DecodeStep(x, cos, sin, offsets, offsets + 1, bias.reshape(batch, -1), head_dim)
+        return step.rope_attention(q, k, v, None, tuple(part.clone() for part in pool), block_table).clone()
+
+    bound = _attention_bound(q_rot, keys, values, num_keys, head_dim)[:, None]
+    assert _within(attend(table), want, bound)
+    assert not _within(attend(table.roll(1, dims=1)), want, bound)
 
 
 def test_rope_attention_refuses_offsets_lengths_and_blocks_outside_the_cache():

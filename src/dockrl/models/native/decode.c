@@ -19,7 +19,8 @@
  * here in another order than torch's reductions and batched matmuls (fp32 accumulation-order rounding).
  * The source is compiled with -ffast-math for those sums (reassociation, vector expf); floating-point
  * contraction is off (no FMA where torch rounds a product first), and the one reciprocal square root is a
- * true division (see rms_inverse).
+ * true division (see rms_inverse). Inside attention's dot products and weighted sums, FMAs are written out
+ * (score_16, weigh_group): a sum's products unrounded, within the same bound as another order of the sums.
  *
  * E-typed arrays: entry points come in pairs, _f32 (E = float) and _bf16 (E = uint16_t, bfloat16 bits); the KV
  * cache is in E too (kv_layouts.cache_dtype), its values the E values torch would write, and attention reads
@@ -240,6 +241,88 @@ DEFINE_SCORE_16(bf16, uint16_t)
 DEFINE_WEIGH_VALUES(f32, float)
 DEFINE_WEIGH_VALUES(bf16, uint16_t)
 
+/* With AVX-512, bf16 values and D a multiple of 32: the weighted values of up to 4 query heads of a group in
+ * one pass over the keys (weigh_values reads every value once per query head). A row of 32 bf16 values is one
+ * 64-byte load, widened in two instructions into its even and its odd entries (each bf16 is the top half of
+ * an fp32), each summed in its own registers with FMAs, two interleaved sums (even and odd slots) per head;
+ * the entries are put back in order at the end. out[g * D + d] = inverse[g] * sum_s p[g * len + s] * value_s[d]. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define DEFINE_WEIGH_GROUP(GN)                                                                                 \
+  static void weigh_group_##GN(const Slots* at, const float* p, int64_t len, int64_t D, const float* inverse,  \
+                               float* out, int64_t out_stride) {                                               \
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);                                                  \
+    for (int64_t d = 0; d < D; d += 32) {                                                                      \
+      __m512 even[GN][2], odd[GN][2];                                                                          \
+      for (int g = 0; g < GN; ++g)                                                                             \
+        even[g][0] = even[g][1] = odd[g][0] = odd[g][1] = _mm512_setzero_ps();                                 \
+      for (int64_t start = 0; start < len;) {                                                                  \
+        int64_t count;                                                                                         \
+        const uint16_t* v = (const uint16_t*)at->vals + run_offset(at, start, len - start, &count) + d;        \
+        int64_t s = 0;                                                                                         \
+        for (; s + 2 <= count; s += 2, v += 2 * at->slot) {                                                    \
+          __m512i x0 = _mm512_loadu_si512((const void*)v), x1 = _mm512_loadu_si512((const void*)(v + at->slot));\
+          __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(x0, 16));                                          \
+          __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(x0, high));                                         \
+          __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(x1, 16));                                          \
+          __m512 o1 = _mm512_castsi512_ps(_mm512_and_si512(x1, high));                                         \
+          for (int g = 0; g < GN; ++g) {                                                                       \
+            __m512 w0 = _mm512_set1_ps(p[g * len + start + s]), w1 = _mm512_set1_ps(p[g * len + start + s + 1]);\
+            even[g][0] = _mm512_fmadd_ps(w0, e0, even[g][0]);                                                  \
+            odd[g][0] = _mm512_fmadd_ps(w0, o0, odd[g][0]);                                                    \
+            even[g][1] = _mm512_fmadd_ps(w1, e1, even[g][1]);                                                  \
+            odd[g][1] = _mm512_fmadd_ps(w1, o1, odd[g][1]);                                                    \
+          }                                                                                                    \
+        }                                                                                                      \
+        if (s < count) {                                                                                       \
+          __m512i x0 = _mm512_loadu_si512((const void*)v);                                                     \
+          __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(x0, 16));                                          \
+          __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(x0, high));                                         \
+          for (int g = 0; g < GN; ++g) {                                                                       \
+            __m512 w0 = _mm512_set1_ps(p[g * len + start + s]);                                                \
+            even[g][0] = _mm512_fmadd_ps(w0, e0, even[g][0]);                                                  \
+            odd[g][0] = _mm512_fmadd_ps(w0, o0, odd[g][0]);                                                    \
+          }                                                                                                    \
+        }                                                                                                      \
+        start += count;                                                                                        \
+      }                                                                                                        \
+      for (int g = 0; g < GN; ++g) {                                                                           \
+        float e[16], o[16];                                                                                    \
+        __m512 scale = _mm512_set1_ps(inverse[g]);                                                             \
+        _mm512_storeu_ps(e, _mm512_mul_ps(_mm512_add_ps(even[g][0], even[g][1]), scale));                      \
+        _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_add_ps(odd[g][0], odd[g][1]), scale));                        \
+        float* og = out + g * out_stride + d;                                                                  \
+        for (int i = 0; i < 16; ++i) {                                                                         \
+          og[2 * i] = e[i];                                                                                    \
+          og[2 * i + 1] = o[i];                                                                                \
+        }                                                                                                      \
+      }                                                                                                        \
+    }                                                                                                          \
+  }
+DEFINE_WEIGH_GROUP(1)
+DEFINE_WEIGH_GROUP(2)
+DEFINE_WEIGH_GROUP(3)
+DEFINE_WEIGH_GROUP(4)
+/* bf16 values, D % 32 == 0: every head of the group, four at a time (1 where it does not apply). */
+static int weigh_grouped_bf16(const Slots* at, const float* scores, int64_t len, int64_t G, int64_t D,
+                              const float* inverse, float* out) {
+  if (D % 32 != 0) return 0;
+  for (int64_t g = 0; g < G; g += 4) {
+    const float* p = scores + g * len;
+    switch (G - g < 4 ? G - g : 4) {
+      case 1: weigh_group_1(at, p, len, D, inverse + g, out + g * D, D); break;
+      case 2: weigh_group_2(at, p, len, D, inverse + g, out + g * D, D); break;
+      case 3: weigh_group_3(at, p, len, D, inverse + g, out + g * D, D); break;
+      default: weigh_group_4(at, p, len, D, inverse + g, out + g * D, D); break;
+    }
+  }
+  return 1;
+}
+#define WEIGH_GROUPED_bf16(at, scores, len, G, D, inverse, out) weigh_grouped_bf16(at, scores, len, G, D, inverse, out)
+#else
+#define WEIGH_GROUPED_bf16(at, scores, len, G, D, inverse, out) 0
+#endif
+#define WEIGH_GROUPED_f32(at, scores, len, G, D, inverse, out) 0
+
 #define DEFINE_ATTEND_HEAD(SUF, E)                                                                                     \
   static void attend_head_##SUF(const float* q, const Slots* at, int64_t len, const float* bias, float* out, int64_t G,\
                           int64_t D, float scale, float* scores) {                                                     \
@@ -307,12 +390,14 @@ DEFINE_WEIGH_VALUES(bf16, uint16_t)
       }                                                                                                                \
       total[g] = sum;                                                                                                  \
     }                                                                                                                  \
+    float inverses[MAX_GROUP];                                                                                         \
+    for (int64_t g = 0; g < G; ++g) inverses[g] = 1.0f / total[g];                                                     \
+    if (WEIGH_GROUPED_##SUF(at, scores, len, G, D, inverses, out)) return;                                            \
     for (int64_t g = 0; g < G; ++g) {                                                                                  \
       const float* p = scores + g * len;                                                                               \
-      float inverse = 1.0f / total[g];                                                                                 \
       int64_t d = 0;                                                                                                   \
-      for (; d + VALUE_BLOCK <= D; d += VALUE_BLOCK) weigh_values_##SUF(at, p, len, d, inverse, out + g * D + d);      \
-      if (d < D) weigh_values_tail_##SUF(at, p, len, d, D - d, inverse, out + g * D + d);                             \
+      for (; d + VALUE_BLOCK <= D; d += VALUE_BLOCK) weigh_values_##SUF(at, p, len, d, inverses[g], out + g * D + d);  \
+      if (d < D) weigh_values_tail_##SUF(at, p, len, d, D - d, inverses[g], out + g * D + d);                         \
     }                                                                                                                  \
   }
 
