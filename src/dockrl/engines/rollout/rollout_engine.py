@@ -90,7 +90,8 @@ _IDLE = SamplingParams(max_new_tokens=1, temperature=0.0)
 COMPACT_BELOW = 0.5
 # Attention scores one forward over returning turns' suffixes may hold (rows x heads x T x S, fp32: 256 MiB):
 # more rows than that run in several forwards, so long observations on a large batch cannot exhaust memory.
-# The mixed batch (`_joins_decode`) holds its additive mask (rows x S, fp32) to the same bound.
+# The mixed batch (`_joins_decode`) holds its rows x S to the same bound (the additive mask it would need
+# for a key mask with keys left out; the engine's masks hold every key, so none is built: DecoderModel.forward).
 SUFFIX_SCORES_MAX = 2**26
 
 
@@ -438,8 +439,8 @@ class RolloutEngine(KeptKV, ModelCalls):
     def _joins_decode(self, resumed: list[tuple[Request, int, int]]) -> bool:
         """Whether returning turns run their new positions inside the decode step's forward (`_mixed_forward`)
         instead of a forward of their own: with the native kernels (query rows of any slot at any offset), for
-        text models, without MoE routes to record, and with the forward's additive mask (one row per decode slot
-        and per new position, max_seq_len keys) within SUFFIX_SCORES_MAX."""
+        text models, without MoE routes to record, and with the forward's rows (one per decode slot and per new
+        position) x max_seq_len keys within SUFFIX_SCORES_MAX (the size of the additive mask it would need)."""
         if not self.native_kernels or self.vision is not None or self.record_routes:
             return False
         rows = self.num_slots + sum(len(request.prompt_ids) - kept for request, _, kept in resumed)
