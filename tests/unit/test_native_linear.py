@@ -16,7 +16,7 @@ import torch
 
 from dockrl.engines.rollout.rollout_engine import Request, RolloutEngine
 from dockrl.engines.rollout.sampling import SamplingParams
-from dockrl.models import native
+from dockrl.models import ModelArgs, Transformer, native
 from dockrl.models.packed_linear import PackedLinear, PackedWeights
 from helpers import tiny_decoder
 
@@ -136,12 +136,42 @@ def _generate(model, layout: str) -> dict:
     return {c.tag: (list(c.generation.token_ids), list(c.generation.logprobs)) for c in engine.run()}
 
 
+def _family_model(family: str) -> Transformer:
+    """A 2-layer bf16 decoder of `family` with heads of 32 (the grouped value sums) and random biases (qwen2's
+    q, k, v) and norm weights (qwen3's per-head q and k norms too), so each is seen by the comparison."""
+    args = ModelArgs(
+        family=family,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        attention_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
+        max_position_embeddings=40,
+    )
+    model = Transformer(args)
+    model.init_weights(seed=0, std=0.1)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("bias"):
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    return model.to(torch.bfloat16).eval()
+
+
 @pytest.mark.parametrize("layout", ["slots", "paged"])
-def test_a_decode_step_in_one_native_call_is_its_layers_call_by_call_bit_for_bit(monkeypatch, layout):
+@pytest.mark.parametrize("family", ["tiny", "qwen2", "qwen3", "llama"])
+def test_a_decode_step_in_one_native_call_is_its_layers_call_by_call_bit_for_bit(monkeypatch, layout, family):
     """With every projection on tiles a decode step's layers run in one native call (linear.c decode_layers):
-    the same kernels in the same order as the layers called one by one, so the same tokens and log-probs. Broken
-    on purpose (the one call given the layers in reverse order) the tokens differ."""
-    model = tiny_decoder(40).to(torch.bfloat16)
+    the same kernels in the same order as the layers called one by one, so the same tokens and log-probs, with
+    q, k, v biases (qwen2), per-head norms (qwen3) and heads of 8 (tiny) or 32. Broken on purpose (the one call
+    given the layers in reverse order) the tokens differ."""
+    model = tiny_decoder(40).to(torch.bfloat16) if family == "tiny" else _family_model(family)
     calls = {"fused": 0}
     decode_layers, stack = native.DecodeStep.decode_layers, native.TiledStack
 
