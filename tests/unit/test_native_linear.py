@@ -18,7 +18,7 @@ from dockrl.engines.rollout.rollout_engine import Request, RolloutEngine
 from dockrl.engines.rollout.sampling import SamplingParams
 from dockrl.models import ModelArgs, Transformer, native
 from dockrl.models.packed_linear import PackedLinear, PackedWeights
-from helpers import tiny_decoder
+from helpers import perturb_, tiny_decoder
 
 pytestmark = pytest.mark.skipif(
     not native.linear_available(), reason=f"native AMX projections: {native.linear_status()}"
@@ -137,8 +137,8 @@ def _generate(model, layout: str) -> dict:
 
 
 def _family_model(family: str) -> Transformer:
-    """A 2-layer bf16 decoder of `family` with heads of 32 (the grouped value sums) and random biases (qwen2's
-    q, k, v) and norm weights (qwen3's per-head q and k norms too), so each is seen by the comparison."""
+    """A 2-layer bf16 decoder of `family` with heads of 32 (the grouped value sums) and random values in every
+    parameter (qwen2's q, k, v biases and qwen3's per-head norms too), so each is seen by the comparison."""
     args = ModelArgs(
         family=family,
         vocab_size=96,
@@ -153,14 +153,7 @@ def _family_model(family: str) -> Transformer:
         max_position_embeddings=40,
     )
     model = Transformer(args)
-    model.init_weights(seed=0, std=0.1)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=generator))
-            elif name.endswith("bias"):
-                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    perturb_(model, seed=1)
     return model.to(torch.bfloat16).eval()
 
 

@@ -56,11 +56,10 @@ class PackedLinear:
         self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], rows: int, tiled: bool = False
     ) -> None:
         weight = torch.cat([w.detach() for w in weights])
-        present = [b.detach() for b in biases if b is not None]
-        self.bias = torch.cat(present) if present else None
-        if self.bias is not None and len(present) != len(weights):  # some sources without a bias: zeros there
+        self.bias: torch.Tensor | None = None  # sources without a bias: zeros in their place
+        if any(b is not None for b in biases):
             self.bias = torch.cat(
-                [b.detach() if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)]
+                [w.new_zeros(w.shape[0]) if b is None else b.detach() for w, b in zip(weights, biases)]
             )
         self.widths = [w.shape[0] for w in weights]
         self.tiled = native.TiledLinear(weight, self.bias) if tiled else None  # then the only copy

@@ -98,6 +98,7 @@ MAX_HEAD_DIM = 512
 _lock = threading.Lock()
 _kernels: dict[tuple[str, torch.dtype], Callable[..., Any]] | None = None
 _linear: dict[str, Callable[..., Any]] | None = None  # linear.c's entry points where the tiles are usable
+_linear_status = "not loaded yet"  # linear_status()
 _status = "not loaded yet"
 
 
@@ -161,7 +162,7 @@ def _build(compiler: str) -> Path:
 
 
 def _load() -> dict[tuple[str, torch.dtype], Callable[..., Any]] | None:
-    global _kernels, _linear, _status
+    global _kernels, _linear, _linear_status, _status
     if _kernels is not None or _status != "not loaded yet":
         return _kernels
     with _lock:
@@ -190,9 +191,15 @@ def _load() -> dict[tuple[str, torch.dtype], Callable[..., Any]] | None:
             function = getattr(library, name)
             function.argtypes, function.restype = argtypes, restype
             linear[name] = function
-        off = os.environ.get("DOCKRL_NATIVE_LINEAR", "").lower() in ("0", "off", "false", "no")
         # ready() asks the kernel for this process's use of the tiles (built without AMX: always 0)
-        _linear = None if off or not linear["dockrl_linear_ready"]() else linear
+        if os.environ.get("DOCKRL_NATIVE_LINEAR", "").lower() in ("0", "off", "false", "no"):
+            _linear_status = "off (DOCKRL_NATIVE_LINEAR)"
+        elif not linear["dockrl_linear_ready"]():
+            _linear_status = (
+                "off: no AMX tiles (the CPU or the compiler has none, or the kernel did not grant them)"
+            )
+        else:
+            _linear, _linear_status = linear, "on"
         _kernels, _status = kernels, "on"
         return kernels
 
@@ -215,13 +222,7 @@ def linear_available() -> bool:
 
 def linear_status() -> str:
     """'on', or why the AMX projections are off."""
-    if _load() is None:
-        return _status
-    if _linear is not None:
-        return "on"
-    if os.environ.get("DOCKRL_NATIVE_LINEAR", "").lower() in ("0", "off", "false", "no"):
-        return "off (DOCKRL_NATIVE_LINEAR)"
-    return "off: no AMX tiles (the CPU or the compiler has none, or the kernel did not grant them)"
+    return _status if _load() is None else _linear_status
 
 
 class TiledLinear:
@@ -329,9 +330,11 @@ class TiledStack:
         self, caches: list[tuple[torch.Tensor, torch.Tensor]], block_table: torch.Tensor | None
     ) -> None:
         """Each layer's (keys, values) cache into its arguments, where they are not there already."""
-        key = tuple(part.data_ptr() for cache in caches for part in cache) + (block_table is None,)
-        if key == self._caches and block_table is None:
-            return
+        key: tuple[int, ...] = ()  # paged: the table's pointer moves every step, so always filled in
+        if block_table is None:
+            key = tuple(part.data_ptr() for cache in caches for part in cache)
+            if key == self._caches:
+                return
         for spec, cache in zip(self.specs, caches, strict=True):
             self.layout = _cache_layout(cache, torch.bfloat16, block_table)
             spec.cache_k, spec.cache_v = cache[0].data_ptr(), cache[1].data_ptr()
