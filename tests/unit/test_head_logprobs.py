@@ -19,6 +19,10 @@ roundoff of fp32, 2^-24; u_b: that of bf16, 2^-8; A = |h| |W|.T / T, the logits 
 
 with |dz| bounded by D = (|g_logp| (onehot + p) + |g_H| p |z - m|) / T. A backward with a wrong sign or a missing
 factor is off by O(1) of D; the tests run the check once against such broken backwards and require it to fail.
+
+The native kernels (models/native/head.c, `kernels=`) compute each element as torch's ops do, the sums in
+another order and the exponential with glibc's vector expf instead of torch's: both within the bounds above
+(one rounding u per exp, V u per sum of V terms in any order), so the same bounds hold for both paths.
 """
 
 from __future__ import annotations
@@ -28,6 +32,16 @@ import torch
 
 import dockrl.algos.head_logprobs as head_logprobs
 from dockrl.algos.head_logprobs import head_token_stats
+from dockrl.models.native.head import HeadKernels, head_kernels
+
+NATIVE = head_kernels()
+# torch's ops, and the native kernels where they build here
+PATHS = [
+    "torch",
+    pytest.param(
+        "native", marks=pytest.mark.skipif(NATIVE is None, reason="the native kernels do not build here")
+    ),
+]
 
 U32 = 2.0**-24  # fp32 unit roundoff
 U16 = 2.0**-8  # bf16 unit roundoff
@@ -91,11 +105,38 @@ def _flipped_entropy_sign(h, w, targets, lse, mean_z, temperature, vocab_start, 
 _CHUNK_GRAD = head_logprobs._chunk_grad
 
 
-def _fused(h, w, targets, temperature, coef, terms, chunk, autocast=False):
+class _NativeWithoutInverseTemperature(HeadKernels):
+    """Broken native kernels: dz without its 1/T factor."""
+
+    def grad_(self, z, temperature, *args):
+        return super().grad_(z, temperature, *args).mul_(temperature)
+
+
+class _NativeWithFlippedEntropySign(HeadKernels):
+    """Broken native kernels: the entropy's gradient with the wrong sign."""
+
+    def grad_(self, z, temperature, lse, mean_z, grad_entropy, *args):
+        flipped = None if grad_entropy is None else -grad_entropy
+        return super().grad_(z, temperature, lse, mean_z, flipped, *args)
+
+
+def _broken(path, terms, monkeypatch):
+    """(name, kernels) of the broken backwards for `path`; the torch ones are patched in when used."""
+    if path == "native":
+        assert NATIVE is not None
+        kinds = [_NativeWithoutInverseTemperature] + (
+            [_NativeWithFlippedEntropySign] if terms != "logp" else []
+        )
+        return [(kind.__name__, kind(NATIVE._kernels)) for kind in kinds]
+    broken = [_no_inverse_temperature] + ([_flipped_entropy_sign] if terms != "logp" else [])
+    return [(chunk_grad.__name__, chunk_grad) for chunk_grad in broken]
+
+
+def _fused(h, w, targets, temperature, coef, terms, chunk, autocast=False, kernels=None):
     """Run the fused pass and its backward on copies of h, w: {logp, entropy, grad_h, grad_w}."""
     fused_h, fused_w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        logp, entropy = head_token_stats(fused_h, fused_w, targets, temperature, chunk=chunk)
+        logp, entropy = head_token_stats(fused_h, fused_w, targets, temperature, chunk=chunk, kernels=kernels)
     loss = (logp * coef[0]).sum() * (terms != "entropy") + (entropy * coef[1]).sum() * (terms != "logp")
     loss.backward()
     return {"logp": logp, "entropy": entropy, "grad_h": fused_h.grad, "grad_w": fused_w.grad}
@@ -106,10 +147,23 @@ def _loss_coefficients(coef, terms):
     return coef[0] * (terms != "entropy"), coef[1] * (terms != "logp")
 
 
+def _run_broken(path, terms, monkeypatch, run):
+    """`run(kernels)`'s error ratios with each broken backward of `path` in place."""
+    for name, broken in _broken(path, terms, monkeypatch):
+        if path == "torch":
+            with monkeypatch.context() as patch:
+                patch.setattr(head_logprobs, "_chunk_grad", broken)
+                yield name, run(None)
+        else:
+            yield name, run(broken)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("terms", ["both", "logp", "entropy"])
-def test_values_and_gradients_match_float64_logits(terms, monkeypatch):
+def test_values_and_gradients_match_float64_logits(terms, path, monkeypatch):
     """509 tokens in chunks of 100 (the last one ragged), temperature 0.7; the loss weighs log-probs and/or
-    entropies by random coefficients, so every gradient path is checked, each element within its own bound."""
+    entropies by random coefficients, so every gradient path is checked, each element within its own bound.
+    `path`: torch's ops or the native kernels (the same bounds: the module docstring)."""
     h, w, targets, coef = _inputs()
     temperature = 0.7
     z = (h.double() @ w.double().T) / temperature  # [N, V]
@@ -118,21 +172,20 @@ def test_values_and_gradients_match_float64_logits(terms, monkeypatch):
         z, h, w, targets, temperature, *_loss_coefficients(coef, terms), logit_error, 0.0
     )
 
-    def worst():
-        return _worst(_fused(h, w, targets, temperature, coef, terms, chunk=100), values, bounds)
+    def worst(kernels):
+        out = _fused(h, w, targets, temperature, coef, terms, chunk=100, kernels=kernels)
+        return _worst(out, values, bounds)
 
-    assert max(worst().values()) <= 1
+    assert max(worst(NATIVE if path == "native" else None).values()) <= 1
     assert (
         values["grad_h"].abs().max() > 0.1 and values["grad_w"].abs().max() > 0.1
     )  # the bounds are not vacuous
-    broken = [_no_inverse_temperature] + ([_flipped_entropy_sign] if terms != "logp" else [])
-    for chunk_grad in broken:  # the check fails on a wrong backward
-        monkeypatch.setattr(head_logprobs, "_chunk_grad", chunk_grad)
-        ratios = worst()
-        assert ratios["grad_h"] > 1 and ratios["grad_w"] > 1, (chunk_grad.__name__, ratios)
+    for name, ratios in _run_broken(path, terms, monkeypatch, worst):  # the check fails on a wrong backward
+        assert ratios["grad_h"] > 1 and ratios["grad_w"] > 1, (name, ratios)
 
 
-def test_bf16_autocast_computes_the_head_in_bf16(monkeypatch):
+@pytest.mark.parametrize("path", PATHS)
+def test_bf16_autocast_computes_the_head_in_bf16(path, monkeypatch):
     """Under bf16 autocast the matmuls run in bf16 as F.linear would, the statistics in fp32; gradients come back
     in the inputs' dtype (fp32 master weights). The reference is float64 on the logits the bf16 matmul gives
     (the same call on the same chunk as the fused path: the same bits), so a logit carries only the fp32
@@ -146,17 +199,19 @@ def test_bf16_autocast_computes_the_head_in_bf16(monkeypatch):
         z, hb, wb, targets, temperature, g_logp, g_entropy, U32 * z.abs(), U16
     )
 
-    def fused():
-        return _fused(h, w, targets, temperature, coef, "both", chunk=chunk, autocast=True)
+    def fused(kernels):
+        return _fused(h, w, targets, temperature, coef, "both", chunk=chunk, autocast=True, kernels=kernels)
 
-    out = fused()
+    out = fused(NATIVE if path == "native" else None)
     assert out["logp"].dtype == torch.float32 and out["grad_w"].dtype == torch.float32
     assert max(_worst(out, values, bounds).values()) <= 1
     assert values["grad_h"].abs().max() > 0.1 and values["grad_w"].abs().max() > 0.1
-    for chunk_grad in (_no_inverse_temperature, _flipped_entropy_sign):  # the check fails on a wrong backward
-        monkeypatch.setattr(head_logprobs, "_chunk_grad", chunk_grad)
-        ratios = _worst(fused(), values, bounds)
-        assert ratios["grad_h"] > 1 and ratios["grad_w"] > 1, (chunk_grad.__name__, ratios)
+
+    def ratios(kernels):
+        return _worst(fused(kernels), values, bounds)
+
+    for name, broken in _run_broken(path, "both", monkeypatch, ratios):  # the check fails on a wrong backward
+        assert broken["grad_h"] > 1 and broken["grad_w"] > 1, (name, broken)
 
 
 def test_token_stats_score_only_response_positions(tiny_model):
@@ -199,3 +254,75 @@ def test_token_stats_score_only_response_positions(tiny_model):
     for name, grad in plain.items():
         scale = float(grad.abs().max())
         assert torch.allclose(fused[name], grad, rtol=0, atol=1e-4 * scale + 1e-12), name
+
+
+@pytest.mark.skipif(NATIVE is None, reason="the native kernels do not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_chunk_grad_scatters_repeated_and_foreign_ids(dtype):
+    """The native dz of one chunk against `_chunk_grad` on the same logits, with m = 4 scored ids per position
+    (top-k distillation's target and support): ids repeated within a row (their gradients summed, as
+    scatter_add does) and ids outside this rank's slice (vocab_start 100: skipped). Broken on purpose: a
+    repeated id scattered once, and the foreign ids taken as local ones.
+
+    Per element the two compute the same fp32 expression in the same order, but for the exponential (an ulp or
+    two each: 4u relative on p) and the divisions by T, which the kernel takes as products with the rounded
+    1 / T (within 2u relative of torch's quotient). So x = z / T may differ by dx = 2u |x|, and each rounded
+    op after it may then round the other way (2u of its result):
+      x - mean_z            dx + 2u |x - m|                     = d_xm
+      (x - m) g_H + g_sum   |g_H| d_xm + 2u |(x - m) g_H| + 2u |coef|           = d_coef
+      p = e^(x - lse)       p (dx + 2u |x - lse| + 4u)                          = d_p
+      p coef / T            (d_p |coef| + p d_coef + 2u |p coef|) / T + (2u + 2 u_out) |dz| (the final
+                            product with 1 / T, a scored id's added gradients, the rounding to the output dtype)
+    plus the smallest normal."""
+    g = torch.Generator().manual_seed(3)
+    rows, hidden, vocab, temperature, vocab_start = 37, 16, 300, 0.7, 100
+    h = torch.randn(rows, hidden, generator=g).to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g) * 0.5).to(dtype)
+    ids = torch.randint(vocab_start, vocab_start + vocab, (rows, 4), generator=g)
+    ids[:, 2] = ids[:, 0]  # a repeated id in every row
+    ids[::3, 3] = vocab_start + vocab + 5  # another rank's id
+    ids[1::5, 1] = 7
+    grad_logp, grad_entropy = torch.randn(rows, 4, generator=g), torch.randn(rows, generator=g)
+    logp, lse, mean_z = head_logprobs._logit_stats(
+        head_logprobs._chunk_logits(h, w, temperature), ids, vocab_start, None
+    )
+    expected = head_logprobs._chunk_grad(
+        h, w, ids, lse, mean_z, temperature, vocab_start, grad_logp, grad_entropy
+    )
+    z = h @ w.T
+    x = z.float() / temperature
+    p = (x - lse[:, None]).exp()
+    coef = grad_logp.sum(-1, keepdim=True) + (x - mean_z[:, None]) * grad_entropy[:, None]
+    u_out = U32 if dtype == torch.float32 else U16
+
+    def error(native_grad):
+        got = native_grad(z.clone(), ids, lse, mean_z, temperature, vocab_start, grad_logp, grad_entropy)
+        assert got.dtype == dtype
+        dx = 2 * U32 * x.abs()
+        d_xm = dx + 2 * U32 * (x - mean_z[:, None]).abs()
+        g_h = grad_entropy.abs()[:, None]
+        d_coef = g_h * d_xm + 2 * U32 * ((x - mean_z[:, None]).abs() * g_h + coef.abs())
+        d_p = p * (dx + 2 * U32 * (x - lse[:, None]).abs() + 4 * U32)
+        d_pc = d_p * coef.abs() + p * d_coef + 2 * U32 * (p * coef).abs()
+        bound = d_pc / temperature + (2 * U32 + 2 * u_out) * expected.abs() + 2.0**-126
+        return float(((got.float() - expected.to(dtype).float()).abs() / bound).max())
+
+    def native(z, *args):
+        return head_logprobs._native_grad(z, *args, NATIVE)
+
+    assert error(native) <= 1
+    assert expected.abs().max() > 0.1
+
+    def scattered_once(z, ids, *args):  # a repeated id's second gradient dropped
+        grads = args[4].clone()
+        grads[:, 2] = 0
+        return head_logprobs._native_grad(z, ids, *args[:4], grads, args[5], NATIVE)
+
+    def foreign_taken(
+        z, ids, lse, mean_z, temperature, vocab_start, *rest
+    ):  # no slice: other ranks' ids kept
+        return NATIVE.grad_(
+            z, temperature, lse, mean_z, rest[1], rest[0], (ids - vocab_start).clamp(0, vocab - 1)
+        )
+
+    assert error(scattered_once) > 1 and error(foreign_taken) > 1

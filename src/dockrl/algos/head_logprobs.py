@@ -24,9 +24,16 @@ part (the caller's copy_to_tp sums it over ranks, as for the plain LM head).
 
 The matmuls run in the dtype the LM head would (the weight's, or autocast's when autocast is on), the softmax
 statistics in fp32: the values are those of `token_logprobs(F.linear(h, W))` up to summation order.
+
+`kernels` (a `HeadKernels`: models/native/head.py's, which the training engine passes on a CPU) does the
+per-chunk softmax work above in C, one pass over the matmul's own output for each of the forward's maximum and
+sums and the backward's dz (written in the logits' place, in the compute dtype), instead of torch's ~10 passes
+over an fp32 copy: the same per-element values, the sums in another order.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,6 +46,36 @@ from torch import Tensor
 # tokens 6.7 s, 131 tokens 6.8 s, 32 tokens 11.3 s, 16 tokens 20 s (the old floor of 16 was far too small).
 _CHUNK_ELEMENTS = 1 << 21
 _MIN_CHUNK_TOKENS = 128
+
+
+class HeadKernels(Protocol):
+    """The per-chunk softmax work of the fused head, natively (models/native/head.py implements it). z is a
+    chunk's matmul output [c, Vl] (fp32 or bf16), x = z / temperature."""
+
+    def peak(self, z: Tensor, temperature: float) -> Tensor:
+        """max_j x_j per row, fp32 [c]."""
+        ...
+
+    def sums(self, z: Tensor, temperature: float, peak: Tensor) -> tuple[Tensor, Tensor]:
+        """(sum_j e^(x_j - peak), sum_j e^(x_j - peak) (x_j - peak)) per row, fp32 [c] each."""
+        ...
+
+    def grad_(
+        self,
+        z: Tensor,
+        temperature: float,
+        lse: Tensor,
+        mean_z: Tensor,
+        grad_entropy: Tensor | None,
+        grad_logp: Tensor | None,
+        ids: Tensor,
+    ) -> Tensor:
+        """`_chunk_grad`'s dz from z, in z's dtype, written over z; ids [c, m] local (-1: not in the slice)."""
+        ...
+
+    def accumulate_(self, dst: Tensor, src: Tensor) -> None:
+        """dst (fp32) += src."""
+        ...
 
 
 def chunk_tokens(vocab: int, elements: int = _CHUNK_ELEMENTS) -> int:
@@ -55,15 +92,18 @@ def head_token_stats(
     vocab_start: int = 0,
     group: dist.ProcessGroup | None = None,
     chunk: int | None = None,
+    kernels: HeadKernels | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(log-probs [N], entropies [N]) fp32 of `targets` [N] under softmax(hidden [N, H] @ weight [Vl, H].T / T).
 
     Differentiable w.r.t. `hidden` and `weight`. `vocab_start`: the first id of this rank's vocab slice and
     `group` the tp group (None: the whole vocabulary is here). `chunk`: tokens per chunk (default: about
-    `_CHUNK_ELEMENTS / Vl`).
+    `_CHUNK_ELEMENTS / Vl`). `kernels`: the softmax work natively (the module docstring); None: torch's ops.
     """
     _check_args(hidden, targets, temperature)
-    logp, entropy = _scored_stats(hidden, weight, targets[:, None], temperature, vocab_start, group, chunk)
+    logp, entropy = _scored_stats(
+        hidden, weight, targets[:, None], temperature, vocab_start, group, chunk, kernels
+    )
     return logp[:, 0], entropy
 
 
@@ -77,6 +117,7 @@ def head_support_stats(
     vocab_start: int = 0,
     group: dist.ProcessGroup | None = None,
     chunk: int | None = None,
+    kernels: HeadKernels | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """As `head_token_stats`, plus the log-probs [N, k] fp32 of `support` [N, k] (global ids: the teacher's
     top-k at each position), all from one logsumexp per position and differentiable alike."""
@@ -84,7 +125,7 @@ def head_support_stats(
     if support.dim() != 2 or support.shape[0] != targets.shape[0]:
         raise ValueError(f"support must be [N, k] with N = {targets.shape[0]}; got {tuple(support.shape)}")
     ids = torch.cat([targets[:, None].long(), support.long()], dim=-1)  # [N, 1 + k]
-    logp, entropy = _scored_stats(hidden, weight, ids, temperature, vocab_start, group, chunk)
+    logp, entropy = _scored_stats(hidden, weight, ids, temperature, vocab_start, group, chunk, kernels)
     return logp[:, 0], entropy, logp[:, 1:]
 
 
@@ -100,6 +141,7 @@ def head_top_k(
     group: dist.ProcessGroup | None = None,
     chunk: int | None = None,
     num_ids: int | None = None,
+    kernels: HeadKernels | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(log-probs of `targets` [N], the k most likely ids [N, k] int64, their log-probs [N, k]) fp32 under
     softmax(hidden @ weight.T / T), most likely first; no grad (the teacher's side of top-k distillation).
@@ -108,7 +150,8 @@ def head_top_k(
 
     Under tensor parallelism each rank takes the top min(k, Vl) of its slice (a global top-k id is in its
     rank's local top-k), the candidates [c, tp x min(k, Vl)] are all-gathered and the top-k of them kept: every
-    rank ends with the same ids, those of the unsplit vocabulary (up to the order of exactly tied logits)."""
+    rank ends with the same ids, those of the unsplit vocabulary (up to the order of exactly tied logits).
+    `kernels`: the statistics natively, as in `head_token_stats`."""
     _check_args(hidden, targets, temperature)
     tp = 1 if group is None else dist.get_world_size(group)
     num_ids = weight.shape[0] * tp if num_ids is None else min(num_ids, weight.shape[0] * tp)
@@ -124,9 +167,17 @@ def head_top_k(
         top_logp = torch.empty(num, k, device=h.device)  # [N, k]
         for start in range(0, num, chunk):
             tokens = slice(start, start + chunk)
-            z = _chunk_logits(h[tokens], w, temperature)  # [c, Vl]
-            values, ids = _gathered_top_k(z, k, vocab_start, group, num_ids)  # [c, k] each
-            picked, lse, _ = _logit_stats(z, targets[tokens, None], vocab_start, group)  # z is spent
+            if kernels is None:
+                z = _chunk_logits(h[tokens], w, temperature)  # [c, Vl]
+                values, ids = _gathered_top_k(z, k, vocab_start, group, num_ids)  # [c, k] each
+                picked, lse, _ = _logit_stats(z, targets[tokens, None], vocab_start, group)  # z is spent
+            else:  # the top-k of z, then / T (the same order: T > 0), and the statistics by the kernels
+                z = h[tokens] @ w.T  # [c, Vl]
+                values, ids = _gathered_top_k(z, k, vocab_start, group, num_ids)
+                values = values.float() / temperature if temperature != 1.0 else values.float()
+                picked, lse, _ = _native_stats(
+                    z, targets[tokens, None], temperature, vocab_start, group, kernels
+                )
             logp[tokens], top_ids[tokens], top_logp[tokens] = picked[:, 0], ids, values - lse[:, None]
     return logp, top_ids, top_logp
 
@@ -162,7 +213,9 @@ def _check_args(hidden: Tensor, targets: Tensor, temperature: float) -> None:
         )
 
 
-def _scored_stats(hidden, weight, ids, temperature, vocab_start, group, chunk) -> tuple[Tensor, Tensor]:
+def _scored_stats(
+    hidden, weight, ids, temperature, vocab_start, group, chunk, kernels
+) -> tuple[Tensor, Tensor]:
     """(log-probs [N, m] of `ids` [N, m], entropies [N]) through the fused head (see the module docstring)."""
     return _HeadTokenStats.apply(
         hidden,
@@ -173,6 +226,7 @@ def _scored_stats(hidden, weight, ids, temperature, vocab_start, group, chunk) -
         group,
         chunk or chunk_tokens(weight.shape[0]),
         _compute_dtype(hidden, weight),
+        kernels,
     )
 
 
@@ -186,7 +240,7 @@ def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
 
 class _HeadTokenStats(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, vocab_start, group, chunk, compute):
+    def forward(ctx, hidden, weight, targets, temperature, vocab_start, group, chunk, compute, kernels):
         ctx.set_materialize_grads(False)
         with torch.autocast(hidden.device.type, enabled=False):
             h, w = hidden.to(compute), weight.to(compute)
@@ -194,20 +248,25 @@ class _HeadTokenStats(torch.autograd.Function):
             lse, mean_z = (torch.empty(h.shape[0], device=h.device) for _ in range(2))  # [N] fp32 each
             for start in range(0, h.shape[0], chunk):
                 tokens = slice(start, start + chunk)
-                z = _chunk_logits(h[tokens], w, temperature)  # [c, Vl]
-                stats = _logit_stats(z, targets[tokens], vocab_start, group)
+                if kernels is None:
+                    z = _chunk_logits(h[tokens], w, temperature)  # [c, Vl]
+                    stats = _logit_stats(z, targets[tokens], vocab_start, group)
+                else:
+                    stats = _native_stats(
+                        h[tokens] @ w.T, targets[tokens], temperature, vocab_start, group, kernels
+                    )
                 logp[tokens], lse[tokens], mean_z[tokens] = stats
         ctx.save_for_backward(hidden, weight, targets, lse, mean_z)
-        ctx.args = (temperature, vocab_start, chunk, compute)
+        ctx.args = (temperature, vocab_start, chunk, compute, kernels)
         return logp, lse - mean_z
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, targets, lse, mean_z = ctx.saved_tensors
-        temperature, vocab_start, chunk, compute = ctx.args
+        temperature, vocab_start, chunk, compute, kernels = ctx.args
         grad_hidden = grad_weight = None
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 8
+            return (None,) * 9
         with torch.autocast(hidden.device.type, enabled=False):
             h, w = hidden.to(compute), weight.to(compute)
             if ctx.needs_input_grad[0]:
@@ -216,22 +275,25 @@ class _HeadTokenStats(torch.autograd.Function):
                 grad_weight = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
             for start in range(0, h.shape[0], chunk):
                 tokens = slice(start, start + chunk)
-                dz = _chunk_grad(
-                    h[tokens],
-                    w,
-                    targets[tokens],
+                chunk_grads = (
                     lse[tokens],
                     mean_z[tokens],
                     temperature,
                     vocab_start,
                     None if grad_logp is None else grad_logp[tokens],
                     None if grad_entropy is None else grad_entropy[tokens],
-                ).to(compute)
+                )
+                if kernels is None:
+                    dz = _chunk_grad(h[tokens], w, targets[tokens], *chunk_grads).to(compute)
+                else:
+                    dz = _native_grad(h[tokens] @ w.T, targets[tokens], *chunk_grads, kernels)
                 if grad_hidden is not None:
                     grad_hidden[tokens] = dz @ w
                 if grad_weight is not None:
                     if compute == torch.float32:
                         grad_weight.addmm_(dz.T, h[tokens])
+                    elif kernels is not None:  # one pass, no fp32 copy of the product
+                        kernels.accumulate_(grad_weight, dz.T @ h[tokens])
                     else:
                         grad_weight += dz.T @ h[tokens]
                 del dz  # before the next chunk's buffers exist
@@ -239,7 +301,7 @@ class _HeadTokenStats(torch.autograd.Function):
             grad_hidden = grad_hidden.to(hidden.dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def _chunk_logits(h: Tensor, w: Tensor, temperature: float) -> Tensor:
@@ -267,6 +329,12 @@ def _logit_stats(z, targets, vocab_start, group) -> tuple[Tensor, Tensor, Tensor
     e = z.exp()  # [c, Vl]
     sum_exp = e.sum(-1)
     weighted = e.mul_(z).sum(-1)  # sum e^(z-m) (z-m)
+    return _reduced_stats(peak, sum_exp, weighted, picked, group)
+
+
+def _reduced_stats(peak, sum_exp, weighted, picked, group) -> tuple[Tensor, Tensor, Tensor]:
+    """(logp [c, m], lse [c], sum p z [c]) from a chunk's shift `peak` (already all-reduced) and its sums
+    over this rank's slice (all-reduced here): sum e^(z-m), sum e^(z-m) (z-m), the picked logits [c, m]."""
     sums = torch.cat([sum_exp[:, None], weighted[:, None], picked], dim=-1)  # [c, 2 + m]
     if group is not None:
         dist.all_reduce(sums, group=group)
@@ -274,6 +342,28 @@ def _logit_stats(z, targets, vocab_start, group) -> tuple[Tensor, Tensor, Tensor
     lse = peak + sum_exp.log()
     mean_z = weighted / sum_exp + peak  # sum p z
     return picked - lse[:, None], lse, mean_z
+
+
+def _native_stats(z, targets, temperature, vocab_start, group, kernels) -> tuple[Tensor, Tensor, Tensor]:
+    """`_logit_stats` of a chunk's matmul output z [c, Vl] (not yet divided by the temperature) by `kernels`."""
+    peak = kernels.peak(z, temperature)  # [c]
+    if group is not None:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    local, inside = _local_targets(targets, vocab_start, z.shape[-1])
+    picked = z.gather(-1, local).float()  # [c, m]
+    if temperature != 1.0:
+        picked = picked.div_(temperature)
+    sum_exp, weighted = kernels.sums(z, temperature, peak)
+    return _reduced_stats(peak, sum_exp, weighted, picked * inside, group)
+
+
+def _native_grad(
+    z, targets, lse, mean_z, temperature, vocab_start, grad_logp, grad_entropy, kernels
+) -> Tensor:
+    """`_chunk_grad` of a chunk's matmul output z [c, Vl] by `kernels`, in z's dtype (over z)."""
+    local, inside = _local_targets(targets, vocab_start, z.shape[-1])
+    ids = torch.where(inside, local, -1)
+    return kernels.grad_(z, temperature, lse, mean_z, grad_entropy, grad_logp, ids)
 
 
 def _chunk_grad(h, w, targets, lse, mean_z, temperature, vocab_start, grad_logp, grad_entropy) -> Tensor:

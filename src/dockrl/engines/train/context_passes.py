@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from dockrl.algos.head_logprobs import head_support_stats, head_token_stats, head_top_k
+from dockrl.algos.head_logprobs import HeadKernels, head_support_stats, head_token_stats, head_top_k
 from dockrl.engines.train.batch import MicroBatch
 from dockrl.parallel.context import ContextShard, cp_sum, local_sequence, local_tokens, spread
 
@@ -28,6 +28,9 @@ class TrainEngine(Protocol):
     context: ContextShard | None
     tp_group: dist.ProcessGroup | None
     vocab_start: int
+
+    @property
+    def head_kernels(self) -> HeadKernels | None: ...
 
     def autocast(self) -> AbstractContextManager[Any]: ...
 
@@ -53,6 +56,7 @@ def support_stats(
             temperature,
             vocab_start=engine.vocab_start,
             group=engine.tp_group,
+            kernels=engine.head_kernels,
         )  # [n], [n], [n, k]
         grid = flat.new_zeros(rows * width, dtype=torch.float32)
         support_grid = flat.new_zeros(rows * width, k, dtype=torch.float32)
@@ -94,6 +98,7 @@ def top_k_pass(
             vocab_start=engine.vocab_start,
             group=engine.tp_group,
             num_ids=num_ids,
+            kernels=engine.head_kernels,
         )  # [n], [n, k], [n, k]
 
     positions = local.positions.expand(mb.input_ids.shape[0], -1)  # [B, Tl]
@@ -126,6 +131,7 @@ def token_stats(
             temperature,
             vocab_start=engine.vocab_start,
             group=engine.tp_group,
+            kernels=engine.head_kernels,
         )  # [n] each
         grid = flat.new_zeros(rows * width, dtype=torch.float32)
         return grid.index_copy(0, local.grid_index, logp), grid.index_copy(0, local.grid_index, entropy)

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-SOURCES = (Path(__file__).with_name("decode.c"), Path(__file__).with_name("linear.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "linear.c", "head.c"))
 # -ffast-math: the sums vectorise (reassociation) and expf uses glibc's vector variants; contraction off: no
 # FMA where torch rounds a product before adding (decode.c's header).
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -57,6 +57,15 @@ _SIGNATURES = {
         + [_P, _I, _I, _I, _I, _F],  # out, B, N, K, D, scale
         ctypes.c_int,
     ),
+    # head.c (models/native/head.py): the fused LM head's softmax work; z, rows, vocab, ldz, temperature first
+    "dockrl_head_max": ([_P, _I, _I, _I, _F, _P], None),  # peak
+    "dockrl_head_sums": ([_P, _I, _I, _I, _F, _P, _P, _P], None),  # peak, sum_exp, weighted
+    "dockrl_head_grad": (
+        [_P, _I, _I, _I, _F, _P, _P, _P, _P]  # lse, mean_z, g_entropy, g_sum
+        + [_P, _P, _P, _I, _P, _I],  # ids, g_ids, z_ids, m, dz, its row stride
+        None,
+    ),
+    "dockrl_head_accumulate": ([_P, _P, _I], None),  # dst (fp32), src, n
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _LINEAR_SIGNATURES = {  # linear.c: the bf16 projections on AMX tiles, and a decode step's layers with them
