@@ -177,8 +177,8 @@ class TrainEngine:
                 betas=(optim.adam_beta1, optim.adam_beta2),
                 eps=optim.adam_eps,
                 weight_decay=optim.weight_decay,
-                # one kernel per parameter instead of ~6 elementwise passes (3.8x the for-loop step on a CPU,
-                # the same values: tests/unit/test_train_engine_optim.py)
+                # one kernel per parameter instead of ~6 elementwise passes (3.8x the for-loop step on a CPU;
+                # the same steps up to each step's rounding: tests/unit/test_train_engine_optim.py)
                 fused=True,
             )
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
