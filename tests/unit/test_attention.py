@@ -1,4 +1,6 @@
 """The decoder's causal attention: bf16 on a CPU (SDPA forward, dockrl's block-causal backward) against float64.
+Each backward test runs both paths of that backward: torch's ops and the native kernel (models/native/attention.c,
+where it builds), which rounds less (all fp32, bf16 once at the end) and so meets the same bounds.
 
 Tolerances come from bf16 rounding. Every value in the bf16 backward passes through at most a few roundings to bf16
 (unit roundoff u = 2^-9): the probabilities before p.T @ dout, dp = dout @ v.T, the forward output behind
@@ -12,9 +14,25 @@ import torch
 import torch.nn.functional as F
 
 import dockrl.models.attention as attention
+from dockrl.models import native
 from dockrl.models.attention import causal_attention
 
 BOUND = 8 * 2.0**-9  # c * u, see the module docstring
+
+
+@pytest.fixture(
+    params=[
+        "torch",
+        pytest.param(
+            "native",
+            marks=pytest.mark.skipif(not native.available(), reason="the native kernels do not build"),
+        ),
+    ]
+)
+def path(request, monkeypatch):
+    """The backward's path: torch's ops, or the native kernel."""
+    monkeypatch.setattr(attention, "_native_backward", lambda: request.param == "native")
+    return request.param
 
 
 def _reference(q, k, v, grad_out):
@@ -68,14 +86,23 @@ def _inputs(batch, heads, kv_heads, seq, dim):
 
 @pytest.mark.parametrize(
     "batch,heads,kv_heads,seq,dim",
-    [(3, 4, 2, 37, 16), (2, 8, 4, 64, 32), (4, 2, 2, 5, 8), (1, 4, 1, 1, 8), (5, 6, 3, 19, 8)],
+    [
+        (3, 4, 2, 37, 16),
+        (2, 8, 4, 64, 32),
+        (4, 2, 2, 5, 8),
+        (1, 4, 1, 1, 8),
+        (5, 6, 3, 19, 8),
+        (1, 4, 2, 40, 64),  # the native kernel's register paths: heads of 32, 64 and 128
+        (1, 2, 1, 21, 128),
+    ],
 )
 @pytest.mark.parametrize("block_elements", [1 << 22, 64])
 def test_bf16_cpu_attention_and_gradients_match_float64(
-    batch, heads, kv_heads, seq, dim, block_elements, monkeypatch
+    batch, heads, kv_heads, seq, dim, block_elements, path, monkeypatch
 ):
-    """Grouped queries (1 to 4 per kv head), lengths that split into uneven query blocks, one token, and row
-    chunks of one (block_elements=64) or all rows."""
+    """Grouped queries (1 to 4 per kv head), lengths that split into uneven query blocks (and the native
+    kernel's blocks of 8 queries and 16 keys), one token, and row chunks of one (block_elements=64) or all
+    rows."""
     monkeypatch.setattr(attention, "_BLOCK_ELEMENTS", block_elements)
     q, k, v, grad_out = _inputs(batch, heads, kv_heads, seq, dim)
     out = causal_attention(q, k, v)
@@ -100,11 +127,37 @@ def _bias_one_key_late(start, end, num_groups):
     return torch.zeros(future.shape).masked_fill_(future, float("-inf"))
 
 
-@pytest.mark.parametrize("broken", [("_block_probs", _unscaled_probs), ("_causal_bias", _bias_one_key_late)])
+_NATIVE_BACKWARD = native.attention_backward
+
+
+def _native_keys_for_values(q, k, v, out, grad_out):
+    """A broken native backward: the keys passed as the values (a wrong operand)."""
+    return _NATIVE_BACKWARD(q, k, k, out, grad_out)
+
+
+def _native_without_delta(q, k, v, out, grad_out):
+    """A broken native backward: rowsum(dout * out) dropped from ds (a missing term)."""
+    return _NATIVE_BACKWARD(q, k, v, torch.zeros_like(out), grad_out)
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        (attention, "_block_probs", _unscaled_probs),
+        (attention, "_causal_bias", _bias_one_key_late),
+        (native, "attention_backward", _native_keys_for_values),
+        (native, "attention_backward", _native_without_delta),
+    ],
+)
 def test_the_bounds_fail_a_broken_backward(broken, monkeypatch):
-    """The check above, run against a backward with a missing scale or an off-by-one mask, must fail: the bounds
-    are not so loose that a wrong gradient passes."""
-    monkeypatch.setattr(attention, *broken)
+    """The check above, run against a backward with a missing scale or an off-by-one mask (torch's ops), or with
+    a wrong operand or a missing term (the native kernel), must fail: the bounds are not so loose that a wrong
+    gradient passes."""
+    module, name, replacement = broken
+    if module is native and not native.available():
+        pytest.skip("the native kernels do not build here")
+    monkeypatch.setattr(attention, "_native_backward", lambda: module is native)
+    monkeypatch.setattr(module, name, replacement)
     q, k, v, grad_out = _inputs(3, 4, 2, 37, 16)
     causal_attention(q, k, v).backward(grad_out)
     _, expected_grads, mags = _reference(q, k, v, grad_out)
@@ -113,11 +166,13 @@ def test_the_bounds_fail_a_broken_backward(broken, monkeypatch):
 
 
 @pytest.mark.parametrize("amx", [True, False])
-def test_long_sequences_take_torchs_backward_on_amx(amx, monkeypatch):
-    """From AMX_FLASH_BACKWARD_TOKENS tokens on a CPU with AMX tiles the backward is torch's flash kernel, and
-    its output and gradients meet the same bounds against float64; below it, or without AMX, ours."""
+def test_long_sequences_take_torchs_backward_on_amx(amx, path, monkeypatch):
+    """From AMX_FLASH_BACKWARD_TOKENS tokens on a CPU with AMX tiles (AMX_FLASH_OVER_NATIVE_TOKENS where the
+    native backward runs) the backward is torch's flash kernel, and its output and gradients meet the same
+    bounds against float64; below it, or without AMX, ours."""
     monkeypatch.setattr(attention, "_has_amx", lambda: amx)
-    long = attention.AMX_FLASH_BACKWARD_TOKENS
+    native_path = path == "native"
+    long = attention.AMX_FLASH_OVER_NATIVE_TOKENS if native_path else attention.AMX_FLASH_BACKWARD_TOKENS
     for seq, flash in ((long - 1, False), (long, amx)):
         q, k, v, grad_out = _inputs(1, 2, 1, seq, 8)
         out = causal_attention(q, k, v)

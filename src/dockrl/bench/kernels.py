@@ -8,7 +8,10 @@ of --rows x --tokens (28 x 143: one of the e2e workload's token-budget micro-bat
             fp32 against bf16 weights (what run.precision picks), and with --compile each decoder layer under
             torch.compile(dynamic=True) (inductor), whose compile time is reported beside it
   attention one layer's causal attention, forward + backward in bf16: torch's SDPA against dockrl's
-            (SDPA forward, block-causal backward: dockrl.models.attention)
+            (SDPA forward, block-causal backward: dockrl.models.attention), its backward in torch's ops and
+            as the native kernel (models/native/attention.c; left out, with the reason, where not built)
+  head      the fused LM head's log-probs and entropies, forward + backward in bf16, at --rows x --tokens
+            tokens and --vocab-size: torch's ops against the native softmax kernels (models/native/head.c)
   packed    one layer's attention over a packed micro-batch (padding-free training), forward + backward in bf16
             and fp32: one call per distinct row length against like lengths padded into buckets
             (packed_causal_attention, PAD_WASTE), for --small's micro-batch (128 rows of 17-27 tokens: prompt +
@@ -32,9 +35,10 @@ others isolate one op at the micro-batch's shape.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 
@@ -51,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--decode-rows", type=int, default=128, help="rows of the decode attention rows")
     parser.add_argument("--decode-keys", type=int, default=200, help="cached keys per row there")
+    parser.add_argument("--vocab-size", type=int, default=8000, help="the LM head rows' vocabulary")
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -150,6 +155,7 @@ def _op_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
     import torch.nn.functional as F
 
+    from dockrl.models import native
     from dockrl.models.attention import causal_attention
     from dockrl.models.decoder import apply_rope
     from dockrl.models.rms_norm import rms_norm
@@ -172,12 +178,21 @@ def _op_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     def sdpa() -> None:
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(grad)
 
-    def ours() -> None:
-        causal_attention(q, k, v).backward(grad)
+    def ours(native_backward: bool) -> None:
+        with _native_attention(native_backward):
+            causal_attention(q, k, v).backward(grad)
 
     base = _best(sdpa, args.repeats)
     out.append(_row("attention fwd+bwd (bf16)", "torch SDPA", base, base))
-    out.append(_row("attention fwd+bwd (bf16)", "dockrl backward", _best(ours, args.repeats), base))
+    out.append(
+        _row("attention fwd+bwd (bf16)", "dockrl backward", _best(lambda: ours(False), args.repeats), base)
+    )
+    if native.available():
+        native_s = _best(lambda: ours(True), args.repeats)
+        out.append(_row("attention fwd+bwd (bf16)", "dockrl backward, native", native_s, base))
+    else:
+        out.append({"what": "attention fwd+bwd (bf16)", "variant": f"native: {native.status()}"})
+    out += _head_rows(args, gen)
     out += _packed_rows(args, heads, kv_heads, dim, gen)
 
     x, weight = leaf(rows, tokens, hidden), leaf(hidden)
@@ -233,6 +248,50 @@ def _op_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
     out += _decode_rows(args, heads, kv_heads, dim, gen)
     out += _projection_rows(args, heads, kv_heads, dim, gen)
+    return out
+
+
+@contextlib.contextmanager
+def _native_attention(on: bool) -> Iterator[None]:
+    """The training attention's backward natively (`on`, where built) or in torch's ops, for a while."""
+    from dockrl.models import attention, native
+
+    before = attention._native_backward
+    attention._native_backward = lambda: on and native.available()
+    try:
+        yield
+    finally:
+        attention._native_backward = before
+
+
+def _head_rows(args: argparse.Namespace, gen: Any) -> list[dict[str, Any]]:
+    """The fused LM head's forward + backward over --rows x --tokens tokens at --vocab-size (bf16): torch's
+    ops against the native softmax kernels."""
+    import torch
+
+    from dockrl.algos.head_logprobs import head_token_stats
+    from dockrl.models import native
+    from dockrl.models.native.head import head_kernels
+
+    tokens = args.rows * args.tokens
+    hidden = torch.randn(tokens, args.hidden_size, generator=gen).bfloat16().requires_grad_()
+    weight = (
+        (torch.randn(args.vocab_size, args.hidden_size, generator=gen) * 0.05).bfloat16().requires_grad_()
+    )
+    targets = torch.randint(0, args.vocab_size, (tokens,), generator=gen)
+    what = f"LM head fwd+bwd (bf16, vocab {args.vocab_size})"
+
+    def run(kernels: Any) -> None:
+        logp, entropy = head_token_stats(hidden, weight, targets, kernels=kernels)
+        (logp.sum() + 0.01 * entropy.sum()).backward()
+
+    base = _best(lambda: run(None), args.repeats)
+    out = [_row(what, "torch ops", base, base)]
+    kernels = head_kernels()
+    if kernels is None:
+        out.append({"what": what, "variant": f"native: {native.status()}"})
+    else:
+        out.append(_row(what, "native kernels", _best(lambda: run(kernels), args.repeats), base))
     return out
 
 

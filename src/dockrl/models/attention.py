@@ -21,6 +21,11 @@ The matmuls take bf16 inputs (fp32 accumulation inside the CPU kernel) except th
 softmax, ds and the dk / dv sums are fp32. Query heads are grouped per key/value head (head n reads key/value
 head n // G, as transformers' repeat_kv orders them). The transient buffers of one block are a few
 [c K, G Tq, Tk] fp32 tensors of about `_BLOCK_ELEMENTS` elements whatever B is.
+
+Where the native kernels load (models/native, `native.available()`), that backward is one C call per layer
+instead (models/native/attention.c: the same steps, all in fp32 in registers-sized blocks, rounded to bf16 once):
+1.9x torch's ops at 8 rows of 147 tokens, 1.8x torch's flash backward at 512-640 tokens (`dockrl bench
+kernels`), so on an AMX CPU torch's flash backward takes over only from AMX_FLASH_OVER_NATIVE_TOKENS.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from dockrl.models import native
 
 # Elements of one block's [c K, G Tq, Tk] fp32 score buffer (2^22: 16 MiB); the backward holds about three.
 _BLOCK_ELEMENTS = 1 << 22
@@ -49,6 +56,9 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
 # (one thread, 8 query and 4 key/value heads of 32: ours 1.15x faster at 512 tokens, even at 640, flash 1.8x
 # faster at 768 and 2.3x at 2,048, where ours computes 5/8 of the fp32 score matrix without AMX).
 AMX_FLASH_BACKWARD_TOKENS = 640
+# The same against the native backward (one thread, 8 query and 4 key/value heads of 32, bf16: native 1.8x faster
+# at 640 tokens, even at 896, flash 1.2x faster at 1,024 and 1.4x at 2,048).
+AMX_FLASH_OVER_NATIVE_TOKENS = 896
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -56,9 +66,15 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     trained_in_bf16_on_cpu = (
         q.device.type == "cpu" and q.dtype == torch.bfloat16 and torch.is_grad_enabled() and q.requires_grad
     )
-    if trained_in_bf16_on_cpu and not (q.shape[2] >= AMX_FLASH_BACKWARD_TOKENS and _has_amx()):
+    flash_from = AMX_FLASH_OVER_NATIVE_TOKENS if _native_backward() else AMX_FLASH_BACKWARD_TOKENS
+    if trained_in_bf16_on_cpu and not (q.shape[2] >= flash_from and _has_amx()):
         return _CpuCausalAttention.apply(q, k, v)
     return sdpa(q, k, v)
+
+
+def _native_backward() -> bool:
+    """Whether `_CpuCausalAttention`'s backward is the native kernel (models/native/attention.c)."""
+    return native.available()
 
 
 @functools.cache
@@ -178,6 +194,8 @@ class _CpuCausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v, out = ctx.saved_tensors
+        if _native_backward():  # the same steps in one C call (the module docstring)
+            return native.attention_backward(q, k, v, out, grad_out.contiguous())
         batch, num_heads, seq, head_dim = q.shape
         num_kv_heads = k.shape[1]
         groups = num_heads // num_kv_heads

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "linear.c", "head.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "linear.c", "head.c", "attention.c"))
 # -ffast-math: the sums vectorise (reassociation) and expf uses glibc's vector variants; contraction off: no
 # FMA where torch rounds a product before adding (decode.c's header).
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -66,6 +66,9 @@ _SIGNATURES = {
         None,
     ),
     "dockrl_head_accumulate": ([_P, _P, _I], None),  # dst (fp32), src, n
+    # attention.c (`attention_backward`): q, k, v, out, dout, dq, dk, dv, each with its strides, then B, N, K,
+    # T, D, scale
+    "dockrl_attention_backward": ([_P, _P] * 8 + [_I, _I, _I, _I, _I, _F], ctypes.c_int),
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _LINEAR_SIGNATURES = {  # linear.c: the bf16 projections on AMX tiles, and a decode step's layers with them
@@ -232,6 +235,36 @@ def linear_available() -> bool:
 def linear_status() -> str:
     """'on', or why the AMX projections are off."""
     return _status if _load() is None else _linear_status
+
+
+def attention_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal attention's gradients (dq, dk, dv) in attention.c: q, out, grad_out [B, N, T, D] and k, v
+    [B, K, T, D] (K divides N; fp32 or bf16, one dtype, the last dim contiguous), the scale D^-0.5.
+    `available()` must be True."""
+    assert _kernels is not None, "attention_backward needs available()"
+    tensors = (q, k, v, out, grad_out)
+    if (
+        len({t.dtype for t in tensors}) != 1
+        or q.dtype not in _SUFFIX
+        or any(t.stride(3) != 1 for t in tensors)
+    ):
+        raise ValueError("attention_backward needs one dtype (fp32 or bf16) and a contiguous last dim")
+    batch, heads, seq, dim = q.shape
+    if k.shape[1] == 0 or heads % k.shape[1] or out.shape != q.shape or grad_out.shape != q.shape:
+        raise ValueError(f"attention_backward: shapes {[tuple(t.shape) for t in tensors]} do not fit")
+    grads = tuple(torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
+    strides = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in (*tensors, *grads)]  # alive during the call
+    args: list[Any] = []
+    for t, stride in zip((*tensors, *grads), strides):
+        args += [t.data_ptr(), ctypes.cast(stride, ctypes.c_void_p)]
+    failed = _kernels["dockrl_attention_backward", q.dtype](
+        *args, batch, heads, k.shape[1], seq, dim, dim**-0.5
+    )
+    if failed:
+        raise MemoryError("attention_backward: a thread's scratch could not be allocated")
+    return grads[0], grads[1], grads[2]
 
 
 class TiledLinear:
