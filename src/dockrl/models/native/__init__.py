@@ -244,27 +244,42 @@ def attention_backward(
     [B, K, T, D] (K divides N; fp32 or bf16, one dtype, the last dim contiguous), the scale D^-0.5.
     `available()` must be True."""
     assert _kernels is not None, "attention_backward needs available()"
-    tensors = (q, k, v, out, grad_out)
+    _check_attention((q, k, v, out, grad_out), q)
+    grads = tuple(torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
+    dq, dk, dv = _attention_call("dockrl_attention_backward", (q, k, v, out, grad_out), grads)
+    return dq, dk, dv
+
+
+def _check_attention(tensors: tuple[torch.Tensor, ...], q: torch.Tensor) -> None:
+    """attention.c's operands: one dtype (fp32 or bf16), the last dim contiguous, K dividing N, q's shape for
+    every [B, N, T, D] operand (the first three are q, k, v)."""
     if (
         len({t.dtype for t in tensors}) != 1
         or q.dtype not in _SUFFIX
         or any(t.stride(3) != 1 for t in tensors)
     ):
-        raise ValueError("attention_backward needs one dtype (fp32 or bf16) and a contiguous last dim")
-    batch, heads, seq, dim = q.shape
-    if k.shape[1] == 0 or heads % k.shape[1] or out.shape != q.shape or grad_out.shape != q.shape:
-        raise ValueError(f"attention_backward: shapes {[tuple(t.shape) for t in tensors]} do not fit")
-    grads = tuple(torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
-    strides = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in (*tensors, *grads)]  # alive during the call
+        raise ValueError("native attention needs one dtype (fp32 or bf16) and a contiguous last dim")
+    k = tensors[1]
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] or any(t.shape != q.shape for t in tensors[3:]):
+        raise ValueError(f"native attention: shapes {[tuple(t.shape) for t in tensors]} do not fit")
+
+
+def _attention_call(
+    name: str, inputs: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, ...]:
+    """Call attention.c's `name` with each tensor's pointer and (b, head, token) strides, then B, N, K, T, D and
+    the scale D^-0.5; returns `outputs`."""
+    assert _kernels is not None
+    q, k = inputs[0], inputs[1]
+    tensors = (*inputs, *outputs)
+    strides = [(ctypes.c_int64 * 3)(*t.stride()[:3]) for t in tensors]  # alive during the call
     args: list[Any] = []
-    for t, stride in zip((*tensors, *grads), strides):
+    for t, stride in zip(tensors, strides):
         args += [t.data_ptr(), ctypes.cast(stride, ctypes.c_void_p)]
-    failed = _kernels["dockrl_attention_backward", q.dtype](
-        *args, batch, heads, k.shape[1], seq, dim, dim**-0.5
-    )
-    if failed:
-        raise MemoryError("attention_backward: a thread's scratch could not be allocated")
-    return grads[0], grads[1], grads[2]
+    batch, heads, seq, dim = q.shape
+    if _kernels[name, q.dtype](*args, batch, heads, k.shape[1], seq, dim, dim**-0.5):
+        raise MemoryError(f"{name}: a thread's scratch could not be allocated")
+    return outputs
 
 
 class TiledLinear:
