@@ -24,8 +24,8 @@ head n // G, as transformers' repeat_kv orders them). The transient buffers of o
 
 Where the native kernels load (models/native, `native.available()`), that backward is one C call per layer
 instead (models/native/attention.c: the same steps, all in fp32 in registers-sized blocks, rounded to bf16 once):
-1.9x torch's ops at 8 rows of 147 tokens, 1.8x torch's flash backward at 512-640 tokens (`dockrl bench
-kernels`), so on an AMX CPU torch's flash backward takes over only from AMX_FLASH_OVER_NATIVE_TOKENS.
+1.9x torch's ops at 8 rows of 147 tokens, 1.8x torch's flash backward at 512-640 tokens (one layer, one thread:
+docs/benchmarks.md), so on an AMX CPU torch's flash backward takes over only from AMX_FLASH_OVER_NATIVE_TOKENS.
 """
 
 from __future__ import annotations
