@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import torch
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "linear.c", "head.c", "attention.c"))
+HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by the sources: part of the build's key
 # -ffast-math: the sums vectorise (reassociation) and expf uses glibc's vector variants; contraction off: no
 # FMA where torch rounds a product before adding (decode.c's header).
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -143,7 +144,7 @@ def _build(compiler: str) -> Path:
     key = hashlib.sha256(
         b"\0".join(
             [
-                *(source.read_bytes() for source in SOURCES),
+                *(source.read_bytes() for source in (*SOURCES, *HEADERS)),
                 " ".join(FLAGS).encode(),
                 _compiler_version(compiler).encode(),
                 _cpu_flags().encode(),

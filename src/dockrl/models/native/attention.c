@@ -25,25 +25,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define QB 8  /* queries per block: the keys' gradients are read and written once per block */
 #define JB 16 /* keys per score block: one vector */
-
-static inline float att_load_f32(float x) { return x; }
-static inline float att_store_f32(float x) { return x; }
-static inline float att_load_bf16(uint16_t x) {
-  uint32_t bits = (uint32_t)x << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-/* torch's c10::BFloat16 rounding: nearest even; a NaN stays a (quiet) NaN. */
-static inline uint16_t att_store_bf16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
-}
 
 /* 16 floats in one vector (two on AVX2), loaded and stored unaligned: sums held in registers */
 typedef float v16 __attribute__((vector_size(64)));
@@ -201,8 +186,8 @@ static void block_softmax_grads(float* s, float* dp, int64_t ld, const float* de
         const E* vb = v + b * vs[0] + h * vs[1];                                                              \
         for (int64_t j = 0; j < TP; ++j)                                                                      \
           for (int64_t d = 0; d < D; ++d) {                                                                   \
-            const float kv = j < T ? att_load_##SUF(kb[j * ks[2] + d]) : 0.0f;                                \
-            const float vv = j < T ? att_load_##SUF(vb[j * vs[2] + d]) : 0.0f;                                \
+            const float kv = j < T ? load_##SUF(kb[j * ks[2] + d]) : 0.0f;                                \
+            const float vv = j < T ? load_##SUF(vb[j * vs[2] + d]) : 0.0f;                                \
             k_cols[d * TP + j] = kv;                                                                          \
             v_cols[d * TP + j] = vv;                                                                          \
             k_rows[j * D + d] = kv;                                                                           \
@@ -219,9 +204,9 @@ static void block_softmax_grads(float* s, float* dp, int64_t ld, const float* de
                 const E* orow = out + b * os[0] + n * os[1] + i * os[2];                                      \
                 const E* gr = dout + b * dos[0] + n * dos[1] + i * dos[2];                                    \
                 for (int64_t d = 0; d < D; ++d) {                                                             \
-                  q_blk[r * D + d] = att_load_##SUF(qr[d]);                                                   \
-                  dout_blk[r * D + d] = att_load_##SUF(gr[d]);                                                \
-                  dl += dout_blk[r * D + d] * att_load_##SUF(orow[d]);                                        \
+                  q_blk[r * D + d] = load_##SUF(qr[d]);                                                   \
+                  dout_blk[r * D + d] = load_##SUF(gr[d]);                                                \
+                  dl += dout_blk[r * D + d] * load_##SUF(orow[d]);                                        \
                 }                                                                                             \
               } else {                                                                                        \
                 memset(q_blk + r * D, 0, sizeof(float) * D);                                                  \
@@ -236,7 +221,7 @@ static void block_softmax_grads(float* s, float* dp, int64_t ld, const float* de
             block_softmax_grads(s, dp, TP, delta, i0, R, L, k_rows, D, scale, dq_blk);                        \
             for (int64_t r = 0; r < R; ++r) {                                                                 \
               E* dqr = dq + b * dqs[0] + n * dqs[1] + (i0 + r) * dqs[2];                                      \
-              for (int64_t d = 0; d < D; ++d) dqr[d] = att_store_##SUF(dq_blk[r * D + d]);                   \
+              for (int64_t d = 0; d < D; ++d) dqr[d] = store_##SUF(dq_blk[r * D + d]);                   \
             }                                                                                                 \
             accumulate_keys(dp, s, TP, q_blk, dout_blk, R, L, D, dk_sum, dv_sum);                             \
           }                                                                                                   \
@@ -245,8 +230,8 @@ static void block_softmax_grads(float* s, float* dp, int64_t ld, const float* de
         E* dvb = dv + b * dvs[0] + h * dvs[1];                                                                \
         for (int64_t j = 0; j < T; ++j)                                                                       \
           for (int64_t d = 0; d < D; ++d) {                                                                   \
-            dkb[j * dks[2] + d] = att_store_##SUF(dk_sum[j * D + d]);                                         \
-            dvb[j * dvs[2] + d] = att_store_##SUF(dv_sum[j * D + d]);                                         \
+            dkb[j * dks[2] + d] = store_##SUF(dk_sum[j * D + d]);                                         \
+            dvb[j * dvs[2] + d] = store_##SUF(dv_sum[j * D + d]);                                         \
           }                                                                                                   \
       }                                                                                                       \
       free(scratch);                                                                                          \

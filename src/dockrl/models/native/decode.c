@@ -32,28 +32,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_GROUP 64
 #define MAX_HEAD_DIM 512
-
-static inline float load_f32(float x) { return x; }
-static inline float store_f32(float x) { return x; }
-static inline float load_bf16(uint16_t x) {
-  uint32_t bits = (uint32_t)x << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-/* torch's c10::BFloat16 rounding: nearest even; a NaN stays a (quiet) NaN. */
-static inline uint16_t store_bf16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
-}
-/* E -> E: the value torch keeps after an op whose fp32 result it stores as E. */
-#define ROUND_f32(x) (x)
-#define ROUND_bf16(x) load_bf16(store_bf16(x))
 
 /* 1 / sqrt(v) with two roundings, as torch.rsqrt on a CPU: -ffast-math would otherwise turn 1.0f / sqrtf(v)
  * into the rsqrt approximation; the empty asm hides the square root from that rewrite. */

@@ -27,22 +27,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float head_load_f32(float x) { return x; }
-static inline float head_store_f32(float x) { return x; }
-static inline float head_load_bf16(uint16_t x) {
-  uint32_t bits = (uint32_t)x << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-/* torch's c10::BFloat16 rounding: nearest even; a NaN stays a (quiet) NaN. */
-static inline uint16_t head_store_bf16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
-}
+#include "bf16.h"
 
 /* Rows in parallel where a chunk is large enough to pay for the threads' start (a chunk is ~2M elements). */
 #define HEAD_PARALLEL _Pragma("omp parallel for schedule(static) if (rows * vocab >= 262144)")
@@ -54,7 +39,7 @@ static inline uint16_t head_store_bf16(float f) {
       const E* zr = z + r * ldz;                                                                               \
       float top = -FLT_MAX;                                                                                    \
       _Pragma("omp simd reduction(max : top)") for (int64_t j = 0; j < vocab; ++j) top =                      \
-          fmaxf(top, head_load_##SUF(zr[j]));                                                                  \
+          fmaxf(top, load_##SUF(zr[j]));                                                                  \
       peak[r] = top / temperature; /* max(z) / T = max(z / T): division by T > 0 keeps the order */          \
     }                                                                                                          \
   }                                                                                                            \
@@ -66,7 +51,7 @@ static inline uint16_t head_store_bf16(float f) {
       const float top = peak[r];                                                                               \
       float total = 0.0f, moment = 0.0f;                                                                       \
       _Pragma("omp simd reduction(+ : total, moment)") for (int64_t j = 0; j < vocab; ++j) {                  \
-        float x = head_load_##SUF(zr[j]) / temperature - top;                                                  \
+        float x = load_##SUF(zr[j]) / temperature - top;                                                  \
         float e = expf(x);                                                                                     \
         total += e;                                                                                            \
         moment += e * x;                                                                                       \
@@ -90,10 +75,10 @@ static inline uint16_t head_store_bf16(float f) {
       const float ge = g_entropy != NULL ? g_entropy[r] : 0.0f, gs = g_sum != NULL ? g_sum[r] : 0.0f;        \
       const int entropy = g_entropy != NULL;                                                                   \
       _Pragma("omp simd") for (int64_t j = 0; j < vocab; ++j) {                                                \
-        float x = head_load_##SUF(zr[j]) / temperature;                                                        \
+        float x = load_##SUF(zr[j]) / temperature;                                                        \
         float p = expf(x - shift);                                                                             \
         float coef = (entropy ? (x - mean) * ge : 0.0f) + gs;                                                  \
-        dr[j] = head_store_##SUF(-(p * coef) / temperature);                                                   \
+        dr[j] = store_##SUF(-(p * coef) / temperature);                                                   \
       }                                                                                                        \
       if (ids == NULL) continue;                                                                               \
       const int64_t* row_ids = ids + r * m;                                                                    \
@@ -106,14 +91,14 @@ static inline uint16_t head_store_bf16(float f) {
         float value = -(p * ((entropy ? (x - mean) * ge : 0.0f) + gs));                                        \
         for (int64_t k = i; k < m; ++k)                                                                        \
           if (row_ids[k] == j) value += g_ids[r * m + k];                                                      \
-        dr[j] = head_store_##SUF(value / temperature);                                                         \
+        dr[j] = store_##SUF(value / temperature);                                                         \
       }                                                                                                        \
     }                                                                                                          \
   }                                                                                                            \
                                                                                                                \
   void dockrl_head_accumulate_##SUF(float* dst, const E* src, int64_t n) {                                     \
     _Pragma("omp parallel for simd schedule(static) if (n >= 262144)") for (int64_t i = 0; i < n; ++i) dst[i] += \
-        head_load_##SUF(src[i]);                                                                               \
+        load_##SUF(src[i]);                                                                               \
   }
 
 DEFINE_HEAD(f32, float)
