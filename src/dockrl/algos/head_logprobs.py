@@ -28,7 +28,8 @@ statistics in fp32: the values are those of `token_logprobs(F.linear(h, W))` up 
 `kernels` (a `HeadKernels`: models/native/head.py's, which the training engine passes on a CPU) does the
 per-chunk softmax work above in C, one pass over the matmul's own output for each of the forward's maximum and
 sums and the backward's dz (written in the logits' place, in the compute dtype), instead of torch's ~10 passes
-over an fp32 copy: the same per-element values, the sums in another order.
+over an fp32 copy: the same per-element math (x / T taken as x times the rounded 1 / T), the sums in another
+order, glibc's exp for torch's (models/native/head.c; tests/unit/test_head_logprobs.py bounds the difference).
 """
 
 from __future__ import annotations
