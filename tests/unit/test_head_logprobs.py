@@ -120,18 +120,6 @@ class _NativeWithFlippedEntropySign(HeadKernels):
         return super().grad_(z, temperature, lse, mean_z, flipped, *args)
 
 
-def _broken(path, terms, monkeypatch):
-    """(name, kernels) of the broken backwards for `path`; the torch ones are patched in when used."""
-    if path == "native":
-        assert NATIVE is not None
-        kinds = [_NativeWithoutInverseTemperature] + (
-            [_NativeWithFlippedEntropySign] if terms != "logp" else []
-        )
-        return [(kind.__name__, kind(NATIVE._kernels)) for kind in kinds]
-    broken = [_no_inverse_temperature] + ([_flipped_entropy_sign] if terms != "logp" else [])
-    return [(chunk_grad.__name__, chunk_grad) for chunk_grad in broken]
-
-
 def _fused(h, w, targets, temperature, coef, terms, chunk, autocast=False, kernels=None):
     """Run the fused pass and its backward on copies of h, w: {logp, entropy, grad_h, grad_w}."""
     fused_h, fused_w = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
@@ -148,14 +136,19 @@ def _loss_coefficients(coef, terms):
 
 
 def _run_broken(path, terms, monkeypatch, run):
-    """`run(kernels)`'s error ratios with each broken backward of `path` in place."""
-    for name, broken in _broken(path, terms, monkeypatch):
-        if path == "torch":
-            with monkeypatch.context() as patch:
-                patch.setattr(head_logprobs, "_chunk_grad", broken)
-                yield name, run(None)
-        else:
-            yield name, run(broken)
+    """`run(kernels)`'s error ratios, by name, with each broken backward of `path` in place: torch's
+    `_chunk_grad` patched, or broken native kernels passed in (the entropy's only where the loss has it)."""
+    with_entropy = terms != "logp"
+    if path == "native":
+        assert NATIVE is not None
+        kinds = [_NativeWithoutInverseTemperature] + ([_NativeWithFlippedEntropySign] if with_entropy else [])
+        for kind in kinds:
+            yield kind.__name__, run(kind(NATIVE._kernels))
+        return
+    for chunk_grad in [_no_inverse_temperature] + ([_flipped_entropy_sign] if with_entropy else []):
+        with monkeypatch.context() as patch:
+            patch.setattr(head_logprobs, "_chunk_grad", chunk_grad)
+            yield chunk_grad.__name__, run(None)
 
 
 @pytest.mark.parametrize("path", PATHS)

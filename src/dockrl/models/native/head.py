@@ -73,14 +73,12 @@ class HeadKernels:
         rows = z.shape[0]
         lse, mean_z = lse.float().contiguous(), mean_z.float().contiguous()
         entropy = None if grad_entropy is None else grad_entropy.float().contiguous()
-        keep: list[Tensor | None] = [lse, mean_z, entropy]  # alive while the kernel reads them
-        total = ids_ = g_ids = z_ids = None
+        total = ids_ = g_ids = z_ids = None  # (locals: alive while the kernel reads them)
         if grad_logp is not None:
             g_ids = grad_logp.float().contiguous()
             total = g_ids.sum(-1)
             ids_ = ids.long().contiguous()
             z_ids = z.gather(-1, ids_.clamp(min=0)).float()  # before dz overwrites them
-            keep += [g_ids, total, ids_, z_ids]
         kernel(
             z.data_ptr(),
             rows,
@@ -98,7 +96,6 @@ class HeadKernels:
             z.data_ptr(),
             z.stride(0),
         )
-        del keep
         return z
 
     def accumulate_(self, dst: Tensor, src: Tensor) -> None:
