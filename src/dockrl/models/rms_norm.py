@@ -17,6 +17,12 @@ With bf16 activations a norm keeps half as much for the backward (8H -> 4H bytes
 ~13% of a layer's saved activations at Qwen2.5-7B's shape), and its forward and backward run 1.3-1.7x faster on
 a CPU (bf16, one thread; the e2e bench's micro-batch 28 x 143 x 256: 11.0 -> 6.4 ms; 6,899 x 128: 8.0 -> 5.5
 ms; 4 x 512 x 256: 4.1 -> 3.1 ms; medians of 21 interleaved runs, Intel Xeon with AMX, 2026-12-05).
+
+The training engine on a CPU hands its norms native kernels instead (`use_norm_kernels`, models/native/norm.py):
+the same ops in one pass each for the forward and the backward, the sums in another order, so its passes
+(update, reference, old log-probs alike) are not Hugging Face's bit for bit but within fp32 accumulation of
+them (tests/unit/test_rms_norm.py). A norm without kernels, or whose operands they do not take (a DTensor, two
+dtypes), runs as above.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+
+from dockrl.models.native.norm import NormKernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,10 +59,23 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels: NormKernels | None = None  # native kernels (use_norm_kernels); None: torch's ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] -> same shape and dtype."""
-        return rms_norm(x, self.weight, self.eps)
+        kernels = self.kernels
+        if kernels is None or not kernels.fits(x, self.weight):
+            return rms_norm(x, self.weight, self.eps)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _NativeRMSNormFunction.apply(x, self.weight, self.eps, kernels)
+        return kernels.forward(x, self.weight, self.eps)[0]
+
+
+def use_norm_kernels(model: nn.Module, kernels: NormKernels | None) -> None:
+    """Every RMSNorm of `model` computes with `kernels` (None: torch's ops again)."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.kernels = kernels
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -82,3 +103,25 @@ class _RMSNormFunction(torch.autograd.Function):
             grad_y = (rows_grad * weight).float()  # a tensor of its own: updated in place
             grad_x = grad_y.mul_(rows_rstd).addcmul_(rows_x, scale, value=-1).to(x.dtype).reshape(x.shape)
         return grad_x, grad_weight, None
+
+
+class _NativeRMSNormFunction(torch.autograd.Function):
+    """The forward and backward of `_RMSNormFunction` in norm.c (the module docstring); keeps the same tensors."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: NormKernels
+    ) -> torch.Tensor:
+        out, rstd = kernels.forward(x, weight, eps)
+        ctx.kernels = kernels
+        ctx.save_for_backward(x, weight, rstd)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        x, weight, rstd = ctx.saved_tensors
+        grad_x, grad_weight = ctx.kernels.backward(
+            x, weight, rstd, grad, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        )
+        return grad_x, grad_weight, None, None
