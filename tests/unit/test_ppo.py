@@ -218,7 +218,11 @@ def test_critic_leaves_rows_of_weight_0_out_of_its_loss_and_figures(tiny_model, 
     alone, _ = _critic_step(tiny_model, arithmetic_data, 1, [1.0, 1.0])
     kept = dock.table[:2]
     squared = [(float(v) - row["reward"]) ** 2 for row in kept for v in row["values"]]
-    assert [row["returns"].tolist() for row in kept] == [[1.0, 1.0], [0.0, 0.0, 0.0]]
+    # R up to GAE's fp32 recursion: per token <= 3 roundings of terms within |R| + 2 max|V|, then + V (1 more)
+    largest = max(float(v.abs().max()) for v in (kept[0]["values"], kept[1]["values"]))
+    for row, target in zip(kept, ([1.0, 1.0], [0.0, 0.0, 0.0])):
+        bound = (3 * len(target) + 1) * 2.0**-24 * (1 + 2 * largest)
+        assert row["returns"].tolist() == pytest.approx(target, rel=0, abs=bound)
     # fp32, relative: a square 3u (the subtraction, the square), a row's sum of <= 3 of them 2u, the / 5 u
     assert metrics["critic/value_loss"] == pytest.approx(0.5 * sum(squared) / 5, rel=8 * 2.0**-24, abs=0)
     for key in alone:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dockrl.models.native.norm import NormKernels, norm_kernels
-from dockrl.models.rms_norm import RMSNorm, use_norm_kernels
+from dockrl.models.rms_norm import AUTO, RMSNorm, use_norm_kernels
 
 EPS = 1e-6
 NATIVE = norm_kernels()
@@ -133,6 +133,8 @@ def test_native_forward_is_within_fp32_rounding_of_the_exact_values(dtype):
     out = norm(x)
     assert ratio(out) <= 1 and ratio(hf_rms_norm(x, norm.weight)) <= 1
     with torch.no_grad():
+        assert torch.equal(norm(x), out)
+        use_norm_kernels(norm, AUTO)  # a norm's default: the native kernels where they load
         assert torch.equal(norm(x), out)
     assert ratio(NATIVE.forward(x.detach(), torch.ones_like(norm.weight), EPS)[0]) > 1
 

@@ -18,11 +18,12 @@ With bf16 activations a norm keeps half as much for the backward (8H -> 4H bytes
 a CPU (bf16, one thread; the e2e bench's micro-batch 28 x 143 x 256: 11.0 -> 6.4 ms; 6,899 x 128: 8.0 -> 5.5
 ms; 4 x 512 x 256: 4.1 -> 3.1 ms; medians of 21 interleaved runs, Intel Xeon with AMX, 2026-12-05).
 
-The training engine on a CPU hands its norms native kernels instead (`use_norm_kernels`, models/native/norm.py):
-the same ops in one pass each for the forward and the backward, the sums in another order, so its passes
-(update, reference, old log-probs alike) are not Hugging Face's bit for bit but within fp32 accumulation of
-them (tests/unit/test_rms_norm.py). A norm without kernels, or whose operands they do not take (a DTensor, two
-dtypes), runs as above.
+On a CPU where the native kernels load (models/native/norm.py; DOCKRL_NATIVE=off: never) a norm computes with
+them instead: the same ops in one pass each for the forward and the backward, the sums in another order, so
+every forward of dockrl's engines on a CPU (the update, reference and old log-prob passes, a rollout's prefill,
+a replica's) computes the norms the same way, within fp32 accumulation of Hugging Face's rather than its bits
+(tests/unit/test_rms_norm.py). `use_norm_kernels(model, None)` keeps torch's ops for a model (as above: Hugging
+Face's bits); operands the kernels do not take (a DTensor, x and the weight in two dtypes) keep them too.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from dockrl.models.native.norm import NormKernels
+from dockrl.models.native.norm import NormKernels, norm_kernels
+
+AUTO = "auto"  # RMSNorm.kernels: the native kernels where they load (the module docstring)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,20 +62,22 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernels: NormKernels | None = None  # native kernels (use_norm_kernels); None: torch's ops
+        # the native kernels (AUTO: where they load; use_norm_kernels sets them), None: torch's ops
+        self.kernels: NormKernels | None | str = AUTO
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] -> same shape and dtype."""
-        kernels = self.kernels
-        if kernels is None or not kernels.fits(x, self.weight):
+        kernels = norm_kernels() if self.kernels is AUTO else self.kernels
+        if not isinstance(kernels, NormKernels) or not kernels.fits(x, self.weight):
             return rms_norm(x, self.weight, self.eps)
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return _NativeRMSNormFunction.apply(x, self.weight, self.eps, kernels)
         return kernels.forward(x, self.weight, self.eps)[0]
 
 
-def use_norm_kernels(model: nn.Module, kernels: NormKernels | None) -> None:
-    """Every RMSNorm of `model` computes with `kernels` (None: torch's ops again)."""
+def use_norm_kernels(model: nn.Module, kernels: NormKernels | None | str) -> None:
+    """Every RMSNorm of `model` computes with `kernels` (None: torch's ops; AUTO: the native ones where they
+    load, the default)."""
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.kernels = kernels

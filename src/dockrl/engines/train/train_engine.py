@@ -51,9 +51,7 @@ from dockrl.models.moe import (
     routing,
 )
 from dockrl.models.native.head import head_kernels
-from dockrl.models.native.norm import norm_kernels
 from dockrl.models.precision import dtype_of
-from dockrl.models.rms_norm import use_norm_kernels
 from dockrl.models.tp_plan import shard_dim
 from dockrl.models.vision import VisionInputs
 from dockrl.parallel.expert_parallel import is_expert_param
@@ -149,9 +147,6 @@ class TrainEngine:
         # Hugging Face exports of this model are written in the dtype its checkpoint came in.
         self.source_dtype = reader.floating_dtype()
         self.model = model
-        # RMSNorm's forward and backward in C on a CPU (models/native/norm.py), for every pass of this engine
-        if self.device.type == "cpu":
-            use_norm_kernels(model, norm_kernels())
         if load_weights:  # else a resumed run fills the parameters from its checkpoint (load_engine)
             load_sharded(
                 model,

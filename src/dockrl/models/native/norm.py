@@ -1,8 +1,8 @@
 """RMSNorm's forward and backward in C (norm.c), for the training engine's decoder on a CPU.
 
-`norm_kernels()` gives a `NormKernels` where the native kernels load, else None; the training engine hands it
-to its model's norms (models/rms_norm.py, `use_norm_kernels`), so its update, reference and old log-prob passes
-all compute the norms the same way. Per norm the forward is one pass over x and the backward one over x and
+`norm_kernels()` gives a `NormKernels` where the native kernels load, else None; models/rms_norm.py's RMSNorm
+computes with it by default on a CPU, so every forward of dockrl's engines there (update, reference, old
+log-probs, a rollout's prefill) computes the norms the same way. Per norm the forward is one pass over x and the backward one over x and
 the incoming gradient, instead of torch's ~4 and ~9 passes through fp32 copies (docs/benchmarks.md, "RMSNorm
 natively"). What the values are and how they round: norm.c's header (torch's ops one by one, the sums in
 another order).
@@ -93,7 +93,15 @@ def _rows(t: Tensor) -> Tensor:
     return t.contiguous().view(-1, t.shape[-1])
 
 
+_shared: NormKernels | None = None
+
+
 def norm_kernels() -> NormKernels | None:
     """The norms' native kernels where they load (native.available(); DOCKRL_NATIVE=off: never), else None."""
+    global _shared
     kernels = native._load()
-    return None if kernels is None else NormKernels(kernels)
+    if kernels is None:
+        return None
+    if _shared is None:
+        _shared = NormKernels(kernels)
+    return _shared
