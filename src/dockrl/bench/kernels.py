@@ -6,7 +6,9 @@ of --rows x --tokens (28 x 143: one of the e2e workload's token-budget micro-bat
 
   stage     forward (reference / old log-probs: no grad) and update (forward + backward) of the whole decoder,
             fp32 against bf16 weights (what run.precision picks), and with --compile each decoder layer under
-            torch.compile(dynamic=True) (inductor), whose compile time is reported beside it
+            torch.compile(dynamic=True) (inductor), whose compile time is reported beside it; computed as the
+            training engine computes on this host (the native norms, LM head and attention backward where the
+            kernels load)
   attention one layer's causal attention, forward + backward in bf16: torch's SDPA against dockrl's
             (SDPA forward, block-causal backward: dockrl.models.attention), its backward in torch's ops and
             as the native kernel (models/native/attention.c; left out, with the reason, where not built)
@@ -17,7 +19,8 @@ of --rows x --tokens (28 x 143: one of the e2e workload's token-budget micro-bat
             (packed_causal_attention, PAD_WASTE), for --small's micro-batch (128 rows of 17-27 tokens: prompt +
             up to 10) and for --rows rows of --tokens / 2 to --tokens
   rmsnorm   transformers' composite RMSNorm against torch's F.rms_norm and dockrl's (models/rms_norm.py: the
-            same forward, its backward written out), forward + backward
+            same forward, its backward written out; and its native kernels, models/native/norm.c), forward +
+            backward
   rope      rotate_half with cat against roll and a signed sin (dockrl.models.decoder.apply_rope)
   swiglu    silu(gate) * up, eager (torch has no fused CPU op for it; --compile adds inductor's fusion)
   decode    one layer's decode-step attention of the rollout engine over --decode-rows rows of --decode-keys
@@ -114,12 +117,14 @@ def _stage_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
     from dockrl.algos.head_logprobs import head_token_stats
+    from dockrl.models.native.head import head_kernels
 
     ids = torch.randint(3, 492, (args.rows, args.tokens), generator=torch.Generator().manual_seed(0))
+    kernels = head_kernels()  # as the training engine on a CPU (None where the native kernels do not load)
 
     def head(hidden, weight):
         flat = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-        return head_token_stats(flat, weight, ids[:, 1:].reshape(-1))
+        return head_token_stats(flat, weight, ids[:, 1:].reshape(-1), kernels=kernels)
 
     def forward(model) -> None:
         with torch.no_grad():
@@ -158,6 +163,7 @@ def _op_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     from dockrl.models import native
     from dockrl.models.attention import causal_attention
     from dockrl.models.decoder import apply_rope
+    from dockrl.models.native.norm import norm_kernels
     from dockrl.models.rms_norm import rms_norm
 
     gen = torch.Generator().manual_seed(1)
@@ -206,17 +212,19 @@ def _op_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     def fused() -> None:
         F.rms_norm(x, (hidden,), weight, 1e-6).backward(grad_x)
 
-    def written_out() -> None:
-        rms_norm(x, weight, 1e-6).backward(grad_x)
+    def written_out(kernels: Any = None) -> None:
+        rms_norm(x, weight, 1e-6, kernels).backward(grad_x)
 
+    what = "rmsnorm fwd+bwd (bf16)"
     base = _best(composite, args.repeats)
-    out.append(_row("rmsnorm fwd+bwd (bf16)", "composite (transformers)", base, base))
-    out.append(_row("rmsnorm fwd+bwd (bf16)", "F.rms_norm", _best(fused, args.repeats), base))
-    out.append(
-        _row(
-            "rmsnorm fwd+bwd (bf16)", "dockrl (backward written out)", _best(written_out, args.repeats), base
-        )
-    )
+    out.append(_row(what, "composite (transformers)", base, base))
+    out.append(_row(what, "F.rms_norm", _best(fused, args.repeats), base))
+    out.append(_row(what, "dockrl (backward written out)", _best(written_out, args.repeats), base))
+    kernels = norm_kernels()
+    if kernels is None:
+        out.append({"what": what, "variant": f"native: {native.status()}"})
+    else:
+        out.append(_row(what, "dockrl, native", _best(lambda: written_out(kernels), args.repeats), base))
 
     cos = torch.randn(rows, 1, tokens, dim, generator=gen).to(bf16)
     sin = torch.randn(rows, 1, tokens, dim, generator=gen).to(bf16)

@@ -39,12 +39,21 @@ from dockrl.models.native.norm import NormKernels, norm_kernels
 AUTO = "auto"  # RMSNorm.kernels: the native kernels where they load (the module docstring)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * RMS-normalized x, x [..., dim], weight [dim] (module docstring). Without a gradient to compute (a
-    rollout's decode, a reference pass) the forward runs as it is: an autograd Function's call costs ~6 us more
-    per norm, ~2% of a small model's decode step."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: NormKernels | None = None
+) -> torch.Tensor:
+    """weight * RMS-normalized x, x [..., dim], weight [dim] (module docstring): with `kernels` where they take
+    x and the weight, else torch's ops. Without a gradient to compute (a rollout's decode, a reference pass)
+    the forward runs as it is: an autograd Function's call costs ~6 us more per norm, ~2% of a small model's
+    decode step."""
+    native = kernels is not None and kernels.fits(x, weight)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        if native:
+            return _NativeRMSNormFunction.apply(x, weight, eps, kernels)
         return _RMSNormFunction.apply(x, weight, eps)
+    if native:
+        assert kernels is not None
+        return kernels.forward(x, weight, eps)[0]
     return _forward(x, weight, eps)[0]
 
 
@@ -68,11 +77,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] -> same shape and dtype."""
         kernels = norm_kernels() if self.kernels is AUTO else self.kernels
-        if not isinstance(kernels, NormKernels) or not kernels.fits(x, self.weight):
-            return rms_norm(x, self.weight, self.eps)
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return _NativeRMSNormFunction.apply(x, self.weight, self.eps, kernels)
-        return kernels.forward(x, self.weight, self.eps)[0]
+        return rms_norm(x, self.weight, self.eps, kernels if isinstance(kernels, NormKernels) else None)
 
 
 def use_norm_kernels(model: nn.Module, kernels: NormKernels | None | str) -> None:
