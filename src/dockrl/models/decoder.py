@@ -37,11 +37,13 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from dockrl.models import native
 from dockrl.models.attention import causal_attention, packed_causal_attention, sdpa
 from dockrl.models.config import ModelArgs
 from dockrl.models.moe import MoEBlock
+from dockrl.models.native.rope import RopeKernels, rope_kernels
 from dockrl.models.packed_linear import PackedLinear
 from dockrl.models.paged_cache import PagedKVCache, paged_attention, write_blocks
 from dockrl.models.rms_norm import RMSNorm
@@ -148,8 +150,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     """x [B, heads, T, D]; cos, signed_sin [B, 1, T, D] (see `DecoderModel._rope`).
 
     transformers' x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1): roll(x) = cat(x2, x1) times
-    sin with its first half negated gives the same products bit for bit (negation is exact) in fewer ops."""
+    sin with its first half negated gives the same products bit for bit (negation is exact) in fewer ops. On a
+    CPU where the native kernels load, the same ops in one pass each way (models/native/rope.py), with the same
+    bits; the result is then contiguous in [B, heads, T, D]."""
+    kernels = rope_kernels()
+    if kernels is not None and kernels.fits(x, cos, signed_sin):
+        if not torch.is_grad_enabled() or not x.requires_grad:
+            return kernels.forward(x, cos, signed_sin)
+        if not (cos.requires_grad or signed_sin.requires_grad):
+            return _NativeRope.apply(x, cos, signed_sin, kernels)
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+class _NativeRope(torch.autograd.Function):
+    """`apply_rope` in rope.c, forward and backward (the angles hold no gradient); keeps the angles only, as
+    torch's products do."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: RopeKernels
+    ) -> torch.Tensor:
+        ctx.kernels = kernels
+        ctx.save_for_backward(cos, sin)
+        return kernels.forward(x, cos, sin)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        cos, sin = ctx.saved_tensors
+        return ctx.kernels.backward(grad, cos, sin), None, None, None
 
 
 class Attention(nn.Module):

@@ -5,8 +5,9 @@ and RMSNorms, RoPE, the KV write and attention over each row's own slots, SwiGLU
 rounds and why. linear.c holds the bf16 projections on AMX tiles (`TiledLinear`, used by the rollout's
 packed projections: models/packed_linear.py) and a decode step's layers in one call with them
 (`DecodeStep.decode_layers`), where the compiler and the CPU have AMX (`linear_available()`; elsewhere the
-projections stay oneDNN's). head.c, attention.c and norm.c serve the training engine: the fused LM head's
-softmax work (head.py), causal attention's backward (`attention_backward`) and RMSNorm (norm.py).
+projections stay oneDNN's). head.c, attention.c, norm.c and rope.c serve the training engine and every other
+full forward: the fused LM head's softmax work (head.py), causal attention's backward (`attention_backward`),
+RMSNorm (norm.py) and RoPE (rope.py).
 `DecoderModel._decode_natively` runs a decode step's layers with them and torch's
 projections, and a returning turn's new tokens the same way (each token a row of its sequence). They are
 built once per source, compiler and CPU (the CPU's flags name the file: `-march=native` code runs only where
@@ -40,7 +41,8 @@ from typing import Any, NamedTuple
 import torch
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("decode.c", "linear.c", "head.c", "attention.c", "norm.c")
+    Path(__file__).with_name(name)
+    for name in ("decode.c", "linear.c", "head.c", "attention.c", "norm.c", "rope.c")
 )
 HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by the sources: part of the build's key
 # -ffast-math: the sums vectorise (reassociation) and expf uses glibc's vector variants; contraction off: no
@@ -78,6 +80,9 @@ _SIGNATURES = {
     # x, w, out, r, eps (forward); x, w, r, g, g_x, g_w (backward)
     "dockrl_rms_norm_forward": ([_P, _I, _P, _P, _I, _P, _I, _I, _F], None),
     "dockrl_rms_norm_backward": ([_P, _I, _P, _P, _P, _I, _P, _I, _P, _I, _I], ctypes.c_int),
+    # rope.c (models/native/rope.py): x or g with three strides, cos, signed sin with two, out, then B, T, H, D
+    "dockrl_rope_forward": ([_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, _I, _I], None),
+    "dockrl_rope_backward": ([_P, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, _I, _I], None),
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _LINEAR_SIGNATURES = {  # linear.c: the bf16 projections on AMX tiles, and a decode step's layers with them
