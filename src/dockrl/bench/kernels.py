@@ -21,7 +21,8 @@ of --rows x --tokens (28 x 143: one of the e2e workload's token-budget micro-bat
   rmsnorm   transformers' composite RMSNorm against torch's F.rms_norm and dockrl's (models/rms_norm.py: the
             same forward, its backward written out; and its native kernels, models/native/norm.c), forward +
             backward
-  rope      rotate_half with cat against roll and a signed sin (dockrl.models.decoder.apply_rope)
+  rope      rotate_half with cat against roll and a signed sin (dockrl.models.decoder.apply_rope), in torch's
+            ops and in its native kernels (models/native/rope.c)
   swiglu    silu(gate) * up, eager (torch has no fused CPU op for it; --compile adds inductor's fusion)
   decode    one layer's decode-step attention of the rollout engine over --decode-rows rows of --decode-keys
             cached keys each (bf16 activations): torch's path (RoPE, the write into an fp32 cache, then
@@ -234,12 +235,20 @@ def _op_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         rotated = torch.cat((-q[..., dim // 2 :], q[..., : dim // 2]), dim=-1)
         (q * cos + rotated * sin).backward(grad)
 
-    def rope_roll() -> None:
+    def rope_roll() -> None:  # apply_rope's torch ops
+        (q * cos + torch.roll(q, dim // 2, dims=-1) * signed).backward(grad)
+
+    def rope_native() -> None:  # apply_rope where the native kernels load
         apply_rope(q, cos, signed).backward(grad)
 
+    what = "rope fwd+bwd (bf16)"
     base = _best(rope_cat, args.repeats)
-    out.append(_row("rope fwd+bwd (bf16)", "cat (transformers)", base, base))
-    out.append(_row("rope fwd+bwd (bf16)", "roll, signed sin", _best(rope_roll, args.repeats), base))
+    out.append(_row(what, "cat (transformers)", base, base))
+    out.append(_row(what, "roll, signed sin", _best(rope_roll, args.repeats), base))
+    if native.available():
+        out.append(_row(what, "roll, signed sin, native", _best(rope_native, args.repeats), base))
+    else:
+        out.append({"what": what, "variant": f"native: {native.status()}"})
 
     gate, up = leaf(rows, tokens, 3 * hidden), leaf(rows, tokens, 3 * hidden)
     grad_h = torch.randn(rows, tokens, 3 * hidden, generator=gen).to(bf16)
