@@ -41,7 +41,7 @@ static inline float rms_inverse(float v) {
       float inverse = rms_inverse(squares / (float)H + eps);                                                    \
       r[t] = inverse;                                                                                           \
       E* o = out + t * out_stride;                                                                              \
-      for (int64_t i = 0; i < H; ++i) o[i] = store_##SUF(load_##SUF(w[i]) * ROUND_##SUF(load_##SUF(xr[i]) * inverse)); \
+      for (int64_t i = 0; i < H; ++i) o[i] = store_result_##SUF(load_##SUF(w[i]) * ROUND_RESULT_##SUF(load_##SUF(xr[i]) * inverse)); \
     }                                                                                                           \
   }
 
@@ -72,15 +72,15 @@ static inline float rms_inverse(float v) {
         float scale = dot * (inverse * inverse * inverse) / (float)H;                                           \
         E* out = g_x + t * g_x_stride;                                                                          \
         for (int64_t i = 0; i < H; ++i) {                                                                       \
-          float g_y = ROUND_##SUF(load_##SUF(gr[i]) * load_##SUF(w[i]));                                        \
-          out[i] = store_##SUF(g_y * inverse - load_##SUF(xr[i]) * scale);                                      \
+          float g_y = ROUND_RESULT_##SUF(load_##SUF(gr[i]) * load_##SUF(w[i]));                                        \
+          out[i] = store_result_##SUF(g_y * inverse - load_##SUF(xr[i]) * scale);                                      \
         }                                                                                                       \
       }                                                                                                         \
     }                                                                                                           \
     if (g_w != NULL) {                                                                                          \
       for (int64_t c = 1; c < CHUNKS; ++c)                                                                      \
         for (int64_t i = 0; i < H; ++i) partial[i] += partial[c * H + i];                                       \
-      for (int64_t i = 0; i < H; ++i) g_w[i] = store_##SUF(partial[i]);                                         \
+      for (int64_t i = 0; i < H; ++i) g_w[i] = store_result_##SUF(partial[i]);                                         \
       free(partial);                                                                                            \
     }                                                                                                           \
     return 0;                                                                                                   \
