@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dockrl.models import decoder
-from dockrl.models.native.rope import rope_kernels
+from dockrl.models.native.rope import RopeKernels, rope_kernels
 
 KERNELS = rope_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="the native kernels do not build here")
@@ -43,13 +43,18 @@ def _view(proj, heads, dim):
         (2, 300, 8, 32, 2),
     ],  # the last past OpenMP's bar
 )
-def test_native_rope_is_torchs_bit_for_bit(dtype, batch, seq, heads, dim, angle_rows):
+def test_native_rope_is_torchs_bit_for_bit(dtype, batch, seq, heads, dim, angle_rows, monkeypatch):
     proj, cos, sin, grad = _case(dtype, batch, seq, heads, dim, angle_rows)
+    calls: list[str] = []
+    monkeypatch.setattr(decoder, "rope_kernels", lambda: _Counting(KERNELS._kernels, calls))
     expected = torch_rope(_view(proj, heads, dim), cos, sin)
     (expected_grad,) = torch.autograd.grad(expected, proj, grad)
     out = decoder.apply_rope(_view(proj, heads, dim), cos, sin)
     (out_grad,) = torch.autograd.grad(out, proj, grad)
-    assert out.is_contiguous() and not expected.is_contiguous()  # the native kernels ran (their layout)
+    assert calls == ["forward", "backward"]  # the native kernels ran
+    assert (
+        out.stride() == expected.stride()
+    )  # in torch's memory order (attention and o_proj see what they saw)
     assert torch.equal(out, expected) and torch.equal(out_grad, expected_grad)
     with torch.no_grad():  # without a gradient to compute: the forward alone, the same bits
         assert torch.equal(decoder.apply_rope(_view(proj, heads, dim), cos, sin), expected)
@@ -66,3 +71,19 @@ def test_angles_with_a_gradient_keep_torchs_ops():
     grads = torch.autograd.grad(out, (proj, cos), grad)
     expected = torch.autograd.grad(torch_rope(_view(proj, 2, 16), cos, sin), (proj, cos), grad)
     assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+
+
+class _Counting(RopeKernels):
+    """The kernels, each call named in `calls`."""
+
+    def __init__(self, kernels, calls: list[str]) -> None:
+        super().__init__(kernels)
+        self.calls = calls
+
+    def forward(self, x, cos, sin):
+        self.calls.append("forward")
+        return super().forward(x, cos, sin)
+
+    def backward(self, grad, cos, sin):
+        self.calls.append("backward")
+        return super().backward(grad, cos, sin)

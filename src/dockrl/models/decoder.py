@@ -152,7 +152,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     transformers' x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1): roll(x) = cat(x2, x1) times
     sin with its first half negated gives the same products bit for bit (negation is exact) in fewer ops. On a
     CPU where the native kernels load, the same ops in one pass each way (models/native/rope.py), with the same
-    bits; the result is then contiguous in [B, heads, T, D]."""
+    bits and the same memory order."""
     kernels = rope_kernels()
     if kernels is not None and kernels.fits(x, cos, signed_sin):
         if not torch.is_grad_enabled() or not x.requires_grad:

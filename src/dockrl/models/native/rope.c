@@ -1,14 +1,16 @@
 /* RoPE's forward and backward on a CPU (models/native/rope.py, decoder.apply_rope): torch's passes (two
  * products, the roll, the sum; a layout copy downstream) as one each way.
  *
- *   rope_forward   out[b, h, t] = E(E(x * cos) + E(roll(x, D/2) * signed_sin))       (decoder.apply_rope)
+ *   rope_forward   out[b, t, h] = E(E(x * cos) + E(roll(x, D/2) * signed_sin))       (decoder.apply_rope)
  *   rope_backward  dx[b, t, h]  = E(E(g * cos) + roll(E(g * signed_sin), -D/2))      (autograd's, summed as it sums)
  *
  * Elementwise only, each value rounded to E where torch rounds it (bf16.h's ROUND_RESULT: every value rounded
  * here is an op's result), so the results are torch's bit for bit
  * (tests/unit/test_rope_native.py). x is read as the projection wrote it, [B, T, H, D] with strides (x_b, x_t,
- * x_h) and a contiguous last dim; out is written [B, H, T, D] contiguous (attention's layout). The backward reads
- * g [B, H, T, D] with strides (g_b, g_h, g_t) and writes dx [B, T, H, D] contiguous (the projection's layout).
+ * x_h) and a contiguous last dim, and out is written in that order, [B, T, H, D] contiguous, as torch's ops keep
+ * their input's order: attention's output then comes out in it too, and o_proj reads it in place, as with torch's
+ * ops (a [B, H, T, D] output would cost a copy before o_proj and a saved tensor more a layer). The backward
+ * reads g [B, H, T, D] with strides (g_b, g_h, g_t) and writes dx [B, T, H, D] contiguous.
  * cos and signed_sin are [B, T, D] with strides (c_b, c_t) (c_b = 0: one set of angles for every row). A head
  * of 32, 64 or 128 runs with its size known to the compiler (whole vectors, no remainder loop).
  *
@@ -59,7 +61,7 @@
         const E* c = cos + b * c_b + t * c_t;                                                                  \
         const E* s = sin + b * c_b + t * c_t;                                                                  \
         for (int64_t h = 0; h < H; ++h)                                                                        \
-          rope_head_##SUF(x + b * x_b + t * x_t + h * x_h, c, s, out + ((b * H + h) * T + t) * D, D, 0);      \
+          rope_head_##SUF(x + b * x_b + t * x_t + h * x_h, c, s, out + ((b * T + t) * H + h) * D, D, 0);      \
       }                                                                                                        \
     }                                                                                                          \
   }                                                                                                            \

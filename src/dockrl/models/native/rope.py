@@ -2,9 +2,8 @@
 
 The results are torch's bit for bit (elementwise, each value rounded where torch rounds it), so `apply_rope`
 takes them wherever the native kernels load: torch's x * cos + roll(x) * signed_sin makes four passes over q
-(and k) and leaves them in the projection's [B, T, H, D] order for attention to copy; here one pass reads that
-order and writes attention's [B, H, T, D], and the backward one pass writes the projection's order back
-(docs/benchmarks.md, "RMSNorm and RoPE natively").
+(and k), here one pass each way, in the same memory order as torch's (docs/benchmarks.md, "RMSNorm and RoPE
+natively").
 """
 
 from __future__ import annotations
@@ -45,14 +44,15 @@ class RopeKernels:
         )
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x * cos + roll(x, D/2) * signed_sin, [B, H, T, D] contiguous."""
+        """x * cos + roll(x, D/2) * signed_sin, [B, H, T, D] as a view of a [B, T, H, D] contiguous tensor (the
+        projection's order, which torch's ops would keep: rope.c's header)."""
         batch, heads, seq, dim = x.shape
-        out = torch.empty(x.shape, dtype=x.dtype)
+        out = torch.empty((batch, seq, heads, dim), dtype=x.dtype)
         self._kernels["dockrl_rope_forward", x.dtype](
             x.data_ptr(), x.stride(0), x.stride(2), x.stride(1), *_angles(cos, sin), out.data_ptr(),
             batch, seq, heads, dim,
         )  # fmt: skip
-        return out
+        return out.transpose(1, 2)
 
     def backward(self, grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """d loss / d x for the forward's x, [B, H, T, D] as a view of a [B, T, H, D] contiguous tensor."""
