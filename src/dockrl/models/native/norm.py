@@ -10,6 +10,7 @@ another order).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -93,15 +94,8 @@ def _rows(t: Tensor) -> Tensor:
     return t.contiguous().view(-1, t.shape[-1])
 
 
-_shared: NormKernels | None = None
-
-
+@functools.cache  # one object: whether the kernels load is settled at the first call
 def norm_kernels() -> NormKernels | None:
     """The norms' native kernels where they load (native.available(); DOCKRL_NATIVE=off: never), else None."""
-    global _shared
     kernels = native._load()
-    if kernels is None:
-        return None
-    if _shared is None:
-        _shared = NormKernels(kernels)
-    return _shared
+    return None if kernels is None else NormKernels(kernels)

@@ -8,6 +8,7 @@ natively").
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -71,15 +72,8 @@ def _angles(cos: Tensor, sin: Tensor) -> tuple[int, int, int, int]:
     return cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0), cos.stride(2)
 
 
-_shared: RopeKernels | None = None
-
-
+@functools.cache  # one object: whether the kernels load is settled at the first call
 def rope_kernels() -> RopeKernels | None:
     """RoPE's native kernels where they load (native.available(); DOCKRL_NATIVE=off: never), else None."""
-    global _shared
     kernels = native._load()
-    if kernels is None:
-        return None
-    if _shared is None:
-        _shared = RopeKernels(kernels)
-    return _shared
+    return None if kernels is None else RopeKernels(kernels)
