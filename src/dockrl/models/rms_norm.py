@@ -46,15 +46,12 @@ def rms_norm(
     x and the weight, else torch's ops. Without a gradient to compute (a rollout's decode, a reference pass)
     the forward runs as it is: an autograd Function's call costs ~6 us more per norm, ~2% of a small model's
     decode step."""
-    native = kernels is not None and kernels.fits(x, weight)
+    native = kernels if kernels is not None and kernels.fits(x, weight) else None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        if native:
-            return _NativeRMSNormFunction.apply(x, weight, eps, kernels)
+        if native is not None:
+            return _NativeRMSNormFunction.apply(x, weight, eps, native)
         return _RMSNormFunction.apply(x, weight, eps)
-    if native:
-        assert kernels is not None
-        return kernels.forward(x, weight, eps)[0]
-    return _forward(x, weight, eps)[0]
+    return _forward(x, weight, eps)[0] if native is None else native.forward(x, weight, eps)[0]
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
