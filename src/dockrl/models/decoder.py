@@ -153,7 +153,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     sin with its first half negated gives the same products bit for bit (negation is exact) in fewer ops. On a
     CPU where the native kernels load, the same ops in one pass each way (models/native/rope.py), with the same
     bits and the same memory order."""
-    kernels = rope_kernels()
+    kernels = rope_kernels() if x.device.type == "cpu" else None  # loaded (built) for CPU tensors only
     if kernels is not None and kernels.fits(x, cos, signed_sin):
         if not torch.is_grad_enabled() or not x.requires_grad:
             return kernels.forward(x, cos, signed_sin)

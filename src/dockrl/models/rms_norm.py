@@ -73,7 +73,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] -> same shape and dtype."""
-        kernels = norm_kernels() if self.kernels is AUTO else self.kernels
+        kernels = self.kernels
+        if kernels is AUTO:  # the native library is loaded (built, the first time) for CPU tensors only
+            kernels = norm_kernels() if x.device.type == "cpu" else None
         return rms_norm(x, self.weight, self.eps, kernels if isinstance(kernels, NormKernels) else None)
 
 

@@ -1,9 +1,10 @@
-/* Element access shared by the native kernels (decode.c, head.c, attention.c, norm.c, rope.c): E is float or bfloat16 bits
- * (uint16_t), read as fp32 and written back as torch writes E. Included by each source; part of the build's key
- * (dockrl/models/native/__init__.py, HEADERS). */
+/* Element access and roundings shared by the native kernels (decode.c, head.c, attention.c, norm.c, rope.c): E
+ * is float or bfloat16 bits (uint16_t), read as fp32 and written back as torch writes E. Included by each source;
+ * part of the build's key (dockrl/models/native/__init__.py, HEADERS). */
 #ifndef DOCKRL_NATIVE_BF16_H
 #define DOCKRL_NATIVE_BF16_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -38,5 +39,14 @@ static inline uint16_t store_result_bf16(float v) {
 }
 #define ROUND_RESULT_f32(x) (x)
 #define ROUND_RESULT_bf16(x) load_bf16(store_result_bf16(x))
+
+/* 1 / sqrt(v) with two roundings, as torch.rsqrt on a CPU (RMSNorm's inverse root: decode.c, norm.c):
+ * -ffast-math would otherwise turn 1.0f / sqrtf(v) into the rsqrt approximation; the empty asm hides the square
+ * root from that rewrite. */
+static inline float rms_inverse(float v) {
+  float root = sqrtf(v);
+  __asm__("" : "+x"(root));
+  return 1.0f / root;
+}
 
 #endif

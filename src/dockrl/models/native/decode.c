@@ -19,7 +19,7 @@
  * here in another order than torch's reductions and batched matmuls (fp32 accumulation-order rounding).
  * The source is compiled with -ffast-math for those sums (reassociation, vector expf); floating-point
  * contraction is off (no FMA where torch rounds a product first), and the one reciprocal square root is a
- * true division (see rms_inverse). Inside attention's dot products and weighted sums, FMAs are written out
+ * true division (see bf16.h's rms_inverse). Inside attention's dot products and weighted sums, FMAs are written out
  * (score_16, weigh_group): a sum's products unrounded, within the same bound as another order of the sums.
  *
  * E-typed arrays: entry points come in pairs, _f32 (E = float) and _bf16 (E = uint16_t, bfloat16 bits); the KV
@@ -36,14 +36,6 @@
 
 #define MAX_GROUP 64
 #define MAX_HEAD_DIM 512
-
-/* 1 / sqrt(v) with two roundings, as torch.rsqrt on a CPU: -ffast-math would otherwise turn 1.0f / sqrtf(v)
- * into the rsqrt approximation; the empty asm hides the square root from that rewrite. */
-static inline float rms_inverse(float v) {
-  float root = sqrtf(v);
-  __asm__("" : "+x"(root));
-  return 1.0f / root;
-}
 
 /* ---- add_rms_norm ------------------------------------------------------------------------------------------
  * x [B, H] (E, row stride x_stride) += add [B, H] (E, row stride add_stride; NULL: nothing added), then

@@ -1,11 +1,11 @@
-"""RMSNorm's forward and backward in C (norm.c), for the training engine's decoder on a CPU.
+"""RMSNorm's forward and backward in C (norm.c), for models/rms_norm.py on a CPU.
 
 `norm_kernels()` gives a `NormKernels` where the native kernels load, else None; models/rms_norm.py's RMSNorm
 computes with it by default on a CPU, so every forward of dockrl's engines there (update, reference, old
-log-probs, a rollout's prefill) computes the norms the same way. Per norm the forward is one pass over x and the backward one over x and
-the incoming gradient, instead of torch's ~4 and ~9 passes through fp32 copies (docs/benchmarks.md, "RMSNorm
-natively"). What the values are and how they round: norm.c's header (torch's ops one by one, the sums in
-another order).
+log-probs, a rollout's prefill) computes the norms the same way. Per norm the forward is one pass over x and
+the backward one over x and the incoming gradient, instead of torch's ~4 and ~9 passes through fp32 copies
+(docs/benchmarks.md, "RMSNorm and RoPE natively"). What the values are and how they round: norm.c's header
+(torch's ops one by one, the sums in another order).
 """
 
 from __future__ import annotations
@@ -86,12 +86,8 @@ class NormKernels:
 
 def _rows(t: Tensor) -> Tensor:
     """t as [rows, H] with a contiguous last dim (a view where t's layout allows, else a copy)."""
-    if t.dim() > 0 and t.stride(-1) == 1:
-        try:
-            return t.view(-1, t.shape[-1])
-        except RuntimeError:
-            pass
-    return t.contiguous().view(-1, t.shape[-1])
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 @functools.cache  # one object: whether the kernels load is settled at the first call

@@ -22,61 +22,60 @@
 
 #define PARALLEL "omp parallel for collapse(2) if (B * T * H * D >= 65536)"
 
-
-/* One head's D values: out[d] = E(E(a[d] * c[d]) + E(a[d ^ half] * s[d ^ half-or-d])) with the two halves apart
- * (each a plain vector loop); `rolled_angles` picks the backward's form (the sin at the rolled index). */
-#define DEFINE_ROPE_ROW(SUF, E)                                                                                 \
-  static inline __attribute__((always_inline)) void rope_row_##SUF(                                             \
-      const E* restrict a, const E* restrict c, const E* restrict s, E* restrict o, const int64_t D,            \
-      const int rolled_angles) {                                                                                \
-    const int64_t half = D / 2;                                                                                 \
-    for (int64_t d = 0; d < half; ++d) {                                                                        \
+/* One head's D values, j = (d + D/2) mod D: o[d] = E(E(a[d] c[d]) + E(a[j] s[d])) (the forward) or, with
+ * `rolled_angles`, E(E(a[d] c[d]) + E(a[j] s[j])) (the backward); the two halves apart, each a plain vector loop. */
+#define DEFINE_ROPE_ROW(SUF, E)                                                                                        \
+  static inline __attribute__((always_inline)) void rope_row_##SUF(                                                    \
+      const E* restrict a, const E* restrict c, const E* restrict s, E* restrict o, const int64_t D,                   \
+      const int rolled_angles) {                                                                                       \
+    const int64_t half = D / 2;                                                                                        \
+    for (int64_t d = 0; d < half; ++d) {                                                                               \
       float first = ROUND_RESULT_##SUF(load_##SUF(a[d]) * load_##SUF(c[d]));                                           \
-      float sine = load_##SUF(s[rolled_angles ? d + half : d]);                                                 \
-      o[d] = store_result_##SUF(first + ROUND_RESULT_##SUF(load_##SUF(a[d + half]) * sine));                                  \
-    }                                                                                                           \
-    for (int64_t d = half; d < D; ++d) {                                                                        \
+      float sine = load_##SUF(s[rolled_angles ? d + half : d]);                                                        \
+      o[d] = store_result_##SUF(first + ROUND_RESULT_##SUF(load_##SUF(a[d + half]) * sine));                           \
+    }                                                                                                                  \
+    for (int64_t d = half; d < D; ++d) {                                                                               \
       float first = ROUND_RESULT_##SUF(load_##SUF(a[d]) * load_##SUF(c[d]));                                           \
-      float sine = load_##SUF(s[rolled_angles ? d - half : d]);                                                 \
-      o[d] = store_result_##SUF(first + ROUND_RESULT_##SUF(load_##SUF(a[d - half]) * sine));                                  \
-    }                                                                                                           \
-  }                                                                                                             \
-  static inline __attribute__((always_inline)) void rope_head_##SUF(                                            \
-      const E* a, const E* c, const E* s, E* o, int64_t D, int rolled_angles) {                                 \
-    switch (D) { /* constant sizes: the loops unrolled into whole vectors */                                    \
-      case 32: rope_row_##SUF(a, c, s, o, 32, rolled_angles); break;                                            \
-      case 64: rope_row_##SUF(a, c, s, o, 64, rolled_angles); break;                                            \
-      case 128: rope_row_##SUF(a, c, s, o, 128, rolled_angles); break;                                          \
-      default: rope_row_##SUF(a, c, s, o, D, rolled_angles);                                                    \
-    }                                                                                                           \
+      float sine = load_##SUF(s[rolled_angles ? d - half : d]);                                                        \
+      o[d] = store_result_##SUF(first + ROUND_RESULT_##SUF(load_##SUF(a[d - half]) * sine));                           \
+    }                                                                                                                  \
+  }                                                                                                                    \
+  static inline __attribute__((always_inline)) void rope_head_##SUF(                                                   \
+      const E* a, const E* c, const E* s, E* o, int64_t D, int rolled_angles) {                                        \
+    switch (D) { /* constant sizes: the loops unrolled into whole vectors */                                           \
+      case 32: rope_row_##SUF(a, c, s, o, 32, rolled_angles); break;                                                   \
+      case 64: rope_row_##SUF(a, c, s, o, 64, rolled_angles); break;                                                   \
+      case 128: rope_row_##SUF(a, c, s, o, 128, rolled_angles); break;                                                 \
+      default: rope_row_##SUF(a, c, s, o, D, rolled_angles);                                                           \
+    }                                                                                                                  \
   }
 
-#define DEFINE_ROPE(SUF, E)                                                                                     \
-  DEFINE_ROPE_ROW(SUF, E)                                                                                       \
-  void dockrl_rope_forward_##SUF(const E* x, int64_t x_b, int64_t x_t, int64_t x_h, const E* cos,              \
-                                 const E* sin, int64_t c_b, int64_t c_t, E* out, int64_t B, int64_t T,         \
-                                 int64_t H, int64_t D) {                                                       \
-    _Pragma(PARALLEL) for (int64_t b = 0; b < B; ++b) {                                                        \
-      for (int64_t t = 0; t < T; ++t) {                                                                        \
-        const E* c = cos + b * c_b + t * c_t;                                                                  \
-        const E* s = sin + b * c_b + t * c_t;                                                                  \
-        for (int64_t h = 0; h < H; ++h)                                                                        \
-          rope_head_##SUF(x + b * x_b + t * x_t + h * x_h, c, s, out + ((b * T + t) * H + h) * D, D, 0);      \
-      }                                                                                                        \
-    }                                                                                                          \
-  }                                                                                                            \
-                                                                                                               \
-  void dockrl_rope_backward_##SUF(const E* g, int64_t g_b, int64_t g_h, int64_t g_t, const E* cos,             \
-                                  const E* sin, int64_t c_b, int64_t c_t, E* dx, int64_t B, int64_t T,         \
-                                  int64_t H, int64_t D) {                                                      \
-    _Pragma(PARALLEL) for (int64_t b = 0; b < B; ++b) {                                                        \
-      for (int64_t t = 0; t < T; ++t) {                                                                        \
-        const E* c = cos + b * c_b + t * c_t;                                                                  \
-        const E* s = sin + b * c_b + t * c_t;                                                                  \
-        for (int64_t h = 0; h < H; ++h)                                                                        \
-          rope_head_##SUF(g + b * g_b + h * g_h + t * g_t, c, s, dx + ((b * T + t) * H + h) * D, D, 1);       \
-      }                                                                                                        \
-    }                                                                                                          \
+#define DEFINE_ROPE(SUF, E)                                                                                            \
+  DEFINE_ROPE_ROW(SUF, E)                                                                                              \
+  void dockrl_rope_forward_##SUF(const E* x, int64_t x_b, int64_t x_t, int64_t x_h, const E* cos,                      \
+                                 const E* sin, int64_t c_b, int64_t c_t, E* out, int64_t B, int64_t T,                 \
+                                 int64_t H, int64_t D) {                                                               \
+    _Pragma(PARALLEL) for (int64_t b = 0; b < B; ++b) {                                                                \
+      for (int64_t t = 0; t < T; ++t) {                                                                                \
+        const E* c = cos + b * c_b + t * c_t;                                                                          \
+        const E* s = sin + b * c_b + t * c_t;                                                                          \
+        for (int64_t h = 0; h < H; ++h)                                                                                \
+          rope_head_##SUF(x + b * x_b + t * x_t + h * x_h, c, s, out + ((b * T + t) * H + h) * D, D, 0);               \
+      }                                                                                                                \
+    }                                                                                                                  \
+  }                                                                                                                    \
+                                                                                                                       \
+  void dockrl_rope_backward_##SUF(const E* g, int64_t g_b, int64_t g_h, int64_t g_t, const E* cos,                     \
+                                  const E* sin, int64_t c_b, int64_t c_t, E* dx, int64_t B, int64_t T,                 \
+                                  int64_t H, int64_t D) {                                                              \
+    _Pragma(PARALLEL) for (int64_t b = 0; b < B; ++b) {                                                                \
+      for (int64_t t = 0; t < T; ++t) {                                                                                \
+        const E* c = cos + b * c_b + t * c_t;                                                                          \
+        const E* s = sin + b * c_b + t * c_t;                                                                          \
+        for (int64_t h = 0; h < H; ++h)                                                                                \
+          rope_head_##SUF(g + b * g_b + h * g_h + t * g_t, c, s, dx + ((b * T + t) * H + h) * D, D, 1);                \
+      }                                                                                                                \
+    }                                                                                                                  \
   }
 
 DEFINE_ROPE(f32, float)
