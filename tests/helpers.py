@@ -41,6 +41,13 @@ GRAD_RTOL = 1e-3
 GRAD_ATOL_OF_SCALE = 1e-4
 
 
+def fsdp_unit_count(model: torch.nn.Module) -> int:
+    """FSDP2 units of `model`: the modules fully_shard was applied to, a group of modules counted once."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    return len({id(fully_shard.state(m)) for m in model.modules() if isinstance(m, FSDPModule)})
+
+
 def full_grads(engine) -> dict[str, torch.Tensor]:
     """Every parameter's whole gradient after `engine.train_step` (a collective under FSDP / tp)."""
     from dockrl.parallel.layout import full_tensor

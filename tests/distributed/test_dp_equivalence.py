@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from dockrl.config import ActorConfig, AlgoConfig, loss_plan
+from dockrl.config.schema import FSDP_UNIT_PARAMS
 from dockrl.parallel.dist import free_port
 from dockrl.parallel.spawn import spawn_ranks
-from helpers import assert_grads_close, full_grads
+from helpers import assert_grads_close, fsdp_unit_count, full_grads
 
 NUM_ROWS = 8
 ALGO = AlgoConfig(kl_coef=0.05, clip_low=0.2, clip_high=0.28)
@@ -35,12 +36,19 @@ def run_update(
     micro_batch_size: int = 2,
     max_tokens: int = 0,
     precision: str = "fp32",
+    unit_params: int = FSDP_UNIT_PARAMS,
+    units: list[int] | None = None,
 ):
+    """`units`, when given, gets the number of FSDP2 units the engine built."""
     from dockrl.engines.train.policy_update import policy_update
     from dockrl.engines.train.train_engine import TrainEngine
 
     optim = ActorConfig(lr=OPTIM.lr, grad_clip=OPTIM.grad_clip, micro_batch_size=micro_batch_size)
-    engine = TrainEngine(model_dir, device="cpu", precision=precision, mesh=mesh, optim=optim)
+    engine = TrainEngine(
+        model_dir, device="cpu", precision=precision, mesh=mesh, optim=optim, fsdp_unit_params=unit_params
+    )
+    if units is not None:
+        units.append(fsdp_unit_count(engine.model))
     batch = make_rows(engine.args.vocab_size)
     metrics = policy_update(
         engine,
@@ -58,7 +66,14 @@ def run_update(
 
 
 def _dp_worker(
-    rank: int, world_size: int, port: int, model_dir: str, out_path: str, precision: str, leave
+    rank: int,
+    world_size: int,
+    port: int,
+    model_dir: str,
+    out_path: str,
+    precision: str,
+    unit_params: int,
+    leave,
 ) -> None:
     from dockrl.parallel.dist import data_parallel_mesh, init_distributed
 
@@ -69,9 +84,19 @@ def _dp_worker(
     # A token budget of 24 (rows of 5 to 14 tokens): micro-batches of 1 to 4 rows sorted by length, and the two
     # ranks end up with different counts (the one with fewer runs idle micro-batches to keep FSDP2 in step).
     rows = list(range(rank * per_rank, (rank + 1) * per_rank))
-    metrics, grads, _ = run_update(model_dir, rows, world_size, mesh, max_tokens=24, precision=precision)
+    units: list[int] = []
+    metrics, grads, _ = run_update(
+        model_dir,
+        rows,
+        world_size,
+        mesh,
+        max_tokens=24,
+        precision=precision,
+        unit_params=unit_params,
+        units=units,
+    )
     if rank == 0:
-        torch.save({"metrics": metrics, "grads": grads}, out_path)
+        torch.save({"metrics": metrics, "grads": grads, "units": units[0]}, out_path)
     leave(rank)
 
 
@@ -85,11 +110,18 @@ def test_token_budget_micro_batches_group_like_lengths():
     assert micro_batch_rows(lengths, micro_batch_size=2, max_tokens=10_000) == [[1, 2, 3, 4, 0]]
 
 
-def test_dp2_equals_dp1(tmp_path, tiny_model):
+@pytest.mark.parametrize("unit_params", [0, FSDP_UNIT_PARAMS], ids=["unit-per-layer", "grouped"])
+def test_dp2_equals_dp1(tmp_path, tiny_model, unit_params):
+    """The same update whichever FSDP2 units shard the model (actor.fsdp_unit_params): a unit per layer, or the
+    tiny model's ~50k parameters as one unit at the root."""
     ref_metrics, ref_grads, _ = run_update(str(tiny_model), list(range(NUM_ROWS)), world_size=1)
     out = tmp_path / "dp2.pt"
-    spawn_ranks(_dp_worker, 2, free_port(), str(tiny_model), str(out), "fp32")
+    spawn_ranks(_dp_worker, 2, free_port(), str(tiny_model), str(out), "fp32", unit_params)
     dp2 = torch.load(out)
+    from dockrl.models.hf import read_config
+
+    # the units asked for were built: each layer and the root, or the root alone
+    assert dp2["units"] == (read_config(tiny_model).num_layers + 1 if unit_params == 0 else 1)
     for key in ("loss", "pg_loss", "kl", "grad_norm", "clip_frac"):
         # O(1) sums of a few hundred fp32 terms: rounding stays near 1e-5 relative (see helpers.GRAD_RTOL).
         assert dp2["metrics"][key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), key
@@ -109,7 +141,9 @@ def test_dp2_equals_dp1_in_bf16(tmp_path, tiny_model):
     outs = {}
     for world in (1, 2):
         outs[world] = tmp_path / f"dp{world}.pt"
-        spawn_ranks(_dp_worker, world, free_port(), str(tiny_model), str(outs[world]), "bf16")
+        spawn_ranks(
+            _dp_worker, world, free_port(), str(tiny_model), str(outs[world]), "bf16", FSDP_UNIT_PARAMS
+        )
     dp1, dp2 = torch.load(outs[1]), torch.load(outs[2])
     assert dp1["metrics"]["grad_norm"] > 0
     for key in ("loss", "pg_loss", "kl"):  # sums of fp32 per-token terms of the same bf16 log-probs
@@ -222,7 +256,8 @@ def _single_micro_batch_worker(
     dist.all_gather_single = counted
     mesh = data_parallel_mesh("cpu", world_size)
     rows = list(range(rank * 4, rank * 4 + 4))
-    metrics, grads, state = run_update(model_dir, rows, world_size, mesh, micro_batch_size=4)
+    # a unit per layer: the gathers counted below are the layers'
+    metrics, grads, state = run_update(model_dir, rows, world_size, mesh, micro_batch_size=4, unit_params=0)
     if rank == 0:
         torch.save({"metrics": metrics, "grads": grads, "state": state, "gathers": gathers[0]}, out_path)
     leave(rank)

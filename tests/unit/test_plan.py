@@ -152,3 +152,33 @@ def test_plan_cli_names_the_smallest_cp(capsys):
     result = json.loads(capsys.readouterr().out)
     question = PlanInput(load_args("Qwen2.5-7B"), dp=1, tp_train=1, tp_infer=1, train_seq_len=32768)
     assert result["smallest_cp"] == smallest_cp(question, 80e9)
+
+
+def test_fsdp_units_group_consecutive_layers_up_to_the_threshold():
+    from dockrl.parallel.fsdp_units import fsdp_units
+
+    # 0: a unit per layer; a group closes once it holds the threshold; the layers after the last group are the root's
+    assert fsdp_units([5, 5, 5], 0) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert fsdp_units([4, 4, 4, 4, 4], 8) == [range(0, 2), range(2, 4)]
+    assert fsdp_units([4, 4, 4, 4, 4], 9) == [range(0, 3)]
+    assert fsdp_units([4, 4, 4], 13) == []  # fewer in all: the root is the only unit
+    assert fsdp_units([20, 1, 30], 10) == [range(0, 1), range(1, 3)]
+
+
+def test_plan_counts_fsdp_units_of_grouped_layers():
+    """update_peak's `fsdp` term at fp32 (e = 4): two units (the prefetch) plus one unit's fp32 gradient plus the
+    root with what no unit took, its gradient beside it."""
+    from dataclasses import replace
+
+    from dockrl.parallel.memory_plan import _layer_and_root_params
+
+    args = replace(_tiny_args(), num_layers=6)
+    layer, root = _layer_and_root_params(args, 1)
+
+    def fsdp(unit_params: int) -> float:
+        return update_peak(args, rows=1, seq_len=16, dtype_bytes=4, unit_params=unit_params)["fsdp"]
+
+    assert fsdp(0) == 2 * 4 * layer + 4 * layer + 8 * root  # a unit per layer
+    assert fsdp(2 * layer) == 2 * 4 * (2 * layer) + 4 * (2 * layer) + 8 * root  # three units of two layers
+    assert fsdp(4 * layer) == 4 * (4 * layer) + 4 * (4 * layer) + 8 * (root + 2 * layer)  # one unit, two left
+    assert fsdp(7 * layer) == 8 * (root + 6 * layer)  # the root alone: the whole model unsharded

@@ -29,6 +29,7 @@ from dockrl.config.run_schema import (
     RunConfig,
 )
 from dockrl.config.training_schema import (
+    FSDP_UNIT_PARAMS,
     ActorConfig,
     AlgoConfig,
     CriticConfig,
@@ -40,6 +41,7 @@ from dockrl.config.training_schema import (
 from dockrl.models.families import FAMILIES
 
 __all__ = [
+    "FSDP_UNIT_PARAMS",
     "ActorConfig",
     "AlgoConfig",
     "CriticConfig",

@@ -25,6 +25,12 @@ from dockrl.config.fields import setting
 from dockrl.config.presets import AdvEstimator
 from dockrl.models.families import ALL_LINEAR, LINEAR_NAMES
 
+# actor.fsdp_unit_params' default: the measured point where grouping stops paying on this project's CPU hosts
+# (docs/benchmarks.md, "FSDP2 units"): the 0.85M demo model is one unit (its update 1.2-1.3x faster at 2 ranks
+# than with a unit per layer), the 28M bench model keeps a unit per layer (one unit: 1.16x slower, nothing
+# overlapped), a real model's layer (>= ~10M) is never grouped.
+FSDP_UNIT_PARAMS = 1_000_000
+
 # The algorithm's closed choices (Algorithm, LossAgg, RatioLevel, LossNormalizer, KLEstimator, KLControl,
 # RolloutIS) are declared in algos/registry.py; algo.adv_estimator accepts every registered estimator
 # (config/presets.py).
@@ -57,6 +63,14 @@ class OptimConfig:
         "Recompute each decoder layer's activations during the backward pass instead of keeping them: the "
         "update holds one layer's activations instead of every layer's (long responses fit), for about one "
         "more forward pass of compute; the numbers trained are the same.",
+    )
+    fsdp_unit_params: int = setting(
+        FSDP_UNIT_PARAMS,
+        "Smallest FSDP2 unit, in parameters: consecutive decoder layers are grouped in order until a group "
+        "holds this many (each unit is one all-gather and one reduce-scatter per pass, and a point where the "
+        "ranks wait for each other); layers after the last full group join the root unit (embedding, head). A "
+        "model whose layers hold fewer in all is one unit; 0: a unit per layer. Only small models are "
+        "grouped: a layer of a 0.5B model holds ~15M (docs/design.md, FSDP2 units).",
     )
     packing: bool = setting(
         True,

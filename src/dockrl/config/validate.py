@@ -50,6 +50,8 @@ def check_train(cfg: TrainConfig) -> None:
     ]:
         positive(key, value)
     positive("actor.lr", actor.lr)
+    positive("actor.fsdp_unit_params", actor.fsdp_unit_params, allow_zero=True)
+    positive("critic.fsdp_unit_params", cfg.critic.fsdp_unit_params, allow_zero=True)
     positive("reward.timeout_s", cfg.reward.timeout_s)
     positive("reward.num_processes", cfg.reward.num_processes, allow_zero=True)
     positive("run.save_every", run.save_every, allow_zero=True)

@@ -27,8 +27,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from dockrl.config.schema import FSDP_UNIT_PARAMS
 from dockrl.models.config import ModelArgs
 from dockrl.models.tp_plan import shard_dim, tp_problem
+from dockrl.parallel.fsdp_units import fsdp_units
 
 PRESETS: dict[str, dict] = {
     "Qwen2.5-7B": dict(
@@ -84,6 +86,7 @@ class PlanInput:
     bucket_bytes: int | None = None  # reshard.bucket_mb; None: the largest tensor (fp32), rounded up to MiB
     activation_bytes: int = 2  # bf16 training compute (4: run.precision=fp32)
     activation_checkpointing: bool = False  # actor.activation_checkpointing
+    fsdp_unit_params: int = FSDP_UNIT_PARAMS  # actor.fsdp_unit_params
 
 
 def load_args(model: str) -> ModelArgs:
@@ -159,6 +162,7 @@ def plan(p: PlanInput) -> dict[str, float]:
         tp=p.tp_train,
         dtype_bytes=p.activation_bytes,
         checkpointing=p.activation_checkpointing,
+        unit_params=p.fsdp_unit_params,
     )
     train = params + grads + optim + peak["total"]
     kept = (0 if p.offload_params else params) + (0 if p.offload_optimizer else optim)
@@ -204,6 +208,7 @@ def update_peak(
     tp: int = 1,
     dtype_bytes: int = 2,
     checkpointing: bool = False,
+    unit_params: int = FSDP_UNIT_PARAMS,
 ) -> dict[str, float]:
     """Bytes one training rank adds to its standing state (parameters, gradients, AdamW) during one micro-batch's
     forward and backward: `rows` rows of `seq_len` tokens, split over `cp` ranks (each holds padded / cp tokens,
@@ -216,8 +221,10 @@ def update_peak(
               norm, the head's scored hidden states and the rotary tables. With activation checkpointing: each
               layer's input e H, and one layer's whole set while it is recomputed. (Checked against the
               tensors autograd saves: tests/unit/test_plan.py.)
-    fsdp      FSDP2's all-gathered copies: two layers (the prefetch) in the compute dtype, one layer's unsharded
-              fp32 gradient, and the root (embedding, head, final norm: unsharded for the whole step).
+    fsdp      FSDP2's all-gathered copies: two units (the prefetch; a unit is one layer, or consecutive layers
+              of at least `unit_params` parameters: parallel.fsdp_units) in the compute dtype, one unit's
+              unsharded fp32 gradient, and the root (embedding, head, final norm and the layers no unit took:
+              unsharded for the whole step, with their fp32 gradients).
     transient the backward's largest buffer set at its start: the fused head's three fp32 chunks, or one
               layer's attention backward (cp = 1: the q, k, v gradients; cp > 1: the ring's fp32 q and
               travelling key/value gradients, the key/value block and its received copy, and two score tiles),
@@ -242,7 +249,10 @@ def update_peak(
     # statistics (24 bytes), the rotary cos and sin tables
     saved = layers + local * (e * h + e * h + 24 + 2 * e * d)
     layer_params, root_params = _layer_and_root_params(args, tp)
-    fsdp = 2 * e * layer_params + 4 * layer_params + (e + 4) * root_params
+    units = fsdp_units([layer_params] * args.num_layers, unit_params)
+    unit = len(units[0]) * layer_params if units else 0
+    rest = (args.num_layers - sum(len(u) for u in units)) * layer_params
+    fsdp = min(2, len(units)) * e * unit + 4 * unit + (e + 4) * (root_params + rest)
     vocab = args.vocab_size // tp
     chunk = min(local, max(HEAD_MIN_CHUNK_TOKENS, HEAD_CHUNK_ELEMENTS // vocab))
     head = 3 * 4 * chunk * vocab

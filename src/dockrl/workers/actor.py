@@ -102,6 +102,7 @@ class ActorWorker(Worker):
             mesh=mesh,
             ep=spec.optim.ep,
             packing=spec.optim.packing,
+            fsdp_unit_params=spec.optim.fsdp_unit_params,
         )
         self.policy = TrainEngine(
             spec.model_path,

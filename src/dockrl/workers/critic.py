@@ -117,6 +117,7 @@ class CriticWorker(Worker):
             total_optimizer_steps=spec.total_optimizer_steps,
             load_weights=resume_from is None,
             packing=spec.optim.packing,
+            fsdp_unit_params=spec.optim.fsdp_unit_params,
         )
         if resume_from is not None:
             load_engine(self.engine, Path(resume_from) / CRITIC)

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from dockrl.algos.head_logprobs import head_support_stats, head_token_stats, head_top_k
-from dockrl.config.schema import OptimConfig
+from dockrl.config.schema import FSDP_UNIT_PARAMS, OptimConfig
 from dockrl.engines.train import context_passes
 from dockrl.engines.train.batch import (
     MicroBatch,
@@ -55,6 +55,7 @@ from dockrl.models.precision import dtype_of
 from dockrl.models.tp_plan import shard_dim
 from dockrl.models.vision import VisionInputs
 from dockrl.parallel.expert_parallel import is_expert_param
+from dockrl.parallel.fsdp_units import fsdp_units
 from dockrl.parallel.layout import Placement, full_tensor
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class TrainEngine:
         ep: int = 1,
         packing: bool = False,
         freeze_vision: bool = True,
+        fsdp_unit_params: int = FSDP_UNIT_PARAMS,
     ):
         self.device = torch.device(device)
         # The fused LM head's softmax work in C on a CPU (models/native/head.py; None: torch's ops, as on an
@@ -141,7 +143,7 @@ class TrainEngine:
 
             attach(model, self.context)
         if self.shard_mesh is not None:  # set exactly when `mesh` is
-            fully_shard_layers(model, self.shard_mesh, precision, self.edp_mesh)
+            fully_shard_layers(model, self.shard_mesh, precision, self.edp_mesh, fsdp_unit_params)
         model.to_empty(device=self.device)
         reader = CheckpointReader(model_path)  # headers only
         # Hugging Face exports of this model are written in the dtype its checkpoint came in.
@@ -695,21 +697,30 @@ def _frozen_to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def fully_shard_layers(
-    model: torch.nn.Module, mesh: DeviceMesh, precision: str, expert_mesh: DeviceMesh | None = None
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    precision: str,
+    expert_mesh: DeviceMesh | None = None,
+    unit_params: int = 0,
 ) -> None:
-    """FSDP2 over `mesh` per decoder layer and at the root; with `expert_mesh` (expert parallelism) each MoE
-    layer's experts are sharded over it instead (their gradients come out averaged over dp like the rest's:
-    see dockrl.parallel.expert_parallel)."""
+    """FSDP2 over `mesh`: a unit per group of consecutive decoder layers holding at least `unit_params` parameters
+    (`parallel.layout.fsdp_units`; 0: a unit per layer), the rest at the root; with `expert_mesh` (expert
+    parallelism) each MoE layer's experts are a unit of their own sharded over it (their gradients come out
+    averaged over dp like the rest's: see dockrl.parallel.expert_parallel)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if precision == "bf16" else None,
         reduce_dtype=torch.float32,
     )
-    for layer in _decoder(model).layers:
+    layers = list(_decoder(model).layers)
+    for layer in layers:
         if expert_mesh is not None and isinstance(layer.mlp, MoEBlock):
             fully_shard(layer.mlp.experts, mesh=expert_mesh, mp_policy=mp)
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    for unit in fsdp_units(sizes, unit_params):
+        group = layers[unit.start : unit.stop]
+        fully_shard(group[0] if len(group) == 1 else group, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
