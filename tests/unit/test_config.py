@@ -74,6 +74,8 @@ def test_missing_required_names_the_key():
         ("reshard.bucket_mb=0.01", "reshard.bucket_mb=0.01: is smaller than the model's largest tensor"),
         ("actor.tp=3", "actor.tp=3"),
         ("rollout.kv_cache_tokens=-1", "rollout.kv_cache_tokens=-1: must be >= 0"),
+        ("actor.fsdp_unit_params=-1", "actor.fsdp_unit_params=-1: must be >= 0"),
+        ("critic.fsdp_unit_params=-5", "critic.fsdp_unit_params=-5: must be >= 0"),
         ("rollout.kv_cache_tokens=100", "rollout.kv_cache_tokens=100: cannot hold one sequence"),
         ("run.threads_per_rank=-1", r"run.threads_per_rank=-1: must be >= 0.*use 0 \(auto"),
     ],

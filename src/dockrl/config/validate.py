@@ -19,6 +19,7 @@ from dockrl.config.env_checks import check_env
 from dockrl.config.fields import config_error
 from dockrl.config.lora_checks import check_lora
 from dockrl.config.schema import (
+    FSDP_UNIT_PARAMS,
     DataConfig,
     DistillConfig,
     RewardModelConfig,
@@ -450,6 +451,13 @@ def check_sft(cfg: SFTConfig) -> None:
         raise config_error("actor.ep", cfg.actor.ep, "dockrl sft runs in one process", "use actor.ep=1")
     if cfg.actor.cp != 1:
         raise config_error("actor.cp", cfg.actor.cp, "dockrl sft runs in one process", "use actor.cp=1")
+    if cfg.actor.fsdp_unit_params != FSDP_UNIT_PARAMS:
+        raise config_error(
+            "actor.fsdp_unit_params",
+            cfg.actor.fsdp_unit_params,
+            "dockrl sft runs in one process, without FSDP2",
+            "leave actor.fsdp_unit_params unset",
+        )
     _check_aux_loss_coef(cfg.actor)
     for key, value in (("actor.mini_batches", cfg.actor.mini_batches), ("actor.epochs", cfg.actor.epochs)):
         if value != 1:
