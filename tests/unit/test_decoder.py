@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dockrl.models import KVCache, ModelArgs, Transformer
-from dockrl.models.decoder import attention_mask, grouped_attention, rope_inv_freq, row_offset_bias
+from dockrl.models.decoder import rope_inv_freq
+from dockrl.models.kv_cache import attention_mask, grouped_attention, row_offset_bias
 
 VOCAB = 300
 

@@ -22,7 +22,9 @@ import torch.nn.functional as F
 
 from dockrl.models import KVCache, ModelArgs, Transformer, native
 from dockrl.models import decoder as decoder_module
-from dockrl.models.decoder import apply_rope, grouped_attention, row_offset_bias
+from dockrl.models import kv_cache as kv_cache_module
+from dockrl.models.decoder import apply_rope
+from dockrl.models.kv_cache import grouped_attention, row_offset_bias
 from dockrl.models.rms_norm import rms_norm
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
@@ -125,7 +127,7 @@ def _torch_attention(q, k, v, cos, sin, cache, offsets, norms, head_dim, *, mask
     rope = (cos[:, None, None], sin[:, None, None])
     q_rot = apply_rope(q4.transpose(1, 2), *rope)
     k_rot = apply_rope(k4.transpose(1, 2), *rope) if rope_k else k4.transpose(1, 2)
-    keys, values = (part.float() for part in cache)  # attention in fp32 (decoder.attention_dtype on a CPU)
+    keys, values = (part.float() for part in cache)  # attention in fp32 (kv_cache.attention_dtype on a CPU)
     rows = torch.arange(batch)
     keys[rows, :, offsets] = k_rot.float()[:, :, 0]
     values[rows, :, offsets] = v.reshape(batch, -1, head_dim).float()
@@ -330,7 +332,7 @@ def test_native_decode_step_is_the_layers_torch_path(family, seq, holes, monkeyp
     assert want.abs().max() > 0.5  # not a comparison of near-zero states
     # the bound sees one layer's attention gone wrong: the scale doubled in the kernel's reference
     monkeypatch.setattr(
-        decoder_module, "grouped_attention", lambda q, k, v, b: grouped_attention(2 * q, k, v, b)
+        kv_cache_module, "grouped_attention", lambda q, k, v, b: grouped_attention(2 * q, k, v, b)
     )
     broken, _ = decode(False)
     assert not _within(got, broken, bound)
@@ -395,10 +397,10 @@ def test_the_native_path_is_skipped_where_it_does_not_apply(monkeypatch):
 
     model = _model("qwen2", torch.bfloat16)
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
-    fp32 = decoder_module.CacheWrite(
+    fp32 = kv_cache_module.CacheWrite(
         KVCache(model.args, 2, 8, torch.float32, "cpu"), row_offsets=torch.zeros(2)
     )
-    bf16 = decoder_module.CacheWrite(
+    bf16 = kv_cache_module.CacheWrite(
         KVCache(model.args, 2, 8, torch.bfloat16, "cpu"), row_offsets=torch.zeros(2)
     )
     assert decoder_module._natively_decodable(model.model, x, bf16)

@@ -116,7 +116,10 @@ def test_sft_max_prompt_len_skips_long_prompts(tiny_model, arithmetic_data, tmp_
         ("actor.epochs=3", "actor.epochs=3: dockrl sft takes one optimizer step per batch"),
         ("model.ref_path=/some/ref", "model.ref_path='/some/ref': SFT has no reference model"),
         ("data.max_prompt_len=0", "data.max_prompt_len=0: must be >= 1"),
-        ("actor.fsdp_unit_params=0", "actor.fsdp_unit_params=0: dockrl sft runs in one process, without FSDP2"),
+        (
+            "actor.fsdp_unit_params=0",
+            "actor.fsdp_unit_params=0: dockrl sft runs in one process, without FSDP2",
+        ),
     ],
 )
 def test_sft_refuses_settings_it_cannot_use(tiny_model, arithmetic_data, tmp_path, override, message):

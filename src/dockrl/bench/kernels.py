@@ -369,7 +369,8 @@ def _decode_rows(args: argparse.Namespace, heads: int, kv_heads: int, dim: int, 
     import torch
 
     from dockrl.models import native
-    from dockrl.models.decoder import apply_rope, grouped_attention
+    from dockrl.models.decoder import apply_rope
+    from dockrl.models.kv_cache import grouped_attention
 
     bf16, rows, keys = torch.bfloat16, args.decode_rows, args.decode_keys
     slots = keys + 1

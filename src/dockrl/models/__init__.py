@@ -6,7 +6,7 @@ the driver before any worker starts, and must not pay for torch (KVCache and Tra
 
 from dockrl.models.config import ModelArgs
 
-_TORCH_EXPORTS = {"KVCache": "dockrl.models.decoder", "Transformer": "dockrl.models.decoder"}
+_TORCH_EXPORTS = {"KVCache": "dockrl.models.kv_cache", "Transformer": "dockrl.models.decoder"}
 
 
 def __getattr__(name: str):

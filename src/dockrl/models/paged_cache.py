@@ -155,11 +155,11 @@ def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, batch: int
 ) -> torch.Tensor:
     """Softmax attention of q [B, N, T, D] over gathered k, v [K B, S, D] (`PagedKVCache.gather`) under the
-    additive `bias` [B, 1, T, S] (decoder.row_offset_bias).
+    additive `bias` [B, 1, T, S] (kv_cache.row_offset_bias).
 
     The N / K query heads of one key/value head are stacked into one batched matmul (keys are not repeated per
     head), with the batch K-major as the gather leaves it; each (row, head) product is the same as over a
-    contiguous cache (decoder.grouped_attention), scale and bias applied the same way.
+    contiguous cache (kv_cache.grouped_attention), scale and bias applied the same way.
     """
     _, num_heads, seq, head_dim = q.shape
     num_kv_heads, num_keys = k.shape[0] // batch, k.shape[1]

@@ -35,7 +35,7 @@ def cache_dtype(weight_dtype: torch.dtype, device: torch.device, native_decode: 
     on a CPU otherwise, where a bf16 cache makes torch's decode attention slower, not faster (its key slices
     are strided, and the CPU's bf16 batched matmul copies each one first; fp32 reads them in place). The
     values are the same either way: the keys and values are the projections' (bf16) values, and a CPU's
-    attention over them runs in fp32 (decoder._cached_attention)."""
+    attention over them runs in fp32 (kv_cache.cached_attention)."""
     return torch.float32 if device.type == "cpu" and not native_decode else weight_dtype
 
 

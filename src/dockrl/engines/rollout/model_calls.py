@@ -25,7 +25,8 @@ import torch
 
 from dockrl.engines.rollout.kv_layouts import BLOCK_SIZE
 from dockrl.engines.rollout.requests import Request
-from dockrl.models.decoder import KVCache, Transformer
+from dockrl.models.decoder import Transformer
+from dockrl.models.kv_cache import KVCache
 from dockrl.models.moe import Routing, routing
 from dockrl.models.packed_linear import PackedWeights
 from dockrl.models.paged_cache import PagedKVCache

@@ -77,7 +77,8 @@ from dockrl.engines.rollout.kv_layouts import BLOCK_SIZE, blocks_for, cache_dtyp
 from dockrl.engines.rollout.model_calls import ModelCalls
 from dockrl.engines.rollout.requests import Completion, Generation, Request, _Running, same_images
 from dockrl.engines.rollout.sampling import RowSettings, SamplingParams, sample_rows
-from dockrl.models.decoder import KVCache, Transformer, natively_decodable
+from dockrl.models.decoder import Transformer, natively_decodable
+from dockrl.models.kv_cache import KVCache
 from dockrl.models.packed_linear import PackedWeights
 from dockrl.models.packed_linear import supported as packing_supported
 from dockrl.models.paged_cache import PagedKVCache
