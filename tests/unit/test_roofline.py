@@ -66,8 +66,8 @@ def test_rollout_seconds_by_hand_below_and_above_the_machine_balance():
     assert eight - (8 * 1968 / 1000 + traffic / 500) == pytest.approx(8 * 688 / 1000 - 1328 / 500, rel=1e-12)
 
 
-def test_moe_counts_the_routed_experts_and_the_router():
-    args = ModelArgs(
+def _moe_args() -> ModelArgs:
+    return ModelArgs(
         family="qwen3_moe",
         vocab_size=10,
         hidden_size=4,
@@ -81,6 +81,10 @@ def test_moe_counts_the_routed_experts_and_the_router():
         num_experts_per_tok=2,
         moe_intermediate_size=3,
     )
+
+
+def test_moe_counts_the_routed_experts_and_the_router():
+    args = _moe_args()
     # attention 48; 2 routed experts x 3 x 4 x 3 + router 4 x 8; head 40
     assert roofline.matmul_params(args) == 48 + 72 + 32 + 40
 
@@ -112,3 +116,22 @@ def test_measure_peak_reports_positive_rates():
     assert peak["threads"] == 1
     assert peak["fp32_gflops"] > 0 and peak["bandwidth_gbs"] > 0
     assert roofline.peak_flops(peak, "fp32") == 1e9 * peak["fp32_gflops"]
+
+
+def test_shape_bound_is_one_when_every_matmul_runs_at_the_peak(monkeypatch):
+    """shape_bound's arithmetic: with each matmul's seconds its FLOPs at exactly the peak, the update's and the
+    reference's bound is 1.0, so its count of the passes' matmuls (seven projections a layer, the head, the
+    backward's two per forward one, attention) is pass_flops' count. A matmul left out or counted twice moves it."""
+    rate = 1e9  # FLOP/s
+
+    def at_peak(rows, n_in, n_out, dtype, repeats):
+        flops = 2 * rows * n_in * n_out
+        return flops / rate, 2 * flops / rate  # the forward; d input and d weight
+
+    monkeypatch.setattr(roofline, "_linear_seconds", at_peak)
+    monkeypatch.setattr(roofline, "measure_peak", lambda threads, **kw: {"fp32_gflops": rate / 1e9})
+    bound = roofline.shape_bound(_args(tie=True), [3, 5], "fp32")
+    assert bound == {"peak_gflops": 1.0, "update": pytest.approx(1.0), "reference": pytest.approx(1.0)}
+    # two micro-batches of 4 rows (a budget of 4 tokens): the same matmuls over the same 8 rows
+    assert roofline.shape_bound(_args(tie=True), [3, 5], "fp32", budget=4)["update"] == pytest.approx(1.0)
+    assert roofline.shape_bound(_moe_args(), [3, 5], "fp32") is None  # routed experts: shapes follow the routing

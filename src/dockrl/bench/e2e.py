@@ -36,13 +36,15 @@ plus attention's 4 L^2 d per layer and sequence) over its seconds x the peak of 
 reference, old log-probs, update; TRL: train, its forward and backward). `decode_bw_share`: dockrl's decode
 steps against the bandwidth bound; `decode_roofline_share`: the rollout's attainable seconds (each decode step
 bandwidth- or compute-bound, whichever is slower, and the prefill) over its measured seconds (roofline_shares
-says how both are counted).
+says how both are counted). `shape_bound`: the share of the peak dockrl's update and reference could reach at
+their own matmul shapes, each matmul timed alone on one rank's threads (bench/roofline.py `shape_bound`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -169,8 +171,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def measure_peak() -> dict[str, Any]:
     """The roofline of this run (bench/roofline.py): matmul peaks and bandwidth at the cores this process may
     use (every rank of both systems shares them), and the load average while it was measured."""
-    import os
-
     from dockrl.bench.roofline import measure_peak as measure
 
     peak = measure(len(os.sched_getaffinity(0)))
@@ -277,7 +277,9 @@ def roofline_shares(
     prefill and switch: a lower bound of the decode steps' own share), and `decode_roofline_share`, the
     attainable seconds of the rollout (roofline.rollout_seconds: the prefill at the peak, each decode step
     at the slower of its traffic and its FLOPs; every sequence taken at the mean prompt and response lengths,
-    rounded) over the stage's seconds."""
+    rounded) over the stage's seconds; `shape_bound`, the update's and reference's share of the peak that their
+    own matmul shapes allow on one rank (roofline.shape_bound: each matmul timed alone at the rank's threads,
+    against the peak at that thread count): how far the passes could go if nothing but their matmuls ran."""
     import torch
 
     from dockrl.bench import roofline
@@ -296,6 +298,12 @@ def roofline_shares(
         if seconds > 0
     }
     out: dict[str, Any] = {"peak_share": shares}
+    # what the passes' own matmul shapes allow on one rank (its share of the sequences, its threads)
+    ranks = max(1, args.dp)
+    threads = max(1, len(os.sched_getaffinity(0)) // ranks)
+    bound = roofline.shape_bound(margs, lengths[: max(1, sequences // ranks)], precision, threads=threads)
+    if bound is not None:
+        out["shape_bound"] = bound
     rollout_s = stages.get(Stage.ROLLOUT, 0.0)
     if rollout_s > 0 and response_length >= 1:
         prompt = length - response_length
@@ -333,7 +341,6 @@ def trl_config(args: argparse.Namespace, model: Path, available_bytes: int) -> d
     third more), then the same with it (`fell_back` saying which and why); sdpa attention. micro: micro-batches of --samples with accumulation over the
     prompts (GRPOConfig's checkpointing). The precision is dockrl's rule (run.precision=auto on this CPU) in
     both, the threads --trl-threads (default: one per core this process may use)."""
-    import os
 
     from dockrl.bench.trl_memory import trl_step_bytes
     from dockrl.models.hf import read_config

@@ -169,6 +169,89 @@ def _best(fn: Any, repeats: int) -> float:
     return min(times)
 
 
+def shape_bound(
+    args: Any,
+    lengths: Sequence[float],
+    precision: str,
+    *,
+    threads: int = 1,
+    budget: int = 4096,
+    repeats: int = 5,
+) -> dict[str, float] | None:
+    """The share of the matmul peak that one rank's update and reference passes could reach at their own shapes:
+    every matmul of the pass (a dense model's seven projections per layer and the LM head in the fused head's
+    chunks; the update's two backward matmuls beside each forward one: d input and d weight) timed alone with
+    torch at `threads` threads in `precision`, the rank's sequences (`lengths`) in micro-batches of at most
+    `budget` tokens, attention's FLOPs taken at the peak (a bound its kernels cannot beat), and the pass's FLOPs
+    (`pass_flops`) over those seconds x the n x n peak at the same thread count (measured before and after the
+    shapes, the higher taken): {"update", "reference", "peak_gflops"}. A pass cannot reach more than this share whatever runs around its matmuls, because its
+    matmuls alone at these sizes (K = the hidden size, M = a micro-batch's tokens) run below the square
+    peak. None for an MoE model (its experts' shapes follow the routing)."""
+    import math
+
+    import torch
+
+    from dockrl.parallel.memory_plan import HEAD_CHUNK_ELEMENTS, HEAD_MIN_CHUNK_TOKENS
+
+    if args.num_experts:
+        return None
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        key = f"{precision}_gflops"
+        peak = measure_peak(threads, repeats=repeats, stream_mb=1)[key] * 1e9
+        tokens = int(sum(lengths))
+        micro_batches = max(1, math.ceil(tokens / budget))
+        rows = math.ceil(tokens / micro_batches)
+        hidden, q_width = args.hidden_size, args.num_heads * args.head_dim
+        kv_width = args.num_kv_heads * args.head_dim
+        layer = [(hidden, q_width), (hidden, kv_width), (hidden, kv_width), (q_width, hidden)]
+        layer += [(hidden, args.intermediate_size)] * 2 + [(args.intermediate_size, hidden)]
+        chunk = min(rows, max(HEAD_MIN_CHUNK_TOKENS, HEAD_CHUNK_ELEMENTS // args.vocab_size))
+        forward = backward = 0.0
+        for (n_in, n_out), count in _counted(layer).items():
+            f, b = _linear_seconds(rows, n_in, n_out, dtype, repeats)
+            forward += args.num_layers * count * f
+            backward += args.num_layers * count * b
+        f, b = _linear_seconds(chunk, hidden, args.vocab_size, dtype, repeats)
+        chunks = math.ceil(rows / chunk)
+        forward, backward = micro_batches * (forward + chunks * f), micro_batches * (backward + chunks * b)
+        # the peak again after the shapes, the higher one taken: a host that sped up meanwhile lowers the bound
+        peak = max(peak, measure_peak(threads, repeats=repeats, stream_mb=1)[key] * 1e9)
+        attention = args.num_layers * 4 * q_width * sum(n * n for n in lengths) / peak
+        out: dict[str, float] = {"peak_gflops": peak / 1e9}
+        for name, seconds in (
+            ("update", forward + backward + 3 * attention),
+            ("reference", forward + attention),
+        ):
+            out[name] = pass_flops(args, name, lengths) / seconds / peak
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
+def _counted(shapes: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
+    counts: dict[tuple[int, int], int] = {}
+    for shape in shapes:
+        counts[shape] = counts.get(shape, 0) + 1
+    return counts
+
+
+def _linear_seconds(rows: int, n_in: int, n_out: int, dtype: Any, repeats: int) -> tuple[float, float]:
+    """Seconds of one linear layer's forward (x [rows, in] by the weight [out, in], as nn.Linear) and of its
+    backward's two matmuls (d x = d y W, d W = d y^T x), each the best of `repeats`."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, n_in, generator=generator).to(dtype)
+    weight = torch.randn(n_out, n_in, generator=generator).to(dtype)
+    grad = torch.randn(rows, n_out, generator=generator).to(dtype)
+    forward = _best(lambda: torch.nn.functional.linear(x, weight), repeats)
+    backward = _best(lambda: torch.mm(grad, weight), repeats) + _best(lambda: torch.mm(grad.t(), x), repeats)
+    return forward, backward
+
+
 def peak_flops(peak: dict[str, Any], precision: str) -> float:
     """The matmul peak (FLOP/s) of a run's precision ("fp32" or "bf16"); fp32's where bf16 was not measured."""
     return 1e9 * peak.get(f"{precision}_gflops", peak["fp32_gflops"])

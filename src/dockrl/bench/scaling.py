@@ -134,6 +134,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                                 k: got[k]
                                 for k in (
                                     "peak_share",
+                                    "shape_bound",
                                     "decode_bw_share",
                                     "decode_roofline_share",
                                     "trl_config",
