@@ -134,4 +134,6 @@ def test_shape_bound_is_one_when_every_matmul_runs_at_the_peak(monkeypatch):
     assert bound == {"peak_gflops": 1.0, "update": pytest.approx(1.0), "reference": pytest.approx(1.0)}
     # two micro-batches of 4 rows (a budget of 4 tokens): the same matmuls over the same 8 rows
     assert roofline.shape_bound(_args(tie=True), [3, 5], "fp32", budget=4)["update"] == pytest.approx(1.0)
-    assert roofline.shape_bound(_moe_args(), [3, 5], "fp32") is None  # routed experts: shapes follow the routing
+    assert (
+        roofline.shape_bound(_moe_args(), [3, 5], "fp32") is None
+    )  # routed experts: shapes follow the routing
