@@ -119,17 +119,17 @@ def test_measure_peak_reports_positive_rates():
 
 
 def test_shape_bound_is_one_when_every_matmul_runs_at_the_peak(monkeypatch):
-    """shape_bound's arithmetic: with each matmul's seconds its FLOPs at exactly the peak, the update's and the
+    """shape_bound's arithmetic: with each matmul costing exactly its FLOPs at the peak, the update's and the
     reference's bound is 1.0, so its count of the passes' matmuls (seven projections a layer, the head, the
     backward's two per forward one, attention) is pass_flops' count. A matmul left out or counted twice moves it."""
-    rate = 1e9  # FLOP/s
+    from types import SimpleNamespace
 
-    def at_peak(rows, n_in, n_out, dtype, repeats):
+    def at_peak(rows, n_in, n_out, dtype, repeats, square):
         flops = 2 * rows * n_in * n_out
-        return flops / rate, 2 * flops / rate  # the forward; d input and d weight
+        return flops, 2 * flops  # the forward; d input and d weight
 
-    monkeypatch.setattr(roofline, "_linear_seconds", at_peak)
-    monkeypatch.setattr(roofline, "measure_peak", lambda threads, **kw: {"fp32_gflops": rate / 1e9})
+    monkeypatch.setattr(roofline, "_peak_costs", at_peak)
+    monkeypatch.setattr(roofline, "_Square", lambda size, dtype: SimpleNamespace(best_rate=1e9))
     bound = roofline.shape_bound(_args(tie=True), [3, 5], "fp32")
     assert bound == {"peak_gflops": 1.0, "update": pytest.approx(1.0), "reference": pytest.approx(1.0)}
     # two micro-batches of 4 rows (a budget of 4 tokens): the same matmuls over the same 8 rows
@@ -137,3 +137,15 @@ def test_shape_bound_is_one_when_every_matmul_runs_at_the_peak(monkeypatch):
     assert (
         roofline.shape_bound(_moe_args(), [3, 5], "fp32") is None
     )  # routed experts: shapes follow the routing
+
+
+def test_peak_costs_weigh_each_op_by_the_square_timed_beside_it():
+    """A real small linear: its three ops' cost is in FLOPs at the peak (seconds x the square's rate: seconds
+    alone would be ~1e-6 of it), at most about twice what they compute (a small matmul is not much faster per
+    FLOP than the square), and the square's best rate is kept."""
+    square = roofline._Square(256, torch.float32)
+    forward, backward = roofline._peak_costs(64, 32, 48, torch.float32, 3, square)
+    flops = 2 * 64 * 32 * 48
+    assert square.best_rate > 0
+    assert forward > 0 and backward > 0
+    assert forward + backward > 0.5 * 3 * flops  # not off by a factor: at most ~2x the square's rate

@@ -38,6 +38,7 @@ machine's best on large square matmuls, which small-batch passes cannot reach.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -176,19 +177,18 @@ def shape_bound(
     *,
     threads: int = 1,
     budget: int = 4096,
-    repeats: int = 5,
+    repeats: int = 3,
+    size: int = 2048,
 ) -> dict[str, float] | None:
     """The share of the matmul peak that one rank's update and reference passes could reach at their own shapes:
     every matmul of the pass (a dense model's seven projections per layer and the LM head in the fused head's
     chunks; the update's two backward matmuls beside each forward one: d input and d weight) timed alone with
     torch at `threads` threads in `precision`, the rank's sequences (`lengths`) in micro-batches of at most
-    `budget` tokens, attention's FLOPs taken at the peak (a bound its kernels cannot beat), and the pass's FLOPs
-    (`pass_flops`) over those seconds x the n x n peak at the same thread count (measured before and after the
-    shapes, the higher taken): {"update", "reference", "peak_gflops"}. A pass cannot reach more than this share whatever runs around its matmuls, because its
-    matmuls alone at these sizes (K = the hidden size, M = a micro-batch's tokens) run below the square
-    peak. None for an MoE model (its experts' shapes follow the routing)."""
-    import math
-
+    `budget` tokens, each against a `size` x `size` matmul timed beside it (`_peak_costs`); attention's FLOPs
+    at the peak (a bound its kernels cannot beat). The pass's FLOPs (`pass_flops`) over what its matmuls cost
+    in FLOPs at the peak: {"update", "reference", "peak_gflops" (the best square matmul seen)}. A pass cannot
+    reach more than this share of the peak whatever runs around its matmuls. Shapes larger than the square
+    may pass 1.0. None for an MoE model (its experts' shapes follow the routing)."""
     import torch
 
     from dockrl.parallel.memory_plan import HEAD_CHUNK_ELEMENTS, HEAD_MIN_CHUNK_TOKENS
@@ -199,8 +199,7 @@ def shape_bound(
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        key = f"{precision}_gflops"
-        peak = measure_peak(threads, repeats=repeats, stream_mb=1)[key] * 1e9
+        square = _Square(size, dtype)
         tokens = int(sum(lengths))
         micro_batches = max(1, math.ceil(tokens / budget))
         rows = math.ceil(tokens / micro_batches)
@@ -209,26 +208,43 @@ def shape_bound(
         layer = [(hidden, q_width), (hidden, kv_width), (hidden, kv_width), (q_width, hidden)]
         layer += [(hidden, args.intermediate_size)] * 2 + [(args.intermediate_size, hidden)]
         chunk = min(rows, max(HEAD_MIN_CHUNK_TOKENS, HEAD_CHUNK_ELEMENTS // args.vocab_size))
-        forward = backward = 0.0
+        forward = backward = 0.0  # FLOPs at the peak, per micro-batch
         for (n_in, n_out), count in _counted(layer).items():
-            f, b = _linear_seconds(rows, n_in, n_out, dtype, repeats)
+            f, b = _peak_costs(rows, n_in, n_out, dtype, repeats, square)
             forward += args.num_layers * count * f
             backward += args.num_layers * count * b
-        f, b = _linear_seconds(chunk, hidden, args.vocab_size, dtype, repeats)
+        f, b = _peak_costs(chunk, hidden, args.vocab_size, dtype, repeats, square)
         chunks = math.ceil(rows / chunk)
         forward, backward = micro_batches * (forward + chunks * f), micro_batches * (backward + chunks * b)
-        # the peak again after the shapes, the higher one taken: a host that sped up meanwhile lowers the bound
-        peak = max(peak, measure_peak(threads, repeats=repeats, stream_mb=1)[key] * 1e9)
-        attention = args.num_layers * 4 * q_width * sum(n * n for n in lengths) / peak
-        out: dict[str, float] = {"peak_gflops": peak / 1e9}
-        for name, seconds in (
+        attention = args.num_layers * 4 * q_width * sum(n * n for n in lengths)
+        out: dict[str, float] = {"peak_gflops": square.best_rate / 1e9}
+        for name, cost in (
             ("update", forward + backward + 3 * attention),
             ("reference", forward + attention),
         ):
-            out[name] = pass_flops(args, name, lengths) / seconds / peak
+            out[name] = pass_flops(args, name, lengths) / cost
         return out
     finally:
         torch.set_num_threads(before)
+
+
+class _Square:
+    """An n x n matmul of `dtype`: the peak each shape is timed beside, and the best rate it has shown."""
+
+    def __init__(self, size: int, dtype: Any):
+        import torch
+
+        generator = torch.Generator().manual_seed(0)
+        self.a, self.b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
+        self.out = torch.empty(size, size, dtype=dtype)
+        self.flops = 2 * size**3
+        self.best_rate = 0.0
+        self()  # warm up
+
+    def __call__(self) -> None:
+        import torch
+
+        torch.mm(self.a, self.b, out=self.out)
 
 
 def _counted(shapes: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
@@ -238,18 +254,34 @@ def _counted(shapes: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
     return counts
 
 
-def _linear_seconds(rows: int, n_in: int, n_out: int, dtype: Any, repeats: int) -> tuple[float, float]:
-    """Seconds of one linear layer's forward (x [rows, in] by the weight [out, in], as nn.Linear) and of its
-    backward's two matmuls (d x = d y W, d W = d y^T x), each the best of `repeats`."""
+def _peak_costs(
+    rows: int, n_in: int, n_out: int, dtype: Any, repeats: int, square: _Square
+) -> tuple[float, float]:
+    """What one linear layer's forward (x [rows, in] by the weight [out, in], as nn.Linear) and its backward's two
+    matmuls (d x = d y W, d W = d y^T x) cost in FLOPs at the peak: each op's best seconds x the square's best
+    rate, both timed in the same `repeats` rounds (a host that slows down or speeds up moves both alike)."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, n_in, generator=generator).to(dtype)
     weight = torch.randn(n_out, n_in, generator=generator).to(dtype)
     grad = torch.randn(rows, n_out, generator=generator).to(dtype)
-    forward = _best(lambda: torch.nn.functional.linear(x, weight), repeats)
-    backward = _best(lambda: torch.mm(grad, weight), repeats) + _best(lambda: torch.mm(grad.t(), x), repeats)
-    return forward, backward
+    ops = [
+        lambda: torch.nn.functional.linear(x, weight),
+        lambda: torch.mm(grad, weight),
+        lambda: torch.mm(grad.t(), x),
+    ]
+    for op in ops:
+        op()  # warm up
+    best = [math.inf] * (len(ops) + 1)
+    for _ in range(repeats):
+        for i, op in enumerate([square, *ops]):
+            start = time.perf_counter()
+            op()
+            best[i] = min(best[i], time.perf_counter() - start)
+    rate = square.flops / best[0]
+    square.best_rate = max(square.best_rate, rate)
+    return best[1] * rate, (best[2] + best[3]) * rate
 
 
 def peak_flops(peak: dict[str, Any], precision: str) -> float:
