@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # forward-equivalents of matmul work per pass (see the module docstring)
@@ -266,7 +266,7 @@ def _peak_costs(
     x = torch.randn(rows, n_in, generator=generator).to(dtype)
     weight = torch.randn(n_out, n_in, generator=generator).to(dtype)
     grad = torch.randn(rows, n_out, generator=generator).to(dtype)
-    ops = [
+    ops: list[Callable[[], object]] = [
         lambda: torch.nn.functional.linear(x, weight),
         lambda: torch.mm(grad, weight),
         lambda: torch.mm(grad.t(), x),
@@ -275,9 +275,9 @@ def _peak_costs(
         op()  # warm up
     best = [math.inf] * (len(ops) + 1)
     for _ in range(repeats):
-        for i, op in enumerate([square, *ops]):
+        for i, timed in enumerate([square, *ops]):
             start = time.perf_counter()
-            op()
+            timed()
             best[i] = min(best[i], time.perf_counter() - start)
     rate = square.flops / best[0]
     square.best_rate = max(square.best_rate, rate)
