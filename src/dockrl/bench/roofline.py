@@ -273,9 +273,10 @@ def _peak_costs(
     ]
     for op in ops:
         op()  # warm up
-    best = [math.inf] * (len(ops) + 1)
+    timers: list[Callable[[], object]] = [square, *ops]
+    best = [math.inf] * len(timers)
     for _ in range(repeats):
-        for i, timed in enumerate([square, *ops]):
+        for i, timed in enumerate(timers):
             start = time.perf_counter()
             timed()
             best[i] = min(best[i], time.perf_counter() - start)
