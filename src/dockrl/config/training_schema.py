@@ -26,7 +26,7 @@ from dockrl.config.presets import AdvEstimator
 from dockrl.models.families import ALL_LINEAR, LINEAR_NAMES
 
 # actor.fsdp_unit_params' default: the measured point where grouping stops paying on this project's CPU hosts
-# (docs/benchmarks.md, "FSDP2 units"): the 0.85M demo model is one unit (its update 1.2-1.3x faster at 2 ranks
+# (docs/benchmarks.md, "FSDP2 units"): the 0.85M demo model is one unit (its update 1.2-1.45x faster at 2 ranks
 # than with a unit per layer), the 28M bench model keeps a unit per layer (one unit: 1.16x slower, nothing
 # overlapped), a real model's layer (>= ~10M) is never grouped.
 FSDP_UNIT_PARAMS = 1_000_000

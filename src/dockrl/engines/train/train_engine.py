@@ -704,7 +704,7 @@ def fully_shard_layers(
     unit_params: int = 0,
 ) -> None:
     """FSDP2 over `mesh`: a unit per group of consecutive decoder layers holding at least `unit_params` parameters
-    (`parallel.layout.fsdp_units`; 0: a unit per layer), the rest at the root; with `expert_mesh` (expert
+    (`parallel.fsdp_units`; 0: a unit per layer), the rest at the root; with `expert_mesh` (expert
     parallelism) each MoE layer's experts are a unit of their own sharded over it (their gradients come out
     averaged over dp like the rest's: see dockrl.parallel.expert_parallel)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
