@@ -8,8 +8,9 @@ actor.dp=--dp) run for --steps steps, the first untimed. A random model ends a r
 end-of-sequence probability (about 1 / vocab per token), so lengths are close to the maximum.
 
 Per point and system: step seconds, response tokens/s, where the time went (bench e2e's stage figures, and its
-`peak_share` per pass against the roofline measured once at the start of the run, in the `roofline` row, and
-its rollout's `decode_bw_share` and `decode_roofline_share`), and
+`peak_share` per pass against the roofline measured again at the start of each point, `peak_fp32` and
+`peak_bf16` in its rows (the `roofline` row holds the first measurement, before the grid), its `shape_bound`,
+and its rollout's `decode_bw_share` and `decode_roofline_share`), and
 `work`, the matmul work of the step in TFLOP from bench/roofline.py: five forward-equivalents (a forward of the
 rollout, one of the reference, forward and backward of the update) of 2 x matmul params per token plus
 attention's 4 x layers x heads x head_dim x length^2 per sequence. `s_per_tflop` is step
@@ -94,6 +95,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             )
             params = e2e._active_params(model)
             for length in lengths:
+                # the roofline again at every point: a grid runs for up to an hour on a host whose cores'
+                # speed moves 2-3x within minutes, so each point's shares are against the peak of its moment
+                point_peak = e2e.measure_peak()
                 point = argparse.Namespace(
                     steps=args.steps,
                     prompts=args.prompts,
@@ -110,9 +114,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     work_dir = root / f"{size}-{length}-{system}"
                     work_dir.mkdir()
                     if system == "dockrl":
-                        got: dict[str, Any] | str = e2e._dockrl(point, work_dir, model, data["train"], peak)
+                        got: dict[str, Any] | str = e2e._dockrl(
+                            point, work_dir, model, data["train"], point_peak
+                        )
                     else:
-                        got = e2e._trl(point, work_dir, model, data["train"], available, peak)
+                        got = e2e._trl(point, work_dir, model, data["train"], available, point_peak)
                     if isinstance(got, str):  # TRL not installed
                         rows.append({"size": size, "length": length, "system": system, "skipped": got})
                         continue
@@ -128,6 +134,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             "response_tokens_per_s": got["response_tokens_per_s"],
                             "response_length_mean": mean_length,
                             "work_tflop": work_tflop(read_config(model), sequences, mean_length),
+                            # the point's own roofline (GFLOP/s), which its shares are against
+                            **{
+                                f"peak_{dtype}": point_peak[f"{dtype}_gflops"]
+                                for dtype in ("fp32", "bf16")
+                                if f"{dtype}_gflops" in point_peak
+                            },
                             # where the time went: dockrl's stages, TRL's generate / train (bench e2e's)
                             **{k: v for k, v in got.items() if k.endswith("_s") and k != "step_s" and v},
                             **{
