@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -144,12 +145,8 @@ def measure_peak(threads: int, *, size: int = 2048, repeats: int = 5, stream_mb:
         out: dict[str, Any] = {"threads": threads, "matmul_n": size}
         dtypes = {"fp32": torch.float32} | ({"bf16": torch.bfloat16} if cpu_has_native_bf16() else {})
         for name, dtype in dtypes.items():
-            generator = torch.Generator().manual_seed(0)
-            a = torch.randn(size, size, generator=generator).to(dtype)
-            b = torch.randn(size, size, generator=generator).to(dtype)
-            c = torch.empty(size, size, dtype=dtype)
-            seconds = _best(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), repeats)
-            out[f"{name}_gflops"] = 2 * size**3 / seconds / 1e9
+            square = _Square(size, dtype)
+            out[f"{name}_gflops"] = square.flops / _best(square, repeats) / 1e9
         n = stream_mb * 2**20 // 4
         x, y, z = torch.ones(n), torch.ones(n), torch.empty(n)
         copy_s = _best(lambda: z.copy_(x), repeats)  # reads x, writes z
@@ -209,7 +206,7 @@ def shape_bound(
         layer += [(hidden, args.intermediate_size)] * 2 + [(args.intermediate_size, hidden)]
         chunk = min(rows, max(HEAD_MIN_CHUNK_TOKENS, HEAD_CHUNK_ELEMENTS // args.vocab_size))
         forward = backward = 0.0  # FLOPs at the peak, per micro-batch
-        for (n_in, n_out), count in _counted(layer).items():
+        for (n_in, n_out), count in Counter(layer).items():
             f, b = _peak_costs(rows, n_in, n_out, dtype, repeats, square)
             forward += args.num_layers * count * f
             backward += args.num_layers * count * b
@@ -229,7 +226,8 @@ def shape_bound(
 
 
 class _Square:
-    """An n x n matmul of `dtype`: the peak each shape is timed beside, and the best rate it has shown."""
+    """An n x n matmul of `dtype`, the peak's measure (`measure_peak`; `shape_bound` times it beside each shape),
+    and the best rate it has shown there."""
 
     def __init__(self, size: int, dtype: Any):
         import torch
@@ -239,19 +237,11 @@ class _Square:
         self.out = torch.empty(size, size, dtype=dtype)
         self.flops = 2 * size**3
         self.best_rate = 0.0
-        self()  # warm up
 
     def __call__(self) -> None:
         import torch
 
         torch.mm(self.a, self.b, out=self.out)
-
-
-def _counted(shapes: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
-    counts: dict[tuple[int, int], int] = {}
-    for shape in shapes:
-        counts[shape] = counts.get(shape, 0) + 1
-    return counts
 
 
 def _peak_costs(
@@ -271,9 +261,9 @@ def _peak_costs(
         lambda: torch.mm(grad, weight),
         lambda: torch.mm(grad.t(), x),
     ]
-    for op in ops:
-        op()  # warm up
     timers: list[Callable[[], object]] = [square, *ops]
+    for timed in timers:
+        timed()  # warm up
     best = [math.inf] * len(timers)
     for _ in range(repeats):
         for i, timed in enumerate(timers):

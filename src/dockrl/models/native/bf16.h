@@ -49,4 +49,18 @@ static inline float rms_inverse(float v) {
   return 1.0f / root;
 }
 
+/* RMSNorm's inverse root of a row x [H] of E (decode.c, norm.c): the squares summed in fp32, their mean plus eps,
+ * rms_inverse. */
+#define DEFINE_ROW_RMS_INVERSE(SUF, E)                                                                          \
+  static inline __attribute__((always_inline)) float row_rms_inverse_##SUF(const E* x, int64_t H, float eps) {  \
+    float squares = 0.0f;                                                                                       \
+    for (int64_t i = 0; i < H; ++i) {                                                                           \
+      float v = load_##SUF(x[i]);                                                                               \
+      squares += v * v;                                                                                         \
+    }                                                                                                           \
+    return rms_inverse(squares / (float)H + eps);                                                               \
+  }
+DEFINE_ROW_RMS_INVERSE(f32, float)
+DEFINE_ROW_RMS_INVERSE(bf16, uint16_t)
+
 #endif

@@ -49,12 +49,7 @@
         const E* ar = add + b * add_stride;                                                                    \
         for (int64_t i = 0; i < H; ++i) xr[i] = store_##SUF(load_##SUF(xr[i]) + load_##SUF(ar[i]));         \
       }                                                                                                        \
-      float squares = 0.0f;                                                                                    \
-      for (int64_t i = 0; i < H; ++i) {                                                                        \
-        float v = load_##SUF(xr[i]);                                                                           \
-        squares += v * v;                                                                                      \
-      }                                                                                                        \
-      float inverse = rms_inverse(squares / (float)H + eps);                                                   \
+      float inverse = row_rms_inverse_##SUF(xr, H, eps);                                                       \
       E* hr = h + b * H;                                                                                       \
       for (int64_t i = 0; i < H; ++i) {                                                                        \
         float normed = ROUND_##SUF(load_##SUF(xr[i]) * inverse);                                               \

@@ -25,12 +25,7 @@
                                      float* r, int64_t T, int64_t H, float eps) {                                      \
     _Pragma(PARALLEL_ROWS) for (int64_t t = 0; t < T; ++t) {                                                           \
       const E* xr = x + t * x_stride;                                                                                  \
-      float squares = 0.0f;                                                                                            \
-      for (int64_t i = 0; i < H; ++i) {                                                                                \
-        float v = load_##SUF(xr[i]);                                                                                   \
-        squares += v * v;                                                                                              \
-      }                                                                                                                \
-      float inverse = rms_inverse(squares / (float)H + eps);                                                           \
+      float inverse = row_rms_inverse_##SUF(xr, H, eps);                                                               \
       r[t] = inverse;                                                                                                  \
       E* o = out + t * out_stride;                                                                                     \
       for (int64_t i = 0; i < H; ++i)                                                                                  \

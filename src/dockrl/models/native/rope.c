@@ -52,30 +52,31 @@
 
 #define DEFINE_ROPE(SUF, E)                                                                                            \
   DEFINE_ROPE_ROW(SUF, E)                                                                                              \
-  void dockrl_rope_forward_##SUF(const E* x, int64_t x_b, int64_t x_t, int64_t x_h, const E* cos,                      \
-                                 const E* sin, int64_t c_b, int64_t c_t, E* out, int64_t B, int64_t T,                 \
-                                 int64_t H, int64_t D) {                                                               \
+  /* in [B, T, H, D] by strides (in_b, in_t, in_h) -> out [B, T, H, D] contiguous, head by head */                     \
+  static inline __attribute__((always_inline)) void rope_rows_##SUF(                                                   \
+      const E* in, int64_t in_b, int64_t in_t, int64_t in_h, const E* cos, const E* sin, int64_t c_b, int64_t c_t,     \
+      E* out, int64_t B, int64_t T, int64_t H, int64_t D, int rolled_angles) {                                         \
     _Pragma(PARALLEL) for (int64_t b = 0; b < B; ++b) {                                                                \
       for (int64_t t = 0; t < T; ++t) {                                                                                \
         const E* c = cos + b * c_b + t * c_t;                                                                          \
         const E* s = sin + b * c_b + t * c_t;                                                                          \
         for (int64_t h = 0; h < H; ++h)                                                                                \
-          rope_head_##SUF(x + b * x_b + t * x_t + h * x_h, c, s, out + ((b * T + t) * H + h) * D, D, 0);               \
+          rope_head_##SUF(in + b * in_b + t * in_t + h * in_h, c, s, out + ((b * T + t) * H + h) * D, D,               \
+                          rolled_angles);                                                                              \
       }                                                                                                                \
     }                                                                                                                  \
+  }                                                                                                                    \
+                                                                                                                       \
+  void dockrl_rope_forward_##SUF(const E* x, int64_t x_b, int64_t x_t, int64_t x_h, const E* cos,                      \
+                                 const E* sin, int64_t c_b, int64_t c_t, E* out, int64_t B, int64_t T,                 \
+                                 int64_t H, int64_t D) {                                                               \
+    rope_rows_##SUF(x, x_b, x_t, x_h, cos, sin, c_b, c_t, out, B, T, H, D, 0);                                         \
   }                                                                                                                    \
                                                                                                                        \
   void dockrl_rope_backward_##SUF(const E* g, int64_t g_b, int64_t g_h, int64_t g_t, const E* cos,                     \
                                   const E* sin, int64_t c_b, int64_t c_t, E* dx, int64_t B, int64_t T,                 \
                                   int64_t H, int64_t D) {                                                              \
-    _Pragma(PARALLEL) for (int64_t b = 0; b < B; ++b) {                                                                \
-      for (int64_t t = 0; t < T; ++t) {                                                                                \
-        const E* c = cos + b * c_b + t * c_t;                                                                          \
-        const E* s = sin + b * c_b + t * c_t;                                                                          \
-        for (int64_t h = 0; h < H; ++h)                                                                                \
-          rope_head_##SUF(g + b * g_b + h * g_h + t * g_t, c, s, dx + ((b * T + t) * H + h) * D, D, 1);                \
-      }                                                                                                                \
-    }                                                                                                                  \
+    rope_rows_##SUF(g, g_b, g_t, g_h, cos, sin, c_b, c_t, dx, B, T, H, D, 1);                                          \
   }
 
 DEFINE_ROPE(f32, float)
